@@ -1,0 +1,153 @@
+"""Record every layer's output while the forward pass runs.
+
+gradflow needs dLoss/d(output of layer k) for every layer, also in subclassed
+models whose layers were never called symbolically (there `layer.output`
+raises "Layer ... has no inbound nodes", and rebuilding the model as a
+Functional model is impossible). So instead of reading the graph, we wrap the
+`call` of each leaf layer for the duration of a `with` block and keep each
+output as it is produced. Gradients w.r.t. those very tensors then come from
+the same tape (eager) or the same trace (`tf.function`).
+"""
+
+import contextlib
+
+import keras
+
+from gradflow.schema import ACTIVATION  # noqa: F401  (re-exported vocabulary)
+
+# Layers whose inner pieces run inside a loop or are re-applied per time step:
+# their own output is the meaningful one, so we never descend into them.
+_OPAQUE_LAYERS = (
+    keras.layers.RNN,
+    keras.layers.Bidirectional,
+    keras.layers.TimeDistributed,
+)
+
+
+def leaf_layers(model):
+    """List the layers whose outputs gradflow records, with their paths.
+
+    A leaf is a layer without sub-layers, or a recurrent/wrapper layer (RNN,
+    LSTM, GRU, Bidirectional, TimeDistributed) which is kept whole. Nested
+    models and layers are named by path, `outer/inner`, relative to `model`.
+
+    Example:
+
+    >>> inner = keras.Sequential([keras.layers.Dense(2, name="d")], name="block")
+    >>> [path for path, _ in leaf_layers(keras.Sequential([inner]))]
+    ['block/d']
+
+    Args:
+        model: A Keras layer or model.
+
+    Returns:
+        A list of `(path, layer)` tuples, depth first, in tracking order.
+    """
+    found = []
+    seen = set()
+
+    def visit(layer, prefix):
+        for child in layer._layers:
+            if id(child) in seen or isinstance(child, keras.layers.InputLayer):
+                continue
+            seen.add(id(child))
+            path = f"{prefix}{child.name}"
+            if child._layers and not isinstance(child, _OPAQUE_LAYERS):
+                visit(child, path + "/")
+            else:
+                found.append((path, child))
+
+    visit(model, "")
+    return found
+
+
+class LayerOutputs:
+    """The outputs recorded inside a `record_layer_outputs` block, in call order.
+
+    Attributes:
+        paths: Layer paths in the order the layers were called. A layer called
+            more than once (a shared layer) appears as `path`, `path#2`, ...
+        layers: The layer objects, aligned with `paths`.
+        tensors: The first tensor each call returned, aligned with `paths`.
+    """
+
+    def __init__(self):
+        self.paths = []
+        self.layers = []
+        self.tensors = []
+        self._calls = {}
+
+    def _add(self, path, layer, outputs):
+        flat = keras.tree.flatten(outputs)
+        if not flat:
+            return
+        count = self._calls.get(path, 0) + 1
+        self._calls[path] = count
+        self.paths.append(path if count == 1 else f"{path}#{count}")
+        self.layers.append(layer)
+        # RNNs with return_state give [output, *states]: the output comes first.
+        self.tensors.append(flat[0])
+
+    def __len__(self):
+        return len(self.paths)
+
+
+@contextlib.contextmanager
+def record_layer_outputs(model, layers=None):
+    """Record the output of every leaf layer called inside the block.
+
+    Example:
+
+    ```python
+    with tf.GradientTape() as tape, record_layer_outputs(model) as outputs:
+        loss = loss_fn(y, model(x, training=True))
+    grads = tape.gradient(loss, outputs.tensors)
+    ```
+
+    Works eagerly and inside `tf.function` (the wrapper is traced; the compiled
+    graph keeps no reference to it once the block ends).
+
+    Args:
+        model: The Keras model (or layer) whose leaf layers are recorded.
+        layers: Optional list of `(path, layer)` to record instead of
+            `leaf_layers(model)`.
+
+    Yields:
+        A `LayerOutputs`, filled while the block runs.
+    """
+    outputs = LayerOutputs()
+    targets = leaf_layers(model) if layers is None else layers
+    patched = []
+    try:
+        for path, layer in targets:
+            if "call" in layer.__dict__:
+                continue  # already wrapped by an enclosing block
+            original = layer.call
+
+            def recording_call(*args, _path=path, _layer=layer, _original=original, **kwargs):
+                result = _original(*args, **kwargs)
+                outputs._add(_path, _layer, result)
+                return result
+
+            # An instance attribute shadows the class's `call`; Keras's
+            # `Layer.__call__` looks `self.call` up on every call.
+            object.__setattr__(layer, "call", recording_call)
+            patched.append(layer)
+        yield outputs
+    finally:
+        for layer in patched:
+            layer.__dict__.pop("call", None)
+
+
+def ensure_built(model, x):
+    """Build `model` by calling it once on `x`, outside any recording block.
+
+    An unbuilt subclassed model runs its `call` a second, symbolic time while
+    it builds; doing that first keeps the recorded outputs to the real pass.
+
+    Args:
+        model: A Keras model.
+        x: One batch of inputs (any structure the model accepts).
+    """
+    if not model.built:
+        model(x, training=False)
