@@ -23,3 +23,8 @@ def artifacts_dir():
 def store_path(tmp_path):
     """A fresh SQLite run-store path in a temporary folder."""
     return tmp_path / "runs.db"
+
+
+# Several TF processes share 2 cores in CI; keep each one modest.
+os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
+os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "2")

@@ -1,0 +1,77 @@
+"""Name every trainable variable the way gradflow's tables do.
+
+The probe and the monitor must agree on `layer`, `layer_index` and `tensor`
+for each variable, or a snapshot and a training history of the same model
+would not line up. Both call `variable_names` once per model.
+"""
+
+import dataclasses
+
+from gradflow.probe.capture import leaf_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableName:
+    """Where a trainable variable lives, in gradflow's vocabulary.
+
+    Attributes:
+        layer: Path of the leaf layer that owns it (`outer/inner` when nested).
+        layer_index: Position of that layer in `leaf_layers(model)`; 0 is
+            nearest the input.
+        tensor: The variable's name inside its layer: `kernel`, `bias`,
+            `gamma`, or `forward_lstm/lstm_cell/kernel` inside a Bidirectional.
+        variable: The Keras `Variable.path`.
+    """
+
+    layer: str
+    layer_index: int
+    tensor: str
+    variable: str
+
+
+def _tensor_name(layer, variable):
+    prefix = f"{layer.path}/"
+    if variable.path.startswith(prefix):
+        return variable.path[len(prefix):]
+    return variable.name
+
+
+def variable_names(model, variables=None):
+    """Name each trainable variable of `model` by its layer and role.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    >>> [(n.layer, n.tensor) for n in variable_names(model)]
+    [('dense', 'kernel'), ('dense', 'bias')]
+
+    Args:
+        model: A built Keras model.
+        variables: The variables to name, in the order wanted. Defaults to
+            `model.trainable_variables`.
+
+    Returns:
+        A list of `VariableName`, aligned with `variables`. A variable owned by
+        no leaf layer (one a subclassed model created itself) gets the model's
+        own name as `layer` and `layer_index` past the last leaf.
+    """
+    leaves = leaf_layers(model)
+    owner = {}
+    for index, (path, layer) in enumerate(leaves):
+        for variable in layer.trainable_variables:
+            owner.setdefault(id(variable), (path, index, layer))
+    if variables is None:
+        variables = model.trainable_variables
+    names = []
+    for variable in variables:
+        if id(variable) in owner:
+            path, index, layer = owner[id(variable)]
+            names.append(VariableName(path, index, _tensor_name(layer, variable), variable.path))
+        else:
+            names.append(VariableName(model.name, len(leaves), variable.name, variable.path))
+    return names
+
+
+def layer_order(model):
+    """Leaf-layer paths in gradflow's one consistent order (0 nearest the input)."""
+    return [path for path, _ in leaf_layers(model)]
