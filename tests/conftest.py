@@ -28,3 +28,21 @@ def store_path(tmp_path):
 # Several TF processes share 2 cores in CI; keep each one modest.
 os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
 os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "2")
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """A headless Debian Chromium driven by Playwright (skipped only when none is installed)."""
+    from tests.browser import CHROMIUM_ARGS, chromium_path
+
+    path = chromium_path()
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must have Chromium: scripts/ensure_chromium.sh should have installed it.")
+        pytest.skip("no system Chromium; run scripts/ensure_chromium.sh")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=path, headless=True, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()

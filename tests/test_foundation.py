@@ -1,0 +1,121 @@
+"""The ground everything stands on: packaging, container, server settings, boundaries."""
+
+import pathlib
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _dockerfile_instructions():
+    """Parse the Dockerfile into (INSTRUCTION, argument) pairs, joining continued lines."""
+    text = (REPO / "Dockerfile").read_text()
+    text = re.sub(r"\\\n", " ", text)
+    pairs = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        keyword, _, argument = line.partition(" ")
+        pairs.append((keyword.upper(), argument.strip()))
+    return pairs
+
+
+def test_dockerfile_is_slim_pinned_non_root_and_healthchecked():
+    instructions = _dockerfile_instructions()
+    keywords = [k for k, _ in instructions]
+    base = dict(instructions)["FROM"]
+    # A slim Python base pinned to an exact version, not `latest`.
+    assert re.fullmatch(r"python:3\.11\.\d+-slim(-\w+)?", base), base
+    runs = " ".join(arg for k, arg in instructions if k == "RUN")
+    assert "chromium" in runs, "Chromium is needed for static image export"
+    users = [arg for k, arg in instructions if k == "USER"]
+    assert users and users[-1] not in ("root", "0"), "the app must not run as root"
+    assert keywords.index("USER") > max(i for i, k in enumerate(keywords) if k == "RUN")
+    assert ("EXPOSE", "8501") in instructions
+    health = dict(instructions)["HEALTHCHECK"]
+    assert "/_stcore/health" in health
+    command = dict(instructions)["CMD"]
+    assert "streamlit" in command and "app.py" in command and "headless=true" in command
+    assert (REPO / ".dockerignore").is_file()
+    assert ".git" in (REPO / ".dockerignore").read_text().split()
+
+
+def test_streamlit_config_is_safe_for_a_shared_server():
+    config = tomllib.loads((REPO / ".streamlit" / "config.toml").read_text())
+    assert config["server"]["enableXsrfProtection"] is True
+    assert 0 < config["server"]["maxUploadSize"] <= 50
+    assert config["server"]["enableStaticServing"] is False
+    assert config["browser"]["gatherUsageStats"] is False
+
+
+def test_requirements_pin_exact_versions():
+    pins = {}
+    for line in (REPO / "requirements.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep, f"requirements.txt must pin exact versions: {line!r}"
+            pins[name.lower()] = version
+    assert pins["tensorflow"].startswith("2.21")
+    assert pins["keras"].startswith("3.15")
+    assert pins["streamlit"].startswith("1.67")
+    for needed in ("plotly", "pandas", "scikit-learn", "kaleido"):
+        assert needed in pins
+    test_reqs = (REPO / "requirements-test.txt").read_text()
+    assert "pytest" in test_reqs and "playwright" in test_reqs
+    assert "pytest" not in (REPO / "requirements.txt").read_text()
+
+
+def test_pyproject_declares_console_script_and_tools():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["gradflow"] == "gradflow.cli:main"
+    assert "pytest" in project["tool"] and "ruff" in project["tool"]
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (REPO / "README.md").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "bash scripts/test.sh" in readme
+    assert "bash scripts/test.sh" in ci
+    assert "bash scripts/serve.sh" in readme
+
+
+def _modules_loaded_by(statement):
+    code = f"import sys; {statement}; print(' '.join(sorted(sys.modules)))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return set(result.stdout.split())
+
+
+@pytest.mark.parametrize(
+    "statement, forbidden",
+    [
+        ("import gradflow", {"streamlit", "tensorflow"}),
+        ("import gradflow.figures", {"streamlit", "tensorflow"}),
+        ("import gradflow.export", {"streamlit", "tensorflow"}),
+        ("import gradflow.store", {"streamlit", "tensorflow"}),
+        ("import gradflow.diagnosis", {"streamlit", "tensorflow"}),
+        ("from gradflow.lab.config import RunConfig", {"streamlit", "tensorflow"}),
+        ("import gradflow.probe.snapshot, gradflow.monitor", {"streamlit"}),
+    ],
+)
+def test_import_boundaries(statement, forbidden):
+    loaded = _modules_loaded_by(statement)
+    assert not (forbidden & loaded), f"`{statement}` loaded {sorted(forbidden & loaded)}"
+
+
+def test_core_sources_never_import_streamlit():
+    offenders = []
+    for path in (REPO / "gradflow").rglob("*.py"):
+        if "ui" in path.relative_to(REPO / "gradflow").parts:
+            continue
+        if re.search(r"^\s*(import|from)\s+streamlit", path.read_text(), re.M):
+            offenders.append(str(path.relative_to(REPO)))
+    assert not offenders, f"only gradflow/ui, app.py and pages/ may import streamlit: {offenders}"
