@@ -1,0 +1,229 @@
+"""Build the lab's Keras models, optimizers and losses from a `RunConfig`.
+
+Layers get names people can read in a heatmap: `dense_1` ... `dense_N` (or
+`conv_1`, `lstm_1`, ...), `batch_norm_k`, `layer_norm_k`, `activation_k`,
+`dropout_k`, `projection_k`, `add_k` and `output`, with 1 nearest the input.
+
+Example:
+
+```python
+from gradflow.lab.config import RunConfig
+from gradflow.lab.datasets import load_dataset
+from gradflow.lab.models import build_model
+
+config = RunConfig(depth=6, activation="sigmoid")
+model = build_model(config, load_dataset(config))
+model.fit(data.x_train, data.y_train, batch_size=config.batch_size, epochs=1)
+```
+"""
+
+import keras
+
+_RNN_LAYERS = {
+    "simple_rnn": keras.layers.SimpleRNN,
+    "lstm": keras.layers.LSTM,
+    "gru": keras.layers.GRU,
+}
+_OPTIMIZERS = {
+    "sgd": (keras.optimizers.SGD, {}),
+    "momentum": (keras.optimizers.SGD, {"momentum": 0.9}),
+    "nesterov": (keras.optimizers.SGD, {"momentum": 0.9, "nesterov": True}),
+    "rmsprop": (keras.optimizers.RMSprop, {}),
+    "adam": (keras.optimizers.Adam, {}),
+    "adamw": (keras.optimizers.AdamW, {}),
+    "adagrad": (keras.optimizers.Adagrad, {}),
+    "nadam": (keras.optimizers.Nadam, {}),
+}
+_CLIPPING_ARGUMENTS = {"value": "clipvalue", "norm": "clipnorm", "global_norm": "global_clipnorm"}
+_LOSSES = {
+    "sparse_categorical_crossentropy": keras.losses.SparseCategoricalCrossentropy,
+    "categorical_crossentropy": keras.losses.CategoricalCrossentropy,
+    "binary_crossentropy": keras.losses.BinaryCrossentropy,
+    "mse": keras.losses.MeanSquaredError,
+    "mae": keras.losses.MeanAbsoluteError,
+    "huber": keras.losses.Huber,
+}
+
+
+def build_model(config, dataset):
+    """A compiled Keras model for `config`, sized for `dataset`.
+
+    Calls `keras.utils.set_random_seed(config.seed)` first, so the same
+    config always starts from the same weights.
+
+    Example:
+
+    ```python
+    model = build_model(RunConfig(architecture="cnn", depth=2), data)
+    [layer.name for layer in model.layers]
+    # ['input', 'conv_1', 'conv_2', 'flatten', 'output']
+    ```
+
+    Args:
+        config: A `RunConfig`.
+        dataset: The `Dataset` from `load_dataset(config)`; gives the input
+            shape, the number of classes and the task.
+
+    Returns:
+        A compiled functional `keras.Model`: hidden layers as configured
+        (`mlp`/`residual_mlp`: Dense, `cnn`: 3x3 Conv2D then Flatten,
+        `rnn`: stacked recurrent layers, the last returning its final state),
+        then an `output` Dense layer (softmax for classification with a
+        cross-entropy or regression loss, sigmoid for binary cross-entropy,
+        linear for regression), compiled with `build_optimizer(config)`,
+        `build_loss(config, dataset)` and `["accuracy"]` for classification.
+
+    Raises:
+        ValueError: If the loss does not suit the data set's task.
+    """
+    keras.utils.set_random_seed(config.seed)
+    inputs = keras.Input(dataset.input_shape, name="input")
+    hidden = inputs
+    if config.architecture != "rnn" and config.architecture != "cnn" and len(inputs.shape) > 2:
+        hidden = keras.layers.Flatten(name="flatten")(hidden)
+    for index in range(1, config.depth + 1):
+        hidden = _hidden_block(config, hidden, index)
+    if config.architecture == "cnn":
+        hidden = keras.layers.Flatten(name="flatten")(hidden)
+    units, activation = _output_units(config, dataset)
+    outputs = keras.layers.Dense(
+        units, activation=activation, name="output", **_kernel_arguments(config)
+    )(hidden)
+    model = keras.Model(inputs, outputs, name=f"{config.architecture}_{config.depth}x{config.width}")
+    model.compile(
+        optimizer=build_optimizer(config),
+        loss=build_loss(config, dataset),
+        metrics=["accuracy"] if dataset.task == "classification" else None,
+    )
+    return model
+
+
+def build_optimizer(config):
+    """The Keras optimizer that `config` names, with its learning rate and clipping.
+
+    Example:
+
+    >>> build_optimizer(RunConfig(optimizer="nesterov", clipping="norm", clip_value=1.0))
+    # SGD(momentum=0.9, nesterov=True, clipnorm=1.0)
+
+    Args:
+        config: A `RunConfig`; reads `optimizer`, `learning_rate`, `clipping`
+            and `clip_value`.
+
+    Returns:
+        A fresh `keras.optimizers.Optimizer`. `"momentum"` is SGD with
+        momentum 0.9 and `"nesterov"` adds `nesterov=True`. Clipping maps to
+        Keras's `clipvalue` (`"value"`), `clipnorm` (`"norm"`, per variable)
+        or `global_clipnorm` (`"global_norm"`).
+    """
+    optimizer_class, arguments = _OPTIMIZERS[config.optimizer]
+    arguments = dict(arguments, learning_rate=config.learning_rate)
+    if config.clipping != "none":
+        arguments[_CLIPPING_ARGUMENTS[config.clipping]] = config.clip_value
+    return optimizer_class(**arguments)
+
+
+def build_loss(config, dataset):
+    """The Keras loss for `config` and the task of `dataset`.
+
+    Args:
+        config: A `RunConfig`; reads `loss`.
+        dataset: A `Dataset`; `"auto"` means sparse categorical cross-entropy
+            (on probabilities, `from_logits=False`) for classification and
+            mean squared error for regression.
+
+    Returns:
+        A `keras.losses.Loss`.
+
+    Raises:
+        ValueError: If a cross-entropy loss is asked for a regression task.
+    """
+    name = config.loss
+    if name == "auto":
+        name = "sparse_categorical_crossentropy" if dataset.task == "classification" else "mse"
+    if dataset.task == "regression" and "crossentropy" in name:
+        raise ValueError(
+            f"`loss={config.loss!r}` is for classification, but the data set is a regression "
+            "task; use 'auto', 'mse', 'mae' or 'huber'."
+        )
+    return _LOSSES[name]()
+
+
+def _hidden_block(config, inputs, index):
+    """One hidden layer with its normalization, activation, dropout and skip."""
+    last = index == config.depth
+    normalized = config.normalization != "none"
+    if config.architecture == "rnn":
+        layer = _RNN_LAYERS[config.rnn_cell](
+            config.width,
+            activation=config.activation,
+            return_sequences=not last,
+            name=f"{config.rnn_cell}_{index}",
+            **_kernel_arguments(config),
+        )
+    elif config.architecture == "cnn":
+        layer = keras.layers.Conv2D(
+            config.width,
+            3,
+            padding="same",
+            activation=None if normalized else config.activation,
+            name=f"conv_{index}",
+            **_kernel_arguments(config),
+        )
+    else:
+        layer = keras.layers.Dense(
+            config.width,
+            activation=None if normalized else config.activation,
+            name=f"dense_{index}",
+            **_kernel_arguments(config),
+        )
+    outputs = layer(inputs)
+    if config.normalization == "batch":
+        outputs = keras.layers.BatchNormalization(name=f"batch_norm_{index}")(outputs)
+    elif config.normalization == "layer":
+        outputs = keras.layers.LayerNormalization(name=f"layer_norm_{index}")(outputs)
+    # A recurrent cell applies its activation itself; Dense and Conv2D get it
+    # after the normalization, as in the BatchNorm paper.
+    if normalized and config.architecture != "rnn":
+        outputs = keras.layers.Activation(config.activation, name=f"activation_{index}")(outputs)
+    if config.dropout > 0:
+        outputs = keras.layers.Dropout(config.dropout, name=f"dropout_{index}")(outputs)
+    # The last recurrent layer returns only its final state, which has no
+    # sequence axis to add the input to.
+    if config.residual_connections and not (config.architecture == "rnn" and last):
+        outputs = keras.layers.Add(name=f"add_{index}")([_skip(config, inputs, index), outputs])
+    return outputs
+
+
+def _skip(config, inputs, index):
+    """The identity, or a linear projection where the width changes."""
+    if inputs.shape[-1] == config.width:
+        return inputs
+    if config.architecture == "cnn":
+        projection = keras.layers.Conv2D(
+            config.width, 1, use_bias=False, name=f"projection_{index}", **_kernel_arguments(config)
+        )
+    else:
+        projection = keras.layers.Dense(
+            config.width, use_bias=False, name=f"projection_{index}", **_kernel_arguments(config)
+        )
+    return projection(inputs)
+
+
+def _kernel_arguments(config):
+    if config.initializer == "random_normal":
+        initializer = keras.initializers.RandomNormal(stddev=config.init_stddev)
+    else:
+        initializer = keras.initializers.get(config.initializer)
+    arguments = {"kernel_initializer": initializer}
+    if config.max_norm is not None:
+        arguments["kernel_constraint"] = keras.constraints.MaxNorm(config.max_norm)
+    return arguments
+
+
+def _output_units(config, dataset):
+    if dataset.task == "regression":
+        return int(dataset.y_train.shape[-1]), "linear"
+    if config.loss == "binary_crossentropy":
+        return 1, "sigmoid"
+    return int(dataset.n_classes), "softmax"
