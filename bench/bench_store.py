@@ -1,0 +1,126 @@
+"""Run-store speed: ingest rows/s, bulk read into pandas, live poll of the newest rows.
+
+    python3 bench/bench_store.py [--rows 1000000] [--repeats 3]
+
+Targets: ingest >= 100,000 layer-step rows/s; 1,000,000 rows into pandas
+<= 1 s; a live poll of the newest step <= 50 ms. Writes bench/results/store.json.
+"""
+
+import argparse
+import json
+import pathlib
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pandas as pd
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from gradflow import schema  # noqa: E402
+from gradflow.store import RunStore  # noqa: E402
+
+SERIES = 50  # 25 layers x (kernel, bias)
+
+
+def tidy_block(first_step, steps, rng):
+    n = steps * SERIES
+    layers = np.tile(np.repeat(np.arange(SERIES // 2), 2), steps)
+    frame = pd.DataFrame(
+        {
+            "step": np.repeat(np.arange(first_step, first_step + steps), SERIES),
+            "layer": [f"dense_{i}" for i in layers],
+            "layer_index": layers,
+            "tensor": np.tile(["kernel", "bias"], n // 2),
+            "variable": [f"sequential/dense_{i}/w" for i in layers],
+        }
+    )
+    for c in schema.STATISTICS + schema.EXTRA_COLUMNS:
+        frame[c] = rng.random(n)
+    return frame
+
+
+def ingest(store, rows, rng):
+    """Writes `rows` rows through one writer, a monitor-sized block per call."""
+    run_id = store.create_run({"bench": True})
+    writer = store.writer(run_id)
+    steps_per_call = 20  # what a monitor recording every step hands over in 20 steps
+    blocks = [tidy_block(1 + i * steps_per_call, steps_per_call, rng)
+              for i in range(rows // (SERIES * steps_per_call))]
+    start = time.perf_counter()
+    for block in blocks:
+        writer.add_layer_stats(block)
+    writer.close(status="completed")
+    seconds = time.perf_counter() - start
+    return run_id, sum(len(b) for b in blocks) / seconds
+
+
+def sqlite_fetchall(path, run_id, columns):
+    """The baseline: plain sqlite3 fetchall into pandas."""
+    conn = sqlite3.connect(path)
+    (key,) = conn.execute("SELECT id FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    rows = conn.execute(
+        f"SELECT step, series, {', '.join(columns)} FROM layer_stats WHERE run = ?", (key,)
+    ).fetchall()
+    conn.close()
+    return pd.DataFrame(rows, columns=["step", "series", *columns])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    eight = list(schema.STATISTICS + schema.EXTRA_COLUMNS[:2])
+    with tempfile.TemporaryDirectory() as folder:
+        path = pathlib.Path(folder) / "runs.db"
+        store = RunStore(path)
+        ingest_rates, run_id = [], None
+        for _ in range(args.repeats):
+            run_id, rate = ingest(store, args.rows, rng)
+            ingest_rates.append(rate)
+        last_step = int(store.run_info(run_id)["progress_step"] or 0) or args.rows // SERIES
+        times = {"read_all": [], "read_8_columns": [], "sqlite_fetchall_8_columns": [], "poll": []}
+        for _ in range(args.repeats):  # interleaved, medians below
+            t = time.perf_counter()
+            frame = store.layer_stats(run_id)
+            times["read_all"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            store.layer_stats(run_id, columns=eight)
+            times["read_8_columns"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            sqlite_fetchall(path, run_id, eight)
+            times["sqlite_fetchall_8_columns"].append(time.perf_counter() - t)
+            for _ in range(5):
+                t = time.perf_counter()
+                newest = store.layer_stats(run_id, after_step=last_step - 1)
+                times["poll"].append(time.perf_counter() - t)
+        assert len(frame) == args.rows and len(newest) == SERIES, (len(frame), len(newest))
+    result = {
+        "command": "python3 bench/bench_store.py " + " ".join(sys.argv[1:]),
+        "rows": args.rows,
+        "ingest_rows_per_s": statistics.median(ingest_rates),
+        "read_all_columns_s": statistics.median(times["read_all"]),
+        "read_8_columns_s": statistics.median(times["read_8_columns"]),
+        "sqlite_fetchall_8_columns_s": statistics.median(times["sqlite_fetchall_8_columns"]),
+        "poll_newest_step_ms": 1000 * statistics.median(times["poll"]),
+        "targets": {"ingest_rows_per_s": 100_000, "read_s": 1.0, "poll_ms": 50},
+    }
+    result["read_speedup_vs_fetchall"] = (
+        result["sqlite_fetchall_8_columns_s"] / result["read_8_columns_s"]
+    )
+    width = max(map(len, result))
+    for name, value in result.items():
+        if name not in ("command", "targets"):
+            print(f"{name:<{width}}  {value:,.3f}" if isinstance(value, float) else f"{name:<{width}}  {value}")
+    out = pathlib.Path(__file__).resolve().parent / "results" / "store.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,626 @@
+"""The run store: runs, their statistics and their control requests in SQLite."""
+
+import json
+import os
+import pathlib
+import re
+import socket
+import threading
+import time
+import uuid
+
+import numpy as np
+import pandas as pd
+
+from gradflow import schema
+from gradflow.store import tables
+from gradflow.store.writer import RunWriter
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+_RUNS_COLUMNS = (
+    "run_id",
+    "name",
+    "status",
+    "source",
+    "created_at",
+    "updated_at",
+    "heartbeat_at",
+    "progress_step",
+    "total_steps",
+    "tags",
+    "message",
+    "pid",
+    "host",
+)
+
+
+class UnknownRunError(ValueError):
+    """Raised when a run id is not in the store."""
+
+
+class RunStore:
+    """All runs, their statistics and their control requests, in one SQLite file.
+
+    The file is in WAL mode: one writer per run (`writer()`) and any number of
+    readers in other processes (the dashboard) work at the same time. Readers
+    return tidy pandas DataFrames; `after_step` returns only newer rows, for
+    live polling.
+
+    Example:
+
+    ```python
+    store = RunStore("runs.db")
+    run_id = store.create_run({"depth": 4}, name="relu, 4 layers")
+    with store.writer(run_id) as w:
+        w.add_layer_stats(rows)          # tidy DataFrame
+        w.add_metrics(1, {"loss": 0.7})
+    store.set_status(run_id, "completed")
+    store.layer_stats(run_id, after_step=0)
+    ```
+
+    Args:
+        path: the database file, default `$GRADFLOW_DB` or
+            `./gradflow-data/runs.db`. Its folder is created if needed.
+
+    Raises:
+        RuntimeError: if the file was written by a newer gradflow.
+    """
+
+    def __init__(self, path=None):
+        self.path = pathlib.Path(path) if path is not None else tables.default_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()
+        self._create_schema()
+
+    def __repr__(self):
+        return f"RunStore({str(self.path)!r})"
+
+    # Runs ---------------------------------------------------------------
+
+    def create_run(
+        self, config, name=None, source="lab", total_steps=None, tags=(), status="running", pid=None
+    ):
+        """Adds a run and returns its new id.
+
+        Args:
+            config: the run's settings: a dict, or an object with `to_dict()`
+                (such as `RunConfig`). Stored as JSON.
+            name: a label for people, default `"run N"`.
+            source: who logs it: `"lab"`, `"monitor"` or `"cli"`.
+            total_steps: the planned number of steps, if known.
+            tags: strings to find the run by.
+            status: the first status, default `"running"` (the runner uses
+                `"queued"`).
+            pid: the process that owns the run now, default this one. `recover()`
+                marks the run interrupted once that process is gone.
+
+        Returns:
+            The run id, 12 hex characters.
+        """
+        if hasattr(config, "to_dict"):
+            config = config.to_dict()
+        if not isinstance(config, dict):
+            raise TypeError(f"`config` must be a dict or have .to_dict(), got {type(config).__name__}.")
+        if source not in tables.SOURCES:
+            raise ValueError(f"`source` must be one of {tables.SOURCES}, got {source!r}.")
+        _check_status(status)
+        tags = _check_tags(tags)
+        run_id = uuid.uuid4().hex[:12]
+        now = time.time()
+        conn = self._conn()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            (number,) = conn.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM runs").fetchone()
+            conn.execute(
+                "INSERT INTO runs (run_id, name, status, source, created_at, updated_at, "
+                "heartbeat_at, total_steps, tags, config, pid, host) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    run_id,
+                    str(name) if name else f"run {number}",
+                    status,
+                    source,
+                    now,
+                    now,
+                    now,
+                    None if total_steps is None else int(total_steps),
+                    json.dumps(tags),
+                    json.dumps(config, default=str),
+                    os.getpid() if pid is None else int(pid),
+                    socket.gethostname(),
+                ),
+            )
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        return run_id
+
+    def writer(self, run_id, flush_interval=0.5, background_flush=True):
+        """Returns the batched writer of one run (see `RunWriter`).
+
+        Args:
+            run_id: the run to write.
+            flush_interval: seconds between writes to disk, default 0.5.
+            background_flush: write from a daemon thread, default True.
+        """
+        return RunWriter(
+            self.path, self._key(run_id), run_id, flush_interval, background_flush
+        )
+
+    def set_status(self, run_id, status, message=None, pid=None):
+        """Sets a run's status (and why, for people).
+
+        Args:
+            run_id: the run.
+            status: one of `queued, running, paused, completed, stopped,
+                diverged, interrupted, failed`.
+            message: a reason to show next to the status, or None.
+            pid: the process that now owns the run (the worker), or None to
+                keep the current one.
+        """
+        _check_status(status)
+        key = self._key(run_id)
+        now = time.time()
+        self._conn().execute(
+            "UPDATE runs SET status = ?, message = ?, updated_at = ?, heartbeat_at = ?, "
+            "pid = COALESCE(?, pid), host = CASE WHEN ? IS NULL THEN host ELSE ? END WHERE id = ?",
+            (status, message, now, now, pid, pid, socket.gethostname(), key),
+        )
+
+    def runs(self):
+        """Lists all runs, newest first.
+
+        Returns:
+            A DataFrame with columns `run_id, name, status, source, created_at,
+            updated_at, heartbeat_at, progress_step, total_steps, tags, message,
+            pid, host`; times are UTC timestamps and `tags` are lists.
+        """
+        rows = self._conn().execute(
+            f"SELECT {', '.join(_RUNS_COLUMNS)} FROM runs ORDER BY id DESC"
+        ).fetchall()
+        frame = pd.DataFrame(rows, columns=list(_RUNS_COLUMNS))
+        for column in ("created_at", "updated_at", "heartbeat_at"):
+            frame[column] = pd.to_datetime(frame[column].astype("float64"), unit="s", utc=True)
+        frame["tags"] = [json.loads(t) for t in frame["tags"]]
+        frame["progress_step"] = frame["progress_step"].astype("int64")
+        frame["total_steps"] = frame["total_steps"].astype("Int64")
+        frame["pid"] = frame["pid"].astype("Int64")
+        return frame
+
+    def run_info(self, run_id):
+        """Everything known about one run.
+
+        Returns:
+            A dict with the columns of `runs()` (times as unix seconds) plus
+            `"config"`, the config dict the run was created with.
+        """
+        self._check_id(run_id)
+        row = self._conn().execute(
+            f"SELECT {', '.join(_RUNS_COLUMNS)}, config FROM runs WHERE run_id = ?", (run_id,)
+        ).fetchone()
+        if row is None:
+            raise self._unknown(run_id)
+        info = dict(zip(_RUNS_COLUMNS + ("config",), row))
+        info["tags"] = json.loads(info["tags"])
+        info["config"] = json.loads(info["config"])
+        return info
+
+    def status(self, run_id):
+        """The run's current status string."""
+        return self._run_row(run_id, "status")
+
+    def rename(self, run_id, name):
+        """Gives a run a new name.
+
+        Raises:
+            ValueError: if `name` is empty.
+        """
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"`name` must be a non-empty string, got {name!r}.")
+        self._update(run_id, "name", name.strip())
+
+    def tag(self, run_id, tags):
+        """Replaces a run's tags.
+
+        Args:
+            tags: an iterable of strings (a single string is one tag).
+        """
+        self._update(run_id, "tags", json.dumps(_check_tags(tags)))
+
+    def delete(self, run_id):
+        """Deletes a run and all its rows."""
+        key = self._key(run_id)
+        conn = self._conn()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for table in ("layer_stats", "series", "metrics", "events", "histograms", "requests"):
+                conn.execute(f"DELETE FROM {table} WHERE run = ?", (key,))
+            conn.execute("DELETE FROM runs WHERE id = ?", (key,))
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    # Control ------------------------------------------------------------
+
+    def request(self, run_id, action):
+        """Asks the run's worker to `"pause"`, `"resume"`, `"stop"` or do one `"step"`.
+
+        The worker polls for requests; see `pending_request`.
+        """
+        if action not in tables.REQUESTS:
+            raise ValueError(f"`action` must be one of {tables.REQUESTS}, got {action!r}.")
+        self._conn().execute(
+            "INSERT INTO requests (run, action, created_at) VALUES (?, ?, ?)",
+            (self._key(run_id), action, time.time()),
+        )
+
+    def pending_request(self, run_id, consume=True):
+        """The oldest request not yet handled, or None.
+
+        Args:
+            run_id: the run.
+            consume: remove the request from the queue, default True.
+        """
+        key = self._key(run_id)
+        conn = self._conn()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            row = conn.execute(
+                "SELECT id, action FROM requests WHERE run = ? ORDER BY id LIMIT 1", (key,)
+            ).fetchone()
+            if row is not None and consume:
+                conn.execute("DELETE FROM requests WHERE id = ?", (row[0],))
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        return None if row is None else row[1]
+
+    def recover(self, stale_after=60.0):
+        """Marks runs whose process is gone as `interrupted`.
+
+        A queued, running or paused run is interrupted when its process (the
+        worker, or the process that queued it) is no longer alive on this host,
+        or when it has sent no heartbeat for `stale_after` seconds.
+
+        Args:
+            stale_after: seconds without a heartbeat after which a run counts
+                as gone, default 60. Runs on other hosts are judged by this
+                alone.
+
+        Returns:
+            The list of run ids marked interrupted.
+        """
+        host = socket.gethostname()
+        now = time.time()
+        conn = self._conn()
+        marks = ", ".join("?" * len(tables.ACTIVE_STATUSES))
+        rows = conn.execute(
+            f"SELECT id, run_id, pid, host, heartbeat_at, status FROM runs "
+            f"WHERE status IN ({marks})",
+            tables.ACTIVE_STATUSES,
+        ).fetchall()
+        interrupted = []
+        for key, run_id, pid, run_host, heartbeat, status in rows:
+            dead = run_host == host and pid is not None and not _process_alive(pid)
+            stale = heartbeat is None or now - heartbeat > stale_after
+            if not (dead or stale):
+                continue
+            reason = (
+                f"its process (pid {pid}) ended while the run was {status}"
+                if dead
+                else f"no heartbeat for {now - (heartbeat or 0):.0f} s while {status}"
+            )
+            # Only if nobody finished it meanwhile.
+            cursor = conn.execute(
+                f"UPDATE runs SET status = 'interrupted', message = ?, updated_at = ? "
+                f"WHERE id = ? AND status IN ({marks})",
+                (f"Interrupted: {reason}.", now, key) + tables.ACTIVE_STATUSES,
+            )
+            if cursor.rowcount:
+                interrupted.append(run_id)
+        return interrupted
+
+    # Reading statistics ---------------------------------------------------
+
+    def layer_stats(self, run_id, after_step=None, tensors=None, columns=None):
+        """The run's per-layer statistics, tidy.
+
+        Args:
+            run_id: the run.
+            after_step: only rows with `step > after_step` (for live polling);
+                default None reads all.
+            tensors: only these tensor names (e.g. `["kernel"]`), default all.
+            columns: the statistic columns to read, default all of
+                `tables.STAT_COLUMNS`; fewer columns read faster.
+
+        Returns:
+            A DataFrame with `step, layer, layer_index, tensor, variable` and the
+            statistic columns (float64, NaN where missing), sorted by step, then
+            in the order the layers were first written. `layer`, `tensor` and `variable` are categoricals
+            (group with `observed=True`).
+        """
+        key = self._key(run_id)
+        columns = tables.STAT_COLUMNS if columns is None else tuple(columns)
+        unknown = [c for c in columns if c not in tables.STAT_COLUMNS]
+        if unknown:
+            raise ValueError(
+                f"`columns` must be among {list(tables.STAT_COLUMNS)}, got unknown {unknown}."
+            )
+        series = self._series(key)
+        where, params = "run = ?", [key]
+        if after_step is not None:
+            where += " AND step > ?"
+            params.append(int(after_step))
+        if tensors is not None:
+            tensors = [tensors] if isinstance(tensors, str) else list(tensors)
+            ids = series.loc[series["tensor"].isin(tensors), "series"].tolist()
+            where += f" AND series IN ({', '.join('?' * len(ids))})" if ids else " AND 0"
+            params.extend(ids)
+        selected = ", ".join(f"IFNULL({c}, {tables.NULL_SENTINEL!r}) AS {c}" for c in columns)
+        data = self._read_arrow(
+            f"SELECT step, series, {selected} FROM layer_stats WHERE {where} ORDER BY step, series",
+            params,
+            {"step": "int64", "series": "int64", **{c: "float64" for c in columns}},
+        )
+        for c in columns:
+            values = data[c].to_numpy()
+            data[c] = np.where(values == tables.NULL_SENTINEL, np.nan, values)
+        if len(data) and data["series"].max() >= len(series):
+            # A writer committed new series between our two reads.
+            series = self._series(key)
+        return _name_series(data, series, columns)
+
+    def metrics(self, run_id, after_step=None, names=None):
+        """The run's per-step scalars in long form.
+
+        Args:
+            run_id: the run.
+            after_step: only rows with `step > after_step`, default all.
+            names: only these metric names, default all.
+
+        Returns:
+            A DataFrame with columns `step, name, value`, sorted by step.
+        """
+        key = self._key(run_id)
+        where, params = "run = ?", [key]
+        if after_step is not None:
+            where += " AND step > ?"
+            params.append(int(after_step))
+        if names is not None:
+            names = [names] if isinstance(names, str) else list(names)
+            where += f" AND name IN ({', '.join('?' * len(names))})"
+            params.extend(names)
+        rows = self._conn().execute(
+            f"SELECT step, name, value FROM metrics WHERE {where} ORDER BY step, name", params
+        ).fetchall()
+        frame = pd.DataFrame(rows, columns=list(schema.METRICS_COLUMNS))
+        frame["step"] = frame["step"].astype("int64")
+        frame["name"] = frame["name"].astype(object)
+        frame["value"] = frame["value"].astype("float64")
+        return frame
+
+    def events(self, run_id, after_step=None):
+        """The run's events (NaN origin, rule alerts), in the order they happened.
+
+        Returns:
+            A DataFrame with columns `step, layer, kind, message`.
+        """
+        key = self._key(run_id)
+        where, params = "run = ?", [key]
+        if after_step is not None:
+            where += " AND step > ?"
+            params.append(int(after_step))
+        rows = self._conn().execute(
+            f"SELECT step, layer, kind, message FROM events WHERE {where} ORDER BY step, id",
+            params,
+        ).fetchall()
+        frame = pd.DataFrame(rows, columns=list(schema.EVENTS_COLUMNS))
+        frame["step"] = frame["step"].astype("int64")
+        return frame
+
+    def histograms(self, run_id, layer=None, tensor=None, after_step=None):
+        """The run's log10|g| histograms, one row per step x layer x tensor.
+
+        Args:
+            run_id: the run.
+            layer: only this layer, default all.
+            tensor: only this tensor name, default all.
+            after_step: only rows with `step > after_step`, default all.
+
+        Returns:
+            A DataFrame with `step, layer, layer_index, tensor` and one count
+            column per bin, `b0` .. `b{HISTOGRAM_BINS - 1}` (see
+            `gradflow.schema.histogram_bin_labels`).
+        """
+        key = self._key(run_id)
+        series = self._series(key)
+        keep = pd.Series(True, index=series.index)
+        if layer is not None:
+            keep &= series["layer"] == layer
+        if tensor is not None:
+            keep &= series["tensor"] == tensor
+        ids = series.loc[keep, "series"].tolist()
+        where, params = f"run = ? AND series IN ({', '.join('?' * len(ids))})", [key] + ids
+        if after_step is not None:
+            where += " AND step > ?"
+            params.append(int(after_step))
+        rows = self._conn().execute(
+            f"SELECT step, series, counts FROM histograms WHERE {where} ORDER BY step, series",
+            params,
+        ).fetchall() if ids else []
+        if rows and max(r[1] for r in rows) >= len(series):
+            series = self._series(key)
+        bins = [f"b{i}" for i in range(schema.HISTOGRAM_BINS)]
+        counts = (
+            np.frombuffer(b"".join(r[2] for r in rows), dtype="<i8").reshape(-1, len(bins))
+            if rows
+            else np.zeros((0, len(bins)), dtype=np.int64)
+        )
+        data = pd.DataFrame(
+            {"step": np.array([r[0] for r in rows], dtype=np.int64),
+             "series": np.array([r[1] for r in rows], dtype=np.int64)}
+        )
+        named = _name_series(data, series, ())
+        named = named.drop(columns=["variable"])
+        return pd.concat(
+            [named.reset_index(drop=True), pd.DataFrame(counts.astype(np.int64), columns=bins)],
+            axis=1,
+        )
+
+    def close(self):
+        """Closes this thread's connections (others close when their thread ends)."""
+        for name in ("conn", "adbc"):
+            conn = getattr(self._local, name, None)
+            if conn is not None:
+                conn.close()
+                setattr(self._local, name, None)
+
+    # Internals ------------------------------------------------------------
+
+    def _conn(self):
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = tables.connect(self.path)
+        return conn
+
+    def _create_schema(self):
+        conn = self._conn()
+        has_meta = conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
+        ).fetchone()
+        if has_meta:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if row is not None and int(row[0]) > tables.SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"The run store {str(self.path)!r} has schema version {row[0]}, written by a "
+                    f"newer gradflow; this gradflow reads up to version {tables.SCHEMA_VERSION}. "
+                    f"Upgrade gradflow, or use another store path (--db or $GRADFLOW_DB)."
+                )
+        conn.executescript(tables.DDL)
+        conn.execute(
+            "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
+            (str(tables.SCHEMA_VERSION),),
+        )
+
+    def _check_id(self, run_id):
+        if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+            raise ValueError(
+                f"`run_id` must be a run id string such as '3f2a9c1b7d04' (letters, digits, "
+                f"'-' or '_'), got {run_id!r}."
+            )
+
+    def _unknown(self, run_id):
+        return UnknownRunError(f"`run_id` {run_id!r} is not in the run store {str(self.path)!r}.")
+
+    def _key(self, run_id):
+        self._check_id(run_id)
+        row = self._conn().execute("SELECT id FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None:
+            raise self._unknown(run_id)
+        return row[0]
+
+    def _run_row(self, run_id, column):
+        self._check_id(run_id)
+        row = self._conn().execute(
+            f"SELECT {column} FROM runs WHERE run_id = ?", (run_id,)
+        ).fetchone()
+        if row is None:
+            raise self._unknown(run_id)
+        return row[0]
+
+    def _update(self, run_id, column, value):
+        key = self._key(run_id)
+        self._conn().execute(
+            f"UPDATE runs SET {column} = ?, updated_at = ? WHERE id = ?", (value, time.time(), key)
+        )
+
+    def _series(self, key):
+        rows = self._conn().execute(
+            "SELECT series, layer, layer_index, tensor, variable FROM series WHERE run = ? "
+            "ORDER BY series",
+            (key,),
+        ).fetchall()
+        return pd.DataFrame(rows, columns=["series", "layer", "layer_index", "tensor", "variable"])
+
+    def _read_arrow(self, sql, params, dtypes):
+        try:
+            import adbc_driver_sqlite.dbapi as adbc
+        except ImportError:  # Slower, but the same result.
+            rows = self._conn().execute(sql, params).fetchall()
+            frame = pd.DataFrame(rows, columns=list(dtypes))
+            return frame.astype(dtypes)
+        conn = getattr(self._local, "adbc", None)
+        if conn is None:
+            # Autocommit, so that every read sees the newest committed rows
+            # instead of the snapshot of a long-open read transaction.
+            conn = self._local.adbc = adbc.connect(str(self.path), autocommit=True)
+        cursor = conn.cursor()
+        try:
+            cursor.execute(sql, parameters=tuple(params))
+            table = cursor.fetch_arrow_table()
+        finally:
+            cursor.close()
+        if table.num_rows == 0:
+            return pd.DataFrame({c: np.zeros(0, dtype=t) for c, t in dtypes.items()})
+        frame = table.to_pandas()
+        return frame.astype(dtypes, copy=False)
+
+
+def _name_series(data, series, columns):
+    """Replaces integer series ids with layer, layer_index, tensor, variable."""
+    ids = data["series"].to_numpy()
+    size = int(series["series"].max()) + 1 if len(series) else 0
+    if len(ids) and (ids.max() >= size):
+        raise RuntimeError("The run store has rows for an unknown series; is the file damaged?")
+    out = {"step": data["step"].to_numpy(dtype=np.int64)}
+    position = np.zeros(size, dtype=np.int64)
+    position[series["series"].to_numpy(dtype=np.int64)] = np.arange(len(series))
+    rows = position[ids]
+    for name in ("layer", "tensor", "variable"):
+        categories, codes = _codes(series[name])
+        out[name] = pd.Categorical.from_codes(codes[rows], categories=categories)
+    out["layer_index"] = series["layer_index"].to_numpy(dtype=np.int64)[rows]
+    frame = pd.DataFrame(out, columns=list(schema.KEY_COLUMNS))
+    for c in columns:
+        frame[c] = data[c].to_numpy()
+    return frame
+
+
+def _codes(values):
+    codes, uniques = pd.factorize(values, sort=False)
+    return pd.Index(uniques, dtype=object), codes.astype(np.int32)
+
+
+def _check_status(status):
+    if status not in tables.STATUSES:
+        raise ValueError(f"`status` must be one of {tables.STATUSES}, got {status!r}.")
+
+
+def _check_tags(tags):
+    if isinstance(tags, str):
+        tags = [tags]
+    tags = list(tags)
+    bad = [t for t in tags if not isinstance(t, str) or not t]
+    if bad:
+        raise ValueError(f"`tags` must be non-empty strings, got {bad!r}.")
+    return sorted(set(tags))
+
+
+def _process_alive(pid):
+    """Whether a process with this pid runs on this host (zombies count as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        return True

@@ -1,0 +1,145 @@
+"""On-disk format of the run store: schema version, tables, statuses, default path.
+
+Kept apart from the reader and the writer so that both agree on one format,
+as TensorBoard keeps its histogram format apart from its reader and writer.
+"""
+
+import os
+import pathlib
+
+from gradflow import schema
+
+# Bump when a table changes shape. A store written by a newer gradflow is
+# refused instead of being misread.
+SCHEMA_VERSION = 1
+
+STATUSES = (
+    "queued",
+    "running",
+    "paused",
+    "completed",
+    "stopped",
+    "diverged",
+    "interrupted",
+    "failed",
+)
+# A run in one of these has a process that owns it (or will soon).
+ACTIVE_STATUSES = ("queued", "running", "paused")
+FINAL_STATUSES = tuple(s for s in STATUSES if s not in ACTIVE_STATUSES)
+
+SOURCES = ("lab", "monitor", "cli")
+REQUESTS = ("pause", "resume", "stop", "step")
+
+# Statistic columns stored per layer_stats row, in this order.
+STAT_COLUMNS = schema.STATISTICS + schema.EXTRA_COLUMNS
+
+# SQLite stores NaN as NULL, and the ADBC reader infers a column's type from
+# its first rows, so an all-NULL start would be read as integers. Readers ask
+# for NULL as this value (no statistic is negative) and turn it back to NaN.
+NULL_SENTINEL = -1.0e308
+
+_stat_ddl = ",\n    ".join(f"{name} REAL" for name in STAT_COLUMNS)
+
+DDL = f"""
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS runs (
+    id INTEGER PRIMARY KEY,
+    run_id TEXT NOT NULL UNIQUE,
+    name TEXT NOT NULL,
+    status TEXT NOT NULL,
+    source TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    heartbeat_at REAL,
+    progress_step INTEGER NOT NULL DEFAULT 0,
+    total_steps INTEGER,
+    tags TEXT NOT NULL DEFAULT '[]',
+    message TEXT,
+    config TEXT NOT NULL DEFAULT '{{}}',
+    pid INTEGER,
+    host TEXT
+);
+CREATE TABLE IF NOT EXISTS series (
+    run INTEGER NOT NULL,
+    series INTEGER NOT NULL,
+    layer TEXT NOT NULL,
+    layer_index INTEGER NOT NULL,
+    tensor TEXT NOT NULL,
+    variable TEXT NOT NULL,
+    PRIMARY KEY (run, series)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS layer_stats (
+    run INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    series INTEGER NOT NULL,
+    {_stat_ddl},
+    PRIMARY KEY (run, step, series)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS metrics (
+    run INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    name TEXT NOT NULL,
+    value REAL,
+    PRIMARY KEY (run, step, name)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY,
+    run INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    layer TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    message TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_run ON events (run, step);
+CREATE TABLE IF NOT EXISTS histograms (
+    run INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    series INTEGER NOT NULL,
+    counts BLOB NOT NULL,
+    PRIMARY KEY (run, step, series)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS requests (
+    id INTEGER PRIMARY KEY,
+    run INTEGER NOT NULL,
+    action TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS requests_by_run ON requests (run, id);
+"""
+
+
+def default_path():
+    """Where the run store lives unless a path is given.
+
+    Returns:
+        `$GRADFLOW_DB` when set, else `./gradflow-data/runs.db`, as a `pathlib.Path`.
+    """
+    return pathlib.Path(os.environ.get("GRADFLOW_DB") or "gradflow-data/runs.db")
+
+
+def connect(path):
+    """Open a SQLite connection to the store with the pragmas every user needs.
+
+    WAL lets one writer per run and many readers in other processes work at the
+    same time; `synchronous=NORMAL` keeps every committed transaction across a
+    killed process (only a power cut may lose the last ones).
+
+    Args:
+        path: the database file.
+
+    Returns:
+        A `sqlite3.Connection` in autocommit mode (transactions are explicit),
+        usable from any thread that holds the caller's lock.
+    """
+    import sqlite3
+
+    conn = sqlite3.connect(
+        str(path), timeout=30.0, isolation_level=None, check_same_thread=False
+    )
+    conn.execute("PRAGMA busy_timeout = 30000")
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = NORMAL")
+    return conn

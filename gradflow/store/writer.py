@@ -1,0 +1,338 @@
+"""Batched writer of one run's statistics into the run store."""
+
+import threading
+import time
+
+import numpy as np
+import pandas as pd
+
+from gradflow import schema
+from gradflow.store import tables
+
+_SERIES_KEY = ("layer", "layer_index", "tensor", "variable")
+
+
+class RunWriter:
+    """Buffers one run's rows and writes them in one transaction at a time.
+
+    Rows are kept in memory and written with `executemany` in a single
+    transaction at least every `flush_interval` seconds, so a killed process
+    loses at most that much. Layer, tensor and variable names are stored once
+    per run as integer series ids, which keeps each statistics row small.
+
+    Use `RunStore.writer(run_id)` rather than building one directly. One
+    writer per run; its methods may be called from several threads.
+
+    Example:
+
+    ```python
+    store = RunStore("runs.db")
+    run_id = store.create_run({"depth": 4})
+    with store.writer(run_id) as w:
+        w.add_metrics(1, {"loss": 0.7})
+        w.progress(1)
+    ```
+
+    Args:
+        path: the database file.
+        run_key: the run's integer key in the `runs` table.
+        run_id: the run's public id.
+        flush_interval: seconds between writes, default 0.5.
+        background_flush: write from a daemon thread (default True), so the
+            training thread never waits on the disk and rows reach the store
+            even when no new rows arrive. When False, `add_*` calls write
+            once the interval has passed.
+    """
+
+    def __init__(self, path, run_key, run_id, flush_interval=0.5, background_flush=True):
+        if not flush_interval > 0:
+            raise ValueError(
+                f"`flush_interval` must be a positive number of seconds, got {flush_interval!r}."
+            )
+        self.run_id = run_id
+        self.flush_interval = float(flush_interval)
+        self._run = run_key
+        self._conn = tables.connect(path)
+        self._buffer_lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._series = {}
+        self._series_by_tensor = {}
+        for sid, layer, index, tensor, variable in self._conn.execute(
+            "SELECT series, layer, layer_index, tensor, variable FROM series WHERE run = ?",
+            (run_key,),
+        ):
+            self._remember_series((layer, index, tensor, variable), sid)
+        self._next_series = max(self._series.values(), default=-1) + 1
+        self._reset_buffers()
+        self._last_flush = time.monotonic()
+        self._closed = threading.Event()
+        self._thread = None
+        if background_flush:
+            self._thread = threading.Thread(
+                target=self._flush_periodically, name=f"gradflow-writer-{run_id}", daemon=True
+            )
+            self._thread.start()
+
+    # Adding rows ------------------------------------------------------------
+
+    def add_layer_stats(self, rows):
+        """Adds tidy layer-statistics rows.
+
+        Args:
+            rows: a DataFrame (or a list of dicts) with the columns of
+                `gradflow.schema.LAYER_STATS_COLUMNS`; missing statistic
+                columns are stored as NaN, `variable` defaults to `""`.
+        """
+        frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
+        if frame.empty:
+            return
+        missing = [c for c in ("step", "layer", "layer_index", "tensor") if c not in frame]
+        if missing:
+            raise ValueError(
+                f"`rows` must have the columns {list(schema.KEY_COLUMNS)}; missing {missing}."
+            )
+        n = len(frame)
+        variables = frame["variable"].fillna("").tolist() if "variable" in frame else [""] * n
+        steps = frame["step"].to_numpy(dtype=np.int64).tolist()
+        stats = [
+            frame[c].to_numpy(dtype=np.float64).tolist() if c in frame else [None] * n
+            for c in tables.STAT_COLUMNS
+        ]
+        with self._buffer_lock:
+            series = [
+                self._series_id(key)
+                for key in zip(
+                    frame["layer"].astype(str).tolist(),
+                    frame["layer_index"].to_numpy(dtype=np.int64).tolist(),
+                    frame["tensor"].astype(str).tolist(),
+                    variables,
+                )
+            ]
+            self._stats.extend(zip([self._run] * n, steps, series, *stats))
+        self._maybe_flush()
+
+    def add_metrics(self, step, values):
+        """Adds per-step scalars such as `{"loss": 0.3, "accuracy": 0.9}`.
+
+        Args:
+            step: the 1-based optimizer step.
+            values: a mapping from metric name to a number (NaN and inf kept).
+        """
+        step = int(step)
+        rows = [(self._run, step, str(name), _to_float(value)) for name, value in values.items()]
+        with self._buffer_lock:
+            self._metrics.extend(rows)
+        self._maybe_flush()
+
+    def add_event(self, step, layer, kind, message):
+        """Adds an event such as the origin of a NaN.
+
+        Args:
+            step: the step it happened at.
+            layer: the layer it concerns (`""` for the whole model).
+            kind: one of `gradflow.schema.EVENT_KINDS`.
+            message: a sentence for people.
+        """
+        if kind not in schema.EVENT_KINDS:
+            raise ValueError(
+                f"`kind` must be one of {schema.EVENT_KINDS}, got {kind!r}."
+            )
+        with self._buffer_lock:
+            self._events.append((self._run, int(step), str(layer or ""), kind, str(message)))
+        self._maybe_flush()
+
+    def add_histograms(self, step, rows):
+        """Adds log10|g| histograms with the fixed bins of `gradflow.schema`.
+
+        Args:
+            step: the step they belong to.
+            rows: an iterable of `(layer, layer_index, tensor, counts)` where
+                counts has `schema.HISTOGRAM_BINS` entries.
+        """
+        step = int(step)
+        with self._buffer_lock:
+            for layer, layer_index, tensor, counts in rows:
+                counts = np.asarray(counts)
+                if counts.shape != (schema.HISTOGRAM_BINS,):
+                    raise ValueError(
+                        f"histogram `counts` must have shape ({schema.HISTOGRAM_BINS},), "
+                        f"got {counts.shape} for layer {layer!r} tensor {tensor!r}."
+                    )
+                sid = self._series_by_tensor.get((str(layer), str(tensor)))
+                if sid is None:
+                    sid = self._series_id((str(layer), int(layer_index), str(tensor), ""))
+                blob = counts.astype("<i8").tobytes()
+                self._histograms.append((self._run, step, sid, blob))
+        self._maybe_flush()
+
+    def progress(self, step=None):
+        """Records the run's progress and that its process is alive.
+
+        Args:
+            step: the last finished step, or None for a heartbeat only.
+        """
+        with self._buffer_lock:
+            if step is not None:
+                self._progress = max(int(step), self._progress or 0)
+            self._heartbeat = True
+        self._maybe_flush()
+
+    # Writing ----------------------------------------------------------------
+
+    def flush(self):
+        """Writes everything buffered so far in one transaction."""
+        with self._write_lock:
+            with self._buffer_lock:
+                pending = self._take_buffers()
+            self._last_flush = time.monotonic()
+            if pending is None:
+                return
+            try:
+                self._write(*pending)
+            except Exception:
+                with self._buffer_lock:
+                    self._restore_buffers(pending)
+                raise
+
+    def close(self, status=None, message=None):
+        """Flushes, optionally sets the run's final status, and closes.
+
+        Args:
+            status: None to leave the status alone, else one of
+                `RunStore` statuses (`"completed"`, `"stopped"`, ...).
+            message: why the run ended, for people (kept with the status).
+        """
+        if status is not None and status not in tables.STATUSES:
+            raise ValueError(f"`status` must be one of {tables.STATUSES}, got {status!r}.")
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.flush()
+        if status is not None:
+            with self._write_lock:
+                self._conn.execute(
+                    "UPDATE runs SET status = ?, message = ?, updated_at = ?, heartbeat_at = ? "
+                    "WHERE id = ?",
+                    (status, message, time.time(), time.time(), self._run),
+                )
+        self._conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close()
+
+    # Internals --------------------------------------------------------------
+
+    def _remember_series(self, key, sid):
+        self._series[key] = sid
+        self._series_by_tensor.setdefault((key[0], key[2]), sid)
+
+    def _series_id(self, key):
+        sid = self._series.get(key)
+        if sid is None:
+            sid = self._next_series
+            self._next_series += 1
+            self._remember_series(key, sid)
+            self._new_series.append((self._run, sid) + key)
+        return sid
+
+    def _reset_buffers(self):
+        self._new_series, self._stats, self._metrics = [], [], []
+        self._events, self._histograms = [], []
+        self._progress, self._heartbeat = None, False
+
+    def _take_buffers(self):
+        pending = (
+            self._new_series,
+            self._stats,
+            self._metrics,
+            self._events,
+            self._histograms,
+            self._progress,
+            self._heartbeat,
+        )
+        if not any(pending[:5]) and pending[5] is None and not pending[6]:
+            return None
+        self._reset_buffers()
+        return pending
+
+    def _restore_buffers(self, pending):
+        series, stats, metrics, events, histograms, progress, heartbeat = pending
+        self._new_series[:0] = series
+        self._stats[:0] = stats
+        self._metrics[:0] = metrics
+        self._events[:0] = events
+        self._histograms[:0] = histograms
+        if progress is not None:
+            self._progress = max(progress, self._progress or 0)
+        self._heartbeat = self._heartbeat or heartbeat
+
+    def _write(self, series, stats, metrics, events, histograms, progress, heartbeat):
+        conn = self._conn
+        stat_names = ", ".join(tables.STAT_COLUMNS)
+        marks = ", ".join("?" * (3 + len(tables.STAT_COLUMNS)))
+        now = time.time()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if series:
+                conn.executemany(
+                    "INSERT OR IGNORE INTO series (run, series, layer, layer_index, tensor, "
+                    "variable) VALUES (?, ?, ?, ?, ?, ?)",
+                    series,
+                )
+            if stats:
+                conn.executemany(
+                    f"INSERT OR REPLACE INTO layer_stats (run, step, series, {stat_names}) "
+                    f"VALUES ({marks})",
+                    stats,
+                )
+            if metrics:
+                conn.executemany(
+                    "INSERT OR REPLACE INTO metrics (run, step, name, value) VALUES (?, ?, ?, ?)",
+                    metrics,
+                )
+            if events:
+                conn.executemany(
+                    "INSERT INTO events (run, step, layer, kind, message) VALUES (?, ?, ?, ?, ?)",
+                    events,
+                )
+            if histograms:
+                conn.executemany(
+                    "INSERT OR REPLACE INTO histograms (run, step, series, counts) "
+                    "VALUES (?, ?, ?, ?)",
+                    histograms,
+                )
+            if progress is not None:
+                conn.execute(
+                    "UPDATE runs SET progress_step = MAX(progress_step, ?), heartbeat_at = ? "
+                    "WHERE id = ?",
+                    (progress, now, self._run),
+                )
+            else:
+                conn.execute("UPDATE runs SET heartbeat_at = ? WHERE id = ?", (now, self._run))
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    def _maybe_flush(self):
+        if self._thread is None and time.monotonic() - self._last_flush >= self.flush_interval:
+            self.flush()
+
+    def _flush_periodically(self):
+        while not self._closed.wait(self.flush_interval):
+            try:
+                self.flush()
+            except Exception:  # The next tick retries; close() raises for real.
+                pass
+
+
+def _to_float(value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float(np.asarray(value).reshape(()))

@@ -1,0 +1,285 @@
+"""Run store: round trips, live polling, control requests, recovery, schema version."""
+
+import math
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from gradflow import schema
+from gradflow.store import RunStore, UnknownRunError, tables
+
+
+def tidy_rows(steps, layers=("dense", "dense_1"), tensors=("kernel", "bias")):
+    rows = []
+    for step in steps:
+        for index, layer in enumerate(layers):
+            for tensor in tensors:
+                rows.append(
+                    {
+                        "step": step,
+                        "layer": layer,
+                        "layer_index": index,
+                        "tensor": tensor,
+                        "variable": f"model/{layer}/{tensor}",
+                        "max_abs": step + index + 0.5,
+                        "l2_norm": 2.0 * step,
+                        "nonfinite": 0,
+                    }
+                )
+    return pd.DataFrame(rows)
+
+
+@pytest.fixture
+def store(store_path):
+    return RunStore(store_path)
+
+
+def test_layer_stats_round_trip_with_names_and_missing_columns(store):
+    run_id = store.create_run({"depth": 2})
+    rows = tidy_rows([1, 2, 3])
+    with store.writer(run_id) as w:
+        w.add_layer_stats(rows)
+    got = store.layer_stats(run_id)
+    assert list(got.columns) == list(schema.LAYER_STATS_COLUMNS)
+    assert len(got) == len(rows)
+    pd.testing.assert_frame_equal(
+        got[["step", "layer_index", "max_abs", "l2_norm", "nonfinite"]],
+        rows[["step", "layer_index", "max_abs", "l2_norm", "nonfinite"]].astype(
+            {"nonfinite": "float64", "l2_norm": "float64"}
+        ),
+    )
+    assert got["layer"].astype(str).tolist() == rows["layer"].tolist()
+    assert got["variable"].astype(str).tolist() == rows["variable"].tolist()
+    # Columns the writer was not given come back as NaN.
+    assert got["update_ratio"].isna().all() and got["update_ratio"].dtype == np.float64
+
+
+@pytest.mark.parametrize(
+    "value", [float("nan"), float("inf"), float("-inf"), 0.0, 1e-300, 1.7e308]
+)
+def test_non_finite_values_round_trip(store, value):
+    run_id = store.create_run({})
+    rows = tidy_rows([1])
+    rows["max_abs"] = value
+    with store.writer(run_id) as w:
+        w.add_layer_stats(rows)
+        w.add_metrics(1, {"loss": value})
+    got = store.layer_stats(run_id)["max_abs"].to_numpy()
+    loss = store.metrics(run_id)["value"].to_numpy()
+    for array in (got, loss):
+        if math.isnan(value):
+            assert np.isnan(array).all()
+        else:
+            assert (array == value).all()
+
+
+def test_nan_after_many_missing_rows_still_reads_as_float(store):
+    # The bulk reader infers column types from the first rows; a column that
+    # starts with NaN (stored as NULL) must still come back as float64.
+    run_id = store.create_run({})
+    rows = tidy_rows(range(1, 600))
+    rows["max_abs_clipped"] = np.nan
+    rows.loc[rows.index[-1], "max_abs_clipped"] = 3.25
+    with store.writer(run_id) as w:
+        w.add_layer_stats(rows)
+    got = store.layer_stats(run_id, columns=["max_abs_clipped"])
+    assert got["max_abs_clipped"].dtype == np.float64
+    assert got["max_abs_clipped"].iloc[-1] == 3.25
+    assert got["max_abs_clipped"].iloc[:-1].isna().all()
+
+
+@pytest.mark.parametrize(
+    "after_step, tensors, expected_steps, expected_tensors",
+    [
+        (None, None, [1, 2, 3, 4], {"kernel", "bias"}),
+        (2, None, [3, 4], {"kernel", "bias"}),
+        (4, None, [], set()),
+        (None, ["kernel"], [1, 2, 3, 4], {"kernel"}),
+        (3, "bias", [4], {"bias"}),
+        (None, ["gamma"], [], set()),
+    ],
+)
+def test_layer_stats_filters(store, after_step, tensors, expected_steps, expected_tensors):
+    run_id = store.create_run({})
+    with store.writer(run_id) as w:
+        w.add_layer_stats(tidy_rows([1, 2, 3, 4]))
+    got = store.layer_stats(run_id, after_step=after_step, tensors=tensors)
+    assert sorted(set(got["step"])) == expected_steps
+    assert set(got["tensor"].astype(str)) == expected_tensors
+    assert got["step"].dtype == np.int64 and got["max_abs"].dtype == np.float64
+
+
+def test_columns_selects_statistics_and_rejects_unknown(store):
+    run_id = store.create_run({})
+    with store.writer(run_id) as w:
+        w.add_layer_stats(tidy_rows([1]))
+    got = store.layer_stats(run_id, columns=["l2_norm"])
+    assert list(got.columns) == list(schema.KEY_COLUMNS) + ["l2_norm"]
+    with pytest.raises(ValueError, match="`columns`.*'loss'"):
+        store.layer_stats(run_id, columns=["loss"])
+
+
+def test_events_and_histograms(store):
+    run_id = store.create_run({})
+    counts = np.arange(schema.HISTOGRAM_BINS)
+    with store.writer(run_id) as w:
+        w.add_layer_stats(tidy_rows([1]))
+        w.add_histograms(1, [("dense", 0, "kernel", counts), ("dense_1", 1, "kernel", counts * 2)])
+        w.add_histograms(2, [("dense", 0, "kernel", counts + 1)])
+        w.add_event(2, "dense_1", "nonfinite", "first NaN in dense_1/kernel")
+        with pytest.raises(ValueError, match="`kind`"):
+            w.add_event(2, "dense_1", "oops", "no")
+        with pytest.raises(ValueError, match=r"shape \(34,\)"):
+            w.add_histograms(3, [("dense", 0, "kernel", counts[:3])])
+    hist = store.histograms(run_id)
+    assert len(hist) == 3
+    bins = [f"b{i}" for i in range(schema.HISTOGRAM_BINS)]
+    np.testing.assert_array_equal(hist.loc[hist["layer"] == "dense_1", bins].to_numpy()[0], counts * 2)
+    one = store.histograms(run_id, layer="dense", after_step=1)
+    assert one["step"].tolist() == [2]
+    np.testing.assert_array_equal(one[bins].to_numpy()[0], counts + 1)
+    assert store.histograms(run_id, tensor="bias").empty
+    events = store.events(run_id)
+    assert events.to_dict("records") == [
+        {"step": 2, "layer": "dense_1", "kind": "nonfinite", "message": "first NaN in dense_1/kernel"}
+    ]
+
+
+def test_runs_listing_rename_tag_delete(store):
+    first = store.create_run({"a": 1}, name="relu", total_steps=10, tags=["demo"])
+    second = store.create_run({"a": 2}, source="monitor")
+    runs = store.runs()
+    assert runs["run_id"].tolist() == [second, first]
+    assert runs.loc[runs["run_id"] == first, "total_steps"].item() == 10
+    store.rename(first, "sigmoid")
+    store.tag(first, ["b", "a", "a"])
+    info = store.run_info(first)
+    assert (info["name"], info["tags"], info["config"]) == ("sigmoid", ["a", "b"], {"a": 1})
+    with store.writer(first) as w:
+        w.add_layer_stats(tidy_rows([1]))
+        w.add_metrics(1, {"loss": 1.0})
+    store.delete(first)
+    assert store.runs()["run_id"].tolist() == [second]
+    with pytest.raises(UnknownRunError, match=first):
+        store.layer_stats(first)
+    conn = sqlite3.connect(store.path)
+    assert conn.execute("SELECT COUNT(*) FROM layer_stats").fetchone() == (0,)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda s, r: s.layer_stats("../etc"), "`run_id`"),
+        (lambda s, r: s.metrics(42), "`run_id`"),
+        (lambda s, r: s.set_status(r, "done"), "`status`"),
+        (lambda s, r: s.request(r, "rewind"), "`action`"),
+        (lambda s, r: s.rename(r, " "), "`name`"),
+        (lambda s, r: s.create_run({}, source="web"), "`source`"),
+        (lambda s, r: s.create_run([1]), "`config`"),
+        (lambda s, r: s.writer(r, flush_interval=0), "`flush_interval`"),
+    ],
+)
+def test_errors_name_the_argument(store, call, match):
+    run_id = store.create_run({})
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(store, run_id)
+
+
+def test_requests_are_consumed_in_order(store):
+    run_id = store.create_run({})
+    other = store.create_run({})
+    assert store.pending_request(run_id) is None
+    for action in ("pause", "step", "resume", "stop"):
+        store.request(run_id, action)
+    store.request(other, "stop")
+    assert store.pending_request(run_id, consume=False) == "pause"
+    got = [store.pending_request(run_id) for _ in range(5)]
+    assert got == ["pause", "step", "resume", "stop", None]
+    assert store.pending_request(other) == "stop"
+
+
+def test_recover_marks_runs_of_dead_processes_and_stale_heartbeats(store):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = store.create_run({}, pid=gone.pid)
+    queued_dead = store.create_run({}, pid=gone.pid, status="queued")
+    alive = store.create_run({})  # this process
+    finished = store.create_run({}, pid=gone.pid)
+    store.set_status(finished, "completed")
+    stale = store.create_run({})
+    conn = sqlite3.connect(store.path)
+    conn.execute("UPDATE runs SET heartbeat_at = ? WHERE run_id = ?", (time.time() - 120, stale))
+    conn.commit()
+    assert sorted(store.recover(stale_after=60)) == sorted([dead, queued_dead, stale])
+    assert store.status(dead) == "interrupted"
+    assert f"pid {gone.pid}" in store.run_info(dead)["message"]
+    assert "heartbeat" in store.run_info(stale)["message"]
+    assert (store.status(alive), store.status(finished)) == ("running", "completed")
+    assert store.recover() == []
+
+
+def test_background_flush_makes_rows_visible_without_flush(store):
+    run_id = store.create_run({})
+    w = store.writer(run_id, flush_interval=0.1)
+    w.add_layer_stats(tidy_rows([1]))
+    w.progress(1)
+    reader = RunStore(store.path)
+    deadline = time.monotonic() + 5
+    while reader.layer_stats(run_id).empty and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(reader.layer_stats(run_id)) == 4
+    assert reader.run_info(run_id)["progress_step"] == 1
+    w.close(status="completed", message="done")
+    assert reader.run_info(run_id)["message"] == "done"
+
+
+def test_time_based_flush_on_add_without_thread(store):
+    run_id = store.create_run({})
+    w = store.writer(run_id, flush_interval=0.2, background_flush=False)
+    w.add_metrics(1, {"loss": 1.0})
+    assert store.metrics(run_id).empty  # buffered
+    time.sleep(0.25)
+    w.add_metrics(2, {"loss": 0.5})  # the interval passed: this add writes both
+    assert store.metrics(run_id)["step"].tolist() == [1, 2]
+    w.close()
+
+
+def test_reader_in_another_process_sees_committed_rows(store):
+    run_id = store.create_run({})
+    with store.writer(run_id) as w:
+        w.add_layer_stats(tidy_rows([1, 2]))
+    code = (
+        "import sys; from gradflow.store import RunStore; "
+        f"df = RunStore({str(store.path)!r}).layer_stats({run_id!r}, after_step=1); "
+        "print(len(df), sorted(set(df['step'])), 'tensorflow' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert out.stdout.split() == ["4", "[2]", "False"]
+
+
+def test_newer_schema_is_refused(store_path):
+    RunStore(store_path)
+    conn = sqlite3.connect(store_path)
+    conn.execute(
+        "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(tables.SCHEMA_VERSION + 1),)
+    )
+    conn.commit()
+    with pytest.raises(RuntimeError, match="newer gradflow"):
+        RunStore(store_path)
+
+
+def test_default_path_follows_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADFLOW_DB", str(tmp_path / "x" / "env.db"))
+    assert RunStore().path == tmp_path / "x" / "env.db"
+    monkeypatch.delenv("GRADFLOW_DB")
+    monkeypatch.chdir(tmp_path)
+    assert str(RunStore().path) == os.path.join("gradflow-data", "runs.db")
