@@ -1,0 +1,221 @@
+"""How sensitive is each layer's output to the model input?
+
+For every leaf layer k, gradflow reports max |d(sum of layer k's output)/dx|,
+the largest entry of the gradient of the summed output with respect to the
+model input `x`. All layers are computed in ONE compiled `tf.function` that
+runs the forward pass once and builds one backward graph per layer, instead of
+an eager persistent tape queried layer by layer (see `bench/bench_probe.py`).
+
+The derivative with respect to an integer input (token ids fed to an
+`Embedding`) is not defined: `input_sensitivity` raises a `ValueError` that
+says so, and `gradflow.snapshot` reports NaN with the reason in its `note`
+column.
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+import pandas as pd
+import tensorflow as tf
+
+from gradflow.probe import capture
+from gradflow.probe.naming import layer_order
+from gradflow.statistics import summarize
+
+INTEGER_INPUT_NOTE = (
+    "the model input is not a float tensor (integer ids, e.g. for an Embedding), "
+    "so d(layer output)/d(input) is not defined"
+)
+
+
+def differentiable_inputs(x):
+    """The float tensors of an input structure: what a gradient can flow into."""
+    return [t for t in tf.nest.flatten(x) if t.dtype.is_floating]
+
+
+def to_tensors(data, name):
+    """Convert an array structure to tensors; float arrays become `floatx`.
+
+    Keras's own data adapters cast float64 numpy arrays to `floatx()` before
+    a model sees them; doing the same keeps a snapshot's numbers equal to a
+    training step's.
+
+    Raises:
+        TypeError: if `data` holds something that is not array-like.
+    """
+
+    def convert(value):
+        if isinstance(value, (tf.Tensor, tf.Variable)):
+            return tf.convert_to_tensor(value)
+        try:
+            array = np.asarray(value)
+        except Exception as error:  # noqa: BLE001  (re-raised with context)
+            raise TypeError(
+                f"`{name}` must be a numpy array, a tensor, or a list/dict of them; "
+                f"got {type(value).__name__}."
+            ) from error
+        if array.dtype == object:
+            raise TypeError(
+                f"`{name}` must be a numeric array or tensor; got an array of "
+                f"Python objects (dtype=object) of shape {array.shape}."
+            )
+        if np.issubdtype(array.dtype, np.floating):
+            array = array.astype(keras.backend.floatx())
+        return tf.convert_to_tensor(array)
+
+    return tf.nest.map_structure(convert, data)
+
+
+@contextlib.contextmanager
+def restored_state(model, enabled=True):
+    """Put the model's non-trainable variables back as they were after the block.
+
+    A forward pass with `training=True` moves BatchNormalization's moving
+    mean and variance and advances Dropout's seed state. A probe must leave
+    the model as it found it, so those variables are saved and written back.
+    """
+    saved = [(v, v.numpy()) for v in model.non_trainable_variables] if enabled else []
+    try:
+        yield
+    finally:
+        for variable, value in saved:
+            variable.assign(value)
+
+
+def sensitivity_maxima(tape, layer_outputs, inputs):
+    """max |d(sum of each layer output)/d(inputs)|, to call inside a traced function.
+
+    Args:
+        tape: A persistent `tf.GradientTape` that watched `inputs` and recorded
+            the forward pass.
+        layer_outputs: The recorded output tensor of each layer.
+        inputs: The float input tensors (non-empty list).
+
+    Returns:
+        A float32 vector, one maximum per layer output. A layer whose output
+        does not depend on the input gets 0; a NaN in a gradient gives NaN.
+    """
+    gradients = []
+    for output in layer_outputs:
+        if not output.dtype.is_floating:
+            gradients.append(tf.fill([1], float("nan")))
+            continue
+        # A non-scalar target is summed by the tape: d(sum of output)/d(inputs).
+        # (A `reduce_sum` taken here, after the tape stopped, would be
+        # unrecorded and give no gradient at all.)
+        per_input = tape.gradient(
+            output,
+            inputs,
+            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+        )
+        # One tensor per layer: all inputs' gradients side by side.
+        gradients.append(tf.concat([tf.reshape(g, [-1]) for g in per_input], axis=0))
+    statistics, _ = summarize(gradients)
+    return statistics[:, 0]
+
+
+class InputSensitivity:
+    """A compiled input-sensitivity probe for one model, reusable across batches.
+
+    Tracing happens on the first call (and again for a new input shape); later
+    calls only run the compiled graph. `input_sensitivity` is the one-shot form.
+
+    Example:
+
+    ```python
+    probe = InputSensitivity(model)
+    table = probe(x_batch)      # layer, layer_index, max_abs
+    ```
+
+    Args:
+        model: A Keras model whose inputs are float tensors.
+        training: Whether to run the forward pass in training mode. Defaults to
+            `False`, so that Dropout is off and BatchNormalization uses (and
+            does not update) its moving statistics. With `True`, the moving
+            statistics are restored after the pass.
+    """
+
+    def __init__(self, model, training=False):
+        self.model = model
+        self.training = bool(training)
+        self._called = None
+        self._compiled = tf.function(self._maxima)
+
+    def _maxima(self, x):
+        inputs = differentiable_inputs(x)
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(inputs)
+            with capture.record_layer_outputs(self.model) as outputs:
+                self.model(x, training=self.training)
+        # Runs while tracing: remembers which layers the graph covers.
+        self._called = list(outputs.paths)
+        return sensitivity_maxima(tape, outputs.tensors, inputs)
+
+    def __call__(self, x):
+        """Compute the sensitivity table for one batch `x`.
+
+        Returns:
+            A DataFrame with columns `layer`, `layer_index`, `max_abs`: one row
+            per layer call, in call order.
+
+        Raises:
+            ValueError: if no input of `x` is a float tensor.
+        """
+        x = to_tensors(x, "x")
+        if not differentiable_inputs(x):
+            dtypes = sorted({t.dtype.name for t in tf.nest.flatten(x)})
+            raise ValueError(
+                f"Cannot compute input sensitivity: {INTEGER_INPUT_NOTE} "
+                f"(received `x` with dtype {', '.join(dtypes)}). Measure the "
+                "sensitivity to the embedding output instead: split the model "
+                "after its Embedding and pass the embeddings as `x`."
+            )
+        capture.ensure_built(self.model, x)
+        with restored_state(self.model, enabled=self.training):
+            maxima = self._compiled(x).numpy().astype(np.float64)
+        return sensitivity_table(self.model, self._called, maxima)
+
+
+def sensitivity_table(model, called_paths, maxima, note=""):
+    """The `.inputs` table: one row per layer call, indexed like the weights."""
+    index = {path: i for i, path in enumerate(layer_order(model))}
+    table = pd.DataFrame(
+        {
+            "layer": called_paths,
+            "layer_index": [index[p.split("#")[0]] for p in called_paths],
+            "max_abs": maxima,
+        }
+    )
+    if note:
+        table["note"] = note
+    return table
+
+
+def input_sensitivity(model, x, training=False):
+    """max |d(sum of layer output)/d(model input)| for every layer, on one batch.
+
+    Example:
+
+    >>> import numpy as np, keras
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    >>> table = input_sensitivity(model, np.ones((4, 3), "float32"))
+    >>> list(table.columns)
+    ['layer', 'layer_index', 'max_abs']
+
+    Args:
+        model: A Keras model (Sequential, Functional, subclassed, nested).
+        x: One batch of inputs: numpy array, tensor, or a list/dict of them.
+        training: Forward pass in training mode. Defaults to `False` (Dropout
+            off, BatchNormalization on its moving statistics and not updated).
+
+    Returns:
+        A DataFrame with columns `layer`, `layer_index` and `max_abs`, one row
+        per layer call in call order. `max_abs` is the largest absolute entry
+        over the whole batch and all float inputs.
+
+    Raises:
+        ValueError: if the model input is an integer tensor (token ids).
+        TypeError: if `x` is not array-like.
+    """
+    return InputSensitivity(model, training=training)(x)

@@ -1,0 +1,344 @@
+"""Per-layer gradient statistics of any Keras model on one batch.
+
+`snapshot(model, x, y)` answers the practitioner's first questions without
+training: how large is each layer's weight gradient, how large is the
+gradient of the loss with respect to each layer's output, and how sensitive
+is each layer's output to the input. Nothing is updated: no optimizer step,
+and the forward pass runs with `training=False` by default so that Dropout is
+off and BatchNormalization neither uses batch statistics nor moves its moving
+mean and variance. With `training=True` the pass behaves as in `fit`, and the
+moving statistics (and Dropout's seed state) are restored afterwards.
+
+Everything (forward pass, loss, weight and activation gradients, input
+sensitivity, statistics) runs in one compiled `tf.function`. `GradientProbe`
+keeps that function for repeated use on many batches.
+"""
+
+import dataclasses
+
+import keras
+import numpy as np
+import pandas as pd
+import tensorflow as tf
+
+from gradflow import schema
+from gradflow.probe import capture
+from gradflow.probe import sensitivity
+from gradflow.probe.naming import layer_order
+from gradflow.probe.naming import variable_names
+from gradflow.statistics import summarize
+
+_KEY_COLUMNS = ["step", "layer", "layer_index", "tensor", "variable", "shape"]
+_BIN_COLUMNS = [f"b{i}" for i in range(schema.HISTOGRAM_BINS)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The gradients of one batch, as tidy pandas tables.
+
+    Attributes:
+        weights: One row per trainable variable: `step` (always 0), `layer`,
+            `layer_index` (0 nearest the input), `tensor` (`kernel`, `bias`,
+            ...), `variable` (Keras `Variable.path`), `shape`, then the
+            statistics of `gradflow.schema.STATISTICS` of dLoss/d(variable).
+            A variable the loss does not depend on gets a zero gradient.
+        activations: One row per layer call in the forward pass (leaf layers,
+            nested ones as `outer/inner`, a second call of a shared layer as
+            `path#2`), in call order: the statistics of dLoss/d(layer output),
+            `tensor` = `"activation"`, `variable` = `""`. For the model's
+            output this is the derivative of the loss as a function of the
+            output values, also where Keras computes a cross-entropy from a
+            softmax's logits.
+        inputs: One row per layer call: `layer`, `layer_index`, `max_abs` of
+            d(sum of the layer's output)/d(model input). For integer inputs
+            `max_abs` is NaN and a `note` column says why.
+        loss: The scalar loss of the batch (batch mean, plus the model's
+            regularization losses).
+        histograms: Counts of log10|g| in the fixed bins of `gradflow.schema`,
+            one row per row of `weights` and of `activations` (columns
+            `layer`, `layer_index`, `tensor`, `variable`, `b0`...). Empty when
+            histograms were not asked for.
+        training: The `training` flag the forward pass ran with.
+    """
+
+    weights: pd.DataFrame = dataclasses.field(repr=False)
+    activations: pd.DataFrame = dataclasses.field(repr=False)
+    inputs: pd.DataFrame = dataclasses.field(repr=False)
+    loss: float
+    histograms: pd.DataFrame = dataclasses.field(repr=False)
+    training: bool = False
+
+    @property
+    def layer_stats(self):
+        """`weights` and `activations` stacked in gradflow's tidy layout."""
+        columns = [c for c in schema.LAYER_STATS_COLUMNS if c in self.weights.columns]
+        return pd.concat(
+            [self.weights[columns], self.activations[columns]], ignore_index=True
+        )
+
+
+def resolve_loss(model, loss):
+    """Turn `loss` (object, name, callable or None) into a callable.
+
+    Raises:
+        ValueError: if `loss` is None and the model has no compiled loss, if
+            the name is unknown, or if the loss is per-output (list/dict).
+        TypeError: if `loss` is neither a string nor callable.
+    """
+    if loss is None:
+        loss = getattr(model, "loss", None)
+        if loss is None:
+            raise ValueError(
+                "`loss` is None and the model was not compiled with a loss. Pass "
+                "`loss=` (a Keras loss object such as keras.losses.MeanSquaredError(), "
+                "or its name such as 'mse' or 'sparse_categorical_crossentropy'), "
+                "or call `model.compile(loss=...)` first."
+            )
+    if isinstance(loss, (list, tuple, dict)):
+        raise ValueError(
+            "gradflow probes single-output models: `loss` must be one loss, got a "
+            f"{type(loss).__name__} of losses ({loss!r})."
+        )
+    if isinstance(loss, str):
+        try:
+            return keras.losses.get(loss)
+        except ValueError:
+            raise ValueError(
+                f"Unknown loss name `loss`={loss!r}. Use a Keras loss name such as "
+                "'mse', 'mae', 'binary_crossentropy', 'categorical_crossentropy' or "
+                "'sparse_categorical_crossentropy', or pass a keras.losses.Loss."
+            ) from None
+    if not callable(loss):
+        raise TypeError(
+            "`loss` must be a Keras loss object, a loss name, a callable "
+            f"(y_true, y_pred) or None; got {type(loss).__name__}: {loss!r}."
+        )
+    return loss
+
+
+def check_batch_sizes(x, y):
+    """Raise a ValueError naming both shapes if `x` and `y` disagree on the batch."""
+    sizes = {}
+    for name, data in (("x", x), ("y", y)):
+        for tensor in tf.nest.flatten(data):
+            if tensor.shape.rank == 0:
+                raise ValueError(
+                    f"`{name}` must have a batch dimension, got a scalar {tensor}."
+                )
+            sizes.setdefault(tensor.shape[0], (name, tuple(tensor.shape)))
+    if len(sizes) > 1:
+        seen = ", ".join(f"`{n}` of shape {s}" for n, s in sizes.values())
+        raise ValueError(
+            f"`x` and `y` must hold the same number of samples (first dimension), got {seen}."
+        )
+
+
+def _mean_loss(loss_fn, y, y_pred):
+    value = loss_fn(y, y_pred)
+    # Plain Keras loss functions ("mse") return one value per sample; the
+    # training loss is their batch mean (Keras's "sum_over_batch_size").
+    return tf.reduce_mean(tf.cast(value, tf.float32))
+
+
+class GradientProbe:
+    """A compiled snapshot function for one model and loss, reusable across batches.
+
+    The first call traces the forward and backward pass into one graph; later
+    calls with batches of the same shape only run it. `snapshot()` is the
+    one-shot form.
+
+    Example:
+
+    ```python
+    probe = GradientProbe(model, loss="sparse_categorical_crossentropy")
+    for x_batch, y_batch in batches:
+        print(probe(x_batch, y_batch).weights[["layer", "l2_norm"]])
+    ```
+
+    Args:
+        model: A Keras model: Sequential, Functional, subclassed (also never
+            called symbolically), nested, recurrent or convolutional.
+        loss: A Keras loss object, its string name, a callable
+            `(y_true, y_pred)`, or `None` for the model's compiled loss.
+            Defaults to `None`.
+        training: Forward pass in training mode. Defaults to `False`.
+        histograms: Whether to also count log10|g| histograms. Defaults to
+            `True`.
+        sensitivity: Whether to compute the input sensitivity table (one
+            backward graph per layer). Defaults to `True`.
+
+    Raises:
+        ValueError: if `loss` is None and the model is not compiled (see
+            `resolve_loss`).
+    """
+
+    def __init__(self, model, loss=None, training=False, histograms=True, sensitivity=True):
+        self.model = model
+        self.loss_fn = resolve_loss(model, loss)
+        self.training = bool(training)
+        self.histograms = bool(histograms)
+        self.sensitivity = bool(sensitivity)
+        self._traced = None
+        self._compiled = tf.function(self._gradients)
+
+    def _gradients(self, x, y):
+        model = self.model
+        inputs = sensitivity.differentiable_inputs(x)
+        sensitive = self.sensitivity and bool(inputs)
+        # Forward pass
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(inputs)
+            with capture.record_layer_outputs(model) as outputs:
+                y_pred = model(x, training=self.training)
+            loss = _mean_loss(self.loss_fn, y, y_pred)
+            if model.losses:
+                loss += tf.add_n([tf.cast(tf.reduce_sum(l), tf.float32) for l in model.losses])
+            # Keras's cross-entropies read a softmax/sigmoid output's logits
+            # directly (for stability), which leaves the output tensor itself
+            # off the gradient path. The same loss on a copy of the output
+            # values gives dLoss/d(output) as a student would define it.
+            shown = [tf.identity(t) for t in tf.nest.flatten(y_pred)]
+            shown_loss = _mean_loss(self.loss_fn, y, tf.nest.pack_sequence_as(y_pred, shown))
+        # Compute gradients
+        variables = list(model.trainable_variables)
+        gradients = tape.gradient(
+            loss,
+            variables + outputs.tensors,
+            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+        )
+        final = tape.gradient(shown_loss, shown)
+        for i, tensor in enumerate(outputs.tensors):
+            for output, gradient in zip(tf.nest.flatten(y_pred), final):
+                if tensor is output and gradient is not None:
+                    gradients[len(variables) + i] = gradient
+        # Record gradient statistics
+        statistics, histograms = summarize(gradients, histogram=self.histograms)
+        maxima = (
+            sensitivity.sensitivity_maxima(tape, outputs.tensors, inputs)
+            if sensitive
+            else tf.fill([len(outputs)], float("nan"))
+        )
+        # Runs while tracing only: the Python side of the graph's layout.
+        self._traced = {
+            "paths": list(outputs.paths),
+            "shapes": [tuple(t.shape) for t in outputs.tensors],
+            "variables": variables,
+            "integer_inputs": not inputs,
+        }
+        return loss, statistics, histograms, maxima
+
+    def __call__(self, x, y):
+        """Compute the snapshot of one batch.
+
+        Args:
+            x: Inputs: numpy array, tensor, or a list/dict of them.
+            y: Targets with the same number of samples as `x`.
+
+        Returns:
+            A `Snapshot`.
+
+        Raises:
+            ValueError: if `x` and `y` hold different numbers of samples.
+            TypeError: if `x` or `y` is not array-like.
+        """
+        x = sensitivity.to_tensors(x, "x")
+        y = sensitivity.to_tensors(y, "y")
+        check_batch_sizes(x, y)
+        capture.ensure_built(self.model, x)
+        with sensitivity.restored_state(self.model, enabled=self.training):
+            loss, statistics, histograms, maxima = self._compiled(x, y)
+        return self._tables(loss, statistics, histograms, maxima)
+
+    def _tables(self, loss, statistics, histograms, maxima):
+        traced = self._traced
+        variables = traced["variables"]
+        statistics = statistics.numpy().astype(np.float64)
+        names = variable_names(self.model, variables)
+        index = {path: i for i, path in enumerate(layer_order(self.model))}
+        paths = traced["paths"]
+        keys = pd.DataFrame(
+            {
+                "step": 0,
+                "layer": [n.layer for n in names] + paths,
+                "layer_index": [n.layer_index for n in names]
+                + [index[p.split("#")[0]] for p in paths],
+                "tensor": [n.tensor for n in names] + [schema.ACTIVATION] * len(paths),
+                "variable": [n.variable for n in names] + [""] * len(paths),
+                "shape": [tuple(v.shape) for v in variables] + traced["shapes"],
+            },
+            columns=_KEY_COLUMNS,
+        )
+        table = pd.concat(
+            [keys, pd.DataFrame(statistics, columns=list(schema.STATISTICS))], axis=1
+        )
+        table["nonfinite"] = table["nonfinite"].astype(np.int64)
+        n = len(variables)
+        weights = table.iloc[:n].reset_index(drop=True)
+        activations = table.iloc[n:].reset_index(drop=True)
+        note = sensitivity.INTEGER_INPUT_NOTE if traced["integer_inputs"] else ""
+        inputs = sensitivity.sensitivity_table(
+            self.model, paths, maxima.numpy().astype(np.float64), note=note
+        )
+        if histograms is None:
+            counts = pd.DataFrame(columns=["layer", "layer_index", "tensor", "variable"] + _BIN_COLUMNS)
+        else:
+            counts = pd.concat(
+                [
+                    keys[["layer", "layer_index", "tensor", "variable"]],
+                    pd.DataFrame(histograms.numpy().astype(np.int64), columns=_BIN_COLUMNS),
+                ],
+                axis=1,
+            )
+        return Snapshot(
+            weights=weights,
+            activations=activations,
+            inputs=inputs,
+            loss=float(loss),
+            histograms=counts,
+            training=self.training,
+        )
+
+
+def snapshot(model, x, y, loss=None, training=False, histograms=True):
+    """Per-layer gradient statistics of `model` on one batch, without updating it.
+
+    Example:
+
+    ```python
+    import gradflow
+    shot = gradflow.snapshot(model, x_batch, y_batch, loss="mse")
+    shot.weights[["layer", "tensor", "max_abs", "l2_norm"]]
+    shot.activations[["layer", "l2_norm", "zero_fraction"]]
+    shot.inputs        # max |d(sum of layer output)/d input| per layer
+    ```
+
+    Args:
+        model: A Keras model: Sequential, Functional, subclassed (also never
+            called symbolically), nested, recurrent or convolutional.
+        x: One batch of inputs: numpy array, tensor, or a list/dict of them.
+            Float64 arrays are cast to `keras.backend.floatx()`, as in `fit`.
+        y: The targets of that batch.
+        loss: A Keras loss object (`keras.losses.MeanSquaredError()`), its
+            string name (`"mse"`, `"sparse_categorical_crossentropy"`), a
+            callable `(y_true, y_pred)`, or `None` to use the loss the model
+            was compiled with. Defaults to `None`. The model's regularization
+            losses (`model.losses`) are added, as in training.
+        training: Run the forward pass in training mode. Defaults to `False`:
+            Dropout is off and BatchNormalization uses its moving statistics,
+            so the result is deterministic. With `True` the pass matches a
+            `fit` step (batch statistics, random Dropout masks); the moving
+            statistics and seed state are restored afterwards.
+        histograms: Also count log10|g| histograms. Defaults to `True`.
+
+    Returns:
+        A `Snapshot` with `.weights`, `.activations`, `.inputs`, `.loss` and
+        `.histograms`. No variable of the model is changed.
+
+    Raises:
+        ValueError: if `loss` is None and the model is not compiled, if the
+            loss name is unknown, or if `x` and `y` hold different numbers of
+            samples.
+        TypeError: if `x` or `y` is not array-like, or `loss` not callable.
+    """
+    probe = GradientProbe(model, loss=loss, training=training, histograms=histograms)
+    return probe(x, y)
