@@ -1,0 +1,277 @@
+"""`safe_load_model`: load a `.keras` file from a stranger without trusting it.
+
+Keras's `safe_mode=True` only blocks `__lambda__` bytecode; it is not a
+security boundary (CVE-2025-1550 module import through `module`, CVE-2025-12058
+vocabulary files, HDF5 external storage, shape bombs, ...). So loading is in
+three stages, each of which must pass before the next runs:
+
+1. Structure, in pure Python on a private copy of the file: the size, the zip
+   directory (exactly `config.json`, `metadata.json`, `model.weights.h5`; no
+   absolute or `..` names; entry count, total uncompressed size and
+   compression ratio capped), then `config.json` parsed with a size cap and
+   walked at every depth against an allow-list of core Keras classes
+   (`gradflow.safety.keras_config`). Legacy HDF5 models are refused by their
+   magic bytes.
+2. Rehearsal in a child process (`gradflow.safety.sandbox`) limited in memory
+   (`RLIMIT_AS`) and time: it checks every HDF5 object of the weights, loads
+   the model with `safe_mode=True, compile=False` and counts its parameters.
+3. Only then the parent loads the same private copy with
+   `keras.saving.load_model(copy, safe_mode=True, compile=False)`. Its config
+   is allow-listed and the child proved it builds within the limits.
+
+The private copy means the file cannot be swapped between checking and loading.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from gradflow.safety import archives
+from gradflow.safety.errors import UnsafeInputError
+from gradflow.safety.keras_config import check_model_config
+from gradflow.safety.sandbox import RESULT_PREFIX
+
+_EXPECTED_ENTRIES = ("config.json", "metadata.json", "model.weights.h5")
+_MAX_CONFIG_BYTES = 4 << 20
+_MAX_METADATA_BYTES = 64 << 10
+# Keras stores entries uncompressed; anything far above DEFLATE's usual ratio is a bomb.
+_MAX_RATIO = 100
+_HDF5_ADVICE = (
+    "Legacy HDF5 model files can run code or read files on load; re-save the model as "
+    ".keras with model.save('m.keras') and upload that."
+)
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def safe_load_model(
+    path,
+    *,
+    max_bytes=50 * 2**20,
+    max_entries=16,
+    max_weight_entries=20_000_000,
+    timeout=120.0,
+    memory_limit=6 * 2**30,
+):
+    """Loads a `.keras` model file from an untrusted source.
+
+    The file is checked before any Keras code sees it, then loaded once in a
+    child process with memory and time limits, then loaded here. See the
+    module docstring and SECURITY.md for what is checked.
+
+    Example:
+
+    ```python
+    model = gradflow.safe_load_model("upload.keras")
+    shot = gradflow.snapshot(model, x, y, loss="mse")
+    ```
+
+    Args:
+        path: path of the uploaded `.keras` file (any file name).
+        max_bytes: largest accepted file size, and largest uncompressed size
+            of all its entries together. Defaults to 50 MiB.
+        max_entries: most entries the zip directory may declare. Defaults to
+            16 (a `.keras` file has 3).
+        max_weight_entries: most weight values (scalars) the model may
+            declare in its config, store in its weights file, or build.
+            Defaults to 20,000,000 (80 MB of float32).
+        timeout: seconds the child process may take to load the model,
+            TensorFlow start-up included. Defaults to 120.
+        memory_limit: address-space limit of the child process in bytes;
+            TensorFlow alone reserves about 2.5 GiB of it. Defaults to 6 GiB.
+
+    Returns:
+        An uncompiled `keras.Model`.
+
+    Raises:
+        UnsafeInputError: the file was refused; the message says what was
+            found, where, and what to do.
+        ValueError: an argument is out of range.
+    """
+    _check_positive("max_bytes", max_bytes)
+    _check_positive("max_entries", max_entries)
+    _check_positive("max_weight_entries", max_weight_entries)
+    _check_positive("timeout", timeout, number=True)
+    _check_positive("memory_limit", memory_limit)
+
+    with tempfile.TemporaryDirectory(prefix="gradflow-upload-") as private:
+        copy = os.path.join(private, "model.keras")
+        _private_copy(path, copy, max_bytes)
+        check_keras_file(
+            copy,
+            max_bytes=max_bytes,
+            max_entries=max_entries,
+            max_weight_entries=max_weight_entries,
+        )
+        summary = rehearse_load(
+            copy,
+            max_bytes=max_bytes,
+            max_weight_entries=max_weight_entries,
+            timeout=timeout,
+            memory_limit=memory_limit,
+        )
+        import keras
+
+        model = keras.saving.load_model(copy, safe_mode=True, compile=False)
+    if model.count_params() != summary["params"]:
+        raise UnsafeInputError(
+            "The model built differently here than in the checking process "
+            f"({model.count_params():,} vs {summary['params']:,} parameters); refused."
+        )
+    return model
+
+
+def check_keras_file(path, *, max_bytes, max_entries, max_weight_entries):
+    """Checks the structure and config of a `.keras` file; nothing is executed.
+
+    Args:
+        path: the file to check.
+        max_bytes: largest file size and largest total uncompressed size.
+        max_entries: most zip entries.
+        max_weight_entries: most weight values the config may declare.
+
+    Returns:
+        The parsed `config.json`.
+
+    Raises:
+        UnsafeInputError: for the first problem found.
+    """
+    archives.check_file_size(path, max_bytes, "model file")
+    _refuse_hdf5(path)
+    with archives.open_checked_zip(
+        path,
+        what="model file",
+        max_bytes=max_bytes,
+        max_entries=max_entries,
+        max_total_bytes=max_bytes,
+        max_ratio=_MAX_RATIO,
+    ) as archive:
+        names = sorted(archive.namelist())
+        if names != sorted(_EXPECTED_ENTRIES):
+            raise UnsafeInputError(
+                f"The model file contains {names!r}; a .keras file saved by Keras 3 holds "
+                f"exactly {list(_EXPECTED_ENTRIES)!r} (extra entries such as assets/ belong "
+                "to layers that read files, which are not accepted). Save it with "
+                "model.save('m.keras')."
+            )
+        config = _parse_json(archive, "config.json", _MAX_CONFIG_BYTES)
+        metadata = _parse_json(archive, "metadata.json", _MAX_METADATA_BYTES)
+    if not isinstance(metadata, dict) or not str(metadata.get("keras_version", "")).startswith(
+        "3."
+    ):
+        raise UnsafeInputError(
+            "metadata.json of the model file does not say it was saved by Keras 3 "
+            f"(found {metadata!r:.120}). Save the model with Keras 3: model.save('m.keras')."
+        )
+    check_model_config(config, max_weight_entries=max_weight_entries)
+    return config
+
+
+def rehearse_load(path, *, max_bytes, max_weight_entries, timeout, memory_limit):
+    """Loads the checked file once in a limited child process; returns its summary.
+
+    Returns:
+        Dict with `class_name`, `layers`, `params` (built weight values) and
+        `stored_values` (values in the weights file).
+
+    Raises:
+        UnsafeInputError: the child refused the weights, ran out of memory or
+            time, or failed to load the model.
+    """
+    env = dict(os.environ)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["TMPDIR"] = os.path.dirname(path)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+    request = {
+        "path": path,
+        "max_bytes": max_bytes,
+        "max_weight_entries": max_weight_entries,
+        "memory_limit": memory_limit,
+    }
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "gradflow.safety.sandbox"],
+            input=json.dumps(request) + "\n",
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=os.path.dirname(path),
+        )
+    except subprocess.TimeoutExpired as e:
+        raise UnsafeInputError(
+            f"Loading the model took longer than `timeout`={timeout} seconds and was "
+            "stopped. Upload a smaller model or raise `timeout`."
+        ) from e
+    result = None
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            result = json.loads(line[len(RESULT_PREFIX) :])
+    if result is None:
+        raise UnsafeInputError(
+            f"Loading the model failed in the checking process (exit code {done.returncode}, "
+            f"within `memory_limit`={memory_limit:,} bytes): {done.stderr.strip()[-300:]!r}"
+        )
+    if result["ok"]:
+        return result["summary"]
+    if result["kind"] == "unsafe":
+        raise UnsafeInputError(f"Refused model file: {result['message']}")
+    if result["kind"] == "memory":
+        raise UnsafeInputError(
+            f"Loading the model needed more than `memory_limit`={memory_limit:,} bytes "
+            f"({result['message'][:200]}). Upload a smaller model or raise `memory_limit`."
+        )
+    raise UnsafeInputError(f"The model could not be loaded: {result['message']}")
+
+
+def _private_copy(path, copy, max_bytes):
+    archives.check_file_size(path, max_bytes, "model file")
+    with open(path, "rb") as source, open(copy, "wb") as target:
+        # Copy at most one byte more than allowed, so a file that grows is caught.
+        shutil.copyfileobj(_Limited(source, max_bytes + 1), target)
+
+
+class _Limited:
+    def __init__(self, f, limit):
+        self.f, self.left = f, limit
+
+    def read(self, n=-1):
+        n = self.left if n is None or n < 0 else min(n, self.left)
+        data = self.f.read(n)
+        self.left -= len(data)
+        return data
+
+
+def _refuse_hdf5(path):
+    # HDF5 accepts a user block, so the signature may sit at 0, 512, 1024, ...
+    with open(path, "rb") as f:
+        offset = 0
+        while True:
+            f.seek(offset)
+            head = f.read(8)
+            if len(head) < 8:
+                return
+            if head == archives.HDF5_MAGIC:
+                raise UnsafeInputError(
+                    f"Refused model file: it is an HDF5 (.h5) file, not a .keras file. "
+                    f"{_HDF5_ADVICE}"
+                )
+            offset = 512 if offset == 0 else offset * 2
+
+
+def _parse_json(archive, name, limit):
+    data = archives.read_member(archive, name, limit, "model file")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise UnsafeInputError(f"{name} in the model file is not valid JSON: {e}.") from e
+
+
+def _check_positive(name, value, number=False):
+    kinds = (int, float) if number else (int,)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
+        allowed = "a positive number" if number else "a positive integer"
+        raise ValueError(f"`{name}` must be {allowed}, got {value!r}.")

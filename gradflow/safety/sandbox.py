@@ -1,0 +1,178 @@
+"""Rehearse loading a checked `.keras` file in a child process with limits.
+
+The parent (`gradflow.safety.models`) has already checked the zip structure
+and allow-listed `config.json` in pure Python. What is left needs native
+parsers that handle untrusted bytes: HDF5 for the weights and Keras building
+the layers (which allocates the declared weights). Both run here first, in a
+fresh interpreter that limits itself before touching the file:
+
+- `RLIMIT_AS` (address space) to `memory_limit`, so a shape bomb fails with
+  `MemoryError` instead of exhausting the shared server;
+- `RLIMIT_FSIZE` to `max_bytes` and `RLIMIT_CORE` to 0; temporary files go
+  to the parent's private folder (`TMPDIR`), which is deleted afterwards;
+- the parent kills the child after `timeout` seconds;
+- no GPU (`CUDA_VISIBLE_DEVICES=""`): CUDA reserves more address space than
+  any sensible limit.
+
+The child inspects every HDF5 object (no soft/external links, no external or
+virtual datasets, numeric dtypes only, total values within
+`max_weight_entries`), loads with `keras.saving.load_model(path,
+safe_mode=True, compile=False)`, counts the built parameters, and prints one
+JSON line. Loading is deterministic, so when the child succeeds the parent can
+load the same private copy within the same bounds.
+
+Run as `python -m gradflow.safety.sandbox` with a JSON request on stdin.
+"""
+
+import io
+import json
+import math
+import os
+import resource
+import signal
+import sys
+
+RESULT_PREFIX = "GRADFLOW-SANDBOX-RESULT "
+_MAX_H5_OBJECTS = 10_000
+
+
+def _limit_self(memory_limit, max_file_bytes):
+    resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # Keras may extract the weights to a temporary file; nothing needs more.
+    # Writing beyond it then fails with EFBIG instead of killing us with SIGXFSZ.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+
+
+def check_weights_file(data, max_weight_entries):
+    """Walks every object of `model.weights.h5` without reading any data.
+
+    Args:
+        data: the bytes of `model.weights.h5`.
+        max_weight_entries: most values all datasets may hold together.
+
+    Returns:
+        The total number of values in all datasets.
+
+    Raises:
+        gradflow.UnsafeInputError: links, external or virtual storage,
+            non-numeric dtypes, too many objects or values.
+    """
+    import h5py
+
+    from gradflow.safety.errors import UnsafeInputError
+
+    total = 0
+    objects = 0
+    try:
+        h5 = h5py.File(io.BytesIO(data), "r")
+    except (OSError, ValueError) as e:
+        raise UnsafeInputError(f"model.weights.h5 is not a valid HDF5 file: {e}.") from e
+    with h5:
+        groups = [(h5, "")]
+        while groups:
+            group, prefix = groups.pop()
+            for name in group:
+                path = f"{prefix}/{name}"
+                objects += 1
+                if objects > _MAX_H5_OBJECTS:
+                    raise UnsafeInputError(
+                        f"model.weights.h5 has more than {_MAX_H5_OBJECTS:,} objects."
+                    )
+                link = group.get(name, getlink=True)
+                if not isinstance(link, h5py.HardLink):
+                    raise UnsafeInputError(
+                        f"model.weights.h5 has a {type(link).__name__} at {path}; links can "
+                        "point to other files on the server and are not accepted."
+                    )
+                item = group[name]
+                if isinstance(item, h5py.Group):
+                    groups.append((item, path))
+                elif isinstance(item, h5py.Dataset):
+                    total += _check_dataset(item, path, UnsafeInputError)
+                    if total > max_weight_entries:
+                        raise UnsafeInputError(
+                            f"model.weights.h5 holds more than {max_weight_entries:,} weight "
+                            f"values (reached at {path}); `max_weight_entries` limits this."
+                        )
+                else:
+                    raise UnsafeInputError(
+                        f"model.weights.h5 has a {type(item).__name__} at {path}; only groups "
+                        "and datasets are expected."
+                    )
+    return total
+
+
+def _check_dataset(dataset, path, error):
+    if dataset.external:
+        raise error(
+            f"model.weights.h5 dataset {path} stores its data in external files "
+            f"{[e[0] for e in dataset.external]!r}; reading it would read server files."
+        )
+    if dataset.is_virtual:
+        raise error(
+            f"model.weights.h5 dataset {path} is a virtual dataset that maps other files."
+        )
+    if dataset.dtype.kind not in "biuf" or dataset.dtype.hasobject:
+        raise error(
+            f"model.weights.h5 dataset {path} has dtype {dataset.dtype}; only numeric "
+            "weights are accepted."
+        )
+    if dataset.shape is None:
+        return 0
+    return math.prod(dataset.shape)
+
+
+def _rehearse(request):
+    import zipfile
+
+    from gradflow.safety.archives import read_member
+
+    path = request["path"]
+    with zipfile.ZipFile(path) as archive:
+        data = read_member(archive, "model.weights.h5", request["max_bytes"], "model file")
+    stored = check_weights_file(data, request["max_weight_entries"])
+    del data
+
+    import keras
+
+    model = keras.saving.load_model(path, safe_mode=True, compile=False)
+    params = int(model.count_params())
+    if params > request["max_weight_entries"]:
+        from gradflow.safety.errors import UnsafeInputError
+
+        raise UnsafeInputError(
+            f"The model builds {params:,} weight values, over the limit of "
+            f"`max_weight_entries`={request['max_weight_entries']:,}."
+        )
+    return {
+        "class_name": type(model).__name__,
+        "layers": len(model.layers),
+        "params": params,
+        "stored_values": stored,
+    }
+
+
+def main():
+    request = json.loads(sys.stdin.readline())
+    _limit_self(request["memory_limit"], request["max_bytes"])
+    try:
+        from gradflow.safety.errors import UnsafeInputError
+
+        result = {"ok": True, "summary": _rehearse(request)}
+    except UnsafeInputError as e:
+        result = {"ok": False, "kind": "unsafe", "message": str(e)}
+    except MemoryError:
+        result = {"ok": False, "kind": "memory", "message": "out of memory"}
+    except Exception as e:  # noqa: BLE001 -- every failure is reported to the parent
+        kind = "memory" if "memory" in str(e).lower() or "alloc" in str(e).lower() else "error"
+        result = {"ok": False, "kind": kind, "message": f"{type(e).__name__}: {str(e)[:800]}"}
+    sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    # Skip interpreter teardown: TensorFlow's can be slow and says nothing useful.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
