@@ -1,0 +1,278 @@
+"""Figures that put two or more runs side by side on one scale."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from gradflow.figures import decimate
+from gradflow.figures import grid as grid_lib
+from gradflow.figures import heatmap as heatmap_lib
+from gradflow.figures import lines
+from gradflow.figures import logscale
+from gradflow.figures import profile as profile_lib
+from gradflow.figures import style
+from gradflow.figures.chart import Chart
+
+_MAX_COLUMNS_PER_ROW = 3
+
+
+def _check_runs(runs, argument="runs"):
+    if not hasattr(runs, "items") or len(runs) == 0:
+        raise ValueError(
+            f"`{argument}` must be a non-empty mapping of run name -> DataFrame, got {type(runs).__name__} "
+            f"of length {len(runs) if hasattr(runs, '__len__') else '?'}."
+        )
+    return [(str(name), frame) for name, frame in runs.items()]
+
+
+def compare_heatmaps(
+    runs,
+    statistic="max_abs",
+    tensor="kernel",
+    *,
+    zmin=None,
+    zmax=None,
+    max_columns=decimate.DEFAULT_MAX_COLUMNS,
+    title=None,
+    presentation=False,
+):
+    """Heatmaps of several runs side by side with ONE shared colour scale.
+
+    All panels use one layout colour axis, so a colour means the same value
+    in every panel (relu vs sigmoid reads at a glance).
+
+    Example:
+
+    ```python
+    chart = compare_heatmaps({"relu": relu.layer_stats, "sigmoid": sig.layer_stats}, "l2_norm")
+    ```
+
+    Args:
+        runs: mapping of run name -> tidy layer-statistics DataFrame (in
+            display order).
+        statistic: the column to colour by. Default `"max_abs"`.
+        tensor: tensor kind or `"all_weights"`. Default `"kernel"`.
+        zmin: bottom of the shared scale in real units, or None (default)
+            for the decade below the smallest value of any run.
+        zmax: top of the shared scale, or None (default).
+        max_columns: most columns per panel. Default 1000.
+        title: figure title, or None (default).
+        presentation: large fonts for slides. Default False.
+
+    Returns:
+        A `Chart`; `.data` is the heatmap data of every run with a leading
+        `run` column.
+
+    Raises:
+        TypeError, ValueError: for an empty `runs`, or an invalid frame,
+            statistic or tensor (named with the run).
+    """
+    named = _check_runs(runs)
+    grids = []
+    for name, frame in named:
+        try:
+            grids.append(decimate.decimate_max(grid_lib.layer_grid(frame, statistic, tensor), max_columns))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"Run {name!r}: {error}") from error
+    every = np.concatenate([g.values[g.present] for g in grids])
+    log_min, log_max = logscale.log_range(every, zmin, zmax)
+
+    cols = min(len(grids), _MAX_COLUMNS_PER_ROW)
+    rows = math.ceil(len(grids) / cols)
+    figure = make_subplots(
+        rows=rows,
+        cols=cols,
+        subplot_titles=[style.escape_label(name) for name, _ in named],
+        horizontal_spacing=0.12,
+        vertical_spacing=0.18 if rows > 1 else 0.1,
+    )
+    pieces = []
+    for number, ((name, _), layer_grid) in enumerate(zip(named, grids)):
+        row, col = divmod(number, cols)
+        frame = layer_grid.to_frame()
+        frame.insert(0, "run", name)
+        pieces.append(frame)
+        if layer_grid.values.size == 0:
+            continue
+        prefix = style.escape_label(name) + ": "
+        for trace in heatmap_lib.heatmap_traces(layer_grid, log_min, log_max, coloraxis="coloraxis", name_prefix=prefix):
+            figure.add_trace(trace, row=row + 1, col=col + 1)
+        figure.update_xaxes(title_text=heatmap_lib.step_axis_title(layer_grid), row=row + 1, col=col + 1)
+        figure.update_yaxes(type="category", row=row + 1, col=col + 1)
+    figure.update_layout(
+        coloraxis=dict(
+            cmin=log_min,
+            cmax=log_max,
+            colorscale=style.HEATMAP_COLORSCALE,
+            colorbar=heatmap_lib.colorbar(statistic, log_min, log_max),
+        ),
+        height=rows * min(700, max(380, 60 + 18 * max(len(g.layer) for g in grids))),
+        legend=dict(orientation="h", y=-0.2),
+    )
+    plain_title = title or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({tensor}): " + " vs ".join(
+        name for name, _ in named
+    )
+    figure.update_layout(title=style.escape_label(plain_title))
+    figure.update_xaxes(showgrid=False)
+    figure.update_yaxes(showgrid=False)
+    style.apply_style(figure, presentation)
+    description = (
+        f"{statistic} of the {tensor} gradients per layer and step for each run, on one shared "
+        "log colour scale, so equal colours mean equal values across panels."
+    )
+    return Chart(figure, pd.concat(pieces, ignore_index=True), plain_title, description)
+
+
+def compare_profiles(
+    runs,
+    step=None,
+    statistic="max_abs",
+    tensor="kernel",
+    *,
+    title=None,
+    presentation=False,
+):
+    """Depth profiles of several runs overlaid: statistic vs layer index.
+
+    Example:
+
+    ```python
+    chart = compare_profiles({"relu": a.layer_stats, "sigmoid": b.layer_stats}, step=200)
+    ```
+
+    Args:
+        runs: mapping of run name -> tidy layer-statistics DataFrame.
+        step: the step (last recorded at or before it, per run), or None
+            (default) for each run's last step.
+        statistic: the column to plot. Default `"max_abs"`.
+        tensor: tensor kind or `"all_weights"`. Default `"kernel"`.
+        title: figure title, or None (default).
+        presentation: large fonts for slides. Default False.
+
+    Returns:
+        A `Chart`; `.data` has columns `run, layer_index, layer, step,
+        <statistic>`.
+
+    Raises:
+        TypeError, ValueError: for an empty `runs`, an invalid frame or step.
+    """
+    named = _check_runs(runs)
+    pieces = []
+    for name, frame in named:
+        try:
+            grid_lib.check_layer_stats(frame, statistic)
+            shown = profile_lib.resolve_step(frame, tensor, step)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"Run {name!r}: {error}") from error
+        if shown is None:
+            continue
+        piece = profile_lib.profile_frame(frame, shown, tensor, [statistic])
+        piece.insert(0, "run", name)
+        pieces.append(piece)
+    columns = ["run", "layer_index", "layer", "step", statistic]
+    data = pd.concat(pieces, ignore_index=True) if pieces else pd.DataFrame(columns=columns)
+    plain_title = title or f"{style.STATISTIC_LABELS.get(statistic, statistic)} by depth ({tensor})"
+    description = f"{statistic} of the {tensor} gradients against layer depth (0 = input side), one line per run."
+    if data.empty:
+        return Chart(style.no_data_figure("No layer statistics recorded yet.", presentation), data, plain_title, description)
+
+    values = data[statistic].to_numpy(dtype=np.float64)
+    log_min, log_max = logscale.log_range(values)
+    figure = go.Figure()
+    for (name, piece), color in zip(data.groupby("run", sort=False), style.line_colors(len(pieces))):
+        raw = piece[statistic].to_numpy(dtype=np.float64)
+        label = style.escape_label(name)
+        figure.add_trace(
+            go.Scatter(
+                x=piece["layer_index"].to_numpy(),
+                y=np.power(10.0, logscale.to_log(raw, log_min)),
+                customdata=np.stack([raw, piece["step"].to_numpy(dtype=np.float64)], axis=1),
+                text=style.layer_labels(piece["layer"].tolist(), piece["layer_index"].tolist()),
+                mode="lines+markers",
+                name=label,
+                line=dict(color=color, width=2),
+                hovertemplate=f"{label}<br>%{{text}} (step %{{customdata[1]}})<br>%{{customdata[0]:.3g}}<extra></extra>",
+            )
+        )
+    tickvals, ticktext = logscale.decade_ticks(log_min, log_max)
+    figure.update_layout(
+        title=style.escape_label(plain_title),
+        xaxis_title="layer index (0 = input side)",
+        yaxis_title=style.statistic_label(statistic) + " (log scale)",
+    )
+    figure.update_yaxes(type="log", range=[log_min, log_max], tickvals=[10.0**v for v in tickvals], ticktext=ticktext)
+    style.apply_style(figure, presentation)
+    return Chart(figure, data, plain_title, description)
+
+
+def compare_metrics(
+    runs,
+    name="loss",
+    *,
+    validation=True,
+    log_y=False,
+    max_points=decimate.DEFAULT_MAX_COLUMNS,
+    title=None,
+    presentation=False,
+):
+    """One metric (e.g. loss) of several runs overlaid; validation dashed.
+
+    Example:
+
+    ```python
+    chart = compare_metrics({"relu": a.metrics, "sigmoid": b.metrics}, "loss")
+    ```
+
+    Args:
+        runs: mapping of run name -> long metrics DataFrame.
+        name: the metric. Default `"loss"`.
+        validation: also draw `val_<name>` dashed when recorded. Default True.
+        log_y: log y axis. Default False.
+        max_points: about this many points per line at most. Default 1000.
+        title: figure title, or None (default).
+        presentation: large fonts for slides. Default False.
+
+    Returns:
+        A `Chart`; `.data` has columns `run, step, name, value`.
+
+    Raises:
+        TypeError, ValueError: for an empty `runs` or an invalid frame.
+    """
+    named = _check_runs(runs)
+    figure = go.Figure()
+    pieces = []
+    for (run, metrics), color in zip(named, style.line_colors(len(named))):
+        try:
+            lines.check_metrics(metrics)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"Run {run!r}: {error}") from error
+        recorded = set(metrics["name"].unique())
+        for metric, dash in ((name, "solid"), (f"val_{name}", "dash")):
+            if metric not in recorded or (dash == "dash" and not validation):
+                continue
+            steps, values = lines.metric_series(metrics, metric, max_points)
+            pieces.append(pd.DataFrame({"run": run, "step": steps, "name": metric, "value": values}))
+            label = style.escape_label(run) + (" (validation)" if dash == "dash" else "")
+            figure.add_trace(
+                go.Scatter(
+                    x=steps,
+                    y=values,
+                    mode="lines",
+                    name=label,
+                    line=dict(color=color, dash=dash, width=2),
+                    hovertemplate=f"{label}<br>step %{{x}}<br>%{{y:.4g}}<extra></extra>",
+                )
+            )
+    plain_title = title or f"{name} over training: " + " vs ".join(run for run, _ in named)
+    description = f"{name} per step of each run (validation dashed when recorded)."
+    data = pd.concat(pieces, ignore_index=True) if pieces else pd.DataFrame(columns=["run", "step", "name", "value"])
+    if data.empty:
+        return Chart(style.no_data_figure(f"No {name} recorded yet.", presentation), data, plain_title, description)
+    figure.update_layout(title=style.escape_label(plain_title), xaxis_title="step", yaxis_title=style.escape_label(name))
+    if log_y:
+        figure.update_yaxes(type="log")
+    style.apply_style(figure, presentation)
+    return Chart(figure, data, plain_title, description)

@@ -1,0 +1,189 @@
+"""Layer x step heatmap of one gradient statistic on a log10 colour scale."""
+
+import numpy as np
+import plotly.graph_objects as go
+
+from gradflow.figures import decimate
+from gradflow.figures import grid as grid_lib
+from gradflow.figures import logscale
+from gradflow.figures import style
+from gradflow.figures.chart import Chart
+
+
+def colorbar(statistic, log_min, log_max):
+    """A colour bar for a log10 scale, ticked in real units (1e-6, 1e-3, 1)."""
+    tickvals, ticktext = logscale.decade_ticks(log_min, log_max)
+    return dict(
+        title=dict(text=f"{style.statistic_label(statistic)}<br>(log scale)", side="right"),
+        tickvals=tickvals,
+        ticktext=ticktext,
+    )
+
+
+def nonfinite_markers(x, y, raw, hover_names, name_prefix=""):
+    """Scatter traces marking NaN (x) and Inf (triangle) cells; may be empty.
+
+    Args:
+        x: numpy array of x positions of every candidate point.
+        y: numpy array (or list) of y positions, same length.
+        raw: the recorded values at those points.
+        hover_names: text shown on hover (already escaped), same length.
+        name_prefix: prefix for the legend entries (e.g. an escaped run name).
+
+    Returns:
+        A list of 0, 1 or 2 `go.Scatter` traces.
+    """
+    traces = []
+    y = np.asarray(y, dtype=object) if not isinstance(y, np.ndarray) else y
+    hover_names = np.asarray(hover_names, dtype=object)
+    for label, symbol, selected in (
+        ("NaN", style.NAN_SYMBOL, np.isnan(raw)),
+        ("Inf", style.INF_SYMBOL, np.isinf(raw)),
+    ):
+        if not selected.any():
+            continue
+        traces.append(
+            go.Scatter(
+                x=x[selected],
+                y=y[selected],
+                mode="markers",
+                name=f"{name_prefix}{label}",
+                marker=dict(symbol=symbol, color=style.NONFINITE_COLOR, size=9, line=dict(width=1.5)),
+                customdata=hover_names[selected],
+                hovertemplate=f"%{{customdata}}<br>step %{{x}}<br>{label}<extra></extra>",
+            )
+        )
+    return traces
+
+
+def heatmap_traces(layer_grid, log_min, log_max, coloraxis=None, name_prefix=""):
+    """The heatmap trace and non-finite markers for a (decimated) `LayerGrid`.
+
+    Args:
+        layer_grid: the `LayerGrid` to draw.
+        log_min: log10 of the bottom of the colour scale (zeros show here).
+        log_max: log10 of the top of the colour scale.
+        coloraxis: name of a shared layout colour axis (`"coloraxis"`) or
+            None (default) for the trace's own colour bar.
+        name_prefix: prefix for marker legend entries.
+
+    Returns:
+        A list of traces: the `go.Heatmap` first.
+    """
+    labels = style.layer_labels(layer_grid.layer, layer_grid.layer_index)
+    z = logscale.to_log(layer_grid.values, log_min)
+    z[~layer_grid.present] = np.nan
+    label = style.statistic_label(layer_grid.statistic)
+    heat = go.Heatmap(
+        z=z,
+        x=layer_grid.step_first,
+        y=labels,
+        customdata=layer_grid.values,
+        hovertemplate=f"%{{y}}<br>step %{{x}}<br>{label} %{{customdata:.3g}}<extra></extra>",
+        hoverongaps=False,
+        showscale=True,
+    )
+    if coloraxis:
+        heat.coloraxis = coloraxis
+    else:
+        heat.update(
+            zmin=log_min,
+            zmax=log_max,
+            colorscale=style.HEATMAP_COLORSCALE,
+            colorbar=colorbar(layer_grid.statistic, log_min, log_max),
+        )
+    rows, cols = np.nonzero(layer_grid.present & ~np.isfinite(layer_grid.values))
+    label_array = np.asarray(labels, dtype=object)
+    markers = nonfinite_markers(
+        layer_grid.step_first[cols],
+        label_array[rows],
+        layer_grid.values[rows, cols],
+        label_array[rows],
+        name_prefix,
+    )
+    return [heat, *markers]
+
+
+def step_axis_title(layer_grid):
+    """x-axis title saying when columns are blocks of steps (max per block)."""
+    if not layer_grid.decimated:
+        return "step"
+    block = int(np.max(layer_grid.step_last - layer_grid.step_first)) + 1
+    return f"step (each column: max over up to {block} steps)"
+
+
+def heatmap(
+    layer_stats,
+    statistic="max_abs",
+    tensor="kernel",
+    *,
+    zmin=None,
+    zmax=None,
+    max_columns=decimate.DEFAULT_MAX_COLUMNS,
+    title=None,
+    presentation=False,
+):
+    """Heatmap of a per-layer gradient statistic over training steps.
+
+    Layers are rows in `layer_index` order with the input layer at the
+    bottom; steps are columns. Colour is log10 of the statistic; the colour
+    bar is labelled in real units (`1e-6`, `1e-3`, `1`). Exact zeros show at
+    the bottom of the scale; NaN and Inf cells are blank with a black `x`
+    (NaN) or triangle (Inf) on top; unrecorded cells are blank. Long runs
+    are decimated to at most `max_columns` columns keeping each block's max.
+
+    Example:
+
+    ```python
+    chart = heatmap(run.layer_stats, "l2_norm", tensor="all_weights", zmin=1e-8, zmax=10)
+    st.plotly_chart(chart.figure, config=PLOTLY_CONFIG)
+    ```
+
+    Args:
+        layer_stats: tidy layer-statistics DataFrame
+            (`gradflow.schema.LAYER_STATS_COLUMNS`).
+        statistic: the column to colour by. Default `"max_abs"`.
+        tensor: `"kernel"` (default), `"bias"`, `"activation"`, any other
+            tensor kind in the frame, or `"all_weights"` to combine all
+            variables of a layer (max of `max_abs`, root-sum-square of
+            `l2_norm`).
+        zmin: bottom of the colour scale in the statistic's units (e.g.
+            `1e-8`), or None (default) for the decade below the data. Pass
+            the same `zmin`/`zmax` to several heatmaps to compare them.
+        zmax: top of the colour scale in real units, or None (default).
+        max_columns: most columns drawn. Default 1000.
+        title: figure title (escaped), or None (default) for an automatic one.
+        presentation: large fonts for slides. Default False.
+
+    Returns:
+        A `Chart`; `.data` has columns `layer_index, layer, step, step_last,
+        <statistic>`: one row per drawn cell, values as recorded.
+
+    Raises:
+        TypeError: if `layer_stats` is not a DataFrame.
+        ValueError: if `statistic` is not a column, `tensor` has no rows,
+            or `zmin`/`zmax`/`max_columns` are invalid.
+    """
+    layer_grid = decimate.decimate_max(grid_lib.layer_grid(layer_stats, statistic, tensor), max_columns)
+    log_min, log_max = logscale.log_range(layer_grid.values[layer_grid.present], zmin, zmax)
+    plain_title = title or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({tensor})"
+    description = (
+        f"Heatmap of {statistic} of the {tensor} gradients: one row per layer (input at the "
+        "bottom), one column per step, colour on a log10 scale. Blank cells with a black x are "
+        "NaN, with a triangle Inf."
+    )
+    if layer_grid.values.size == 0:
+        figure = style.no_data_figure("No layer statistics recorded yet.", presentation)
+        return Chart(figure, layer_grid.to_frame(), plain_title, description)
+    figure = go.Figure(heatmap_traces(layer_grid, log_min, log_max))
+    figure.update_layout(
+        title=style.escape_label(plain_title),
+        xaxis_title=step_axis_title(layer_grid),
+        yaxis_title="layer (input at the bottom)",
+        height=min(900, max(380, 60 + 22 * len(layer_grid.layer))),
+        legend=dict(orientation="h", y=-0.2),
+    )
+    figure.update_yaxes(type="category", showgrid=False)
+    figure.update_xaxes(showgrid=False)
+    style.apply_style(figure, presentation)
+    return Chart(figure, layer_grid.to_frame(), plain_title, description)

@@ -1,0 +1,233 @@
+"""Line charts: a statistic per layer over steps, and loss/accuracy curves."""
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from gradflow import schema
+from gradflow.figures import decimate
+from gradflow.figures import grid as grid_lib
+from gradflow.figures import heatmap as heatmap_lib
+from gradflow.figures import logscale
+from gradflow.figures import style
+from gradflow.figures.chart import Chart
+
+# Headroom above the data, in decades, where NaN/Inf markers are drawn.
+_MARKER_HEADROOM = 0.35
+
+
+def _select_layers(layer_grid, layers):
+    if layers is None:
+        return np.arange(len(layer_grid.layer))
+    wanted = list(layers)
+    rows = []
+    for item in wanted:
+        if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+            hits = np.flatnonzero(layer_grid.layer_index == item)
+        else:
+            hits = [i for i, name in enumerate(layer_grid.layer) if name == item]
+        if len(hits) == 0:
+            raise ValueError(
+                f"`layers` must name layers (or layer indices) present in the data, got {item!r}; "
+                f"available: {layer_grid.layer[:20]}{' ...' if len(layer_grid.layer) > 20 else ''}."
+            )
+        rows.extend(int(h) for h in hits)
+    return np.array(rows, dtype=np.int64)
+
+
+def layer_lines(
+    layer_stats,
+    statistic="max_abs",
+    tensor="kernel",
+    *,
+    layers=None,
+    max_points=decimate.DEFAULT_MAX_COLUMNS,
+    title=None,
+    presentation=False,
+):
+    """One line per layer: a gradient statistic over steps, log y axis.
+
+    Long runs keep each block's maximum (spikes stay). Zeros are drawn at
+    the bottom of the axis; NaN and Inf are gaps in the line with a black
+    marker above the data at that step.
+
+    Example:
+
+    ```python
+    chart = layer_lines(run.layer_stats, "l2_norm", layers=["dense", "dense_3"])
+    ```
+
+    Args:
+        layer_stats: tidy layer-statistics DataFrame.
+        statistic: the column to plot. Default `"max_abs"`.
+        tensor: tensor kind or `"all_weights"` (see `heatmap`). Default
+            `"kernel"`.
+        layers: names or `layer_index` values to draw, or None (default) for
+            all layers (coloured input dark -> output light when more than 8).
+        max_points: most points per line. Default 1000.
+        title: figure title, or None (default) for an automatic one.
+        presentation: large fonts for slides. Default False.
+
+    Returns:
+        A `Chart`; `.data` has columns `layer_index, layer, step, step_last,
+        <statistic>` (one row per drawn point).
+
+    Raises:
+        TypeError, ValueError: for an invalid frame, statistic, tensor or
+            layer name.
+    """
+    full = decimate.decimate_max(grid_lib.layer_grid(layer_stats, statistic, tensor), max_points)
+    rows = _select_layers(full, layers)
+    layer_grid = grid_lib.LayerGrid(
+        values=full.values[rows],
+        present=full.present[rows],
+        step_first=full.step_first,
+        step_last=full.step_last,
+        layer_index=full.layer_index[rows],
+        layer=[full.layer[r] for r in rows],
+        statistic=statistic,
+        tensor=tensor,
+    )
+    plain_title = title or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer over training ({tensor})"
+    description = (
+        f"{statistic} of the {tensor} gradients of each layer over steps, log scale. "
+        "Black markers above the lines show steps with NaN (x) or Inf (triangle)."
+    )
+    data = layer_grid.to_frame()
+    if layer_grid.values.size == 0:
+        return Chart(style.no_data_figure("No layer statistics recorded yet.", presentation), data, plain_title, description)
+
+    log_min, log_max = logscale.log_range(layer_grid.values[layer_grid.present])
+    labels = style.layer_labels(layer_grid.layer, layer_grid.layer_index)
+    colors = style.line_colors(len(labels))
+    figure = go.Figure()
+    for row, (label, color) in enumerate(zip(labels, colors)):
+        drawn = layer_grid.present[row]
+        values = layer_grid.values[row, drawn]
+        y = np.power(10.0, logscale.to_log(values, log_min))  # zeros at the floor, NaN/Inf -> gap
+        figure.add_trace(
+            go.Scatter(
+                x=layer_grid.step_first[drawn],
+                y=y,
+                customdata=values,
+                mode="lines",
+                name=label,
+                line=dict(color=color, width=2),
+                hovertemplate=f"{label}<br>step %{{x}}<br>%{{customdata:.3g}}<extra></extra>",
+            )
+        )
+    rows_nf, cols_nf = np.nonzero(layer_grid.present & ~np.isfinite(layer_grid.values))
+    marker_y = np.full(len(rows_nf), 10.0 ** (log_max + _MARKER_HEADROOM / 2))
+    label_array = np.asarray(labels, dtype=object)
+    for trace in heatmap_lib.nonfinite_markers(
+        layer_grid.step_first[cols_nf], marker_y, layer_grid.values[rows_nf, cols_nf], label_array[rows_nf]
+    ):
+        figure.add_trace(trace)
+    figure.update_layout(
+        title=style.escape_label(plain_title),
+        xaxis_title=heatmap_lib.step_axis_title(layer_grid),
+        yaxis_title=style.statistic_label(statistic) + " (log scale)",
+    )
+    tickvals, ticktext = logscale.decade_ticks(log_min, log_max)
+    figure.update_yaxes(
+        type="log",
+        range=[log_min - 0.1, log_max + _MARKER_HEADROOM],
+        tickvals=[10.0**v for v in tickvals],
+        ticktext=ticktext,
+    )
+    style.apply_style(figure, presentation)
+    return Chart(figure, data, plain_title, description)
+
+
+def check_metrics(metrics, argument="metrics"):
+    """Raise a clear error unless `metrics` is a long step/name/value frame."""
+    if not isinstance(metrics, pd.DataFrame):
+        raise TypeError(f"`{argument}` must be a pandas DataFrame with columns step, name, value, got {type(metrics).__name__}.")
+    missing = [c for c in schema.METRICS_COLUMNS if c not in metrics.columns]
+    if missing:
+        raise ValueError(f"`{argument}` is missing the columns {missing}; expected {list(schema.METRICS_COLUMNS)}.")
+
+
+def metric_series(metrics, name, max_points):
+    """Steps and values of one metric, sorted, decimated to its envelope."""
+    rows = metrics[metrics["name"] == name]
+    steps = rows["step"].to_numpy(dtype=np.int64)
+    values = rows["value"].to_numpy(dtype=np.float64, na_value=np.nan)
+    order = np.argsort(steps, kind="stable")
+    return decimate.decimate_envelope(steps[order], values[order], max_points)
+
+
+def metrics_chart(
+    metrics,
+    names=("loss", "accuracy"),
+    *,
+    log_loss=False,
+    max_points=decimate.DEFAULT_MAX_COLUMNS,
+    title=None,
+    presentation=False,
+):
+    """Loss and accuracy over steps, training solid and validation dashed.
+
+    One panel per name in `names` that has data; `val_<name>` is drawn in
+    the same panel when recorded. Long runs keep each block's minimum and
+    maximum, so dips and spikes stay visible.
+
+    Example:
+
+    ```python
+    chart = metrics_chart(run.metrics)                  # loss | accuracy
+    chart = metrics_chart(run.metrics, ["global_norm"])
+    ```
+
+    Args:
+        metrics: long DataFrame with columns `step, name, value`.
+        names: metric names, one panel each. Default `("loss", "accuracy")`.
+        log_loss: log y axis for `loss` panels. Default False.
+        max_points: about this many points per line at most. Default 1000.
+        title: figure title, or None (default).
+        presentation: large fonts for slides. Default False.
+
+    Returns:
+        A `Chart`; `.data` has columns `step, name, value` (drawn points).
+
+    Raises:
+        TypeError, ValueError: if `metrics` is not a long metrics frame.
+    """
+    check_metrics(metrics)
+    if isinstance(names, str):
+        names = (names,)
+    recorded = set(metrics["name"].unique())
+    panels = [n for n in names if n in recorded or f"val_{n}" in recorded]
+    plain_title = title or " and ".join(panels or list(names)) + " over training"
+    description = "Training (solid) and validation (dashed) " + ", ".join(panels or list(names)) + " per step."
+    pieces = []
+    if not panels:
+        empty = pd.DataFrame({"step": np.array([], dtype=np.int64), "name": [], "value": []})
+        return Chart(style.no_data_figure("No metrics recorded yet.", presentation), empty, plain_title, description)
+
+    figure = make_subplots(rows=1, cols=len(panels), subplot_titles=[style.escape_label(p) for p in panels])
+    for col, panel in enumerate(panels, start=1):
+        for name, dash, color in ((panel, "solid", style.OKABE_ITO[0]), (f"val_{panel}", "dash", style.OKABE_ITO[1])):
+            if name not in recorded:
+                continue
+            steps, values = metric_series(metrics, name, max_points)
+            pieces.append(pd.DataFrame({"step": steps, "name": name, "value": values}))
+            figure.add_trace(
+                go.Scatter(
+                    x=steps,
+                    y=values,
+                    mode="lines+markers" if len(steps) < 30 else "lines",
+                    name=style.escape_label("validation" if name.startswith("val_") else "training") + f" {style.escape_label(panel)}",
+                    line=dict(color=color, dash=dash, width=2),
+                    hovertemplate="step %{x}<br>%{y:.4g}<extra></extra>",
+                ),
+                row=1,
+                col=col,
+            )
+        figure.update_xaxes(title_text="step", row=1, col=col)
+        if panel == "loss" and log_loss:
+            figure.update_yaxes(type="log", row=1, col=col)
+    figure.update_layout(title=style.escape_label(plain_title), legend=dict(orientation="h", y=-0.2))
+    style.apply_style(figure, presentation)
+    return Chart(figure, pd.concat(pieces, ignore_index=True), plain_title, description)

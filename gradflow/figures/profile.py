@@ -1,0 +1,152 @@
+"""The per-layer profile at one step: the classic "gradient flow" picture."""
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from gradflow.figures import grid as grid_lib
+from gradflow.figures import heatmap as heatmap_lib
+from gradflow.figures import logscale
+from gradflow.figures import style
+from gradflow.figures.chart import Chart
+
+_MARKER_HEADROOM = 0.35
+
+
+def resolve_step(layer_stats, tensor, step):
+    """The recorded step to show: the last one at or before `step`.
+
+    Args:
+        layer_stats: tidy layer-statistics DataFrame (already validated).
+        tensor: tensor kind or `"all_weights"`.
+        step: requested step, or None for the last recorded step.
+
+    Returns:
+        An int step, or None when nothing is recorded.
+
+    Raises:
+        ValueError: if `step` is before the first recorded step.
+    """
+    steps = layer_stats["step"].to_numpy()[grid_lib.tensor_mask(layer_stats, tensor)]
+    if steps.size == 0:
+        return None
+    if step is None:
+        return int(steps.max())
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise TypeError(f"`step` must be an integer step number or None, got {step!r}.")
+    earlier = steps[steps <= step]
+    if earlier.size == 0:
+        raise ValueError(
+            f"`step` must be at or after the first recorded step {int(steps.min())} "
+            f"(last: {int(steps.max())}), got {step}."
+        )
+    return int(earlier.max())
+
+
+def profile_frame(layer_stats, step, tensor, statistics):
+    """One row per layer at `step`: `layer_index, layer, step, <statistics>`."""
+    at_step = layer_stats[layer_stats["step"].to_numpy() == step]
+    frame = None
+    for statistic in statistics:
+        grid = grid_lib.layer_grid(at_step, statistic, tensor)
+        column = grid.to_frame().drop(columns="step_last")
+        frame = column if frame is None else frame.merge(column, on=["layer_index", "layer", "step"], how="outer")
+    return frame.sort_values("layer_index", ignore_index=True)
+
+
+def profile(
+    layer_stats,
+    step=None,
+    tensor="kernel",
+    statistics=("max_abs", "mean_abs"),
+    *,
+    title=None,
+    presentation=False,
+):
+    """Bars of gradient statistics per layer at one step (input on the left).
+
+    Vanishing gradients show as bars shrinking towards the input, exploding
+    ones as bars growing. The y axis is log10; NaN/Inf layers get a black
+    marker above the bars.
+
+    Example:
+
+    ```python
+    chart = profile(run.layer_stats, step=100)
+    ```
+
+    Args:
+        layer_stats: tidy layer-statistics DataFrame.
+        step: the step to show; the last recorded step at or before it is
+            used. None (default): the last recorded step.
+        tensor: tensor kind or `"all_weights"`. Default `"kernel"`.
+        statistics: columns drawn as side-by-side bars. Default
+            `("max_abs", "mean_abs")`.
+        title: figure title, or None (default).
+        presentation: large fonts for slides. Default False.
+
+    Returns:
+        A `Chart`; `.data` has columns `layer_index, layer, step` and one
+        column per statistic.
+
+    Raises:
+        TypeError, ValueError: for an invalid frame, statistic, tensor or
+            a `step` before the first recorded one.
+    """
+    statistics = [statistics] if isinstance(statistics, str) else list(statistics)
+    for statistic in statistics:
+        grid_lib.check_layer_stats(layer_stats, statistic)
+    shown_step = resolve_step(layer_stats, tensor, step)
+    plain_title = title or f"Gradient flow at step {shown_step} ({tensor})"
+    description = (
+        f"Per-layer {' and '.join(statistics)} of the {tensor} gradients at step {shown_step}, "
+        "input layer on the left, log scale: the classic gradient-flow picture."
+    )
+    if shown_step is None:
+        empty = pd.DataFrame(columns=["layer_index", "layer", "step", *statistics])
+        return Chart(style.no_data_figure("No layer statistics recorded yet.", presentation), empty, plain_title, description)
+
+    data = profile_frame(layer_stats, shown_step, tensor, statistics)
+    labels = style.layer_labels(data["layer"].tolist(), data["layer_index"].tolist())
+    every = data[statistics].to_numpy(dtype=np.float64)
+    log_min, log_max = logscale.log_range(every)
+    figure = go.Figure()
+    for statistic, color in zip(statistics, style.OKABE_ITO):
+        values = data[statistic].to_numpy(dtype=np.float64)
+        figure.add_trace(
+            go.Bar(
+                x=labels,
+                y=np.power(10.0, logscale.to_log(values, log_min)),
+                customdata=values,
+                name=style.statistic_label(statistic),
+                marker_color=color,
+                hovertemplate=f"%{{x}}<br>{style.statistic_label(statistic)} %{{customdata:.3g}}<extra></extra>",
+            )
+        )
+    bad_rows = np.flatnonzero(~np.isfinite(every).all(axis=1))
+    if bad_rows.size:
+        worst = np.where(np.isnan(every[bad_rows]).any(axis=1), np.nan, np.inf)
+        label_array = np.asarray(labels, dtype=object)
+        for trace in heatmap_lib.nonfinite_markers(
+            label_array[bad_rows],
+            np.full(bad_rows.size, 10.0 ** (log_max + _MARKER_HEADROOM / 2)),
+            worst,
+            label_array[bad_rows],
+        ):
+            figure.add_trace(trace.update(hovertemplate="%{customdata}<br>non-finite<extra></extra>"))
+    tickvals, ticktext = logscale.decade_ticks(log_min, log_max)
+    figure.update_layout(
+        title=style.escape_label(plain_title),
+        barmode="group",
+        xaxis_title="layer (input on the left)",
+        yaxis_title="|gradient| (log scale)",
+    )
+    figure.update_xaxes(type="category", categoryorder="array", categoryarray=labels)
+    figure.update_yaxes(
+        type="log",
+        range=[log_min, log_max + _MARKER_HEADROOM],
+        tickvals=[10.0**v for v in tickvals],
+        ticktext=ticktext,
+    )
+    style.apply_style(figure, presentation)
+    return Chart(figure, data, plain_title, description)

@@ -1,0 +1,156 @@
+"""Look of every gradflow figure: palette, fonts, label escaping, Plotly config.
+
+Figures are built for two audiences: a dashboard on a laptop screen and a
+slide projected in a lecture hall. `apply_style(figure, presentation=True)`
+switches to large fonts and thick lines; both looks use a white background and
+colour-blind-safe colours (Okabe-Ito for lines, viridis for heatmaps).
+"""
+
+import html
+
+import plotly.colors
+
+# Okabe & Ito (2008), "Color Universal Design": distinguishable under the
+# common forms of colour blindness. Black is left out: it marks NaN/Inf.
+OKABE_ITO = (
+    "#0072B2",  # blue
+    "#E69F00",  # orange
+    "#009E73",  # bluish green
+    "#D55E00",  # vermillion
+    "#CC79A7",  # reddish purple
+    "#56B4E9",  # sky blue
+    "#F0E442",  # yellow
+    "#999999",  # grey
+)
+
+HEATMAP_COLORSCALE = "Viridis"
+
+# Markers for non-finite values. Viridis never reaches white or black, and
+# non-finite heatmap cells are left blank (white), so a black marker on them
+# is visible to everybody; the two kinds differ by shape, not colour.
+NONFINITE_COLOR = "#000000"
+NAN_SYMBOL = "x"
+INF_SYMBOL = "triangle-up"
+
+# For `st.plotly_chart(..., config=PLOTLY_CONFIG)` and HTML export: the camera
+# button saves a 2x SVG, which stays sharp on slides and in handouts.
+PLOTLY_CONFIG = {
+    "displaylogo": False,
+    "toImageButtonOptions": {"format": "svg", "scale": 2, "filename": "gradflow"},
+}
+
+_FONT = "Arial, Helvetica, sans-serif"
+
+
+def escape_label(text):
+    """Escape a user-provided name so Plotly shows it literally.
+
+    Plotly interprets a small set of HTML tags (`<b>`, `<br>`, `<a href>`) and
+    entities in every text it draws. Layer and run names come from users'
+    models, so they are escaped: `<b>` stays the four characters `<b>` and
+    `&` stays `&` in the dashboard, in HTML and in SVG exports.
+
+    Args:
+        text: the name; anything else is converted with `str()`.
+
+    Returns:
+        The escaped string.
+    """
+    return html.escape(str(text), quote=False)
+
+
+def line_colors(count):
+    """`count` colours for lines: Okabe-Ito up to 8, else viridis by depth.
+
+    Args:
+        count: number of lines.
+
+    Returns:
+        A list of `count` CSS colour strings.
+    """
+    if count <= len(OKABE_ITO):
+        return list(OKABE_ITO[:count])
+    # Many layers: a sequential scale reads as "depth" (input dark, output
+    # yellow-green), which a cycling palette cannot.
+    positions = [i / (count - 1) for i in range(count)]
+    return plotly.colors.sample_colorscale(HEATMAP_COLORSCALE, positions)
+
+
+def apply_style(figure, presentation=False):
+    """Apply the gradflow look to a figure, in place.
+
+    Example:
+
+    ```python
+    chart = gradflow.figures.profile(layer_stats)
+    gradflow.figures.apply_style(chart.figure, presentation=True)
+    ```
+
+    Args:
+        figure: a `plotly.graph_objects.Figure`.
+        presentation: `False` (default) for screen size; `True` for slides:
+            larger fonts, thicker lines and markers, wider margins.
+
+    Returns:
+        The same figure, for chaining.
+    """
+    font_size = 20 if presentation else 13
+    figure.update_layout(
+        template="plotly_white",
+        paper_bgcolor="white",
+        plot_bgcolor="white",
+        font=dict(family=_FONT, size=font_size, color="#222222"),
+        title=dict(font=dict(size=font_size + 6 if presentation else font_size + 3)),
+        legend=dict(font=dict(size=font_size - 1 if presentation else font_size - 2)),
+        margin=dict(l=90, r=40, t=80, b=70) if presentation else dict(l=70, r=20, t=60, b=50),
+        hoverlabel=dict(font_size=font_size),
+    )
+    figure.update_xaxes(showline=True, linecolor="#444444", ticks="outside")
+    figure.update_yaxes(showline=True, linecolor="#444444", ticks="outside")
+    if presentation:
+        figure.update_traces(line_width=4, selector=dict(type="scatter", mode="lines"))
+        figure.update_traces(marker_size=14, selector=dict(mode="markers"))
+        figure.update_annotations(font_size=font_size)
+    return figure
+
+
+# Words for axis titles and colour bars; unknown columns show their own name.
+STATISTIC_LABELS = {
+    "max_abs": "max |gradient|",
+    "l2_norm": "gradient L2 norm",
+    "mean_abs": "mean |gradient|",
+    "std": "gradient std",
+    "zero_fraction": "share of zero entries",
+    "nonfinite": "non-finite entries",
+    "weight_norm": "weight L2 norm",
+    "weight_norm_unconstrained": "weight L2 norm before constraint",
+    "update_ratio": "update / weight norm",
+    "l2_norm_clipped": "clipped gradient L2 norm",
+    "max_abs_clipped": "clipped max |gradient|",
+}
+
+
+def statistic_label(statistic):
+    """Human words for a statistic column, e.g. `"max |gradient|"`."""
+    return STATISTIC_LABELS.get(statistic, escape_label(statistic))
+
+
+def layer_labels(names, indices):
+    """Escaped axis labels for layers, made unique with the index if needed."""
+    labels = [escape_label(name) for name in names]
+    if len(set(labels)) < len(labels):
+        labels = [f"{label} [{index}]" for label, index in zip(labels, indices)]
+    return labels
+
+
+def no_data_figure(message, presentation=False):
+    """An empty figure that says why it is empty (e.g. before step 1)."""
+    import plotly.graph_objects as go  # local: keeps style's import light
+
+    figure = go.Figure()
+    figure.add_annotation(
+        text=escape_label(message), x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False
+    )
+    figure.update_xaxes(visible=False)
+    figure.update_yaxes(visible=False)
+    return apply_style(figure, presentation)
