@@ -1,0 +1,104 @@
+"""Where the compiled train step leaves its statistics for the callback.
+
+Keras fit returns only the `logs` dict from a train function, and with
+`steps_per_execution > 1` only the last step's. So the step writes each
+recorded step into a ring of non-trainable variables, one slot per step
+(slot = (step - 1) % capacity), and the callback reads the whole ring now and
+then. A slot also holds the step number that filled it, so a reader can tell
+new records from old ones.
+
+Under `tf.distribute` the variables are `ON_READ` with `ONLY_FIRST_REPLICA`
+aggregation (like Keras's metric variables): each replica writes its own copy
+without a cross-replica synchronization inside `tf.cond`, which
+`tf.distribute` does not allow, and a read outside the step returns the first
+replica's copy. The copies are equal because the step all-reduces the
+gradients before it summarizes them.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from gradflow import schema
+
+# Per row: the kernel's statistics, then the monitor's extra columns.
+ROW_COLUMNS = schema.STATISTICS + schema.EXTRA_COLUMNS
+# Per step scalars, in this order.
+STEP_METRICS = ("loss", "learning_rate", "global_norm", "global_norm_clipped", "clipped")
+
+
+def _local_variable(value, dtype):
+    return tf.Variable(
+        tf.constant(value, dtype=dtype),
+        trainable=False,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+    )
+
+
+class RingBuffer:
+    """A ring of recorded steps kept in variables.
+
+    Args:
+        strategy: The model's `tf.distribute` strategy (the default strategy
+            works too); the variables are created in its scope.
+        capacity: How many steps the ring holds before it overwrites.
+        rows: Rows per step (trainable variables + activation slots).
+        histograms: Whether to keep a `[rows, HISTOGRAM_BINS]` histogram per
+            step too.
+    """
+
+    def __init__(self, strategy, capacity, rows, histograms=False):
+        self.capacity = int(capacity)
+        self.rows = int(rows)
+        with strategy.scope():
+            self.steps = _local_variable(np.zeros([capacity], np.int64), tf.int64)
+            self.stats = _local_variable(
+                np.zeros([capacity, rows, len(ROW_COLUMNS)], np.float32), tf.float32
+            )
+            self.metrics = _local_variable(
+                np.zeros([capacity, len(STEP_METRICS)], np.float32), tf.float32
+            )
+            self.histograms = None
+            if histograms:
+                self.histograms = _local_variable(
+                    np.zeros([capacity, rows, schema.HISTOGRAM_BINS], np.float32),
+                    tf.float32,
+                )
+            # Set by the step when it met a non-finite gradient and
+            # `stop_on_nonfinite` asked to halt: later steps then do nothing.
+            self.halted = _local_variable(0, tf.int32)
+
+    def write(self, step, stats, metrics, histograms=None):
+        """Store one step (graph code, inside the train step).
+
+        Args:
+            step: int64 scalar, the 1-based optimizer step.
+            stats: float32 `[rows, len(ROW_COLUMNS)]`.
+            metrics: float32 `[len(STEP_METRICS)]`.
+            histograms: float32 `[rows, HISTOGRAM_BINS]` or `None`.
+        """
+        slot = tf.reshape(tf.math.floormod(step - 1, self.capacity), [1, 1])
+        self.stats.scatter_nd_update(slot, stats[tf.newaxis])
+        self.metrics.scatter_nd_update(slot, metrics[tf.newaxis])
+        if self.histograms is not None:
+            self.histograms.scatter_nd_update(slot, histograms[tf.newaxis])
+        # Written last: a slot's step says its other values are complete.
+        self.steps.scatter_nd_update(slot, tf.reshape(step, [1]))
+
+    def read(self, after_step):
+        """Return the records newer than `after_step`, oldest first (eager).
+
+        Returns:
+            A tuple `(steps, stats, metrics, histograms)` of numpy arrays with
+            the records on the first axis; `histograms` is `None` when the
+            ring keeps none.
+        """
+        steps = self.steps.numpy()
+        fresh = np.flatnonzero(steps > after_step)
+        if fresh.size == 0:
+            return steps[:0], None, None, None
+        fresh = fresh[np.argsort(steps[fresh])]
+        stats = self.stats.numpy()[fresh]
+        metrics = self.metrics.numpy()[fresh]
+        histograms = None if self.histograms is None else self.histograms.numpy()[fresh]
+        return steps[fresh], stats, metrics, histograms

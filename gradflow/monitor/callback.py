@@ -1,0 +1,425 @@
+"""`GradientMonitor`: per-layer gradient statistics of `model.fit`, every step."""
+
+import os
+import time
+import warnings
+
+import keras
+import numpy as np
+import pandas as pd
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+from gradflow import schema
+from gradflow.monitor.buffer import STEP_METRICS, RingBuffer
+from gradflow.monitor.records import (
+    RowLayout,
+    layer_stats_frame,
+    metrics_frame,
+    nonfinite_origin,
+)
+from gradflow.monitor.step import StepPlan, instrumented_train_step, probed_train_step
+from gradflow.monitor.tensorboard import SummaryWriter
+from gradflow.probe.capture import leaf_layers
+from gradflow.probe.naming import variable_names
+
+# The ring holds this many executions of the train function, so the callback
+# can read it every few batches instead of after each one.
+_EXECUTIONS_PER_READ = 16
+# ...but never waits longer than this, so a live dashboard stays live.
+_READ_INTERVAL_S = 0.2
+
+
+class GradientMonitor(keras.callbacks.Callback):
+    """Record per-layer gradient statistics while `model.fit` trains.
+
+    The monitor swaps in an instrumented copy of Keras's train step for the
+    duration of `fit`. It computes the statistics inside the compiled step,
+    from the very gradients it hands to the optimizer: no second forward or
+    backward pass. Per trainable variable and recorded step it keeps the
+    statistics of `gradflow.schema.STATISTICS` plus the weight norm, the
+    update ratio ||dw|| / ||w||, the gradient after optimizer clipping
+    (`clipnorm`, `clipvalue`, `global_clipnorm`) and the weight norm before a
+    constraint such as `keras.constraints.MaxNorm`. Per step it keeps the
+    loss, the learning rate and the global gradient norm.
+
+    It works with compiled metrics, sample weights, validation data,
+    `steps_per_execution > 1` (every step is recorded) and `tf.distribute`
+    strategies (the per-replica gradients are all-reduced first, so the
+    numbers are those of the applied, summed gradient; the run store and
+    TensorBoard are written by the chief only).
+
+    Example:
+
+    ```python
+    monitor = gradflow.GradientMonitor(activations=True)
+    model.fit(x, y, epochs=3, callbacks=[monitor])
+    monitor.history.groupby("layer")["l2_norm"].mean()
+    ```
+
+    A model that overrides `train_step` cannot be instrumented. The monitor
+    then warns and falls back to a probe: every `probe_every` steps (default
+    `every`) it runs one more forward and backward pass on the same batch, in
+    inference mode and before the model's own update, and records those
+    gradients (no clipping, update ratio or constraint columns).
+
+    Args:
+        every: Record every `every` optimizer steps. Defaults to 1.
+        activations: Also record dLoss/d(output of each layer), from the same
+            backward pass. Defaults to `False`.
+        histograms: Also count log10|g| histograms (fixed bins of
+            `gradflow.schema`). Defaults to `False`.
+        store: A `gradflow.RunStore`, or a path to one, to write every
+            recorded step to (live, for the dashboard). Defaults to `None`.
+        run_id: Write into this existing run of `store` instead of creating
+            one. Defaults to `None`.
+        run_name: Name of the run the monitor creates. Defaults to `None`.
+        close_run: Whether to set the run's final status at the end of `fit`
+            (`"completed"` or `"diverged"`). The lab runner passes `False`
+            and sets it itself. Defaults to `True`.
+        stop_on_nonfinite: Stop training at the first step whose gradient
+            holds a NaN or Inf. That step's update is skipped, like
+            `keras.optimizers.LossScaleOptimizer` does, so the weights stay
+            finite (under `tf.distribute` the update is applied: a cond around
+            the optimizer's cross-replica update is not allowed there).
+            Defaults to `False`.
+        tensorboard_dir: Also write the statistics as TensorBoard scalars and
+            histograms into this folder. Defaults to `None`.
+        probe_every: Probe interval of the fallback for models with their own
+            `train_step`. Defaults to `every`.
+        rules: Keyword arguments for `gradflow.diagnosis.diagnose`, run on
+            the history at the end of training. Defaults to `None`.
+
+    Attributes:
+        history: Tidy layer statistics (`schema.LAYER_STATS_COLUMNS`).
+        metrics: Long per-step metrics (`step, name, value`).
+        events: Events (`step, layer, kind, message`), e.g. the non-finite
+            origin.
+        run_id: The run written in `store`, or `None`.
+
+    Raises:
+        ValueError: if `every` or `probe_every` is not a positive integer.
+    """
+
+    def __init__(
+        self,
+        every=1,
+        activations=False,
+        histograms=False,
+        store=None,
+        run_id=None,
+        run_name=None,
+        close_run=True,
+        stop_on_nonfinite=False,
+        tensorboard_dir=None,
+        probe_every=None,
+        rules=None,
+    ):
+        super().__init__()
+        self.every = _positive_int("every", every)
+        self.probe_every = self.every if probe_every is None else _positive_int(
+            "probe_every", probe_every
+        )
+        if store is None and run_id is not None:
+            raise ValueError(
+                f"`run_id` needs a `store` to write to, got run_id={run_id!r} and store=None."
+            )
+        self.activations = bool(activations)
+        self.histograms = bool(histograms)
+        self.stop_on_nonfinite = bool(stop_on_nonfinite)
+        self.tensorboard_dir = tensorboard_dir
+        self.run_name = run_name
+        self.run_id = run_id
+        self.close_run = bool(close_run)
+        self.rules = dict(rules or {})
+        self._store = store
+        self._writer = None
+        self._summaries = None
+        self._blocks = []
+        self._metric_rows = []
+        self._events = []
+        self._frames = None
+        self._nonfinite_step = None
+
+    # Results -----------------------------------------------------------------
+
+    @property
+    def history(self):
+        """Tidy per-layer statistics of every recorded step (a DataFrame)."""
+        return self._tables()[0]
+
+    @property
+    def metrics(self):
+        """Per-step metrics in long form: `step, name, value` (a DataFrame)."""
+        return self._tables()[1]
+
+    @property
+    def events(self):
+        """Events such as the non-finite origin: `step, layer, kind, message`."""
+        return pd.DataFrame(self._events, columns=list(schema.EVENTS_COLUMNS))
+
+    @property
+    def histogram_rows(self):
+        """Recorded histograms as a DataFrame: `step, layer, layer_index, tensor, counts`."""
+        rows = [
+            (step, layer, index, tensor, counts)
+            for step, layer, index, tensor, counts in self._histogram_rows()
+        ]
+        return pd.DataFrame(rows, columns=["step", "layer", "layer_index", "tensor", "counts"])
+
+    # Callback hooks ----------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        if model.optimizer is None:
+            raise ValueError("GradientMonitor needs a compiled model; call `model.compile()` first.")
+        strategy = model.distribute_strategy
+        self._is_chief = bool(getattr(strategy.extended, "should_checkpoint", True))
+        variables = model.trainable_weights
+        self._names = variable_names(model, variables)
+        self._layer_order = [path for path, _ in leaf_layers(model)]
+        # Shared layers are recorded once per call; leave room for a few.
+        activation_slots = 2 * len(self._layer_order) + 4 if self.activations else 0
+        self._capacity = max(1, int(model.steps_per_execution)) * _EXECUTIONS_PER_READ
+        self._buffer = RingBuffer(
+            strategy, self._capacity, len(variables) + activation_slots, self.histograms
+        )
+        self._plan = StepPlan(
+            model,
+            self._buffer,
+            len(variables),
+            activation_slots,
+            self.every,
+            self.histograms,
+            self.stop_on_nonfinite,
+        )
+        self._saved_train_step = model.__dict__.get("train_step")
+        if type(model).train_step is TensorFlowTrainer.train_step:
+            step = instrumented_train_step(self._plan)
+            self._probing = False
+        else:
+            warnings.warn(
+                f"Model {model.name!r} overrides `train_step`, so GradientMonitor cannot "
+                "read the gradients it applies. Falling back to a probe: one extra forward "
+                f"and backward pass (inference mode) on the training batch every "
+                f"{self.probe_every} steps (`probe_every`).",
+                stacklevel=2,
+            )
+            step = probed_train_step(self._plan, model.train_step, self.probe_every)
+            self._probing = True
+        # Keras builds its train function from `model.train_step`; an instance
+        # attribute shadows the class's method until `on_train_end`.
+        object.__setattr__(model, "train_step", step)
+        model.make_train_function(force=True)
+
+        self._clipping = self._probing is False and _has_clipping(model.optimizer)
+        self._last_step = int(model.optimizer.iterations.numpy())
+        self._last_read = time.monotonic()
+        self._batches_since_read = 0
+        self._layout = None
+        if self._is_chief:
+            self._open_store()
+            if self.tensorboard_dir is not None:
+                self._summaries = SummaryWriter(self.tensorboard_dir)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._batches_since_read += 1
+        if self.stop_on_nonfinite and self._buffer.halted.numpy() > 0:
+            self._collect()
+            self.model.stop_training = True
+            return
+        if (
+            self._batches_since_read >= _EXECUTIONS_PER_READ
+            or time.monotonic() - self._last_read >= _READ_INTERVAL_S
+        ):
+            self._collect()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._collect()
+        # Validation results belong to the last step of the epoch.
+        values = {k: float(v) for k, v in (logs or {}).items() if k.startswith("val_")}
+        if values and self._last_step > 0:
+            for name, value in values.items():
+                self._metric_rows.append((self._last_step, name, value))
+            self._frames = None
+            if self._writer is not None:
+                self._writer.add_metrics(self._last_step, values)
+
+    def on_train_end(self, logs=None):
+        self._collect()
+        model = self.model
+        model.__dict__.pop("train_step", None)
+        if self._saved_train_step is not None:
+            object.__setattr__(model, "train_step", self._saved_train_step)
+        # Make the next fit (or train_on_batch) build Keras's own step again.
+        model.train_function = None
+        if self._plan.dropped_activations:
+            warnings.warn(
+                f"GradientMonitor recorded the outputs of {self._plan.activation_slots} layer "
+                f"calls and left out {self._plan.dropped_activations} more.",
+                stacklevel=2,
+            )
+        if self._summaries is not None:
+            self._summaries.close()
+        if self._writer is not None:
+            if self.close_run:
+                status, message = "completed", None
+                if self._nonfinite_step is not None:
+                    status = "diverged"
+                    message = self._events[0][3] if self._events else None
+                self._writer.close(status, message)
+            else:
+                self._writer.flush()
+                self._writer.close()
+            self._writer = None
+
+    # Internals ---------------------------------------------------------------
+
+    def _collect(self):
+        """Read the ring, keep the new records, and pass them on."""
+        self._last_read = time.monotonic()
+        self._batches_since_read = 0
+        steps, stats, metrics, histograms = self._buffer.read(self._last_step)
+        if len(steps) == 0:
+            return
+        if self._layout is None:
+            self._layout = RowLayout.build(
+                self._names, self._plan.activation_paths, self._layer_order
+            )
+        self._last_step = int(steps[-1])
+        self._blocks.append((steps, stats, metrics, histograms))
+        self._frames = None
+        self._check_nonfinite(steps, stats)
+        if self._writer is not None or self._summaries is not None:
+            self._publish(steps, stats, metrics, histograms)
+
+    def _check_nonfinite(self, steps, stats):
+        if self._nonfinite_step is not None:
+            return
+        for step, block in zip(steps, stats):
+            row = nonfinite_origin(block, self._layout)
+            if row is None:
+                continue
+            layer, tensor = self._layout.layers[row], self._layout.tensors[row]
+            count = int(block[row, schema.STATISTICS.index("nonfinite")])
+            message = (
+                f"First non-finite gradient at step {int(step)}: {count} NaN/Inf entries in "
+                f"the {tensor} gradient of layer {layer!r} (the layer nearest the loss "
+                "with one; backpropagation carried it towards the input from there)."
+            )
+            self._nonfinite_step = int(step)
+            self._add_event(int(step), layer, "nonfinite", message)
+            if self.stop_on_nonfinite:
+                self.model.stop_training = True
+            return
+
+    def _add_event(self, step, layer, kind, message):
+        self._events.append((step, layer, kind, message))
+        if self._writer is not None:
+            self._writer.add_event(step, layer, kind, message)
+
+    def _publish(self, steps, stats, metrics, histograms):
+        layer_stats = layer_stats_frame(steps, stats, self._layout)
+        step_metrics = metrics_frame(steps, metrics, STEP_METRICS, self._metric_names())
+        histogram_rows = self._histogram_rows([(steps, stats, metrics, histograms)])
+        if self._writer is not None:
+            self._writer.add_layer_stats(layer_stats)
+            for step, group in step_metrics.groupby("step", sort=True):
+                self._writer.add_metrics(step, dict(zip(group["name"], group["value"])))
+            for step in steps:
+                rows = [r[1:] for r in histogram_rows if r[0] == step]
+                if rows:
+                    self._writer.add_histograms(int(step), rows)
+            self._writer.progress(int(steps[-1]))
+        if self._summaries is not None:
+            self._summaries.write(
+                layer_stats,
+                step_metrics,
+                [(s, layer, tensor, counts) for s, layer, _, tensor, counts in histogram_rows],
+            )
+
+    def _metric_names(self):
+        names = {"loss", "learning_rate", "global_norm"}
+        if self._clipping:
+            names |= {"global_norm_clipped", "clipped"}
+        return names
+
+    def _histogram_rows(self, blocks=None):
+        rows = []
+        for steps, _, _, histograms in self._blocks if blocks is None else blocks:
+            if histograms is None:
+                continue
+            for step, block in zip(steps, histograms):
+                for i in range(len(self._layout)):
+                    rows.append(
+                        (
+                            int(step),
+                            self._layout.layers[i],
+                            self._layout.layer_indices[i],
+                            self._layout.tensors[i],
+                            block[i].astype(np.int64),
+                        )
+                    )
+        return rows
+
+    def _tables(self):
+        if self._frames is None:
+            if self._blocks:
+                steps = np.concatenate([b[0] for b in self._blocks])
+                stats = np.concatenate([b[1] for b in self._blocks])
+                metrics = np.concatenate([b[2] for b in self._blocks])
+                history = layer_stats_frame(steps, stats, self._layout)
+                step_metrics = metrics_frame(steps, metrics, STEP_METRICS, self._metric_names())
+            else:
+                history = pd.DataFrame(columns=list(schema.LAYER_STATS_COLUMNS))
+                step_metrics = pd.DataFrame(columns=list(schema.METRICS_COLUMNS))
+            extra = pd.DataFrame(self._metric_rows, columns=list(schema.METRICS_COLUMNS))
+            if len(extra):
+                step_metrics = pd.concat([step_metrics, extra], ignore_index=True)
+                step_metrics = step_metrics.sort_values("step", kind="stable", ignore_index=True)
+            self._frames = (history, step_metrics)
+        return self._frames
+
+    def _open_store(self):
+        if self._store is None:
+            return
+        store = self._store
+        if isinstance(store, (str, os.PathLike)):
+            from gradflow.store import RunStore
+
+            store = RunStore(store)
+            self._store = store
+        if self.run_id is None:
+            model = self.model
+            config = {
+                "model": model.name,
+                "optimizer": type(model.optimizer).__name__,
+                "every": self.every,
+                "activations": self.activations,
+                "histograms": self.histograms,
+                "trainable_variables": len(self._names),
+            }
+            self.run_id = store.create_run(
+                config,
+                name=self.run_name,
+                source="monitor",
+                total_steps=_planned_steps(self.params),
+            )
+        self._writer = store.writer(self.run_id)
+
+
+def _has_clipping(optimizer):
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return any(value for value in (inner.clipnorm, inner.clipvalue, inner.global_clipnorm))
+
+
+def _planned_steps(params):
+    params = params or {}
+    if params.get("steps") and params.get("epochs"):
+        return int(params["steps"]) * int(params["epochs"])
+    return None
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+    return int(value)

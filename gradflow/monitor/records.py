@@ -1,0 +1,119 @@
+"""Turn the ring buffer's numpy blocks into gradflow's tidy tables.
+
+The callback keeps what it reads as numpy blocks and builds DataFrames only
+when asked (or when the run store wants rows), so a fast training loop pays
+for a memory copy per read, not for pandas per step.
+"""
+
+import dataclasses
+
+import numpy as np
+import pandas as pd
+
+from gradflow import schema
+from gradflow.monitor.buffer import ROW_COLUMNS
+
+_NONFINITE = ROW_COLUMNS.index("nonfinite")
+
+
+@dataclasses.dataclass
+class RowLayout:
+    """What each row of a recorded step is: layer, layer_index, tensor, variable."""
+
+    layers: list
+    layer_indices: list
+    tensors: list
+    variables: list
+
+    def __len__(self):
+        return len(self.layers)
+
+    @classmethod
+    def build(cls, names, activation_paths, layer_order):
+        """Lay out weight rows (from `variable_names`) then activation rows.
+
+        Args:
+            names: `VariableName`s of the trainable variables, in row order.
+            activation_paths: Recorded layer paths (`path` or `path#2`).
+            layer_order: Leaf-layer paths, index = `layer_index`.
+        """
+        index = {path: i for i, path in enumerate(layer_order)}
+        layers = [n.layer for n in names] + list(activation_paths)
+        indices = [n.layer_index for n in names] + [
+            index.get(path.split("#")[0], len(layer_order)) for path in activation_paths
+        ]
+        tensors = [n.tensor for n in names] + [schema.ACTIVATION] * len(activation_paths)
+        variables = [n.variable for n in names] + [""] * len(activation_paths)
+        return cls(layers, indices, tensors, variables)
+
+
+def layer_stats_frame(steps, stats, layout):
+    """Tidy layer statistics (`schema.LAYER_STATS_COLUMNS`) from blocks.
+
+    Args:
+        steps: int array `[n]` of steps.
+        stats: float array `[n, rows, len(ROW_COLUMNS)]`; rows past
+            `len(layout)` are unused slots and ignored.
+        layout: A `RowLayout`.
+
+    Returns:
+        A DataFrame with one row per step x layout row.
+    """
+    rows = len(layout)
+    count = len(steps)
+    values = np.asarray(stats[:, :rows], dtype=np.float64).reshape(count * rows, -1)
+    frame = pd.DataFrame(
+        {
+            "step": np.repeat(np.asarray(steps, dtype=np.int64), rows),
+            "layer": np.tile(np.asarray(layout.layers, dtype=object), count),
+            "layer_index": np.tile(np.asarray(layout.layer_indices, dtype=np.int64), count),
+            "tensor": np.tile(np.asarray(layout.tensors, dtype=object), count),
+            "variable": np.tile(np.asarray(layout.variables, dtype=object), count),
+        }
+    )
+    for position, column in enumerate(ROW_COLUMNS):
+        frame[column] = values[:, position]
+    frame["nonfinite"] = frame["nonfinite"].astype(np.int64)
+    return frame[list(schema.LAYER_STATS_COLUMNS)]
+
+
+def metrics_frame(steps, metrics, names, keep):
+    """Long metrics (`step, name, value`) from `[n, len(names)]` blocks.
+
+    Args:
+        steps: int array `[n]`.
+        metrics: float array `[n, len(names)]`.
+        names: Column names of `metrics`.
+        keep: The names to keep (e.g. no clipping metrics without clipping).
+    """
+    columns = [i for i, name in enumerate(names) if name in keep]
+    count = len(steps)
+    return pd.DataFrame(
+        {
+            "step": np.repeat(np.asarray(steps, dtype=np.int64), len(columns)),
+            "name": np.tile(np.asarray([names[i] for i in columns], dtype=object), count),
+            "value": np.asarray(metrics[:, columns], dtype=np.float64).reshape(-1),
+        }
+    )
+
+
+def nonfinite_origin(stats, layout):
+    """The row where a non-finite gradient started, for one recorded step.
+
+    Backpropagation runs from the loss towards the input, so the first
+    non-finite gradient is the one nearest the loss: the highest
+    `layer_index` with `nonfinite > 0`. Activation rows count too.
+
+    Args:
+        stats: float array `[rows, len(ROW_COLUMNS)]` of one step.
+        layout: A `RowLayout`.
+
+    Returns:
+        The row number, or `None` when every gradient is finite.
+    """
+    counts = stats[: len(layout), _NONFINITE]
+    broken = np.flatnonzero(counts > 0)
+    if broken.size == 0:
+        return None
+    indices = np.asarray(layout.layer_indices)[broken]
+    return int(broken[np.argmax(indices)])

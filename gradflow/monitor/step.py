@@ -1,0 +1,399 @@
+"""The instrumented train step: Keras's own recipe plus one recording block.
+
+`instrumented_train_step` returns a step that reads like
+`keras/src/backend/tensorflow/trainer.py` `TensorFlowTrainer.train_step`
+and records the statistics of the very gradients it hands to the optimizer:
+no second forward or backward pass. Activation gradients (dLoss/d(output of
+each layer)) come from the same `tape.gradient` call as the weight gradients.
+
+`probed_train_step` is the fallback for models that override `train_step`
+themselves: their step cannot be opened, so every `probe_every` steps the
+wrapper runs one extra forward and backward pass on the same batch (in
+inference mode, before the model's own step updates the weights) and records
+those gradients instead.
+"""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+from keras.src import tree
+from keras.src.losses import loss as loss_module
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from gradflow.monitor.buffer import STEP_METRICS
+from gradflow.probe.capture import record_layer_outputs
+from gradflow.statistics import summarize
+
+_NAN = float("nan")
+
+
+class StepPlan:
+    """What the compiled step records and where it leaves it.
+
+    Args:
+        model: The compiled Keras model.
+        buffer: The `RingBuffer` the step writes to.
+        weight_count: Number of trainable variables (the first rows).
+        activation_slots: Rows reserved for activation gradients (0: none).
+        every: Record when `optimizer.iterations % every == 0`.
+        histograms: Whether to count log10|g| histograms.
+        stop_on_nonfinite: Whether to skip the update of a step with a
+            non-finite gradient and halt the steps after it.
+    """
+
+    def __init__(self, model, buffer, weight_count, activation_slots, every,
+                 histograms, stop_on_nonfinite):
+        self.model = model
+        self.buffer = buffer
+        self.weight_count = weight_count
+        self.activation_slots = activation_slots
+        self.every = every
+        self.histograms = histograms
+        self.stop_on_nonfinite = stop_on_nonfinite
+        # Filled while the step is traced: the path of each recorded layer
+        # output, in call order (`path#2` for a second call of a shared layer).
+        self.activation_paths = []
+        self.dropped_activations = 0
+
+    @property
+    def replicas(self):
+        return self.model.distribute_strategy.num_replicas_in_sync
+
+    @property
+    def optimizer(self):
+        return self.model.optimizer
+
+
+def instrumented_train_step(plan):
+    """Build Keras's train step with a `# Record gradient statistics` block.
+
+    Args:
+        plan: A `StepPlan`.
+
+    Returns:
+        A function `train_step(data) -> logs` to set as `model.train_step`.
+    """
+    model = plan.model
+    optimizer = plan.optimizer
+
+    def train_step(data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+
+        # Forward pass
+        with tf.GradientTape() as tape, _layer_outputs(plan) as outputs:
+            if model._call_has_training_arg:
+                y_pred = model(x, training=True)
+            else:
+                y_pred = model(x)
+            loss = model._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+            )
+            model._loss_tracker.update_state(
+                loss_module.unscale_loss_for_distribution(loss),
+                sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0],
+            )
+            scaled_loss = optimizer.scale_loss(loss)
+
+        # Compute gradients
+        variables = model.trainable_weights
+        activations = _take_activations(plan, outputs)
+        gradients = tape.gradient(scaled_loss, variables + activations)
+        weight_gradients = gradients[: len(variables)]
+        scale = _loss_scale(optimizer)
+        learning_rate = _scalar(optimizer.learning_rate)
+        weights_before = [tf.identity(v.value) for v in variables]
+        constrained = _constrained_indices(variables)
+        constraints = [variables[i].constraint for i in constrained]
+
+        # Update weights
+        def update():
+            with _constraints_deferred(variables, constrained):
+                optimizer.apply_gradients(zip(weight_gradients, variables))
+                # Keras applies constraints inside `apply`; doing it here lets
+                # the step measure the weights between update and constraint.
+                unconstrained = []
+                for index, constraint in zip(constrained, constraints):
+                    variable = variables[index]
+                    unconstrained.append(tf.identity(variable.value))
+                    variable.assign(constraint(variable))
+            return unconstrained
+
+        finite = _all_finite(weight_gradients)
+        halted = tf.constant(False)
+        if plan.stop_on_nonfinite and plan.replicas == 1:
+            # Like LossScaleOptimizer: a non-finite step leaves the weights
+            # alone so the model stays usable; the steps after it do nothing.
+            # (tf.distribute forbids a cond around the optimizer's
+            # cross-replica update, hence one replica only.)
+            halted = plan.buffer.halted.read_value() > 0
+
+            def skip():
+                def halt():
+                    optimizer.iterations.assign_add(1)  # the step did happen
+                    plan.buffer.halted.assign(1)
+
+                tf.cond(halted, lambda: None, halt)
+                return [tf.identity(variables[i].value) for i in constrained]
+
+            unconstrained = tf.cond(
+                tf.logical_and(finite, tf.logical_not(halted)), update, skip
+            )
+        else:
+            unconstrained = update()
+
+        # Record gradient statistics
+        step = tf.cast(optimizer.iterations, tf.int64)
+        when = tf.equal(tf.math.floormod(step, plan.every), 0)
+        if plan.stop_on_nonfinite:
+            when = tf.logical_and(
+                tf.logical_or(when, tf.logical_not(finite)), tf.logical_not(halted)
+            )
+        weight_gradients = _unscaled(_filled(weight_gradients, variables), scale)
+        clipping = _clipping_optimizer(optimizer)
+        _record(
+            plan,
+            when=when,
+            step=step,
+            loss=loss,
+            learning_rate=learning_rate,
+            weight_gradients=weight_gradients,
+            activation_gradients=_unscaled(
+                _filled(gradients[len(variables):], activations), scale
+            ),
+            weights=[tf.identity(v.value) for v in variables],
+            weights_before=weights_before,
+            unconstrained=dict(zip(constrained, unconstrained)),
+            clipped_gradients=(
+                None if clipping is None else clipping._clip_gradients(weight_gradients)
+            ),
+        )
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    return train_step
+
+
+def probed_train_step(plan, original_train_step, probe_every):
+    """Wrap a model's own `train_step` with a probe pass every `probe_every` steps.
+
+    Args:
+        plan: A `StepPlan`.
+        original_train_step: The model's bound `train_step`.
+        probe_every: Probe when the step about to run is a multiple of it.
+
+    Returns:
+        A function `train_step(data) -> logs`.
+    """
+    model = plan.model
+    optimizer = plan.optimizer
+
+    def probe(x, y, sample_weight, upcoming, when):
+        with tf.GradientTape() as tape, _layer_outputs(plan) as outputs:
+            # Inference mode: a second training-mode call would update batch
+            # norm statistics and advance dropout seeds behind the model's back.
+            y_pred = model(x, training=False) if model._call_has_training_arg else model(x)
+            loss = model.compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
+            )
+        variables = model.trainable_weights
+        activations = _take_activations(plan, outputs)
+        gradients = tape.gradient(loss, variables + activations)
+        _record(
+            plan,
+            when=when,
+            step=upcoming,
+            loss=loss,
+            learning_rate=_scalar(optimizer.learning_rate),
+            weight_gradients=_filled(gradients[: len(variables)], variables),
+            activation_gradients=_filled(gradients[len(variables):], activations),
+            weights=[tf.identity(v.value) for v in variables],
+        )
+
+    def train_step(data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        upcoming = tf.cast(optimizer.iterations, tf.int64) + 1
+        when = tf.equal(tf.math.floormod(upcoming, probe_every), 0)
+        if plan.replicas > 1:
+            # The all-reduce cannot sit inside a cond under tf.distribute.
+            probe(x, y, sample_weight, upcoming, when)
+        else:
+            tf.cond(when, lambda: probe(x, y, sample_weight, upcoming, None), lambda: None)
+        return original_train_step(data)
+
+    return train_step
+
+
+def _record(plan, when, step, loss, learning_rate, weight_gradients,
+            activation_gradients, weights, weights_before=None, unconstrained=None,
+            clipped_gradients=None):
+    """Summarize one step and write it to the ring (inside a cond on `when`)."""
+    if plan.replicas > 1:
+        # Each replica holds the gradient of its share of the batch; Keras
+        # sums them inside `optimizer.apply`. Sum them here too (and put the
+        # batch back together for layer outputs) so the statistics are those
+        # of the applied gradient, equal to a single-device run.
+        context = tf.distribute.get_replica_context()
+        reduced = context.all_reduce(
+            tf.distribute.ReduceOp.SUM,
+            [loss] + weight_gradients + (clipped_gradients or []),
+        )
+        loss = reduced[0]
+        weight_gradients = reduced[1: 1 + len(weight_gradients)]
+        if clipped_gradients:
+            clipped_gradients = reduced[1 + len(weight_gradients):]
+        activation_gradients = [context.all_gather(g, axis=0) for g in activation_gradients]
+
+    def write():
+        stats, metrics, histograms = _summarize_step(
+            plan, loss, learning_rate, weight_gradients, activation_gradients,
+            weights, weights_before, unconstrained or {}, clipped_gradients,
+        )
+        plan.buffer.write(step, stats, metrics, histograms)
+
+    if when is None:
+        write()
+    else:
+        tf.cond(when, write, lambda: None)
+
+
+def _summarize_step(plan, loss, learning_rate, weight_gradients, activation_gradients,
+                    weights, weights_before, unconstrained, clipped_gradients):
+    count = len(weight_gradients)
+    stats, histograms = summarize(weight_gradients + activation_gradients, plan.histograms)
+    missing = tf.fill([count], _NAN)
+
+    # One segment reduction for every weight norm the row needs.
+    tensors = list(weights)
+    if weights_before is not None:
+        tensors += [after - before for after, before in zip(weights, weights_before)]
+        tensors += weights_before
+    indices = sorted(unconstrained)
+    tensors += [unconstrained[i] for i in indices]
+    norms, _ = _norms_and_max(tensors)
+    weight_norm = norms[:count]
+    update_ratio = missing
+    if weights_before is not None:
+        change, before = norms[count: 2 * count], norms[2 * count: 3 * count]
+        update_ratio = tf.where(before > 0, change / tf.maximum(before, 1e-30), _NAN)
+    weight_norm_unconstrained = missing
+    if indices:
+        weight_norm_unconstrained = tf.tensor_scatter_nd_update(
+            missing, [[i] for i in indices], norms[-len(indices):]
+        )
+
+    gradient_norm = stats[:count, 1]
+    global_norm = tf.sqrt(tf.reduce_sum(tf.square(gradient_norm)))
+    l2_norm_clipped = max_abs_clipped = missing
+    global_norm_clipped = clipped = tf.constant(_NAN)
+    if clipped_gradients is not None:
+        l2_norm_clipped, max_abs_clipped = _norms_and_max(clipped_gradients)
+        global_norm_clipped = tf.sqrt(tf.reduce_sum(tf.square(l2_norm_clipped)))
+        # Clipping scales by clip/norm, which is 1.0 up to rounding when the
+        # norm is under the limit: count only a real reduction.
+        clipped = tf.cast(
+            tf.reduce_any(l2_norm_clipped < gradient_norm * (1.0 - 1e-6)), tf.float32
+        )
+
+    extras = tf.stack(
+        [weight_norm, weight_norm_unconstrained, update_ratio, l2_norm_clipped, max_abs_clipped],
+        axis=1,
+    )
+    activation_extras = tf.fill([len(activation_gradients), extras.shape[1]], _NAN)
+    rows = tf.concat([stats, tf.concat([extras, activation_extras], axis=0)], axis=1)
+    padding = plan.activation_slots - len(activation_gradients)
+    rows = tf.pad(rows, [[0, padding], [0, 0]], constant_values=_NAN)
+    if histograms is not None:
+        histograms = tf.pad(histograms, [[0, padding], [0, 0]])
+    metrics = tf.stack(
+        [tf.cast(loss, tf.float32), learning_rate, global_norm, global_norm_clipped, clipped]
+    )
+    assert metrics.shape[0] == len(STEP_METRICS)
+    return rows, metrics, histograms
+
+
+def _norms_and_max(tensors):
+    """L2 norm and max |entry| of each tensor with a constant number of ops."""
+    if not tensors:
+        return tf.zeros([0]), tf.zeros([0])
+    flats = [tf.reshape(tf.cast(tf.convert_to_tensor(t), tf.float32), [-1]) for t in tensors]
+    sizes = tf.stack([tf.size(f) for f in flats])
+    ids = tf.repeat(tf.range(len(flats)), sizes)
+    values = tf.concat(flats, axis=0)
+    norms = tf.sqrt(tf.math.unsorted_segment_sum(tf.square(values), ids, len(flats)))
+    max_abs = tf.math.unsorted_segment_max(tf.abs(values), ids, len(flats))
+    return norms, max_abs
+
+
+def _layer_outputs(plan):
+    if plan.activation_slots:
+        return record_layer_outputs(plan.model)
+    return contextlib.nullcontext(None)
+
+
+def _take_activations(plan, outputs):
+    """Layer outputs to differentiate, also naming their rows (at trace time)."""
+    if outputs is None:
+        return []
+    keep = min(len(outputs), plan.activation_slots)
+    plan.activation_paths = list(outputs.paths[:keep])
+    plan.dropped_activations = len(outputs) - keep
+    return [tf.convert_to_tensor(t) for t in outputs.tensors[:keep]]
+
+
+def _loss_scale(optimizer):
+    """The factor the loss was multiplied by, read before the update changes it."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return tf.identity(optimizer.dynamic_scale.value)
+    return optimizer.loss_scale_factor
+
+
+def _unscaled(gradients, scale):
+    if scale is None:
+        return list(gradients)
+    return [None if g is None else g / tf.cast(scale, g.dtype) for g in gradients]
+
+
+def _clipping_optimizer(optimizer):
+    """The optimizer whose `_clip_gradients` runs, or None without clipping."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if any(value for value in (inner.clipnorm, inner.clipvalue, inner.global_clipnorm)):
+        return inner
+    return None
+
+
+def _filled(gradients, sources):
+    """Zeros for the gradients of tensors the loss does not depend on."""
+    return [
+        tf.zeros_like(tf.convert_to_tensor(s)) if g is None else tf.convert_to_tensor(g)
+        for g, s in zip(gradients, sources)
+    ]
+
+
+def _all_finite(gradients):
+    checks = [tf.reduce_all(tf.math.is_finite(g)) for g in gradients if g is not None]
+    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+
+
+def _scalar(value):
+    return tf.cast(keras.ops.convert_to_tensor(value), tf.float32)
+
+
+def _constrained_indices(variables):
+    return [i for i, v in enumerate(variables) if v.constraint is not None]
+
+
+@contextlib.contextmanager
+def _constraints_deferred(variables, indices):
+    """Hide the constraints from `optimizer.apply` while the step is traced.
+
+    The caller applies them itself after the update; they are back on the
+    variables when the block ends.
+    """
+    saved = [(variables[i], variables[i].constraint) for i in indices]
+    for variable, _ in saved:
+        variable.constraint = None
+    try:
+        yield
+    finally:
+        for variable, constraint in saved:
+            variable.constraint = constraint
