@@ -1,0 +1,440 @@
+"""Export figures and their data: PNG, SVG, PDF, HTML, CSV and a lesson pack.
+
+Static images are rendered by kaleido 1.x in a headless Chromium. gradflow
+never lets kaleido download a browser: it uses `$GRADFLOW_CHROMIUM`,
+`$BROWSER_PATH` or a Chromium/Chrome found on the PATH, and otherwise raises
+`ExportError` saying what to install. HTML pages embed plotly.js, so they
+open offline; CSV holds exactly the values drawn, safe to open in a
+spreadsheet.
+
+Example:
+
+```python
+from gradflow import export, figures
+chart = figures.heatmap(run.layer_stats)
+open("heatmap.png", "wb").write(export.to_image(chart, "png"))
+export.export_run(store, run_id, "zip", "out/")
+```
+"""
+
+import asyncio
+import io
+import json
+import math
+import os
+import pathlib
+import re
+import shutil
+import threading
+import zipfile
+
+import numpy as np
+import pandas as pd
+import plotly.io
+
+from gradflow import figures
+from gradflow.figures import style
+
+IMAGE_FORMATS = ("png", "svg", "pdf")
+EXPORT_FORMATS = (*IMAGE_FORMATS, "html", "csv", "zip")
+
+# Searched in this order after $GRADFLOW_CHROMIUM and $BROWSER_PATH.
+_BROWSER_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
+_DEFAULT_WIDTH = 1100
+_DEFAULT_HEIGHT = 600
+# Spreadsheets run a cell starting with these as a formula (CSV injection).
+_FORMULA_PREFIXES = ("=", "+", "-", "@", "\t", "\r")
+
+
+class ExportError(RuntimeError):
+    """An export could not be produced (no browser, rendering failed, no data)."""
+
+
+def find_browser():
+    """The Chromium/Chrome executable kaleido should use, or None.
+
+    Looks at `$GRADFLOW_CHROMIUM`, then `$BROWSER_PATH` (the variable
+    choreographer itself reads), then `chromium`, `chromium-browser` and
+    `google-chrome` on the PATH.
+
+    Returns:
+        An absolute path string, or None when no browser is installed.
+    """
+    for variable in ("GRADFLOW_CHROMIUM", "BROWSER_PATH"):
+        candidate = os.environ.get(variable)
+        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    for name in _BROWSER_NAMES:
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _figure_of(figure_or_chart, argument="figure"):
+    if isinstance(figure_or_chart, figures.Chart):
+        return figure_or_chart.figure
+    if hasattr(figure_or_chart, "to_dict") and hasattr(figure_or_chart, "layout"):
+        return figure_or_chart
+    raise TypeError(
+        f"`{argument}` must be a plotly Figure or a gradflow.figures.Chart, got {type(figure_or_chart).__name__}."
+    )
+
+
+def _check_format(format, allowed, argument="format"):
+    if format not in allowed:
+        raise ValueError(f"`{argument}` must be one of {list(allowed)}, got {format!r}.")
+
+
+def _run_in_fresh_loop(coroutine_function):
+    """Run an async function to completion even if the caller has a loop running.
+
+    Streamlit and Jupyter may already run an asyncio loop in this thread, so
+    the rendering gets its own thread and loop.
+    """
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = asyncio.run(coroutine_function())
+        except BaseException as error:  # re-raised in the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name="gradflow-export")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def to_images(figure_list, format="png", *, width=None, height=None, scale=None):
+    """Render several figures to image bytes with one browser start.
+
+    Example:
+
+    ```python
+    png_a, png_b = to_images([chart_a, chart_b], "png")
+    ```
+
+    Args:
+        figure_list: plotly Figures or `Chart`s.
+        format: `"png"` (default), `"svg"` or `"pdf"`.
+        width: pixels; None (default) for the figure's own width or 1100.
+        height: pixels; None (default) for the figure's own height or 600.
+        scale: resolution multiplier; None (default) for 2 for PNG (sharp
+            on slides) and 1 for the vector formats.
+
+    Returns:
+        A list of `bytes`, one per figure.
+
+    Raises:
+        ValueError: if `format` is not an image format.
+        TypeError: if an item is not a Figure or Chart.
+        ExportError: if no Chromium is installed or rendering fails.
+    """
+    _check_format(format, IMAGE_FORMATS)
+    plotly_figures = [_figure_of(f, "figure_list") for f in figure_list]
+    if not plotly_figures:
+        return []
+    browser = find_browser()
+    if browser is None:
+        raise ExportError(
+            "PNG/SVG/PDF export needs Chromium or Chrome, and none was found. Install it "
+            "(Debian/Ubuntu: `apt-get install chromium`) or set GRADFLOW_CHROMIUM to the "
+            "browser's path. HTML and CSV export work without a browser."
+        )
+    scale = scale if scale is not None else (2 if format == "png" else 1)
+    specs = []
+    for figure in plotly_figures:
+        specs.append(
+            (
+                figure.to_dict(),
+                dict(
+                    format=format,
+                    width=width or figure.layout.width or _DEFAULT_WIDTH,
+                    height=height or figure.layout.height or _DEFAULT_HEIGHT,
+                    scale=scale,
+                ),
+            )
+        )
+
+    import kaleido  # deferred: only image export needs it
+
+    async def render_all():
+        # mathjax=False: the default loads MathJax from a CDN, which fails
+        # offline and is not needed (gradflow figures use no LaTeX).
+        async with kaleido.Kaleido(path=browser, mathjax=False, n=1) as renderer:
+            return [await renderer.calc_fig(spec, opts=opts) for spec, opts in specs]
+
+    try:
+        return _run_in_fresh_loop(render_all)
+    except Exception as error:
+        raise ExportError(f"Rendering {format.upper()} with {browser} failed: {error}") from error
+
+
+def to_image(figure, format="png", *, width=None, height=None, scale=None):
+    """Render one figure to PNG, SVG or PDF bytes (see `to_images`)."""
+    return to_images([figure], format, width=width, height=height, scale=scale)[0]
+
+
+def to_html(figure, *, title=None):
+    """A standalone interactive HTML page with plotly.js inline (works offline).
+
+    Args:
+        figure: a plotly Figure or `Chart`.
+        title: the page title (escaped), or None (default) for the chart's
+            title or "gradflow figure".
+
+    Returns:
+        The HTML page as a string. Non-finite values are encoded by Plotly as
+        typed arrays or `null`, never as bare `NaN`, so the embedded JSON is
+        valid; user text is escaped.
+    """
+    plotly_figure = _figure_of(figure)
+    if title is None:
+        title = figure.title if isinstance(figure, figures.Chart) and figure.title else "gradflow figure"
+    page = plotly.io.to_html(
+        plotly_figure, include_plotlyjs=True, full_html=True, config=style.PLOTLY_CONFIG, validate=False
+    )
+    return page.replace("<head>", f"<head><title>{style.escape_label(title)}</title>", 1)
+
+
+def _neutralize(value):
+    if isinstance(value, str) and value.startswith(_FORMULA_PREFIXES):
+        return "'" + value
+    return value
+
+
+def neutralize_csv_cells(data):
+    """A copy of `data` where text cells cannot run as spreadsheet formulas.
+
+    Text starting with `=`, `+`, `-`, `@`, tab or carriage return gets a
+    leading `'`. Numbers (negative ones included) are left alone.
+
+    Args:
+        data: a DataFrame.
+
+    Returns:
+        A new DataFrame.
+    """
+    safe = data.copy()
+    for column in safe.columns:
+        if safe[column].dtype == object or isinstance(safe[column].dtype, (pd.CategoricalDtype, pd.StringDtype)):
+            safe[column] = safe[column].astype(object).map(_neutralize)
+    safe.columns = [_neutralize(str(c)) for c in safe.columns]
+    return safe
+
+
+def to_csv(data):
+    """CSV text of exactly the data a chart draws, safe for spreadsheets.
+
+    Example:
+
+    ```python
+    text = to_csv(chart)          # or to_csv(chart.data)
+    pandas.read_csv(io.StringIO(text))
+    ```
+
+    Args:
+        data: a `Chart` (its `.data` is written) or a DataFrame.
+
+    Returns:
+        CSV text; NaN is written `nan` and infinities `inf`/`-inf`, which
+        pandas reads back as floats.
+
+    Raises:
+        TypeError: if `data` is neither.
+    """
+    if isinstance(data, figures.Chart):
+        data = data.data
+    if not isinstance(data, pd.DataFrame):
+        raise TypeError(f"`data` must be a pandas DataFrame or a gradflow.figures.Chart, got {type(data).__name__}.")
+    return neutralize_csv_cells(data).to_csv(index=False, na_rep="nan")
+
+
+def safe_filename(name, default="figure"):
+    """A file name made from user text that cannot leave its folder.
+
+    Keeps letters, digits, `.`, `_` and `-`; anything else (slashes, `..`,
+    spaces, `<>`) becomes `_`; at most 80 characters.
+
+    Args:
+        name: the text (a run name, a layer name).
+        default: used when nothing printable is left. Default `"figure"`.
+
+    Returns:
+        The file name, never empty, never starting with a dot.
+    """
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", str(name)).strip("._-")[:80]
+    return cleaned or default
+
+
+def _json_safe(value):
+    """Recursively replace NaN/Inf with None so `json.dumps` stays strict JSON."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def lesson_pack(charts, config=None, title="gradflow lesson pack"):
+    """A zip for a lesson: figures (PNG + HTML), data CSVs, config and README.
+
+    Layout: `README.txt`, `config.json`, `figures/<name>.png`,
+    `figures/<name>.html`, `data/<name>.csv`.
+
+    Example:
+
+    ```python
+    blob = lesson_pack({"heatmap": heatmap(stats), "loss": metrics_chart(m)}, config=info["config"])
+    ```
+
+    Args:
+        charts: mapping of name -> `Chart` (names are sanitised for files).
+        config: the run configuration dict written to `config.json`, or None
+            (default) for `{}`.
+        title: first line of the README. Default `"gradflow lesson pack"`.
+
+    Returns:
+        The zip file as bytes.
+
+    Raises:
+        ValueError: if `charts` is empty.
+        ExportError: if the PNGs cannot be rendered (no Chromium).
+    """
+    if not charts:
+        raise ValueError("`charts` must hold at least one chart, got an empty mapping.")
+    named = []
+    used = set()
+    for name, chart in charts.items():
+        if not isinstance(chart, figures.Chart):
+            raise TypeError(f"`charts` values must be gradflow.figures.Chart, got {type(chart).__name__} for {name!r}.")
+        stem = safe_filename(name)
+        while stem in used:
+            stem += "_"
+        used.add(stem)
+        named.append((stem, chart))
+    pngs = to_images([chart for _, chart in named], "png")
+
+    readme = [title, "=" * len(title), "", "Made with gradflow. Contents:", ""]
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for (stem, chart), png in zip(named, pngs):
+            archive.writestr(f"figures/{stem}.png", png)
+            archive.writestr(f"figures/{stem}.html", to_html(chart))
+            archive.writestr(f"data/{stem}.csv", to_csv(chart))
+            readme += [
+                f"figures/{stem}.png, figures/{stem}.html, data/{stem}.csv",
+                f"  {chart.title}",
+                f"  {chart.description}",
+                "",
+            ]
+        readme += [
+            "config.json: the settings of the run.",
+            "The HTML files are interactive (zoom, hover) and work offline.",
+            "The CSV files hold exactly the values drawn; long runs are shown as the",
+            "maximum over blocks of steps, so no spike, NaN or Inf is hidden.",
+            "Text cells starting with = + - @ are prefixed with ' for spreadsheet safety.",
+        ]
+        archive.writestr("config.json", json.dumps(_json_safe(config or {}), indent=2, sort_keys=True, allow_nan=False))
+        archive.writestr("README.txt", "\n".join(readme) + "\n")
+    return buffer.getvalue()
+
+
+def run_charts(layer_stats, metrics, presentation=False):
+    """The standard figures of one run, keyed by file-friendly name.
+
+    Heatmaps of `max_abs` and `l2_norm` (kernels, or all weights when the
+    model has no kernels), activation gradients when recorded, per-layer
+    lines, the profile at the last step and the loss/accuracy curves.
+    Figures without data are left out.
+
+    Args:
+        layer_stats: tidy layer-statistics DataFrame.
+        metrics: long metrics DataFrame.
+        presentation: slide-sized fonts. Default False.
+
+    Returns:
+        A dict name -> `Chart`, possibly empty.
+    """
+    charts = {}
+    kinds = set(layer_stats["tensor"].unique()) if len(layer_stats) else set()
+    weights = "kernel" if "kernel" in kinds else figures.ALL_WEIGHTS
+    if kinds - {"activation"}:
+        charts["max_abs_heatmap"] = figures.heatmap(layer_stats, "max_abs", weights, presentation=presentation)
+        charts["l2_norm_heatmap"] = figures.heatmap(layer_stats, "l2_norm", weights, presentation=presentation)
+        charts["max_abs_lines"] = figures.layer_lines(layer_stats, "max_abs", weights, presentation=presentation)
+        charts["profile"] = figures.profile(layer_stats, tensor=weights, presentation=presentation)
+    if "activation" in kinds:
+        charts["activation_heatmap"] = figures.heatmap(layer_stats, "max_abs", "activation", presentation=presentation)
+    if len(metrics):
+        chart = figures.metrics_chart(metrics, presentation=presentation)
+        if len(chart.data):
+            charts["metrics"] = chart
+    return charts
+
+
+def _write(out_dir, filename, payload):
+    path = (out_dir / filename).resolve()
+    if path.parent != out_dir:
+        raise ExportError(f"Refusing to write {filename!r} outside {out_dir}.")
+    path.write_bytes(payload if isinstance(payload, bytes) else payload.encode("utf-8"))
+    return path
+
+
+def export_run(store, run_id, fmt, out_dir, *, presentation=True):
+    """Export the standard figures of a stored run (used by `gradflow export`).
+
+    Example:
+
+    ```python
+    paths = export_run(RunStore(), run_id, "png", "slides/")
+    ```
+
+    Args:
+        store: a `gradflow.store.RunStore` (anything with `layer_stats`,
+            `metrics` and `run_info` methods).
+        run_id: the run to export.
+        fmt: one of `"png"`, `"svg"`, `"pdf"`, `"html"`, `"csv"`, `"zip"`
+            (a lesson pack).
+        out_dir: folder to write into (created if needed); nothing is
+            written anywhere else.
+        presentation: slide-sized fonts. Default True.
+
+    Returns:
+        A list of the `pathlib.Path`s written, named
+        `<run name>_<figure>.<fmt>` (or `<run name>_lesson.zip`).
+
+    Raises:
+        ValueError: if `fmt` is not an export format.
+        ExportError: if the run has no data to draw, or images cannot be
+            rendered.
+    """
+    _check_format(fmt, EXPORT_FORMATS, "fmt")
+    info = store.run_info(run_id) or {}
+    charts = run_charts(store.layer_stats(run_id), store.metrics(run_id), presentation=presentation)
+    if not charts:
+        raise ExportError(f"Run {run_id!r} has no recorded statistics or metrics to export yet.")
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = out_dir.resolve()
+    base = safe_filename(info.get("name") or f"run-{run_id}", default=f"run-{safe_filename(run_id, 'run')}")
+
+    if fmt == "zip":
+        title = f"gradflow lesson pack: {info.get('name') or run_id}"
+        return [_write(out_dir, f"{base}_lesson.zip", lesson_pack(charts, info.get("config"), title))]
+    if fmt in IMAGE_FORMATS:
+        payloads = to_images(list(charts.values()), fmt)
+    elif fmt == "html":
+        payloads = [to_html(chart) for chart in charts.values()]
+    else:
+        payloads = [to_csv(chart) for chart in charts.values()]
+    return [_write(out_dir, f"{base}_{name}.{fmt}", payload) for name, payload in zip(charts, payloads)]
