@@ -14,6 +14,7 @@ import zipfile
 from gradflow.safety.errors import UnsafeInputError
 
 ZIP_MAGIC = b"PK\x03\x04"
+EMPTY_ZIP_MAGIC = b"PK\x05\x06"  # an archive with no entries starts with its end record
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 
 _EOCD_SIGNATURE = b"PK\x05\x06"
@@ -99,7 +100,7 @@ def open_checked_zip(path, *, what, max_bytes, max_entries, max_total_bytes, max
             other than stored/DEFLATE.
     """
     size = check_file_size(path, max_bytes, what)
-    if read_head(path, 4) != ZIP_MAGIC:
+    if read_head(path, 4) not in (ZIP_MAGIC, EMPTY_ZIP_MAGIC):
         raise UnsafeInputError(f"The {what} is not a zip archive.")
     zip_entry_count(path, size, max_entries, what)
     try:

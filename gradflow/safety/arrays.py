@@ -105,7 +105,7 @@ class _Limits:
 
 
 def _load_npz(path, max_bytes, limits):
-    if archives.read_head(path, 4) != archives.ZIP_MAGIC:
+    if archives.read_head(path, 4) not in (archives.ZIP_MAGIC, archives.EMPTY_ZIP_MAGIC):
         raise UnsafeInputError("The .npz file is not a zip archive (as np.savez writes).")
     with archives.open_checked_zip(
         path,

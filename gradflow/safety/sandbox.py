@@ -34,6 +34,8 @@ import sys
 
 RESULT_PREFIX = "GRADFLOW-SANDBOX-RESULT "
 _MAX_H5_OBJECTS = 10_000
+# How running out of address space shows up in TensorFlow and the dynamic loader.
+_OUT_OF_MEMORY_SIGNS = ("memory", "alloc", "failed to map segment", "resource exhausted")
 
 
 def _limit_self(memory_limit, max_file_bytes):
@@ -166,7 +168,8 @@ def main():
     except MemoryError:
         result = {"ok": False, "kind": "memory", "message": "out of memory"}
     except Exception as e:  # noqa: BLE001 -- every failure is reported to the parent
-        kind = "memory" if "memory" in str(e).lower() or "alloc" in str(e).lower() else "error"
+        text = str(e).lower()
+        kind = "memory" if any(sign in text for sign in _OUT_OF_MEMORY_SIGNS) else "error"
         result = {"ok": False, "kind": kind, "message": f"{type(e).__name__}: {str(e)[:800]}"}
     sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
     sys.stdout.flush()
