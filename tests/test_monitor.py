@@ -1,0 +1,280 @@
+"""GradientMonitor against a hand-written tf.GradientTape training loop.
+
+The reference below trains a copy of the model (same initial weights, same
+batch order) one step at a time with its own tape, its own clipping and its
+own max-norm constraint, and computes every statistic with numpy. The
+monitor's recorded rows must match it step by step.
+"""
+
+import numpy as np
+import pytest
+import keras
+import tensorflow as tf
+
+from gradflow import schema
+from gradflow.monitor import GradientMonitor
+
+N, BATCH = 24, 8  # 3 steps per epoch
+
+
+def make_data(seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(N, 3)).astype("float32")
+    y = rng.normal(size=(N, 1)).astype("float32")
+    return x, y
+
+
+def make_model(seed=0, max_norm=None):
+    keras.utils.set_random_seed(seed)
+    constraint = None if max_norm is None else keras.constraints.MaxNorm(max_norm)
+    return keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(5, activation="tanh", kernel_constraint=constraint, name="d0"),
+            keras.layers.Dense(4, activation="relu", name="d1"),
+            keras.layers.Dense(1, name="d2"),
+        ],
+        name="mlp",
+    )
+
+
+# --- the independent reference ---------------------------------------------
+
+
+def numpy_stats(g):
+    g = np.asarray(g, np.float64).ravel()
+    return {
+        "max_abs": np.abs(g).max(),
+        "l2_norm": np.sqrt(np.sum(g * g)),
+        "mean_abs": np.abs(g).mean(),
+        "std": g.std(),
+        "zero_fraction": np.mean(g == 0.0),
+        "nonfinite": np.sum(~np.isfinite(g)),
+    }
+
+
+def reference_clip(grads, clip):
+    kind, value = clip or (None, None)
+    if kind == "clipnorm":
+        return [g * value / max(np.linalg.norm(g), value) for g in grads]
+    if kind == "clipvalue":
+        return [np.clip(g, -value, value) for g in grads]
+    if kind == "global_clipnorm":
+        total = np.sqrt(sum(np.sum(g * g) for g in grads))
+        return [g * value / max(total, value) for g in grads]
+    return grads
+
+
+def reference_max_norm(w, max_value):
+    norms = np.sqrt(np.sum(w * w, axis=0, keepdims=True))
+    return w * (np.clip(norms, 0, max_value) / (1e-7 + norms))
+
+
+def reference_run(model, optimizer, x, y, epochs, clip=None, max_norm=None, sample_weight=None):
+    """Train `model` with a plain tape; return {(step, layer, tensor): row} and metrics."""
+    variables = model.trainable_variables
+    rows, metrics, step = {}, {}, 0
+    for _ in range(epochs):
+        for start in range(0, len(x), BATCH):
+            xb, yb = x[start: start + BATCH], y[start: start + BATCH]
+            with tf.GradientTape() as tape:
+                outputs, h = [], tf.constant(xb)
+                for layer in model.layers:
+                    h = layer(h, training=True)
+                    outputs.append(h)
+                per_sample = tf.reduce_mean(tf.square(yb - h), axis=-1)
+                if sample_weight is None:
+                    loss = tf.reduce_mean(per_sample)
+                else:
+                    loss = tf.reduce_sum(per_sample * sample_weight[start: start + BATCH]) / len(xb)
+            grads = tape.gradient(loss, variables + outputs)
+            weight_grads = [g.numpy() for g in grads[: len(variables)]]
+            clipped = reference_clip(weight_grads, clip)
+            before = [v.numpy() for v in variables]
+            optimizer.apply_gradients(zip([tf.constant(g) for g in clipped], variables))
+            step += 1
+            for i, v in enumerate(variables):
+                unconstrained = v.numpy()
+                row = numpy_stats(weight_grads[i])
+                row["weight_norm_unconstrained"] = np.nan
+                if max_norm is not None and i == 0:
+                    row["weight_norm_unconstrained"] = np.linalg.norm(unconstrained)
+                    v.assign(reference_max_norm(unconstrained, max_norm))
+                after = v.numpy()
+                row["weight_norm"] = np.linalg.norm(after)
+                norm_before = np.linalg.norm(before[i])
+                row["update_ratio"] = (
+                    np.linalg.norm(after - before[i]) / norm_before if norm_before > 0 else np.nan
+                )
+                row["l2_norm_clipped"] = np.linalg.norm(clipped[i]) if clip else np.nan
+                row["max_abs_clipped"] = np.abs(clipped[i]).max() if clip else np.nan
+                layer, tensor = v.path.split("/")[-2:]
+                rows[(step, layer, tensor)] = row
+            for layer, g in zip(model.layers, grads[len(variables):]):
+                rows[(step, layer.name, "activation")] = numpy_stats(g.numpy())
+            metrics[(step, "loss")] = float(loss)
+            metrics[(step, "global_norm")] = np.sqrt(sum(np.sum(g * g) for g in weight_grads))
+            if clip:
+                metrics[(step, "global_norm_clipped")] = np.sqrt(
+                    sum(np.sum(g * g) for g in clipped)
+                )
+    return rows, metrics
+
+
+def copy_of(model, max_norm=None):
+    clone = keras.models.clone_model(model)
+    clone.set_weights(model.get_weights())
+    for v in clone.trainable_variables:
+        v.constraint = None  # the reference applies max-norm itself
+    return clone
+
+
+def assert_matches_reference(monitor, rows, metrics, rtol):
+    history = monitor.history
+    assert len(history) == len(rows)
+    for record in history.itertuples(index=False):
+        expected = rows[(record.step, record.layer, record.tensor)]
+        for column, value in expected.items():
+            np.testing.assert_allclose(
+                getattr(record, column), value, rtol=rtol, atol=1e-6,
+                err_msg=f"step {record.step} {record.layer}/{record.tensor} {column}",
+            )
+    recorded = monitor.metrics.set_index(["step", "name"])["value"]
+    for key, value in metrics.items():
+        np.testing.assert_allclose(recorded[key], value, rtol=rtol, atol=1e-6, err_msg=str(key))
+
+
+CASES = [
+    # name, optimizer, clipping, max_norm, rtol
+    ("sgd", keras.optimizers.SGD, None, None, 1e-5),
+    ("adam", keras.optimizers.Adam, None, None, 1e-4),
+    ("sgd_clipnorm", keras.optimizers.SGD, ("clipnorm", 0.05), None, 1e-5),
+    ("adam_clipvalue", keras.optimizers.Adam, ("clipvalue", 0.02), None, 1e-4),
+    ("sgd_global_clipnorm", keras.optimizers.SGD, ("global_clipnorm", 0.1), None, 1e-5),
+    ("sgd_max_norm", keras.optimizers.SGD, None, 0.3, 1e-5),
+]
+
+
+@pytest.mark.parametrize("name,optimizer_class,clip,max_norm,rtol", CASES, ids=[c[0] for c in CASES])
+def test_statistics_equal_a_hand_written_tape_loop(name, optimizer_class, clip, max_norm, rtol):
+    x, y = make_data()
+    model = make_model(max_norm=max_norm)
+    reference = copy_of(model)
+    clip_kwargs = {clip[0]: clip[1]} if clip else {}
+    model.compile(optimizer=optimizer_class(learning_rate=0.05, **clip_kwargs), loss="mse")
+    monitor = GradientMonitor(activations=True)
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[monitor])
+
+    rows, metrics = reference_run(
+        reference, optimizer_class(learning_rate=0.05), x, y, epochs=2, clip=clip, max_norm=max_norm
+    )
+    assert list(monitor.history.columns) == list(schema.LAYER_STATS_COLUMNS)
+    assert sorted(monitor.history["step"].unique()) == [1, 2, 3, 4, 5, 6]
+    assert_matches_reference(monitor, rows, metrics, rtol)
+    np.testing.assert_allclose(
+        monitor.metrics.query("name == 'learning_rate'")["value"], 0.05, rtol=1e-6
+    )
+    if clip:
+        clipped = monitor.metrics.query("name == 'clipped'")["value"].to_numpy()
+        expected = [
+            float(metrics[(s, "global_norm_clipped")] < metrics[(s, "global_norm")] * (1 - 1e-6))
+            for s in range(1, 7)
+        ]
+        np.testing.assert_array_equal(clipped, expected)
+    # The model trained exactly like the reference: same final weights.
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6)
+
+
+def test_sample_weights_validation_data_and_compiled_metrics():
+    x, y = make_data()
+    weights = np.linspace(0.5, 2.0, N).astype("float32")
+    model = make_model()
+    reference = copy_of(model)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    monitor = GradientMonitor()
+    model.fit(
+        x, y, sample_weight=weights, validation_data=(x[:8], y[:8]), batch_size=BATCH,
+        epochs=2, shuffle=False, verbose=0, callbacks=[monitor],
+    )
+    rows, metrics = reference_run(
+        reference, keras.optimizers.SGD(0.05), x, y, epochs=2, sample_weight=weights
+    )
+    rows = {key: row for key, row in rows.items() if key[2] != "activation"}
+    assert_matches_reference(monitor, rows, metrics, 1e-5)
+    validation = monitor.metrics.query("name == 'val_loss'")
+    assert validation["step"].tolist() == [3, 6]
+    np.testing.assert_allclose(
+        validation["value"].iloc[-1], model.evaluate(x[:8], y[:8], verbose=0)[0], rtol=1e-5
+    )
+
+
+def fit_history(**fit_kwargs):
+    x, y = make_data()
+    model = make_model()
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01), loss="mse",
+        steps_per_execution=fit_kwargs.pop("steps_per_execution", 1),
+    )
+    monitor = GradientMonitor(**fit_kwargs)
+    model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[monitor])
+    return monitor
+
+
+def test_steps_per_execution_records_every_step():
+    # 6 batches per epoch: executions of 3, 3 steps; 12 steps in all.
+    single = fit_history()
+    multi = fit_history(steps_per_execution=3)
+    assert sorted(multi.history["step"].unique()) == list(range(1, 13))
+    stat_columns = list(schema.STATISTICS + schema.EXTRA_COLUMNS)
+    np.testing.assert_allclose(
+        multi.history[stat_columns].to_numpy(), single.history[stat_columns].to_numpy(),
+        rtol=1e-5, atol=1e-7,
+    )
+
+
+def test_steps_per_execution_with_a_partial_last_execution():
+    multi = fit_history(steps_per_execution=4)  # 6 batches: 4 + 2 per epoch
+    assert sorted(multi.history["step"].unique()) == list(range(1, 13))
+
+
+@pytest.mark.parametrize("every,expected", [(2, [2, 4, 6, 8, 10, 12]), (5, [5, 10])])
+def test_every_records_only_multiples(every, expected):
+    monitor = fit_history(every=every, steps_per_execution=3)
+    assert sorted(monitor.history["step"].unique()) == expected
+    assert sorted(monitor.metrics["step"].unique()) == expected
+
+
+def test_histograms_count_every_finite_entry():
+    monitor = fit_history(histograms=True, activations=True)
+    frame = monitor.histogram_rows
+    assert len(frame) == len(monitor.history)
+    # Counts add up to the tensor's size: d0 kernel 3x5, d0 activation 4x5 (batch 4).
+    kernel = frame.query("layer == 'd0' and tensor == 'kernel'")["counts"].iloc[0]
+    activation = frame.query("layer == 'd0' and tensor == 'activation'")["counts"].iloc[0]
+    assert len(kernel) == schema.HISTOGRAM_BINS
+    assert kernel.sum() == 15 and activation.sum() == 20
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"every": 0}, "`every` must be a positive integer, got 0"),
+        ({"every": 1.5}, "`every` must be a positive integer, got 1.5"),
+        ({"probe_every": -2}, "`probe_every` must be a positive integer, got -2"),
+        ({"run_id": "abc"}, "`run_id` needs a `store`"),
+    ],
+)
+def test_arguments_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        GradientMonitor(**kwargs)
+
+
+def test_train_step_is_restored_after_fit():
+    x, y = make_data()
+    model = make_model()
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[GradientMonitor()])
+    assert "train_step" not in model.__dict__
+    model.fit(x, y, batch_size=BATCH, verbose=0)  # Keras's own step again
+    assert model.optimizer.iterations.numpy() == 6
