@@ -380,7 +380,7 @@ def _check_arrays(name, x, y, n_classes):
         if np.any(bad):
             raise ValueError(
                 f"The {name} labels must be whole numbers from 0 to {n_classes - 1}, "
-                f"got {y[bad][0]!r} (and {int(bad.sum()) - 1} more)."
+                f"got {y[bad][0].item()!r} ({int(bad.sum())} bad label(s) in all)."
             )
 
 
