@@ -1,0 +1,408 @@
+"""Rules that turn per-layer gradient statistics into plain-language events.
+
+`diagnose` reads gradflow's tidy layer statistics (a training history, a run's
+`layer_stats`, or a snapshot's tables) and reports what a teacher would point
+at on the heatmap: vanishing and exploding gradients, dead ReLUs, saturated
+sigmoid/tanh units, and where the first NaN/Inf came from. It uses pandas only,
+so the dashboard and the run store can call it without TensorFlow.
+
+A layer's *gradient norm* at a step is the L2 norm of all its weight
+gradients together: sqrt(sum of `l2_norm`^2 over its `kernel`, `bias`, ...
+rows). Rows with `tensor == "activation"` are gradients w.r.t. the layer's
+output (dLoss/d output) and are used only by the rules that say so.
+
+A condition that holds for many steps in a row is reported once, at the first
+step of each such streak, so a long run does not drown the reader in alerts.
+
+Example:
+
+```python
+from gradflow.diagnosis import diagnose, Thresholds
+events = diagnose(run.layer_stats, Thresholds(vanishing_norm=1e-6))
+events[["step", "layer", "kind", "message"]]
+```
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+import pandas as pd
+
+from gradflow import schema
+
+_REQUIRED = ("step", "layer", "layer_index", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+    """The limits the rules compare against; every field has a default.
+
+    Attributes:
+        vanishing_norm: A layer's gradient norm below this is vanishing.
+            Defaults to 1e-7.
+        vanishing_ratio: Vanishing also when (norm of the first layer with
+            weights) / (norm of the last layer with weights) at one step is
+            below this. Defaults to 1e-3.
+        exploding_norm: A layer's gradient norm above this is exploding.
+            Defaults to 1e3.
+        exploding_growth: Exploding also when a layer's norm grew by more than
+            this factor within `growth_window` steps. Defaults to 100.
+        growth_window: The number of steps `exploding_growth` looks back.
+            Defaults to 10.
+        dead_relu_fraction: A layer whose bias gradient has more than this
+            share of exact zeros has dead units: a ReLU unit that outputs 0
+            for every sample of the batch passes no gradient, so its bias
+            gradient is exactly 0. Defaults to 0.5.
+        dead_activation_fraction: The same for the activation gradient
+            (dLoss/d output), for layers recorded with activations: more than
+            this share of exact zeros. Defaults to 0.9.
+        saturation_ratio: Saturation when the mean |gradient| shrinks by more
+            than this factor as it passes back through ONE layer, i.e.
+            mean_abs(dLoss/d input of layer k) / mean_abs(dLoss/d output of
+            layer k) is below it, while layer k's own weight gradient is not
+            vanishing. That is the signature of sigmoid/tanh units stuck near
+            their limits, where their slope is almost 0. Needs activation
+            rows. Defaults to 1e-2.
+    """
+
+    vanishing_norm: float = 1e-7
+    vanishing_ratio: float = 1e-3
+    exploding_norm: float = 1e3
+    exploding_growth: float = 100.0
+    growth_window: int = 10
+    dead_relu_fraction: float = 0.5
+    dead_activation_fraction: float = 0.9
+    saturation_ratio: float = 1e-2
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"`{field.name}` must be a number, got {value!r}.")
+            if not value > 0 or not math.isfinite(value):
+                raise ValueError(f"`{field.name}` must be a positive finite number, got {value!r}.")
+        for name in ("dead_relu_fraction", "dead_activation_fraction"):
+            if getattr(self, name) >= 1:
+                raise ValueError(
+                    f"`{name}` is a share of entries and must be below 1, got {getattr(self, name)!r}."
+                )
+        if int(self.growth_window) != self.growth_window:
+            raise ValueError(f"`growth_window` must be a whole number of steps, got {self.growth_window!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class NonfiniteOrigin:
+    """Where the first NaN/Inf gradient appeared.
+
+    Attributes:
+        step: The first step with a non-finite gradient entry anywhere.
+        layer: At that step, the layer nearest the loss (highest
+            `layer_index`) with a non-finite gradient: the first one backprop
+            reaches, so the NaN starts there (or in the loss itself).
+        layer_index: That layer's index.
+        tensor: Its first non-finite tensor in backprop order (`activation`
+            before the weights).
+        count: The number of non-finite entries in that tensor (NaN when the
+            table has no `nonfinite` count).
+    """
+
+    step: int
+    layer: str
+    layer_index: int
+    tensor: str
+    count: float
+
+
+def _table(layer_stats):
+    """Accept a DataFrame or anything with a `layer_stats` DataFrame (a Snapshot)."""
+    if hasattr(layer_stats, "layer_stats") and not isinstance(layer_stats, pd.DataFrame):
+        layer_stats = layer_stats.layer_stats
+    if not isinstance(layer_stats, pd.DataFrame):
+        raise TypeError(
+            "`layer_stats` must be a pandas DataFrame of tidy layer statistics "
+            f"(or a gradflow Snapshot), got {type(layer_stats).__name__}."
+        )
+    missing = [c for c in _REQUIRED if c not in layer_stats.columns]
+    if "l2_norm" not in layer_stats.columns and "max_abs" not in layer_stats.columns:
+        missing.append("l2_norm")
+    if missing:
+        raise ValueError(
+            f"`layer_stats` lacks the columns {missing}; it has {list(layer_stats.columns)}. "
+            f"Expected gradflow's tidy columns {list(schema.LAYER_STATS_COLUMNS)}."
+        )
+    return layer_stats
+
+
+def _nonfinite_mask(table):
+    if "nonfinite" in table.columns:
+        counts = pd.to_numeric(table["nonfinite"], errors="coerce")
+        flagged = counts > 0
+    else:
+        flagged = pd.Series(False, index=table.index)
+    if "max_abs" in table.columns:
+        magnitude = pd.to_numeric(table["max_abs"], errors="coerce")
+        # An infinite max_abs is an Inf entry even where no count was stored.
+        flagged |= np.isinf(magnitude)
+    return flagged
+
+
+def first_nonfinite(layer_stats):
+    """Find the first step and the first layer, in backprop order, with a NaN/Inf gradient.
+
+    Example:
+
+    >>> import pandas as pd
+    >>> table = pd.DataFrame({"step": [1, 2, 2], "layer": ["a", "a", "b"],
+    ...     "layer_index": [0, 0, 1], "tensor": ["kernel"] * 3,
+    ...     "l2_norm": [1.0, float("nan"), float("nan")], "nonfinite": [0, 3, 5]})
+    >>> first_nonfinite(table).layer
+    'b'
+
+    Args:
+        layer_stats: Tidy layer statistics (DataFrame) or a Snapshot.
+
+    Returns:
+        A `NonfiniteOrigin`, or `None` when every gradient is finite.
+
+    Raises:
+        TypeError: if `layer_stats` is not a DataFrame.
+        ValueError: if required columns are missing.
+    """
+    table = _table(layer_stats)
+    broken = table[_nonfinite_mask(table)]
+    if broken.empty:
+        return None
+    step = broken["step"].min()
+    at_step = broken[broken["step"] == step].copy()
+    # Backprop reaches the highest layer_index first and, within a layer, its
+    # output gradient (the activation row) before its weight gradients.
+    at_step["_weights_later"] = (at_step["tensor"] != schema.ACTIVATION).astype(int)
+    origin = at_step.sort_values(
+        ["layer_index", "_weights_later"], ascending=[False, True], kind="stable"
+    ).iloc[0]
+    count = float(origin["nonfinite"]) if "nonfinite" in at_step.columns else float("nan")
+    return NonfiniteOrigin(
+        step=int(step),
+        layer=str(origin["layer"]),
+        layer_index=int(origin["layer_index"]),
+        tensor=str(origin["tensor"]),
+        count=count,
+    )
+
+
+def _layer_norms(table):
+    """Per step and layer: the L2 norm of all weight gradients together."""
+    weights = table[table["tensor"] != schema.ACTIVATION]
+    if weights.empty or "l2_norm" not in weights.columns:
+        return pd.DataFrame(columns=["step", "layer", "layer_index", "norm"])
+    squares = pd.to_numeric(weights["l2_norm"], errors="coerce") ** 2
+    norms = (
+        weights.assign(_square=squares)
+        .groupby(["step", "layer", "layer_index"], as_index=False, sort=True)["_square"]
+        .sum(min_count=1)
+    )
+    norms["norm"] = np.sqrt(norms.pop("_square"))
+    return norms[np.isfinite(norms["norm"])].reset_index(drop=True)
+
+
+def _onsets(flagged, keys=("layer",)):
+    """Keep the first step of each streak of consecutive recorded steps per key."""
+    if flagged.empty:
+        return flagged
+    flagged = flagged.sort_values(list(keys) + ["step"])
+    return flagged[flagged["_streak_start"]]
+
+
+def _mark_streaks(frame, condition, keys=("layer",)):
+    """Rows where `condition` holds and did not hold at the previous recorded step."""
+    frame = frame.assign(_flag=condition.to_numpy()).sort_values(list(keys) + ["step"])
+    previous = frame.groupby(list(keys))["_flag"].shift(1, fill_value=False)
+    frame["_streak_start"] = frame["_flag"] & ~previous.astype(bool)
+    return frame[frame["_flag"]]
+
+
+def _vanishing(norms, thresholds):
+    events = []
+    low = _mark_streaks(norms, norms["norm"] < thresholds.vanishing_norm)
+    for row in _onsets(low).itertuples():
+        events.append((row.step, row.layer, "vanishing", (
+            f"Layer {row.layer}: gradient norm {row.norm:.1e} at step {row.step} is below "
+            f"{thresholds.vanishing_norm:.0e} — gradients are vanishing, so this layer "
+            "barely learns."
+        )))
+    # First-to-last ratio, one value per step.
+    rows = []
+    for step, group in norms.groupby("step", sort=True):
+        if group["layer_index"].nunique() < 2:
+            continue
+        first = group.loc[group["layer_index"].idxmin()]
+        last = group.loc[group["layer_index"].idxmax()]
+        if last["norm"] > 0:
+            rows.append((step, first["layer"], first["norm"], last["layer"], last["norm"]))
+    ratios = pd.DataFrame(rows, columns=["step", "layer", "norm", "last_layer", "last_norm"])
+    if ratios.empty:
+        return events
+    ratios["ratio"] = ratios["norm"] / ratios["last_norm"]
+    small = _mark_streaks(ratios, ratios["ratio"] < thresholds.vanishing_ratio)
+    for row in _onsets(small).itertuples():
+        events.append((row.step, row.layer, "vanishing", (
+            f"Layer {row.layer}: gradient norm {row.norm:.1e} at step {row.step} is only "
+            f"{row.ratio:.1e} times that of the last layer {row.last_layer} "
+            f"({row.last_norm:.1e}), below {thresholds.vanishing_ratio:.0e} — gradients "
+            "vanish on their way back to the input."
+        )))
+    return events
+
+
+def _exploding(norms, thresholds):
+    events = []
+    if norms.empty:
+        return events
+    high = _mark_streaks(norms, norms["norm"] > thresholds.exploding_norm)
+    for row in _onsets(high).itertuples():
+        events.append((row.step, row.layer, "exploding", (
+            f"Layer {row.layer}: gradient norm {row.norm:.1e} at step {row.step} is above "
+            f"{thresholds.exploding_norm:.0e} — gradients are exploding; try a smaller "
+            "learning rate or gradient clipping."
+        )))
+    # Growth: compare with the latest recorded norm at least `growth_window` steps back.
+    window = int(thresholds.growth_window)
+    ordered = norms.sort_values("step")
+    earlier = ordered.rename(columns={"step": "_then", "norm": "then_norm"})[
+        ["layer", "_then", "then_norm"]
+    ].sort_values("_then")
+    lookup = ordered.assign(_then=ordered["step"] - window).sort_values("_then")
+    grown = pd.merge_asof(lookup, earlier, on="_then", by="layer", direction="backward")
+    grown = grown[grown["then_norm"] > 0]
+    if grown.empty:
+        return events
+    grown = grown.assign(factor=grown["norm"] / grown["then_norm"])
+    fast = _mark_streaks(grown, grown["factor"] > thresholds.exploding_growth)
+    for row in _onsets(fast).itertuples():
+        events.append((row.step, row.layer, "exploding", (
+            f"Layer {row.layer}: gradient norm grew {row.factor:.1e}-fold within "
+            f"{window} steps (from {row.then_norm:.1e} to {row.norm:.1e} at step "
+            f"{row.step}), more than {thresholds.exploding_growth:g}x — gradients are "
+            "starting to explode."
+        )))
+    return events
+
+
+def _dead_relu(table, thresholds):
+    if "zero_fraction" not in table.columns:
+        return []
+    events = []
+    share = pd.to_numeric(table["zero_fraction"], errors="coerce")
+    cases = (
+        ("bias", thresholds.dead_relu_fraction, "bias gradient"),
+        (schema.ACTIVATION, thresholds.dead_activation_fraction, "output gradient"),
+    )
+    for tensor, limit, what in cases:
+        rows = table.assign(share=share)[table["tensor"] == tensor]
+        if rows.empty:
+            continue
+        rows = rows.drop_duplicates(["step", "layer"])
+        zeros = _mark_streaks(rows, rows["share"] > limit)
+        for row in _onsets(zeros).itertuples():
+            events.append((row.step, row.layer, "dead_relu", (
+                f"Layer {row.layer}: {row.share:.0%} of its {what} entries are exactly 0 "
+                f"at step {row.step} (more than {limit:.0%}) — many ReLU units are dead: "
+                "they output 0 for every sample, so no gradient flows through them. Try "
+                "a smaller learning rate, He initialization or leaky_relu."
+            )))
+    return events
+
+
+def _saturation(table, norms, thresholds):
+    if "mean_abs" not in table.columns:
+        return []
+    outputs = table[table["tensor"] == schema.ACTIVATION]
+    outputs = outputs.assign(size=pd.to_numeric(outputs["mean_abs"], errors="coerce"))
+    outputs = outputs.sort_values(["step", "layer_index"]).drop_duplicates(["step", "layer_index"])
+    if outputs.empty:
+        return []
+    weight_norm = {(r.step, r.layer): r.norm for r in norms.itertuples()}
+    rows = []
+    for step, group in outputs.groupby("step", sort=True):
+        below = group.iloc[:-1]
+        above = group.iloc[1:]
+        for low, high in zip(below.itertuples(), above.itertuples()):
+            # dLoss/d(output of the layer below) is dLoss/d(input of `high`).
+            if not (high.size > 0 and np.isfinite(low.size)):
+                continue
+            own = weight_norm.get((step, high.layer))
+            if own is not None and own < thresholds.vanishing_norm:
+                continue  # its weights get no gradient at all: that is vanishing
+            rows.append((step, high.layer, low.size / high.size, high.size, low.size))
+    frame = pd.DataFrame(rows, columns=["step", "layer", "ratio", "out_size", "in_size"])
+    if frame.empty:
+        return []
+    shrunk = _mark_streaks(frame, frame["ratio"] < thresholds.saturation_ratio)
+    return [
+        (row.step, row.layer, "saturation", (
+            f"Layer {row.layer}: the gradient shrinks {1 / row.ratio:.1e}-fold as it passes "
+            f"back through this layer at step {row.step} (mean |gradient| {row.out_size:.1e} "
+            f"at its output, {row.in_size:.1e} at its input) — its units are probably "
+            "saturated: sigmoid/tanh outputs stuck near their limits, where the slope is "
+            "almost 0."
+        ))
+        for row in _onsets(shrunk).itertuples()
+    ]
+
+
+def diagnose(layer_stats, thresholds=None):
+    """Apply every rule to tidy layer statistics and list what they found.
+
+    Example:
+
+    >>> import pandas as pd
+    >>> table = pd.DataFrame({"step": [40], "layer": ["dense_3"], "layer_index": [3],
+    ...     "tensor": ["kernel"], "l2_norm": [2.1e-9], "nonfinite": [0]})
+    >>> print(diagnose(table)["message"][0])
+    Layer dense_3: gradient norm 2.1e-09 at step 40 is below 1e-07 — gradients are vanishing, so this layer barely learns.
+
+    Args:
+        layer_stats: A DataFrame with gradflow's tidy columns (at least
+            `step`, `layer`, `layer_index`, `tensor`, `l2_norm`; `max_abs`,
+            `mean_abs`, `zero_fraction` and `nonfinite` enable more rules),
+            or a `Snapshot`.
+        thresholds: A `Thresholds`. Defaults to `Thresholds()`.
+
+    Returns:
+        A DataFrame with columns `step`, `layer`, `kind`, `message`, sorted by
+        step. `kind` is one of `nonfinite`, `vanishing`, `exploding`,
+        `dead_relu`, `saturation`. At most one `nonfinite` event: the origin
+        (see `first_nonfinite`).
+
+    Raises:
+        TypeError: if `layer_stats` is not a DataFrame or `thresholds` not a
+            `Thresholds`.
+        ValueError: if required columns are missing.
+    """
+    table = _table(layer_stats)
+    if thresholds is None:
+        thresholds = Thresholds()
+    if not isinstance(thresholds, Thresholds):
+        raise TypeError(
+            "`thresholds` must be a gradflow.diagnosis.Thresholds or None, got "
+            f"{type(thresholds).__name__}."
+        )
+    events = []
+    origin = first_nonfinite(table)
+    if origin is not None:
+        count = "" if math.isnan(origin.count) else f", {origin.count:.0f} entries"
+        events.append((origin.step, origin.layer, "nonfinite", (
+            f"Layer {origin.layer}: first non-finite (NaN/Inf) gradient at step "
+            f"{origin.step} ({origin.tensor}{count}). It is the layer nearest the loss "
+            "with a broken gradient, so the NaN starts here or in the loss; the layers "
+            "below only inherit it."
+        )))
+    norms = _layer_norms(table)
+    events += _vanishing(norms, thresholds)
+    events += _exploding(norms, thresholds)
+    events += _dead_relu(table, thresholds)
+    events += _saturation(table, norms, thresholds)
+    result = pd.DataFrame(events, columns=list(schema.EVENTS_COLUMNS))
+    result["step"] = result["step"].astype(np.int64)
+    return result.sort_values("step", kind="stable").reset_index(drop=True)

@@ -1,0 +1,259 @@
+"""The diagnosis rules on small synthetic tables, one case per rule and edge."""
+
+import math
+import sys
+import subprocess
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from gradflow.diagnosis import Thresholds
+from gradflow.diagnosis import diagnose
+from gradflow.diagnosis import first_nonfinite
+
+NAN = float("nan")
+INF = float("inf")
+
+
+def rows(*records):
+    """Tidy rows from (step, layer, layer_index, tensor, l2_norm, **extra) tuples."""
+    out = []
+    for record in records:
+        step, layer, index, tensor, norm, *extra = record
+        row = {
+            "step": step,
+            "layer": layer,
+            "layer_index": index,
+            "tensor": tensor,
+            "variable": "" if tensor == "activation" else f"m/{layer}/{tensor}",
+            "max_abs": norm,
+            "l2_norm": norm,
+            "mean_abs": norm,
+            "std": 0.0,
+            "zero_fraction": 0.0,
+            "nonfinite": 0 if np.isfinite(norm) else 1,
+        }
+        row.update(extra[0] if extra else {})
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def healthy_run(steps=range(1, 6), layers=3, norm=0.1):
+    return rows(
+        *[
+            (s, f"dense_{i}", i, tensor, norm)
+            for s in steps
+            for i in range(layers)
+            for tensor in ("kernel", "bias")
+        ]
+    )
+
+
+RULE_CASES = [
+    # (name, table, thresholds, expected events as (step, layer, kind))
+    ("healthy", healthy_run(), None, []),
+    (
+        "vanishing_floor",
+        pd.concat([healthy_run(), rows((6, "dense_1", 1, "kernel", 2.1e-9))]),
+        Thresholds(vanishing_ratio=1e-9),
+        [(6, "dense_1", "vanishing")],
+    ),
+    (
+        "vanishing_floor_reported_once_per_streak",
+        rows(
+            (1, "d", 0, "kernel", 1e-9),
+            (2, "d", 0, "kernel", 1e-9),
+            (3, "d", 0, "kernel", 1.0),
+            (4, "d", 0, "kernel", 1e-9),
+        ),
+        None,
+        [(1, "d", "vanishing"), (4, "d", "vanishing")],
+    ),
+    (
+        "vanishing_ratio_first_to_last",
+        rows((1, "first", 0, "kernel", 1e-5), (1, "mid", 1, "kernel", 1e-3), (1, "last", 2, "kernel", 0.5)),
+        None,
+        [(1, "first", "vanishing")],
+    ),
+    (
+        "layer_norm_combines_kernel_and_bias",
+        # Each is below the 1e-7 floor, but sqrt(6e-8^2 + 8e-8^2) is just above it.
+        rows((1, "d", 0, "kernel", 6e-8), (1, "d", 0, "bias", 8.000001e-8)),
+        None,
+        [],
+    ),
+    (
+        "exploding_ceiling",
+        pd.concat([healthy_run(), rows((6, "dense_2", 2, "kernel", 5e3))]),
+        None,
+        [(6, "dense_2", "exploding")],
+    ),
+    (
+        "exploding_growth_within_window",
+        rows(*[(s, "d", 0, "kernel", 0.01 * 2.0**s) for s in range(1, 13)]),
+        Thresholds(growth_window=8, exploding_growth=200.0),
+        # 2**8 = 256 > 200 from step 9 on (compared with step 1).
+        [(9, "d", "exploding")],
+    ),
+    (
+        "growth_not_reached",
+        rows(*[(s, "d", 0, "kernel", 0.01 * 1.5**s) for s in range(1, 13)]),
+        Thresholds(growth_window=5),
+        [],
+    ),
+    (
+        "dead_relu_from_bias_zeros",
+        rows(
+            (3, "dense_1", 1, "kernel", 0.1, {"zero_fraction": 0.7}),
+            (3, "dense_1", 1, "bias", 0.1, {"zero_fraction": 0.75}),
+            (3, "dense_2", 2, "bias", 0.1, {"zero_fraction": 0.2}),
+        ),
+        None,
+        [(3, "dense_1", "dead_relu")],
+    ),
+    (
+        "dead_relu_from_activation_zeros",
+        rows((2, "relu", 1, "activation", 0.1, {"zero_fraction": 0.95}), (2, "relu", 1, "kernel", 0.1)),
+        None,
+        [(2, "relu", "dead_relu")],
+    ),
+    (
+        "saturation_shrink_through_one_layer",
+        rows(
+            (1, "dense", 0, "activation", 1.0, {"mean_abs": 2e-6}),
+            (1, "sigmoid_dense", 1, "activation", 1.0, {"mean_abs": 1e-3}),
+            (1, "sigmoid_dense", 1, "kernel", 1e-2),
+            (1, "head", 2, "activation", 1.0, {"mean_abs": 2e-3}),
+        ),
+        Thresholds(vanishing_ratio=1e-9),
+        [(1, "sigmoid_dense", "saturation")],
+    ),
+    (
+        "no_saturation_when_shrink_is_mild",
+        rows(
+            (1, "dense", 0, "activation", 1.0, {"mean_abs": 2e-4}),
+            (1, "tanh_dense", 1, "activation", 1.0, {"mean_abs": 1e-3}),
+        ),
+        None,
+        [],
+    ),
+    (
+        "nonfinite_origin_is_layer_nearest_loss",
+        rows(
+            (1, "d0", 0, "kernel", 0.1),
+            (2, "d0", 0, "kernel", NAN),
+            (2, "d1", 1, "kernel", NAN),
+            (2, "d2", 2, "kernel", 0.1),
+            (3, "d2", 2, "kernel", NAN),
+        ),
+        None,
+        [(2, "d1", "nonfinite")],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "table, thresholds, expected",
+    [case[1:] for case in RULE_CASES],
+    ids=[case[0] for case in RULE_CASES],
+)
+def test_rules(table, thresholds, expected):
+    events = diagnose(table.reset_index(drop=True), thresholds)
+    assert list(events.columns) == ["step", "layer", "kind", "message"]
+    found = sorted(zip(events["step"], events["layer"], events["kind"]))
+    assert found == sorted(expected)
+    for message in events["message"]:
+        assert message.startswith("Layer ")
+
+
+def test_vanishing_message_reads_plainly():
+    table = rows((40, "dense_3", 3, "kernel", 2.1e-9))
+    (message,) = diagnose(table)["message"]
+    assert message.startswith(
+        "Layer dense_3: gradient norm 2.1e-09 at step 40 is below 1e-07 — gradients are vanishing"
+    )
+
+
+ORIGIN_CASES = [
+    # (name, table, expected (step, layer, tensor) or None)
+    ("all_finite", healthy_run(), None),
+    (
+        "highest_layer_index_wins_at_first_step",
+        rows((5, "d0", 0, "kernel", NAN), (5, "d3", 3, "bias", INF), (5, "d1", 1, "kernel", NAN)),
+        (5, "d3", "bias"),
+    ),
+    (
+        "earliest_step_wins_over_higher_layer",
+        rows((7, "d9", 9, "kernel", NAN), (6, "d0", 0, "kernel", NAN)),
+        (6, "d0", "kernel"),
+    ),
+    (
+        "activation_before_weights_in_same_layer",
+        rows((1, "d", 2, "kernel", NAN), (1, "d", 2, "activation", NAN)),
+        (1, "d", "activation"),
+    ),
+    (
+        "inf_max_abs_without_count",
+        rows((4, "d", 1, "kernel", 1.0, {"max_abs": INF, "nonfinite": NAN})),
+        (4, "d", "kernel"),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "table, expected", [c[1:] for c in ORIGIN_CASES], ids=[c[0] for c in ORIGIN_CASES]
+)
+def test_first_nonfinite(table, expected):
+    origin = first_nonfinite(table)
+    if expected is None:
+        assert origin is None
+    else:
+        assert (origin.step, origin.layer, origin.tensor) == expected
+
+
+def test_accepts_any_object_with_layer_stats():
+    class Shot:
+        layer_stats = rows((0, "d", 0, "kernel", 1e-12))
+
+    assert list(diagnose(Shot())["kind"]) == ["vanishing"]
+
+
+def test_empty_table_gives_no_events():
+    events = diagnose(healthy_run().iloc[:0])
+    assert events.empty and list(events.columns) == ["step", "layer", "kind", "message"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"vanishing_norm": 0}, ValueError, "`vanishing_norm`"),
+        ({"exploding_norm": -1.0}, ValueError, "`exploding_norm`"),
+        ({"dead_relu_fraction": 1.5}, ValueError, "`dead_relu_fraction`"),
+        ({"growth_window": 2.5}, ValueError, "`growth_window`"),
+        ({"saturation_ratio": "small"}, TypeError, "`saturation_ratio`"),
+    ],
+)
+def test_thresholds_validate(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        Thresholds(**kwargs)
+
+
+def test_bad_inputs_name_the_argument():
+    with pytest.raises(TypeError, match="`layer_stats`"):
+        diagnose([1, 2, 3])
+    with pytest.raises(ValueError, match="layer_index"):
+        diagnose(pd.DataFrame({"step": [1], "layer": ["d"], "tensor": ["kernel"], "l2_norm": [1.0]}))
+    with pytest.raises(TypeError, match="`thresholds`"):
+        diagnose(healthy_run(), thresholds={"vanishing_norm": 1e-3})
+
+
+def test_thresholds_are_frozen():
+    with pytest.raises(Exception):
+        Thresholds().vanishing_norm = 1.0
+    assert math.isclose(Thresholds().vanishing_norm, 1e-7)
+
+
+def test_diagnosis_imports_no_tensorflow():
+    code = "import gradflow.diagnosis, sys; assert 'tensorflow' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
