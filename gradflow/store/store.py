@@ -1,5 +1,6 @@
 """The run store: runs, their statistics and their control requests in SQLite."""
 
+import atexit
 import json
 import os
 import pathlib
@@ -15,6 +16,11 @@ import pandas as pd
 from gradflow import schema
 from gradflow.store import tables
 from gradflow.store.writer import RunWriter
+
+# ADBC connections left to the garbage collector at interpreter exit complain
+# on stderr; close them while the driver is still loaded.
+_ADBC_CONNECTIONS = []
+atexit.register(lambda: [_close_quietly(c) for c in _ADBC_CONNECTIONS])
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -149,7 +155,7 @@ class RunStore:
             self.path, self._key(run_id), run_id, flush_interval, background_flush
         )
 
-    def set_status(self, run_id, status, message=None, pid=None):
+    def set_status(self, run_id, status, message=None, pid=None, only_from=None):
         """Sets a run's status (and why, for people).
 
         Args:
@@ -159,14 +165,40 @@ class RunStore:
             message: a reason to show next to the status, or None.
             pid: the process that now owns the run (the worker), or None to
                 keep the current one.
+            only_from: if given, a tuple of statuses: change the status only
+                when the run is in one of them (so a late writer cannot
+                overwrite a final status). Default None: always.
+
+        Returns:
+            True if the status was changed.
         """
         _check_status(status)
         key = self._key(run_id)
         now = time.time()
-        self._conn().execute(
+        sql = (
             "UPDATE runs SET status = ?, message = ?, updated_at = ?, heartbeat_at = ?, "
-            "pid = COALESCE(?, pid), host = CASE WHEN ? IS NULL THEN host ELSE ? END WHERE id = ?",
-            (status, message, now, now, pid, pid, socket.gethostname(), key),
+            "pid = COALESCE(?, pid), host = CASE WHEN ? IS NULL THEN host ELSE ? END WHERE id = ?"
+        )
+        params = [status, message, now, now, pid, pid, socket.gethostname(), key]
+        if only_from is not None:
+            only_from = tuple(only_from)
+            for value in only_from:
+                _check_status(value)
+            sql += f" AND status IN ({', '.join('?' * len(only_from))})"
+            params.extend(only_from)
+        return self._conn().execute(sql, params).rowcount > 0
+
+    def heartbeat(self, run_id, step=None):
+        """Records that the run's process is alive (and its progress).
+
+        Args:
+            run_id: the run.
+            step: the last finished step, or None.
+        """
+        self._conn().execute(
+            "UPDATE runs SET heartbeat_at = ?, progress_step = MAX(progress_step, COALESCE(?, 0)) "
+            "WHERE id = ?",
+            (time.time(), step, self._key(run_id)),
         )
 
     def runs(self):
@@ -266,6 +298,9 @@ class RunStore:
         """
         key = self._key(run_id)
         conn = self._conn()
+        # Workers poll often: look without taking the write lock first.
+        if conn.execute("SELECT 1 FROM requests WHERE run = ? LIMIT 1", (key,)).fetchone() is None:
+            return None
         conn.execute("BEGIN IMMEDIATE")
         try:
             row = conn.execute(
@@ -476,8 +511,10 @@ class RunStore:
         for name in ("conn", "adbc"):
             conn = getattr(self._local, name, None)
             if conn is not None:
-                conn.close()
+                _close_quietly(conn)
                 setattr(self._local, name, None)
+                if conn in _ADBC_CONNECTIONS:
+                    _ADBC_CONNECTIONS.remove(conn)
 
     # Internals ------------------------------------------------------------
 
@@ -558,6 +595,7 @@ class RunStore:
             # Autocommit, so that every read sees the newest committed rows
             # instead of the snapshot of a long-open read transaction.
             conn = self._local.adbc = adbc.connect(str(self.path), autocommit=True)
+            _ADBC_CONNECTIONS.append(conn)
         cursor = conn.cursor()
         try:
             cursor.execute(sql, parameters=tuple(params))
@@ -624,3 +662,10 @@ def _process_alive(pid):
         return state not in ("Z", "X")
     except (OSError, IndexError):
         return True
+
+
+def _close_quietly(conn):
+    try:
+        conn.close()
+    except Exception:  # Already closed, or its driver is gone.
+        pass

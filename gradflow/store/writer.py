@@ -66,6 +66,8 @@ class RunWriter:
         self._reset_buffers()
         self._last_flush = time.monotonic()
         self._closed = threading.Event()
+        self._wake = threading.Event()
+        self._wrote_rows = False
         self._thread = None
         if background_flush:
             self._thread = threading.Thread(
@@ -207,6 +209,7 @@ class RunWriter:
         if self._closed.is_set():
             return
         self._closed.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join()
         self.flush()
@@ -320,11 +323,21 @@ class RunWriter:
             raise
 
     def _maybe_flush(self):
-        if self._thread is None and time.monotonic() - self._last_flush >= self.flush_interval:
+        if self._thread is not None:
+            if not self._wrote_rows:
+                # A new run's first rows go out at once: the dashboard shows
+                # the first step without waiting a whole interval.
+                self._wrote_rows = True
+                self._wake.set()
+        elif time.monotonic() - self._last_flush >= self.flush_interval:
             self.flush()
 
     def _flush_periodically(self):
-        while not self._closed.wait(self.flush_interval):
+        while not self._closed.is_set():
+            self._wake.wait(self.flush_interval)
+            self._wake.clear()
+            if self._closed.is_set():
+                return
             try:
                 self.flush()
             except Exception:  # The next tick retries; close() raises for real.

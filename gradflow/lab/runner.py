@@ -1,0 +1,294 @@
+"""`RunManager`: worker processes for background runs, a visible queue, a warm spare.
+
+Training never runs in a thread of the launching process (Keras does not
+support training from threads, TF #39450, and the Streamlit server must stay
+responsive): every background run gets its own worker process
+(`gradflow.lab.worker`). Workers are started with `subprocess` rather than
+`multiprocessing`, so the launcher's `__main__` (a Streamlit page, a user's
+script without an `if __name__ == "__main__"` guard) is never imported again
+in the worker.
+"""
+
+import atexit
+import collections
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+from gradflow.store import ACTIVE_STATUSES, RunStore
+
+_PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parent.parent.parent)
+
+
+class RunManager:
+    """Starts lab runs in worker processes, at most `max_running` at a time.
+
+    Runs beyond the cap wait with status `queued` (the dashboard shows them)
+    and start in order as slots free. One spare worker is kept warm: it has
+    already imported TensorFlow and Keras and traced a tiny model, so a new
+    run records its first step within about a second or two. Workers are
+    reaped when they end; a worker whose launcher dies marks its run
+    `interrupted` and exits.
+
+    Use one manager per launching process (`RunManager.for_store(store)`).
+
+    Example:
+
+    ```python
+    manager = RunManager.for_store(RunStore())
+    run_id = manager.start(RunConfig(steps=200))
+    manager.wait(run_id)          # "completed"
+    ```
+
+    Args:
+        store: a `RunStore` or its path, default the default store.
+        max_running: the most runs training at once, default `os.cpu_count()`.
+        prewarm: keep one warm spare worker, default True.
+        threads_per_run: TensorFlow threads per worker, default
+            `os.cpu_count() // max_running` (at least 1).
+        poll_interval: seconds between looks at finished workers and the
+            queue, default 0.2.
+    """
+
+    _managers = {}
+    _managers_lock = threading.Lock()
+
+    def __init__(
+        self, store=None, max_running=None, prewarm=True, threads_per_run=None, poll_interval=0.2
+    ):
+        self.store = store if isinstance(store, RunStore) else RunStore(store)
+        cpus = os.cpu_count() or 1
+        self.max_running = _positive_int("max_running", max_running or cpus)
+        self.threads_per_run = _positive_int(
+            "threads_per_run", threads_per_run or max(1, cpus // self.max_running)
+        )
+        self.prewarm = bool(prewarm)
+        self.poll_interval = float(poll_interval)
+        self._queue = collections.deque()
+        self._running = {}
+        self._spare = None
+        self._lock = threading.RLock()
+        self._closed = False
+        self._log_path = self.store.path.parent / "workers.log"
+        if self.prewarm:
+            self._spare = self._spawn()
+        self._thread = threading.Thread(
+            target=self._watch, name="gradflow-run-manager", daemon=True
+        )
+        self._thread.start()
+        atexit.register(self.shutdown)
+
+    @classmethod
+    def for_store(cls, store=None, **options):
+        """The manager of this process for `store`, created on first use.
+
+        Args:
+            store: a `RunStore` or a path, default the default store.
+            **options: `RunManager` arguments, used when it is created.
+        """
+        path = (store.path if isinstance(store, RunStore) else RunStore(store).path).resolve()
+        with cls._managers_lock:
+            manager = cls._managers.get(path)
+            if manager is None or manager._closed:
+                manager = cls._managers[path] = cls(store, **options)
+            return manager
+
+    def start(self, config, name=None):
+        """Queues a run and starts it as soon as a slot is free.
+
+        Args:
+            config: a `RunConfig` (or its dict).
+            name: a name for the run, default `config.name` or `"run N"`.
+
+        Returns:
+            The new run id (status `queued`, soon `running`).
+        """
+        from gradflow.lab.config import RunConfig
+
+        if isinstance(config, dict):
+            config = RunConfig.from_dict(config)
+        if not isinstance(config, RunConfig):
+            raise TypeError(
+                f"`config` must be a gradflow.RunConfig or a dict of its fields, "
+                f"got {type(config).__name__}."
+            )
+        if self._closed:
+            raise RuntimeError("This RunManager was shut down; make a new one.")
+        run_id = self.store.create_run(
+            config.to_dict(),
+            name=name or config.name,
+            source="lab",
+            total_steps=None if config.epochs else config.steps,
+            status="queued",
+        )
+        with self._lock:
+            self._queue.append(run_id)
+            self._schedule()
+        return run_id
+
+    def queued(self):
+        """Run ids waiting for a slot, in the order they will start."""
+        with self._lock:
+            return list(self._queue)
+
+    def running(self):
+        """Run ids whose worker process is alive, with the worker's pid."""
+        with self._lock:
+            return {run_id: proc.pid for run_id, proc in self._running.items()}
+
+    def worker_pids(self):
+        """Pids of every worker process of this manager, the warm spare included."""
+        with self._lock:
+            pids = [proc.pid for proc in self._running.values()]
+            if self._spare is not None:
+                pids.append(self._spare.pid)
+            return pids
+
+    def wait_warm(self, timeout=None):
+        """Waits until the spare worker has imported TensorFlow; True if it has."""
+        spare = self._spare
+        return spare is not None and spare.ready.wait(timeout)
+
+    def wait(self, run_id, timeout=None):
+        """Waits for a run to end and returns its final status.
+
+        Raises:
+            TimeoutError: if it is still queued, running or paused after
+                `timeout` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.poll()
+            status = self.store.status(run_id)
+            if status not in ACTIVE_STATUSES:
+                return status
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"Run {run_id} is still {status} after {timeout} s.")
+            time.sleep(0.05)
+
+    def poll(self):
+        """Reaps finished workers and starts queued runs (also done every `poll_interval`)."""
+        with self._lock:
+            self._schedule()
+
+    def shutdown(self):
+        """Ends all workers of this manager: running runs become `interrupted`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for run_id in self._queue:
+                self.store.set_status(
+                    run_id, "interrupted", "The launcher shut down before the run started.",
+                    only_from=("queued",),
+                )
+            self._queue.clear()
+            procs = list(self._running.values()) + ([self._spare] if self._spare else [])
+            self._spare = None
+            for proc in procs:
+                _close_quietly(proc.stdin)  # The worker's lifeline.
+            for proc in procs:
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            self._reap()
+
+    # Internals --------------------------------------------------------------
+
+    def _watch(self):
+        while not self._closed:
+            time.sleep(self.poll_interval)
+            try:
+                self.poll()
+            except Exception:  # A busy store must not kill the manager; retry.
+                pass
+
+    def _schedule(self):
+        if self._closed:
+            return
+        self._reap()
+        while self._queue and len(self._running) < self.max_running:
+            run_id = self._queue.popleft()
+            if self.store.status(run_id) != "queued":  # Stopped or deleted while waiting.
+                continue
+            worker = self._spare if _alive(self._spare) else self._spawn()
+            self._spare = None
+            worker.stdin.write(f"{run_id}\n")
+            worker.stdin.flush()
+            worker.run_id = run_id
+            self._running[run_id] = worker
+        if self.prewarm and not _alive(self._spare):
+            self._spare = self._spawn()
+
+    def _reap(self):
+        for run_id, proc in list(self._running.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del self._running[run_id]
+            self.store.set_status(
+                run_id,
+                "failed",
+                f"The worker process ended unexpectedly (exit code {code}); see "
+                f"{self._log_path}.",
+                only_from=ACTIVE_STATUSES,
+            )
+
+    def _spawn(self):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        env.setdefault("KERAS_BACKEND", "tensorflow")
+        log = open(self._log_path, "ab")
+        try:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "gradflow.lab.worker",
+                    "--db",
+                    str(self.store.path.resolve()),
+                    "--threads",
+                    str(self.threads_per_run),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=env,
+                text=True,
+                start_new_session=True,  # Ctrl-C in a terminal goes to the launcher only.
+            )
+        finally:
+            log.close()
+        proc.run_id = None
+        proc.ready = threading.Event()
+        threading.Thread(target=_read_output, args=(proc,), daemon=True).start()
+        return proc
+
+
+def _read_output(proc):
+    for line in proc.stdout:
+        if line.strip() == "ready":
+            proc.ready.set()
+
+
+def _alive(proc):
+    return proc is not None and proc.poll() is None
+
+
+def _close_quietly(stream):
+    try:
+        stream.close()
+    except OSError:
+        pass
+
+
+def _positive_int(name, value):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+    return value

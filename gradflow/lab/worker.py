@@ -1,0 +1,197 @@
+"""The training recipe of one lab run, and the worker process that runs it.
+
+`execute(store, run_id)` trains one run in the calling process: the
+foreground `gradflow.train(config)` calls it directly, and a worker process
+calls it for background runs. A worker is started by `RunManager` as
+
+    python -m gradflow.lab.worker --db PATH --threads N
+
+It imports TensorFlow and Keras, then waits on stdin for a run id (this is
+the pre-warmed state), trains that run and exits. Its stdin is also its
+lifeline: when the launching process dies, stdin reaches end-of-file and the
+worker marks its run `interrupted` and exits at once, so no worker outlives
+its launcher.
+"""
+
+import argparse
+import math
+import os
+import sys
+import threading
+import traceback
+import warnings
+
+from gradflow.store import ACTIVE_STATUSES, RunStore
+
+
+def execute(store, run_id):
+    """Trains run `run_id` of `store` in this process and sets its final status.
+
+    Reads the run's config from the store, loads the data, builds the model
+    (seeded by `config.seed`, so the same config gives the same statistics),
+    and trains with `model.fit`, recording through `GradientMonitor` and
+    obeying pause/resume/step/stop requests through `RunControl`.
+
+    Example:
+
+    ```python
+    store = RunStore()
+    run_id = store.create_run(RunConfig(steps=50).to_dict())
+    execute(store, run_id)          # "completed"
+    ```
+
+    Args:
+        store: the `RunStore`.
+        run_id: a run created with a `RunConfig` dict as its config.
+
+    Returns:
+        The final status: `"completed"`, `"stopped"` (asked to),
+        `"diverged"` (NaN or Inf loss or gradient) or `"failed"` (an error;
+        the run's message says which). A run that was no longer queued or
+        running when called is left alone and its status returned.
+    """
+    if not store.set_status(run_id, "running", pid=os.getpid(), only_from=("queued", "running")):
+        return store.status(run_id)
+    try:
+        status, message = _train(store, run_id)
+    except Exception as error:  # Any failure becomes a readable run status.
+        status = "failed"
+        message = _failure_message(error)
+    except KeyboardInterrupt:
+        store.set_status(run_id, "interrupted", "Interrupted by the user (Ctrl-C).")
+        raise
+    store.set_status(run_id, status, message, only_from=ACTIVE_STATUSES)
+    return store.status(run_id)
+
+
+def _train(store, run_id):
+    from gradflow.lab.config import RunConfig
+    from gradflow.lab.control import RunControl
+    from gradflow.lab.datasets import load_dataset
+    from gradflow.lab.models import build_model
+    from gradflow.monitor import GradientMonitor
+
+    config = RunConfig.from_dict(store.run_info(run_id)["config"])
+    data = load_dataset(config)
+    model = build_model(config, data)  # Seeds weights, shuffling and dropout.
+    steps_per_epoch = math.ceil(len(data.x_train) / config.batch_size)
+    epochs = config.epochs or math.ceil(config.steps / steps_per_epoch)
+    monitor = GradientMonitor(
+        every=config.record_every,
+        activations=config.activations,
+        histograms=config.histograms,
+        store=store,
+        run_id=run_id,
+        close_run=False,
+        stop_on_nonfinite=True,
+    )
+    control = RunControl(
+        store,
+        run_id,
+        max_steps=None if config.epochs else config.steps,
+        on_pause=_publisher(monitor),
+    )
+    model.fit(
+        data.x_train,
+        data.y_train,
+        batch_size=config.batch_size,
+        epochs=epochs,
+        validation_data=(data.x_val, data.y_val),
+        verbose=0,
+        callbacks=[monitor, control],
+    )
+    store.heartbeat(run_id, control.steps)
+    nonfinite = monitor.events[monitor.events["kind"] == "nonfinite"]
+    if len(nonfinite):
+        return "diverged", nonfinite["message"].iloc[0]
+    if control.stop_reason == "nonfinite":
+        return "diverged", f"The loss became NaN or infinite at step {control.nonfinite_step}."
+    if control.stop_reason == "stop":
+        return "stopped", f"Stopped on request after {control.steps} steps."
+    return "completed", None
+
+
+def _publisher(monitor):
+    """What makes the monitor write the steps it still holds (shown while paused)."""
+    # GradientMonitor reads its statistics every few steps; a paused run must
+    # show every step it made.
+    publish = getattr(monitor, "flush", None) or getattr(monitor, "_collect", None)
+    return publish
+
+
+def _failure_message(error):
+    where = traceback.extract_tb(error.__traceback__)
+    last = f" (at {os.path.basename(where[-1].filename)}:{where[-1].lineno})" if where else ""
+    return f"{type(error).__name__}: {error}{last}"
+
+
+def _limit_threads(threads):
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
+
+
+def _warm_up():
+    """Imports and traces once what every run needs, so a run starts fast."""
+    import keras
+    import numpy as np
+
+    import gradflow.lab.datasets  # noqa: F401  (pulls in scikit-learn)
+    import gradflow.lab.models  # noqa: F401
+    from gradflow.monitor import GradientMonitor
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.zeros((4, 2), "float32"), np.zeros((4, 1), "float32")
+    # Tracing the instrumented step once makes the first real trace faster.
+    monitor = GradientMonitor(histograms=True, activations=True, stop_on_nonfinite=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(x, y, validation_data=(x, y), verbose=0, callbacks=[monitor])
+    # Layer-name counters start again from zero, as in a cold process.
+    keras.backend.clear_session()
+
+
+def _watch_launcher(store_path, run_id):
+    """Marks the run interrupted and ends this process once stdin closes."""
+    while sys.stdin.readline():
+        pass
+    try:
+        RunStore(store_path).set_status(
+            run_id,
+            "interrupted",
+            "Interrupted: the process that started the run ended.",
+            only_from=ACTIVE_STATUSES,
+        )
+    finally:
+        os._exit(3)
+
+
+def main(argv=None):
+    """Entry point of a worker process (see the module docstring)."""
+    parser = argparse.ArgumentParser(description="gradflow lab worker (started by RunManager)")
+    parser.add_argument("--db", required=True, help="run store path")
+    parser.add_argument("--threads", type=int, default=1, help="TensorFlow threads")
+    parser.add_argument("--no-warm-up", action="store_true", help="skip the warm-up fit")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    _limit_threads(max(1, args.threads))
+    if not args.no_warm_up:
+        _warm_up()
+    print("ready", flush=True)
+    line = sys.stdin.readline()
+    run_id = line.strip()
+    if not run_id:  # The launcher went away, or asked us to quit.
+        return 0
+    threading.Thread(
+        target=_watch_launcher, args=(args.db, run_id), name="launcher-watch", daemon=True
+    ).start()
+    status = execute(RunStore(args.db), run_id)
+    print(f"done {run_id} {status}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
