@@ -1,0 +1,216 @@
+"""GradientMonitor: non-finite origin, stopping, run store, TensorBoard, fallback."""
+
+import glob
+
+import numpy as np
+import pytest
+import keras
+import tensorflow as tf
+
+from gradflow import schema
+from gradflow.monitor import GradientMonitor
+from gradflow.store import RunStore
+
+N, BATCH = 24, 4  # 6 steps per epoch
+
+
+@keras.saving.register_keras_serializable("gradflow_tests")
+class BlowUp(keras.layers.Layer):
+    """Scales its input by a weight; its gradients turn infinite on big inputs.
+
+    The backward pass multiplies by inf when |input| > 100, so the first
+    non-finite gradient starts here (its own weight) and flows down to the
+    layers below it, while the layers above it stay finite.
+    """
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="scale")
+
+    def call(self, x):
+        @tf.custom_gradient
+        def scaled(x, scale):
+            factor = tf.where(tf.reduce_max(tf.abs(x)) > 100.0, np.inf, 1.0)
+
+            def grad(upstream):
+                return upstream * scale * factor, tf.reduce_sum(upstream * x, 0) * factor
+
+            return x * scale, grad
+
+        return scaled(x, self.scale)
+
+
+def blow_up_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(4, name="below"),
+            BlowUp(name="blowup"),
+            keras.layers.Dense(1, name="above"),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+def blow_up_data(bad_step=3):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, 3)).astype("float32")
+    x[(bad_step - 1) * BATCH: bad_step * BATCH] *= 1e4  # only this batch is huge
+    y = rng.normal(size=(N, 1)).astype("float32")
+    return x, y
+
+
+@pytest.mark.parametrize("activations", [False, True])
+def test_nonfinite_origin_is_the_layer_nearest_the_loss(activations):
+    x, y = blow_up_data(bad_step=3)
+    monitor = GradientMonitor(activations=activations)
+    blow_up_model().fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    events = monitor.events.query("kind == 'nonfinite'")
+    assert events[["step", "layer"]].values.tolist() == [[3, "blowup"]]
+    assert "step 3" in events["message"].iloc[0]
+    step3 = monitor.history.query("step == 3").set_index(["layer", "tensor"])["nonfinite"]
+    assert step3[("blowup", "scale")] > 0 and step3[("below", "kernel")] > 0
+    assert step3[("above", "kernel")] == 0
+    assert monitor.history.query("step < 3")["nonfinite"].sum() == 0
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_stop_on_nonfinite_stops_at_that_step_with_finite_weights(steps_per_execution):
+    x, y = blow_up_data(bad_step=3)
+    model = blow_up_model()
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01), loss="mse", steps_per_execution=steps_per_execution
+    )
+    before_bad_step = {}
+
+    class Keep(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations) == 2:
+                before_bad_step["weights"] = self.model.get_weights()
+
+    monitor = GradientMonitor(stop_on_nonfinite=True, every=5)
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[Keep(), monitor]
+    )
+    # The non-finite step is recorded although it is not a multiple of `every`.
+    assert monitor.history["step"].max() == 3
+    assert monitor.events["step"].tolist() == [3]
+    assert int(model.optimizer.iterations) == 3
+    assert len(history.history["loss"]) == 1  # stopped in the first epoch
+    # The non-finite update was skipped: the weights are those after step 2.
+    for a, b in zip(model.get_weights(), before_bad_step["weights"]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_writes_every_recorded_step_to_the_run_store(store_path):
+    x, y = blow_up_data(bad_step=5)
+    store = RunStore(store_path)
+    monitor = GradientMonitor(store=store, run_name="blow", activations=True)
+    blow_up_model().fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+
+    stored = store.layer_stats(monitor.run_id)
+    recorded = monitor.history
+    assert len(stored) == len(recorded) == 6 * 8  # 5 variables + 3 layer outputs
+    key = ["step", "layer", "tensor"]
+    stored = stored.astype({"layer": str, "tensor": str}).sort_values(key, ignore_index=True)
+    recorded = recorded.sort_values(key, ignore_index=True)
+    assert stored[key].values.tolist() == recorded[key].values.tolist()
+    for column in schema.STATISTICS + schema.EXTRA_COLUMNS:
+        np.testing.assert_allclose(
+            stored[column].astype(float), recorded[column].astype(float), rtol=1e-6, err_msg=column
+        )
+    metrics = store.metrics(monitor.run_id)
+    assert sorted(metrics.query("name == 'loss'")["step"]) == [1, 2, 3, 4, 5, 6]
+    info = store.run_info(monitor.run_id)
+    assert info["status"] == "diverged" and info["name"] == "blow"
+    events = store.events(monitor.run_id)
+    assert events.query("kind == 'nonfinite'")[["step", "layer"]].values.tolist() == [[5, "blowup"]]
+
+
+def test_attaches_to_an_existing_run_and_leaves_its_status(store_path):
+    x, y = blow_up_data(bad_step=99)
+    store = RunStore(store_path)
+    run_id = store.create_run({"depth": 2}, name="lab run", source="lab")
+    monitor = GradientMonitor(store=str(store_path), run_id=run_id, close_run=False)
+    blow_up_model().fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    assert monitor.run_id == run_id
+    assert len(store.layer_stats(run_id)) == 6 * 5
+    assert store.run_info(run_id)["status"] == "running"
+
+
+def test_tensorboard_summaries_hold_the_recorded_values(tmp_path):
+    x, y = blow_up_data(bad_step=99)
+    monitor = GradientMonitor(tensorboard_dir=tmp_path, histograms=True)
+    blow_up_model().fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    scalars, histograms = {}, {}
+    for path in glob.glob(str(tmp_path / "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                array = tf.make_ndarray(value.tensor)
+                plugin = value.metadata.plugin_data.plugin_name
+                target = scalars if plugin == "scalars" else histograms
+                target[(value.tag, event.step)] = array
+    expected = monitor.history.set_index(["step", "layer", "tensor"])
+    for (step, layer, tensor), row in expected.iterrows():
+        tag = f"gradients/{layer}/{tensor}/l2_norm"
+        np.testing.assert_allclose(scalars[(tag, step)], row["l2_norm"], rtol=1e-6)
+    loss = monitor.metrics.query("name == 'loss'")
+    for step, value in zip(loss["step"], loss["value"]):
+        np.testing.assert_allclose(scalars[("gradflow/loss", step)], value, rtol=1e-6)
+    buckets = histograms[("log10_abs_gradient/below/kernel", 1)]
+    assert buckets.shape == (schema.HISTOGRAM_BINS, 3) and buckets[:, 2].sum() == 12
+
+
+class OwnStep(keras.Model):
+    """A model with its own train step: the monitor can only probe it."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(4, activation="tanh", name="hidden")
+        self.out = keras.layers.Dense(1, name="out")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(y - self(x, training=True)))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+def test_own_train_step_falls_back_to_a_probe_every_n_steps():
+    x, y = blow_up_data(bad_step=99)
+    keras.utils.set_random_seed(0)
+    model = OwnStep()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model(x[:1])
+    weights_at = {0: [v.numpy() for v in model.trainable_variables]}
+
+    class Keep(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            step = int(self.model.optimizer.iterations)
+            weights_at[step] = [v.numpy() for v in self.model.trainable_variables]
+
+    monitor = GradientMonitor(probe_every=2)
+    with pytest.warns(UserWarning, match="overrides `train_step`"):
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[Keep(), monitor])
+    assert sorted(monitor.history["step"].unique()) == [2, 4, 6]
+    # The probe saw the weights before step 4's update, on step 4's batch.
+    probe = OwnStep()
+    probe(x[:1])
+    for variable, value in zip(probe.trainable_variables, weights_at[3]):
+        variable.assign(value)
+    xb, yb = x[3 * BATCH: 4 * BATCH], y[3 * BATCH: 4 * BATCH]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(yb - probe(xb)))
+    grads = tape.gradient(loss, probe.trainable_variables)
+    recorded = monitor.history.query("step == 4")
+    for variable, grad in zip(model.trainable_variables, grads):
+        row = recorded[recorded["variable"] == variable.path].iloc[0]
+        np.testing.assert_allclose(row["l2_norm"], np.linalg.norm(grad.numpy()), rtol=1e-5)
+        np.testing.assert_allclose(row["max_abs"], np.abs(grad.numpy()).max(), rtol=1e-5)
+    assert "train_step" not in model.__dict__
