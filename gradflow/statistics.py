@@ -26,6 +26,15 @@ def _flatten(tensors):
     return values, segment_ids, tf.cast(sizes, tf.float32)
 
 
+def _first_entries(values, sizes):
+    """The first entry of each tensor (0 for an empty or non-finite one)."""
+    starts = tf.cast(tf.cumsum(sizes, exclusive=True), tf.int32)
+    padded = tf.concat([values, tf.zeros([1])], axis=0)
+    first = tf.gather(padded, tf.minimum(starts, tf.size(values)))
+    first = tf.where(sizes > 0, first, 0.0)
+    return tf.where(tf.math.is_finite(first), first, 0.0)
+
+
 def summarize(tensors, histogram=False):
     """Compute gradflow's statistics for each tensor of a list.
 
@@ -65,14 +74,20 @@ def summarize(tensors, histogram=False):
     nonfinite = tf.math.unsorted_segment_sum(
         tf.cast(tf.logical_not(finite), tf.float32), ids, n
     )
-    # Segment max does not promise to propagate NaN; make it explicit.
+    # Segment max does not promise to propagate NaN; make it explicit. An
+    # empty segment's max is the lowest float: an empty tensor reports 0.
     max_abs = tf.math.unsorted_segment_max(magnitude, ids, n)
+    max_abs = tf.where(sizes > 0, max_abs, 0.0)
     max_abs = tf.where(nan_count > 0, tf.fill([n], float("nan")), max_abs)
     l2_norm = tf.sqrt(tf.math.unsorted_segment_sum(tf.square(values), ids, n))
     mean_abs = tf.math.unsorted_segment_sum(magnitude, ids, n) / count
-    mean = tf.math.unsorted_segment_sum(values, ids, n) / count
     # Two passes for the variance: E[g^2] - E[g]^2 cancels badly in float32.
-    centered = values - tf.gather(mean, ids)
+    # Shifting each tensor by its first entry first keeps the mean's rounding
+    # error small when the entries share a large offset (1e3 +- 1e-2).
+    shift = _first_entries(values, sizes)
+    shifted = values - tf.gather(shift, ids)
+    mean = tf.math.unsorted_segment_sum(shifted, ids, n) / count
+    centered = shifted - tf.gather(mean, ids)
     std = tf.sqrt(tf.math.unsorted_segment_sum(tf.square(centered), ids, n) / count)
     zero_fraction = (
         tf.math.unsorted_segment_sum(tf.cast(tf.equal(values, 0.0), tf.float32), ids, n)
