@@ -83,6 +83,7 @@ def compare_heatmaps(
     cols = min(len(grids), _MAX_COLUMNS_PER_ROW)
     rows = math.ceil(len(grids) / cols)
     figure = make_subplots(
+        figure=style.new_figure(),
         rows=rows,
         cols=cols,
         subplot_titles=[style.escape_label(name) for name, _ in named],
@@ -181,7 +182,7 @@ def compare_profiles(
 
     values = data[statistic].to_numpy(dtype=np.float64)
     log_min, log_max = logscale.log_range(values)
-    figure = go.Figure()
+    figure = style.new_figure()
     for (name, piece), color in zip(data.groupby("run", sort=False), style.line_colors(len(pieces))):
         raw = piece[statistic].to_numpy(dtype=np.float64)
         label = style.escape_label(name)
@@ -242,7 +243,7 @@ def compare_metrics(
         TypeError, ValueError: for an empty `runs` or an invalid frame.
     """
     named = _check_runs(runs)
-    figure = go.Figure()
+    figure = style.new_figure()
     pieces = []
     for (run, metrics), color in zip(named, style.line_colors(len(named))):
         try:

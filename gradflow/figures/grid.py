@@ -98,14 +98,20 @@ def tensor_mask(layer_stats, tensor):
     Raises:
         ValueError: if the frame has rows but none of kind `tensor`.
     """
-    kinds = layer_stats["tensor"].to_numpy()
-    if tensor == ALL_WEIGHTS:
-        mask = kinds != schema.ACTIVATION
+    column = layer_stats["tensor"]
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        # The run store returns categoricals: compare the few categories once
+        # and index by code instead of materialising millions of strings.
+        categories = np.asarray(column.cat.categories, dtype=object)
+        wanted = categories != schema.ACTIVATION if tensor == ALL_WEIGHTS else categories == tensor
+        codes = column.cat.codes.to_numpy()
+        mask = np.append(wanted, False)[codes]  # code -1 (missing) -> False
     else:
-        mask = kinds == tensor
+        kinds = column.to_numpy()
+        mask = kinds != schema.ACTIVATION if tensor == ALL_WEIGHTS else kinds == tensor
     mask = np.asarray(mask, dtype=bool)
-    if len(kinds) and not mask.any():
-        available = sorted(set(layer_stats["tensor"].unique()))
+    if len(column) and not mask.any():
+        available = sorted(set(column.dropna().astype(str).unique()))
         if any(k != schema.ACTIVATION for k in available):
             available.append(ALL_WEIGHTS)
         raise ValueError(f"`tensor` {tensor!r} has no rows in these layer statistics; available: {available}.")
@@ -120,11 +126,14 @@ def _dense_codes(values):
     if high - low <= 4 * values.size + 1024:
         # Steps and layer indices are small dense integers: a lookup table is
         # ~10x faster than sorting 5M keys.
+        offset = values - low if low else values
         seen = np.zeros(high - low + 1, dtype=bool)
-        seen[values - low] = True
+        seen[offset] = True
+        if seen.all():  # every step recorded (or every layer): codes are offsets
+            return np.arange(low, high + 1, dtype=np.int64), offset
         uniques = np.flatnonzero(seen) + low
         position = np.cumsum(seen) - 1
-        return uniques, position[values - low]
+        return uniques, position[offset]
     uniques, codes = np.unique(values, return_inverse=True)
     return uniques, codes
 
@@ -175,12 +184,14 @@ def layer_grid(layer_stats, statistic="max_abs", tensor="kernel"):
     last_row[index_codes] = np.arange(len(index_codes))
     if row_numbers is not None:
         last_row = row_numbers[last_row]
-    layer_names = layer_stats["layer"].to_numpy()[last_row].tolist() if n_rows else []
+    layer_names = layer_stats["layer"].iloc[last_row].astype(object).tolist() if n_rows else []
 
     flat = index_codes * n_cols + step_codes
     size = n_rows * n_cols
-    count = np.bincount(flat, minlength=size)
-    if size == 0 or count.max() <= 1:
+    present = np.zeros(size, dtype=bool)
+    present[flat] = True
+    if np.count_nonzero(present) == len(flat):
+        # One row per cell, the usual case: no aggregation needed.
         dense = np.full(size, np.nan)
         dense[flat] = values
     elif statistic in _ROOT_SUM_SQUARE:
@@ -190,7 +201,6 @@ def layer_grid(layer_stats, statistic="max_abs", tensor="kernel"):
     else:
         dense = np.full(size, -np.inf)
         np.maximum.at(dense, flat, values)  # propagates NaN, like the statistic itself
-    present = count > 0
     dense[~present] = np.nan
     return LayerGrid(
         values=dense.reshape(n_rows, n_cols),

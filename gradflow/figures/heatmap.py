@@ -175,7 +175,7 @@ def heatmap(
     if layer_grid.values.size == 0:
         figure = style.no_data_figure("No layer statistics recorded yet.", presentation)
         return Chart(figure, layer_grid.to_frame(), plain_title, description)
-    figure = go.Figure(heatmap_traces(layer_grid, log_min, log_max))
+    figure = style.new_figure(heatmap_traces(layer_grid, log_min, log_max))
     figure.update_layout(
         title=style.escape_label(plain_title),
         xaxis_title=step_axis_title(layer_grid),

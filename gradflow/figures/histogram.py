@@ -116,7 +116,7 @@ def histogram_heatmap(
     share_floor = -8.0
     z = np.where(shares > 0, np.log10(np.where(shares > 0, shares, 1.0)), np.nan)
     tickvals, ticktext = logscale.decade_ticks(share_floor, 0.0, max_ticks=5)
-    figure = go.Figure(
+    figure = style.new_figure(
         go.Heatmap(
             z=z,
             x=step_first,

@@ -101,7 +101,7 @@ def layer_lines(
     log_min, log_max = logscale.log_range(layer_grid.values[layer_grid.present])
     labels = style.layer_labels(layer_grid.layer, layer_grid.layer_index)
     colors = style.line_colors(len(labels))
-    figure = go.Figure()
+    figure = style.new_figure()
     for row, (label, color) in enumerate(zip(labels, colors)):
         drawn = layer_grid.present[row]
         values = layer_grid.values[row, drawn]
@@ -206,7 +206,7 @@ def metrics_chart(
         empty = pd.DataFrame({"step": np.array([], dtype=np.int64), "name": [], "value": []})
         return Chart(style.no_data_figure("No metrics recorded yet.", presentation), empty, plain_title, description)
 
-    figure = make_subplots(rows=1, cols=len(panels), subplot_titles=[style.escape_label(p) for p in panels])
+    figure = make_subplots(figure=style.new_figure(), rows=1, cols=len(panels), subplot_titles=[style.escape_label(p) for p in panels])
     for col, panel in enumerate(panels, start=1):
         for name, dash, color in ((panel, "solid", style.OKABE_ITO[0]), (f"val_{panel}", "dash", style.OKABE_ITO[1])):
             if name not in recorded:

@@ -110,7 +110,7 @@ def profile(
     labels = style.layer_labels(data["layer"].tolist(), data["layer_index"].tolist())
     every = data[statistics].to_numpy(dtype=np.float64)
     log_min, log_max = logscale.log_range(every)
-    figure = go.Figure()
+    figure = style.new_figure()
     for statistic, color in zip(statistics, style.OKABE_ITO):
         values = data[statistic].to_numpy(dtype=np.float64)
         figure.add_trace(
