@@ -1,0 +1,370 @@
+"""The `gradflow` command line: train, list runs, export figures, serve the dashboard.
+
+```
+gradflow train --depth 10 --activation sigmoid --steps 300 --db runs.db
+gradflow train --preset dead_relu
+gradflow runs --db runs.db
+gradflow export 3f2a9c1b7e4d --format png --out slides/ --db runs.db
+gradflow serve --port 8501
+```
+
+The `train` flags are made from `RunConfig`'s fields (`--learning-rate` for
+`learning_rate`), so they take the same values and give the same error
+messages as the dashboard. A bad flag or an invalid config exits with code 2
+and one line on stderr, never a traceback.
+"""
+
+import argparse
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+from gradflow.lab.config import RunConfig, field_table
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """A bad command line: the message is printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints the usage block and exits; we want one line and a
+    # return code, so that `main()` can be called from tests and scripts.
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def main(argv=None):
+    """Run the `gradflow` command line.
+
+    Example:
+
+    ```python
+    from gradflow.cli import main
+    main(["train", "--steps", "20", "--db", "runs.db"])    # 0
+    ```
+
+    Args:
+        argv: The arguments after the program name, default `sys.argv[1:]`.
+
+    Returns:
+        The exit code: 0 when done (a diverged or stopped run is still a
+        finished run), 1 when a run failed or an export could not be made,
+        2 for a bad command line or config, 130 when interrupted.
+    """
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not getattr(args, "command", None):
+            raise UsageError("gradflow: choose a command: train, runs, export or serve (see --help)")
+        return args.handler(args)
+    except UsageError as error:
+        _say_error(str(error))
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _say_error("gradflow: interrupted")
+        return EXIT_INTERRUPTED
+
+
+def _build_parser():
+    parser = _Parser(
+        prog="gradflow",
+        description="See how gradients flow through a Keras network while it trains.",
+    )
+    commands = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    train = commands.add_parser(
+        "train",
+        help="train a lab network and record its gradient statistics",
+        description="Train a lab network, recording per-layer gradient statistics in the run "
+        "store. Flags mirror gradflow.RunConfig; unset flags keep their defaults (or the "
+        "preset's values).",
+    )
+    train.add_argument("--preset", help="start from a lecture preset (see gradflow.lab.presets)")
+    _add_db_flag(train)
+    train.add_argument(
+        "--no-progress", action="store_true", help="do not show the progress bar"
+    )
+    fields = train.add_argument_group("run configuration (gradflow.RunConfig)")
+    for name, default, meta in field_table():
+        _add_field_flag(fields, name, default, meta)
+    train.set_defaults(handler=_train)
+
+    runs = commands.add_parser("runs", help="list the runs in the store")
+    _add_db_flag(runs)
+    runs.set_defaults(handler=_runs)
+
+    from_export = commands.add_parser("export", help="export a run's figures or data")
+    from_export.add_argument("run", help="the run id (see `gradflow runs`)")
+    from_export.add_argument(
+        "--format", required=True, dest="fmt", help="png, svg, pdf, html, csv or zip"
+    )
+    from_export.add_argument("--out", required=True, help="folder to write into")
+    _add_db_flag(from_export)
+    from_export.set_defaults(handler=_export)
+
+    serve = commands.add_parser("serve", help="start the dashboard (streamlit run app.py)")
+    serve.add_argument("--port", type=int, default=8501, help="port, default 8501")
+    _add_db_flag(serve)
+    serve.set_defaults(handler=_serve)
+    return parser
+
+
+def _add_db_flag(parser):
+    parser.add_argument(
+        "--db", help="run store file, default $GRADFLOW_DB or ./gradflow-data/runs.db"
+    )
+
+
+def _add_field_flag(group, name, default, meta):
+    flag = "--" + name.replace("_", "-")
+    kind = meta["kind"]
+    if kind == "bool":
+        group.add_argument(
+            flag,
+            dest=name,
+            action=argparse.BooleanOptionalAction,
+            default=argparse.SUPPRESS,
+            help=f"{meta['help']} (default {'on' if default else 'off'})",
+        )
+        return
+    if kind == "choice":
+        metavar = "{" + ",".join(meta["choices"]) + "}"
+    elif kind == "int":
+        metavar = f"{meta['low']}..{meta['high']}"
+    else:
+        metavar = kind.upper()
+    # Values stay strings here: RunConfig.from_query parses and checks them,
+    # so the messages are the ones the dashboard shows.
+    group.add_argument(
+        flag,
+        dest=name,
+        metavar=metavar,
+        default=argparse.SUPPRESS,
+        help=f"{meta['help']} (default {default})",
+    )
+
+
+def _config_from(args):
+    from gradflow.lab.presets import get_preset
+
+    given = {}
+    for name, _, _ in field_table():
+        if hasattr(args, name):
+            value = getattr(args, name)
+            given[name] = ("true" if value else "false") if isinstance(value, bool) else value
+    try:
+        base = get_preset(args.preset).config.to_query() if args.preset else {}
+        return RunConfig.from_query({**base, **given})
+    except ValueError as error:
+        raise UsageError(f"gradflow train: {error}") from None
+
+
+def _train(args):
+    config = _config_from(args)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from gradflow.lab.worker import execute
+    from gradflow.store import RunStore
+
+    store = RunStore(args.db)
+    run_id = store.create_run(
+        config,
+        name=config.name,
+        source="cli",
+        total_steps=None if config.epochs else config.steps,
+    )
+    print(f"gradflow: run {run_id} ({config.architecture}, {config.depth} x {config.width}, "
+          f"{config.activation}, {config.optimizer} lr={config.learning_rate:g}) on "
+          f"{config.dataset}; store {store.path}", file=sys.stderr)
+    # Training stays in this (main) thread, as Keras wants; a second thread
+    # only reads the store to draw the progress bar.
+    follower = None if args.no_progress else _ProgressFollower(store.path, run_id, config)
+    started = time.monotonic()
+    try:
+        status = execute(store, run_id)
+    finally:
+        if follower is not None:
+            follower.finish()
+    elapsed = time.monotonic() - started
+    info = store.run_info(run_id)
+    steps = info["progress_step"]
+    print(f"gradflow: run {run_id} {status} after {steps} steps in {elapsed:.1f} s"
+          + (f": {info['message']}" if info["message"] else ""))
+    table = final_layer_table(store, run_id)
+    if len(table):
+        print(f"Gradients per layer at step {int(table.attrs['step'])}:")
+        print(table.to_string(index=False, float_format=lambda value: f"{value:.3g}"))
+    print(f"Export: gradflow export {run_id} --format html --out gradflow-export"
+          + (f" --db {args.db}" if args.db else ""))
+    return EXIT_FAILED if status == "failed" else EXIT_OK
+
+
+def final_layer_table(store, run_id):
+    """Per-layer gradient `max_abs` and `l2_norm` at the last recorded step.
+
+    Args:
+        store: A `RunStore`.
+        run_id: The run.
+
+    Returns:
+        A DataFrame with columns `layer_index, layer, max_abs, l2_norm`, one
+        row per layer, 0 nearest the input; `max_abs` is the largest entry
+        over the layer's weight gradients and `l2_norm` the L2 norm of all of
+        them together. `attrs["step"]` holds the step. Empty if nothing was
+        recorded.
+    """
+    import numpy as np
+    import pandas as pd
+
+    info = store.run_info(run_id)
+    config = info["config"]
+    every = int(config.get("record_every", 1)) if isinstance(config, dict) else 1
+    # Read only the tail of a long run: the last record is at most `every` back.
+    after = max(0, int(info["progress_step"]) - every - 1)
+    stats = store.layer_stats(run_id, after_step=after)
+    if not len(stats):
+        stats = store.layer_stats(run_id)
+    stats = stats[stats["tensor"] != "activation"]
+    columns = ["layer_index", "layer", "max_abs", "l2_norm"]
+    if not len(stats):
+        return pd.DataFrame(columns=columns)
+    step = stats["step"].max()
+    last = stats[stats["step"] == step].assign(squared=lambda frame: frame["l2_norm"] ** 2)
+    table = (
+        last.groupby(["layer_index", "layer"], observed=True, sort=True)
+        .agg(max_abs=("max_abs", "max"), squared=("squared", "sum"))
+        .reset_index()
+    )
+    table["l2_norm"] = np.sqrt(table.pop("squared"))
+    table = table[columns]
+    table.attrs["step"] = step
+    return table
+
+
+class _ProgressFollower:
+    """A tqdm bar fed from the run store by a reader thread."""
+
+    def __init__(self, store_path, run_id, config, interval=0.25):
+        from tqdm import tqdm
+
+        self._store_path = store_path
+        self._run_id = run_id
+        self._interval = interval
+        self._done = threading.Event()
+        total = None if config.epochs else config.steps
+        self._bar = tqdm(total=total, unit="step", desc="training", dynamic_ncols=True)
+        self._thread = threading.Thread(target=self._follow, name="gradflow-progress", daemon=True)
+        self._thread.start()
+
+    def _follow(self):
+        from gradflow.store import RunStore
+
+        reader = RunStore(self._store_path)
+        loss_step = 0
+        while True:
+            finished = self._done.wait(self._interval)
+            try:
+                step = int(reader.run_info(self._run_id)["progress_step"])
+                losses = reader.metrics(self._run_id, after_step=loss_step, names=["loss"])
+            except Exception:  # A busy database must not end the training.
+                continue
+            if len(losses):
+                last = losses.iloc[-1]
+                loss_step = int(last["step"])
+                value = float(last["value"])
+                self._bar.set_postfix(loss=f"{value:.4g}" if math.isfinite(value) else value)
+            if step > self._bar.n:
+                self._bar.update(step - self._bar.n)
+            if finished:
+                return
+
+    def finish(self):
+        self._done.set()
+        self._thread.join(timeout=10)
+        self._bar.close()
+
+
+def _runs(args):
+    from gradflow.store import RunStore
+
+    runs = RunStore(args.db).runs()
+    if not len(runs):
+        print("No runs yet. Start one with: gradflow train")
+        return EXIT_OK
+    table = runs[["run_id", "name", "status", "source", "progress_step", "total_steps"]].copy()
+    table.insert(3, "created", runs["created_at"].dt.strftime("%Y-%m-%d %H:%M:%S"))
+    table = table.rename(columns={"progress_step": "step", "total_steps": "of"})
+    print(table.to_string(index=False))
+    return EXIT_OK
+
+
+def _export(args):
+    from gradflow.export import EXPORT_FORMATS, ExportError, export_run
+    from gradflow.store import RunStore
+
+    if args.fmt not in EXPORT_FORMATS:
+        raise UsageError(
+            f"gradflow export: --format must be one of {', '.join(EXPORT_FORMATS)}, "
+            f"got {args.fmt!r}"
+        )
+    store = RunStore(args.db)
+    try:
+        paths = export_run(store, args.run, args.fmt, args.out)
+    except ExportError as error:
+        _say_error(f"gradflow export: {error}")
+        return EXIT_FAILED
+    except ValueError as error:  # An unknown or malformed run id.
+        raise UsageError(f"gradflow export: {error}") from None
+    for path in paths:
+        print(path)
+    return EXIT_OK
+
+
+def dashboard_app():
+    """The path of the dashboard's `app.py`: beside the package, else in the working folder.
+
+    Raises:
+        FileNotFoundError: If neither has one.
+    """
+    candidates = [
+        pathlib.Path(__file__).resolve().parent.parent / "app.py",
+        pathlib.Path.cwd() / "app.py",
+    ]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        "Cannot find the dashboard's app.py (looked in "
+        + " and ".join(str(c.parent) for c in candidates)
+        + "); run `gradflow serve` from the gradflow folder."
+    )
+
+
+def _serve(args):
+    try:
+        app = dashboard_app()
+    except FileNotFoundError as error:
+        _say_error(f"gradflow serve: {error}")
+        return EXIT_FAILED
+    environment = dict(os.environ)
+    if args.db:
+        environment["GRADFLOW_DB"] = str(pathlib.Path(args.db).resolve())
+    command = [
+        sys.executable, "-m", "streamlit", "run", str(app),
+        "--server.port", str(args.port), "--server.headless", "true",
+    ]
+    print(f"gradflow: dashboard at http://localhost:{args.port} ({' '.join(command)})")
+    # Pages are found relative to app.py, so streamlit runs from its folder.
+    return subprocess.call(command, cwd=app.parent, env=environment)
+
+
+def _say_error(message):
+    print(message.splitlines()[0] if message else "gradflow: error", file=sys.stderr)

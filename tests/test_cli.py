@@ -1,0 +1,139 @@
+"""The `gradflow` command line, through main([...]) and one real subprocess."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gradflow import cli
+from gradflow.lab.config import RunConfig
+from gradflow.store import RunStore
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+TINY = ["--depth", "2", "--width", "4", "--batch-size", "16", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One tiny CLI run shared by the read-only tests (train, runs, export)."""
+    db = tmp_path_factory.mktemp("cli") / "runs.db"
+    code = cli.main(["train", "--steps", "4", "--name", "cli demo", "--db", str(db), *TINY])
+    store = RunStore(db)
+    return code, store, store.runs()["run_id"].iloc[0]
+
+
+def test_train_records_a_cli_run_with_the_flags(trained):
+    code, store, run_id = trained
+    assert code == 0
+    info = store.run_info(run_id)
+    assert (info["status"], info["source"], info["name"]) == ("completed", "cli", "cli demo")
+    assert info["progress_step"] == 4
+    assert RunConfig.from_dict(info["config"]) == RunConfig(
+        steps=4, depth=2, width=4, batch_size=16, name="cli demo"
+    )
+
+
+def test_final_table_is_the_last_step_per_layer(trained):
+    _, store, run_id = trained
+    table = cli.final_layer_table(store, run_id)
+    rows = store.layer_stats(run_id)
+    rows = rows[(rows["step"] == 4) & (rows["tensor"] != "activation")]
+    assert table.attrs["step"] == 4
+    assert list(table["layer"]) == ["dense_1", "dense_2", "output"]
+    for _, row in table.iterrows():
+        mine = rows[rows["layer"] == row["layer"]]
+        assert row["max_abs"] == pytest.approx(mine["max_abs"].max())
+        assert row["l2_norm"] == pytest.approx(np.sqrt((mine["l2_norm"] ** 2).sum()))
+
+
+def test_runs_lists_the_run(trained, capsys):
+    _, store, run_id = trained
+    assert cli.main(["runs", "--db", str(store.path)]) == 0
+    output = capsys.readouterr().out
+    assert run_id in output and "cli demo" in output and "completed" in output
+
+
+def test_export_csv_writes_files(trained, tmp_path, capsys):
+    _, store, run_id = trained
+    assert cli.main(["export", run_id, "--format", "csv", "--out", str(tmp_path), "--db",
+                     str(store.path)]) == 0
+    written = [pathlib.Path(line) for line in capsys.readouterr().out.split()]
+    assert written and all(path.is_file() and path.parent == tmp_path for path in written)
+    assert any("dense_1" in path.read_text() for path in written)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--depth", "0"], "gradflow train: `depth` must be an integer from 1 to 100"),
+        (["train", "--learning-rate", "fast"], "`learning_rate` must be a number, got 'fast'."),
+        (["train", "--activation", "relu6"], "`activation` must be one of 'relu'"),
+        (["train", "--architecture", "cnn", "--dataset", "moons"], "needs an image data set"),
+        (["train", "--preset", "nope"], "Unknown preset 'nope'"),
+        (["train", "--colour", "red"], "unrecognized arguments: --colour red"),
+        (["export", "abc", "--format", "gif", "--out", "x"], "--format must be one of png"),
+        (["export", "abc"], "the following arguments are required: --format, --out"),
+        ([], "choose a command"),
+        (["fly"], "invalid choice: 'fly'"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(argv, message, capsys, tmp_path):
+    assert cli.main([*argv, *(["--db", str(tmp_path / "r.db")] if argv[:1] == ["train"] else [])]) == 2
+    error = capsys.readouterr().err
+    assert message in error
+    assert error.count("\n") == 1 and "Traceback" not in error
+
+
+def test_export_of_an_unknown_run_exits_2(tmp_path, capsys):
+    code = cli.main(["export", "0123456789ab", "--format", "csv", "--out", str(tmp_path),
+                     "--db", str(tmp_path / "r.db")])
+    assert code == 2
+    assert "0123456789ab" in capsys.readouterr().err
+
+
+def test_preset_with_overrides_and_boolean_flags(tmp_path):
+    db = tmp_path / "runs.db"
+    argv = ["train", "--preset", "dead_relu", "--steps", "2", "--residual", "--histograms",
+            "--db", str(db), *TINY]
+    assert cli.main(argv) == 0
+    store = RunStore(db)
+    config = RunConfig.from_dict(store.run_info(store.runs()["run_id"].iloc[0])["config"])
+    # From the preset: learning rate 1.0 and He init; from the flags: the rest.
+    assert (config.learning_rate, config.initializer) == (1.0, "he_normal")
+    assert (config.steps, config.depth, config.residual, config.histograms) == (2, 2, True, True)
+    assert cli.main(["train", "--no-residual", "--steps", "1", "--db", str(db), *TINY]) == 0
+
+
+def test_serve_runs_streamlit_on_the_repository_app(monkeypatch, tmp_path):
+    calls = []
+
+    def fake_call(command, cwd, env):
+        calls.append((command, cwd, env))
+        return 0
+
+    monkeypatch.setattr(cli.subprocess, "call", fake_call)
+    assert cli.main(["serve", "--port", "8600", "--db", str(tmp_path / "r.db")]) == 0
+    (command, cwd, env), = calls
+    app = pathlib.Path(command[command.index("run") + 1])
+    assert app == REPO / "app.py" and app.is_file() and cwd == REPO
+    assert command[:3] == [sys.executable, "-m", "streamlit"]
+    assert command[command.index("--server.port") + 1] == "8600"
+    assert env["GRADFLOW_DB"] == str((tmp_path / "r.db").resolve())
+
+
+def test_python_dash_m_gradflow_train(tmp_path):
+    environment = dict(os.environ, PYTHONPATH=str(REPO))
+    db = tmp_path / "runs.db"
+    result = subprocess.run(
+        [sys.executable, "-m", "gradflow", "train", "--steps", "5", "--depth", "2", "--width",
+         "4", "--db", str(db)],
+        capture_output=True, text=True, env=environment, cwd=tmp_path, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "completed after 5 steps" in result.stdout
+    assert "dense_1" in result.stdout and "l2_norm" in result.stdout
+    assert "step/s" in result.stderr  # the progress bar
+    assert RunStore(db).runs()["status"].tolist() == ["completed"]
