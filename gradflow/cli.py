@@ -64,7 +64,9 @@ def main(argv=None):
     try:
         args = parser.parse_args(argv)
         if not getattr(args, "command", None):
-            raise UsageError("gradflow: choose a command: train, runs, export or serve (see --help)")
+            raise UsageError(
+                "gradflow: choose a command: train, runs, export or serve (see --help)"
+            )
         return args.handler(args)
     except UsageError as error:
         _say_error(str(error))
@@ -90,9 +92,7 @@ def _build_parser():
     )
     train.add_argument("--preset", help="start from a lecture preset (see gradflow.lab.presets)")
     _add_db_flag(train)
-    train.add_argument(
-        "--no-progress", action="store_true", help="do not show the progress bar"
-    )
+    train.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
     fields = train.add_argument_group("run configuration (gradflow.RunConfig)")
     for name, default, meta in field_table():
         _add_field_flag(fields, name, default, meta)
@@ -181,9 +181,12 @@ def _train(args):
         source="cli",
         total_steps=None if config.epochs else config.steps,
     )
-    print(f"gradflow: run {run_id} ({config.architecture}, {config.depth} x {config.width}, "
-          f"{config.activation}, {config.optimizer} lr={config.learning_rate:g}) on "
-          f"{config.dataset}; store {store.path}", file=sys.stderr)
+    print(
+        f"gradflow: run {run_id} ({config.architecture}, {config.depth} x {config.width}, "
+        f"{config.activation}, {config.optimizer} lr={config.learning_rate:g}) on "
+        f"{config.dataset}; store {store.path}",
+        file=sys.stderr,
+    )
     # Training stays in this (main) thread, as Keras wants; a second thread
     # only reads the store to draw the progress bar.
     follower = None if args.no_progress else _ProgressFollower(store.path, run_id, config)
@@ -196,14 +199,18 @@ def _train(args):
     elapsed = time.monotonic() - started
     info = store.run_info(run_id)
     steps = info["progress_step"]
-    print(f"gradflow: run {run_id} {status} after {steps} steps in {elapsed:.1f} s"
-          + (f": {info['message']}" if info["message"] else ""))
+    print(
+        f"gradflow: run {run_id} {status} after {steps} steps in {elapsed:.1f} s"
+        + (f": {info['message']}" if info["message"] else "")
+    )
     table = final_layer_table(store, run_id)
     if len(table):
         print(f"Gradients per layer at step {int(table.attrs['step'])}:")
         print(table.to_string(index=False, float_format=lambda value: f"{value:.3g}"))
-    print(f"Export: gradflow export {run_id} --format html --out gradflow-export"
-          + (f" --db {args.db}" if args.db else ""))
+    print(
+        f"Export: gradflow export {run_id} --format html --out gradflow-export"
+        + (f" --db {args.db}" if args.db else "")
+    )
     return EXIT_FAILED if status == "failed" else EXIT_OK
 
 
@@ -358,8 +365,15 @@ def _serve(args):
     if args.db:
         environment["GRADFLOW_DB"] = str(pathlib.Path(args.db).resolve())
     command = [
-        sys.executable, "-m", "streamlit", "run", str(app),
-        "--server.port", str(args.port), "--server.headless", "true",
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(app),
+        "--server.port",
+        str(args.port),
+        "--server.headless",
+        "true",
     ]
     print(f"gradflow: dashboard at http://localhost:{args.port} ({' '.join(command)})")
     # Pages are found relative to app.py, so streamlit runs from its folder.

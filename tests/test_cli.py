@@ -58,8 +58,12 @@ def test_runs_lists_the_run(trained, capsys):
 
 def test_export_csv_writes_files(trained, tmp_path, capsys):
     _, store, run_id = trained
-    assert cli.main(["export", run_id, "--format", "csv", "--out", str(tmp_path), "--db",
-                     str(store.path)]) == 0
+    assert (
+        cli.main(
+            ["export", run_id, "--format", "csv", "--out", str(tmp_path), "--db", str(store.path)]
+        )
+        == 0
+    )
     written = [pathlib.Path(line) for line in capsys.readouterr().out.split()]
     assert written and all(path.is_file() and path.parent == tmp_path for path in written)
     assert any("dense_1" in path.read_text() for path in written)
@@ -81,23 +85,45 @@ def test_export_csv_writes_files(trained, tmp_path, capsys):
     ],
 )
 def test_usage_errors_exit_2_with_one_line(argv, message, capsys, tmp_path):
-    assert cli.main([*argv, *(["--db", str(tmp_path / "r.db")] if argv[:1] == ["train"] else [])]) == 2
+    assert (
+        cli.main([*argv, *(["--db", str(tmp_path / "r.db")] if argv[:1] == ["train"] else [])]) == 2
+    )
     error = capsys.readouterr().err
     assert message in error
     assert error.count("\n") == 1 and "Traceback" not in error
 
 
 def test_export_of_an_unknown_run_exits_2(tmp_path, capsys):
-    code = cli.main(["export", "0123456789ab", "--format", "csv", "--out", str(tmp_path),
-                     "--db", str(tmp_path / "r.db")])
+    code = cli.main(
+        [
+            "export",
+            "0123456789ab",
+            "--format",
+            "csv",
+            "--out",
+            str(tmp_path),
+            "--db",
+            str(tmp_path / "r.db"),
+        ]
+    )
     assert code == 2
     assert "0123456789ab" in capsys.readouterr().err
 
 
 def test_preset_with_overrides_and_boolean_flags(tmp_path):
     db = tmp_path / "runs.db"
-    argv = ["train", "--preset", "dead_relu", "--steps", "2", "--residual", "--histograms",
-            "--db", str(db), *TINY]
+    argv = [
+        "train",
+        "--preset",
+        "dead_relu",
+        "--steps",
+        "2",
+        "--residual",
+        "--histograms",
+        "--db",
+        str(db),
+        *TINY,
+    ]
     assert cli.main(argv) == 0
     store = RunStore(db)
     config = RunConfig.from_dict(store.run_info(store.runs()["run_id"].iloc[0])["config"])
@@ -116,7 +142,7 @@ def test_serve_runs_streamlit_on_the_repository_app(monkeypatch, tmp_path):
 
     monkeypatch.setattr(cli.subprocess, "call", fake_call)
     assert cli.main(["serve", "--port", "8600", "--db", str(tmp_path / "r.db")]) == 0
-    (command, cwd, env), = calls
+    ((command, cwd, env),) = calls
     app = pathlib.Path(command[command.index("run") + 1])
     assert app == REPO / "app.py" and app.is_file() and cwd == REPO
     assert command[:3] == [sys.executable, "-m", "streamlit"]
@@ -128,9 +154,25 @@ def test_python_dash_m_gradflow_train(tmp_path):
     environment = dict(os.environ, PYTHONPATH=str(REPO))
     db = tmp_path / "runs.db"
     result = subprocess.run(
-        [sys.executable, "-m", "gradflow", "train", "--steps", "5", "--depth", "2", "--width",
-         "4", "--db", str(db)],
-        capture_output=True, text=True, env=environment, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "gradflow",
+            "train",
+            "--steps",
+            "5",
+            "--depth",
+            "2",
+            "--width",
+            "4",
+            "--db",
+            str(db),
+        ],
+        capture_output=True,
+        text=True,
+        env=environment,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "completed after 5 steps" in result.stdout

@@ -50,7 +50,10 @@ def test_defaults_are_valid_and_small():
         # Combinations that cannot train.
         ({"architecture": "cnn", "dataset": "moons"}, "`architecture='cnn'` needs an image"),
         ({"architecture": "rnn", "dataset": "xor"}, "`architecture='rnn'` needs a sequence"),
-        ({"dataset": "adding"}, "`dataset='adding'` is a sequence task and needs architecture='rnn'"),
+        (
+            {"dataset": "adding"},
+            "`dataset='adding'` is a sequence task and needs architecture='rnn'",
+        ),
         ({"dataset": "file"}, "`dataset='file'` needs `data_path`"),
         ({"data_path": "x.npz"}, "`data_path` is only used with dataset='file'"),
         ({"dataset": "regression", "loss": "sparse_categorical_crossentropy"}, "regression task"),
@@ -162,8 +165,17 @@ def test_field_table_describes_every_field():
 
 
 def test_presets_are_valid_and_paired():
-    assert {"deep_sigmoid", "relu_he", "large_init", "large_init_clipped", "batch_norm",
-            "residual", "dead_relu", "rnn_simple", "rnn_lstm"} <= set(PRESETS)
+    assert {
+        "deep_sigmoid",
+        "relu_he",
+        "large_init",
+        "large_init_clipped",
+        "batch_norm",
+        "residual",
+        "dead_relu",
+        "rnn_simple",
+        "rnn_lstm",
+    } <= set(PRESETS)
     for key, preset in PRESETS.items():
         assert preset.key == key and preset.description
         assert RunConfig.from_query(preset.config.to_query()) == preset.config

@@ -22,13 +22,31 @@ def _build(**changes):
         ({"depth": 2, "width": 8}, ["input", "dense_1", "dense_2", "output"]),
         (
             {"depth": 2, "width": 8, "normalization": "batch", "dropout": 0.2},
-            ["input", "dense_1", "batch_norm_1", "activation_1", "dropout_1",
-             "dense_2", "batch_norm_2", "activation_2", "dropout_2", "output"],
+            [
+                "input",
+                "dense_1",
+                "batch_norm_1",
+                "activation_1",
+                "dropout_1",
+                "dense_2",
+                "batch_norm_2",
+                "activation_2",
+                "dropout_2",
+                "output",
+            ],
         ),
         (
             {"depth": 2, "width": 8, "normalization": "layer"},
-            ["input", "dense_1", "layer_norm_1", "activation_1",
-             "dense_2", "layer_norm_2", "activation_2", "output"],
+            [
+                "input",
+                "dense_1",
+                "layer_norm_1",
+                "activation_1",
+                "dense_2",
+                "layer_norm_2",
+                "activation_2",
+                "output",
+            ],
         ),
         (
             {"architecture": "residual_mlp", "depth": 2, "width": 8},
@@ -69,12 +87,12 @@ def test_output_layer_suits_the_task(changes, output_shape, activation):
 
 def test_rnn_stack_returns_sequences_until_the_last_layer():
     _, _, model = _build(architecture="rnn", rnn_cell="lstm", depth=3, width=4, residual=True)
-    assert [model.get_layer(f"lstm_{k}").return_sequences for k in (1, 2, 3)] == [
-        True, True, False
-    ]
+    assert [model.get_layer(f"lstm_{k}").return_sequences for k in (1, 2, 3)] == [True, True, False]
     # Skips around the sequence layers only; the first one needs a projection (8 -> 4).
     assert {layer.name for layer in model.layers if layer.name.startswith(("add", "proj"))} == {
-        "projection_1", "add_1", "add_2"
+        "projection_1",
+        "add_1",
+        "add_2",
     }
 
 
@@ -88,16 +106,22 @@ def test_residual_block_adds_its_input():
     # Input width 64 = layer width: no projection, the skip is the identity.
     assert "projection_1" not in [layer.name for layer in model.layers]
     np.testing.assert_allclose(add_2, add_1 + dense_2, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(add_1 - np.tanh(x @ model.get_layer("dense_1").kernel.numpy()
-                                               + model.get_layer("dense_1").bias.numpy()),
-                               x, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        add_1
+        - np.tanh(
+            x @ model.get_layer("dense_1").kernel.numpy() + model.get_layer("dense_1").bias.numpy()
+        ),
+        x,
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_same_seed_same_weights_other_seed_other_weights():
     weights = [
         [w.numpy() for w in _build(depth=2, width=8, seed=seed)[2].weights] for seed in (1, 1, 2)
     ]
-    for a, b in zip(weights[0], weights[1]):
+    for a, b in zip(weights[0], weights[1], strict=True):
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(weights[0][0], weights[2][0])
 
@@ -167,12 +191,15 @@ def test_one_training_step_matches_a_plain_tape(changes):
     before = [v.numpy() for v in model.trainable_variables]
     # Reference: the compiled loss by hand, gradients from a tape, SGD by hand.
     if config.loss == "mse":
+
         def reference_loss(y_true, y_pred):
             return tf.reduce_mean(tf.reduce_mean(tf.square(y_true - y_pred), axis=-1))
     else:
+
         def reference_loss(y_true, y_pred):
             picked = tf.gather(y_pred, tf.cast(y_true, tf.int32), batch_dims=1)
             return -tf.reduce_mean(tf.math.log(picked))
+
     with tf.GradientTape() as tape:
         loss = reference_loss(y, model(x, training=True))
     gradients = [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
@@ -183,7 +210,7 @@ def test_one_training_step_matches_a_plain_tape(changes):
         gradients = [np.clip(g, -config.clip_value, config.clip_value) for g in gradients]
     reported = model.train_on_batch(x, y, return_dict=True)["loss"]
     assert reported == pytest.approx(float(loss), rel=1e-5)
-    for variable, start, gradient in zip(model.trainable_variables, before, gradients):
+    for variable, start, gradient in zip(model.trainable_variables, before, gradients, strict=True):
         np.testing.assert_allclose(
             variable.numpy(), start - 0.5 * gradient, rtol=1e-4, atol=1e-6, err_msg=variable.path
         )

@@ -272,10 +272,7 @@ class RunConfig:
                 f"`loss={self.loss!r}` is for classification, but dataset={self.dataset!r} "
                 "is a regression task; use 'auto', 'mse', 'mae' or 'huber'."
             )
-        if (
-            self.loss == "binary_crossentropy"
-            and self.dataset not in BINARY_DATASETS + ("file",)
-        ):
+        if self.loss == "binary_crossentropy" and self.dataset not in BINARY_DATASETS + ("file",):
             raise ValueError(
                 f"`loss='binary_crossentropy'` needs two classes, but dataset={self.dataset!r} "
                 f"has more; use it with {_listing(BINARY_DATASETS)}, or use "
@@ -335,7 +332,9 @@ class RunConfig:
         try:
             values = json.loads(text)
         except (TypeError, json.JSONDecodeError) as error:
-            raise ValueError(f"A RunConfig JSON must be a JSON object, got {text!r}: {error}.")
+            raise ValueError(
+                f"A RunConfig JSON must be a JSON object, got {_short(text)}: {error}."
+            ) from None
         return cls.from_dict(values)
 
     def to_query(self):
@@ -452,8 +451,10 @@ def _check_field(field, value):
     none_hint = "None or " if meta.get("optional") else ""
     if kind == "int":
         # bool is an int in Python, but `depth=True` is a mistake, not 1.
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not (
-            low <= value <= high
+        if (
+            not isinstance(value, numbers.Integral)
+            or isinstance(value, bool)
+            or not (low <= value <= high)
         ):
             raise ValueError(
                 f"`{field.name}` must be {none_hint}an integer from {low} to {high}, "

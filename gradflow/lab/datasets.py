@@ -186,9 +186,14 @@ def _synthetic(config, rng):
         return _standard(x), _standard(y), None, f"linear regression, 8 features, {n} points"
     if name == "adding":
         x, y = _adding_problem(n, config.sequence_length, rng)
-        return x, y, None, (
-            f"the adding problem: {config.sequence_length} steps, predict the sum of the "
-            "two marked numbers (predicting 1 gives MSE ~0.17)"
+        return (
+            x,
+            y,
+            None,
+            (
+                f"the adding problem: {config.sequence_length} steps, predict the sum of the "
+                "two marked numbers (predicting 1 gives MSE ~0.17)"
+            ),
         )
     raise ValueError(f"Unknown `dataset` {name!r}.")
 

@@ -89,7 +89,9 @@ def build_model(config, dataset):
     outputs = keras.layers.Dense(
         units, activation=activation, name="output", **_kernel_arguments(config)
     )(hidden)
-    model = keras.Model(inputs, outputs, name=f"{config.architecture}_{config.depth}x{config.width}")
+    model = keras.Model(
+        inputs, outputs, name=f"{config.architecture}_{config.depth}x{config.width}"
+    )
     model.compile(
         optimizer=build_optimizer(config),
         loss=build_loss(config, dataset),
