@@ -1,0 +1,438 @@
+"""Figure builders on small synthetic tidy frames.
+
+References are computed here with plain pandas/numpy loops, never with
+gradflow code, and compared with the arrays inside the Plotly traces.
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from gradflow import figures
+from gradflow import schema
+from gradflow.figures import decimate
+from gradflow.figures import grid as grid_lib
+
+EVIL = "<script>alert(1)</script>"
+LAYERS = ("dense", "dense_1", "dense_2")
+
+
+def make_layer_stats(steps=6, layers=LAYERS, tensors=("kernel", "bias"), seed=0):
+    """Tidy rows in a shuffled order, so no test relies on the input order."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for step in range(1, steps + 1):
+        for index, layer in enumerate(layers):
+            for tensor in tensors:
+                scale = 10.0 ** (-index)
+                rows.append(
+                    dict(
+                        step=step,
+                        layer=layer,
+                        layer_index=index,
+                        tensor=tensor,
+                        variable="" if tensor == "activation" else f"seq/{layer}/{tensor}",
+                        max_abs=scale * rng.uniform(0.5, 2.0),
+                        l2_norm=scale * rng.uniform(2.0, 5.0),
+                        mean_abs=scale * rng.uniform(0.05, 0.4),
+                    )
+                )
+    frame = pd.DataFrame(rows)
+    return frame.sample(frac=1.0, random_state=seed).reset_index(drop=True)
+
+
+def set_value(frame, step, layer_index, tensor, column, value):
+    where = (frame["step"] == step) & (frame["layer_index"] == layer_index) & (frame["tensor"] == tensor)
+    assert where.sum() == 1
+    frame.loc[where, column] = value
+
+
+def heat_trace(chart):
+    traces = [t for t in chart.figure.data if t.type == "heatmap"]
+    assert len(traces) == 1
+    return traces[0]
+
+
+def marker_traces(chart):
+    return {t.name: t for t in chart.figure.data if t.type == "scatter" and t.mode == "markers"}
+
+
+def test_figures_and_export_import_neither_tensorflow_nor_streamlit():
+    code = (
+        "import sys, gradflow.figures, gradflow.export\n"
+        "bad = [m for m in ('tensorflow', 'streamlit', 'keras') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_heatmap_values_are_log10_of_the_statistic_in_layer_index_order():
+    frame = make_layer_stats()
+    chart = figures.heatmap(frame, "max_abs", "kernel")
+    trace = heat_trace(chart)
+    # Reference: plain pandas pivot, rows by layer_index (input first = bottom).
+    reference = frame[frame["tensor"] == "kernel"].pivot(index="layer_index", columns="step", values="max_abs")
+    np.testing.assert_allclose(np.asarray(trace.z), np.log10(reference.to_numpy()))
+    np.testing.assert_array_equal(np.asarray(trace.x), reference.columns.to_numpy())
+    assert list(trace.y) == list(LAYERS)  # first row is drawn at the bottom
+    assert chart.figure.layout.yaxis.type == "category"
+    # The data is exactly what is drawn, in real units.
+    data = chart.data.pivot(index="layer_index", columns="step", values="max_abs")
+    np.testing.assert_allclose(data.to_numpy(), reference.to_numpy())
+
+
+def test_heatmap_colorbar_is_labelled_in_real_units():
+    frame = make_layer_stats()
+    trace = heat_trace(figures.heatmap(frame, "max_abs", "kernel"))
+    lowest = frame.loc[frame["tensor"] == "kernel", "max_abs"].min()
+    highest = frame.loc[frame["tensor"] == "kernel", "max_abs"].max()
+    assert trace.zmin == math.floor(math.log10(lowest))
+    assert trace.zmax == math.ceil(math.log10(highest))
+    expected = {-3: "1e-3", -2: "1e-2", -1: "1e-1", 0: "1", 1: "10"}
+    for value, text in zip(trace.colorbar.tickvals, trace.colorbar.ticktext):
+        assert expected[int(value)] == text
+    assert "log" in trace.colorbar.title.text
+
+
+@pytest.mark.parametrize(
+    "value, expect_z, marker",
+    [
+        (0.0, "floor", None),  # exact zero -> bottom of the scale, no marker
+        (np.nan, "gap", "NaN"),
+        (np.inf, "gap", "Inf"),
+    ],
+)
+def test_heatmap_zero_nan_and_inf_cells(value, expect_z, marker):
+    frame = make_layer_stats()
+    set_value(frame, 3, 1, "kernel", "max_abs", value)
+    chart = figures.heatmap(frame, "max_abs", "kernel")
+    trace = heat_trace(chart)
+    z = np.asarray(trace.z)
+    cell = z[1, 2]  # layer_index 1, step 3
+    if expect_z == "floor":
+        assert cell == trace.zmin
+    else:
+        assert np.isnan(cell)
+    markers = marker_traces(chart)
+    if marker is None:
+        assert not markers
+    else:
+        assert set(markers) == {marker}
+        assert list(markers[marker].x) == [3]
+        assert list(markers[marker].y) == ["dense_1"]
+    # The exported data keeps the recorded value, not the drawn floor.
+    row = chart.data[(chart.data["step"] == 3) & (chart.data["layer_index"] == 1)]
+    recorded = row["max_abs"].iloc[0]
+    assert (np.isnan(recorded) and np.isnan(value)) or recorded == value
+    chart.figure.to_json()  # renders without error
+
+
+def test_heatmap_missing_cells_are_blank_without_markers():
+    frame = make_layer_stats()
+    frame = frame[~((frame["step"] == 2) & (frame["layer_index"] == 0))]
+    chart = figures.heatmap(frame, "max_abs", "kernel")
+    assert np.isnan(np.asarray(heat_trace(chart).z)[0, 1])
+    assert not marker_traces(chart)
+    assert len(chart.data) == 6 * 3 - 1
+
+
+@pytest.mark.parametrize(
+    "statistic, combine",
+    [
+        ("max_abs", lambda v: v.max()),
+        ("l2_norm", lambda v: math.sqrt((v**2).sum())),
+    ],
+)
+def test_all_weights_combines_every_variable_of_a_layer(statistic, combine):
+    frame = make_layer_stats(tensors=("kernel", "bias", "activation"))
+    chart = figures.heatmap(frame, statistic, figures.ALL_WEIGHTS)
+    z = np.asarray(heat_trace(chart).z)
+    for (step, index), group in frame[frame["tensor"] != "activation"].groupby(["step", "layer_index"]):
+        assert z[index, step - 1] == pytest.approx(math.log10(combine(group[statistic].to_numpy())))
+
+
+def test_categorical_columns_from_the_store_give_the_same_heatmap():
+    frame = make_layer_stats(tensors=("kernel", "bias", "activation"))
+    categorical = frame.astype({"layer": "category", "tensor": "category", "variable": "category"})
+    for tensor in ("bias", figures.ALL_WEIGHTS):
+        plain = heat_trace(figures.heatmap(frame, "l2_norm", tensor))
+        cat = heat_trace(figures.heatmap(categorical, "l2_norm", tensor))
+        np.testing.assert_array_equal(np.asarray(plain.z), np.asarray(cat.z))
+        assert list(plain.y) == list(cat.y)
+
+
+def test_zmin_zmax_set_the_scale_and_compare_shares_one_scale():
+    quiet = make_layer_stats(seed=1)
+    loud = make_layer_stats(seed=2)
+    loud["max_abs"] *= 1e4
+    fixed = heat_trace(figures.heatmap(quiet, "max_abs", zmin=1e-8, zmax=1e2))
+    assert (fixed.zmin, fixed.zmax) == (-8.0, 2.0)
+
+    chart = figures.compare_heatmaps({"quiet": quiet, "loud": loud}, "max_abs")
+    heatmaps = [t for t in chart.figure.data if t.type == "heatmap"]
+    assert len(heatmaps) == 2
+    assert all(t.coloraxis == "coloraxis" for t in heatmaps)
+    axis = chart.figure.layout.coloraxis
+    everything = pd.concat([quiet, loud])
+    kernels = everything.loc[everything["tensor"] == "kernel", "max_abs"]
+    assert axis.cmin == math.floor(math.log10(kernels.min()))
+    assert axis.cmax == math.ceil(math.log10(kernels.max()))
+    assert set(chart.data["run"]) == {"quiet", "loud"}
+    titles = [a.text for a in chart.figure.layout.annotations]
+    assert titles == ["quiet", "loud"]
+
+
+def brute_force_block_max(values, present, block):
+    """Reference: a Python loop over blocks."""
+    rows, cols = values.shape
+    out = np.full((rows, math.ceil(cols / block)), np.nan)
+    for r in range(rows):
+        for b in range(out.shape[1]):
+            cells = [values[r, c] for c in range(b * block, min(cols, (b + 1) * block)) if present[r, c]]
+            if not cells:
+                continue
+            if any(np.isnan(cells)):
+                out[r, b] = np.nan
+            else:
+                out[r, b] = max(cells)
+    return out
+
+
+@pytest.mark.parametrize("cols, max_columns", [(10, 3), (12, 4), (7, 7), (1000, 10), (999, 100)])
+def test_decimation_keeps_the_max_of_every_block(cols, max_columns):
+    rng = np.random.default_rng(cols)
+    values = rng.lognormal(size=(4, cols))
+    values[rng.random((4, cols)) < 0.05] = np.nan
+    values[rng.random((4, cols)) < 0.05] = np.inf
+    present = rng.random((4, cols)) > 0.1
+    grid = grid_lib.LayerGrid(
+        values=np.where(present, values, np.nan),
+        present=present,
+        step_first=np.arange(1, cols + 1),
+        step_last=np.arange(1, cols + 1),
+        layer_index=np.arange(4),
+        layer=["a", "b", "c", "d"],
+        statistic="max_abs",
+        tensor="kernel",
+    )
+    small = decimate.decimate_max(grid, max_columns)
+    block = math.ceil(cols / max_columns)
+    assert small.values.shape[1] <= max_columns
+    np.testing.assert_array_equal(small.values, brute_force_block_max(grid.values, present, block))
+    assert small.step_first[0] == 1 and small.step_last[-1] == cols
+
+
+@pytest.mark.parametrize("spike", [1.0e3, np.nan, np.inf])
+def test_decimated_heatmap_keeps_a_single_step_spike(spike):
+    steps = 5000
+    rows = []
+    for index, layer in enumerate(("in", "out")):
+        rows.append(
+            pd.DataFrame(
+                {
+                    "step": np.arange(1, steps + 1),
+                    "layer": layer,
+                    "layer_index": index,
+                    "tensor": "kernel",
+                    "variable": "",
+                    "max_abs": np.full(steps, 1e-3),
+                }
+            )
+        )
+    frame = pd.concat(rows, ignore_index=True)
+    frame.loc[(frame["step"] == 3217) & (frame["layer_index"] == 1), "max_abs"] = spike
+    chart = figures.heatmap(frame, "max_abs", max_columns=100)
+    drawn = chart.data[chart.data["layer_index"] == 1]
+    assert len(drawn) == 100
+    hit = drawn[(drawn["step"] <= 3217) & (drawn["step_last"] >= 3217)]["max_abs"].iloc[0]
+    assert (np.isnan(hit) and np.isnan(spike)) or hit == spike
+    others = drawn[~((drawn["step"] <= 3217) & (drawn["step_last"] >= 3217))]["max_abs"]
+    assert (others == 1e-3).all()
+    if not np.isfinite(spike):
+        assert len(marker_traces(chart)) == 1
+    assert "max over up to 50 steps" in chart.figure.layout.xaxis.title.text
+
+
+def test_decimate_envelope_keeps_dips_spikes_and_nan():
+    steps = np.arange(1, 10_001)
+    values = np.ones(steps.size)
+    values[1234] = 50.0
+    values[5678] = -7.0
+    values[9000] = np.nan
+    kept_steps, kept = decimate.decimate_envelope(steps, values, max_points=200)
+    assert len(kept) <= 200
+    assert 50.0 in kept and -7.0 in kept and np.isnan(kept).sum() == 1
+    assert kept_steps[np.nanargmax(kept)] == 1235 and kept_steps[np.nanargmin(kept)] == 5679
+    assert np.all(np.diff(kept_steps) > 0)
+
+
+def test_layer_names_are_escaped_in_figures_but_raw_in_data():
+    frame = make_layer_stats(layers=("dense", EVIL, "a&b <b>x</b>"))
+    for chart in (
+        figures.heatmap(frame),
+        figures.profile(frame),
+        figures.layer_lines(frame),
+        figures.compare_heatmaps({EVIL: frame}),
+    ):
+        text = json.dumps(json.loads(chart.figure.to_json()), ensure_ascii=False)
+        assert "<script>" not in text  # only &lt;script&gt;, which Plotly shows literally
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+        assert "a&amp;b &lt;b&gt;x&lt;/b&gt;" in text
+        assert EVIL in set(chart.data["layer"])
+
+
+def test_layer_lines_log_axis_one_line_per_layer_and_nan_marker():
+    frame = make_layer_stats()
+    set_value(frame, 4, 2, "kernel", "max_abs", np.nan)
+    chart = figures.layer_lines(frame, "max_abs", "kernel")
+    lines = [t for t in chart.figure.data if t.mode == "lines"]
+    assert [t.name for t in lines] == list(LAYERS)
+    assert chart.figure.layout.yaxis.type == "log"
+    reference = frame[(frame["tensor"] == "kernel") & (frame["layer_index"] == 0)].sort_values("step")
+    np.testing.assert_allclose(np.asarray(lines[0].y), reference["max_abs"].to_numpy())
+    nan_marker = marker_traces(chart)["NaN"]
+    assert list(nan_marker.x) == [4]
+    assert nan_marker.y[0] > np.nanmax(np.asarray(lines[2].y, dtype=float))  # drawn above the data
+    subset = figures.layer_lines(frame, layers=["dense_2", 0])
+    assert [t.name for t in subset.figure.data if t.mode == "lines"] == ["dense_2", "dense"]
+
+
+def test_metrics_chart_draws_train_and_validation_per_panel():
+    metrics = pd.DataFrame(
+        [dict(step=s, name=n, value=v) for s in range(1, 6) for n, v in (("loss", 1 / s), ("val_loss", 2 / s), ("accuracy", s / 10))]
+    )
+    chart = figures.metrics_chart(metrics)
+    names = [t.name for t in chart.figure.data]
+    assert names == ["training loss", "validation loss", "training accuracy"]
+    assert chart.figure.data[1].line.dash == "dash"
+    np.testing.assert_allclose(np.asarray(chart.figure.data[1].y), [2 / s for s in range(1, 6)])
+    assert set(chart.data["name"]) == {"loss", "val_loss", "accuracy"}
+    only_loss = figures.metrics_chart(metrics[metrics["name"] == "loss"])
+    assert len(only_loss.figure.data) == 1
+
+
+@pytest.mark.parametrize(
+    "step, shown",
+    [(None, 6), (6, 6), (4, 4), (100, 6)],
+)
+def test_profile_at_a_step(step, shown):
+    frame = make_layer_stats()
+    frame = frame[frame["step"] != 5]  # a step that was not recorded
+    chart = figures.profile(frame, step=step, tensor="kernel")
+    bars = [t for t in chart.figure.data if t.type == "bar"]
+    assert [b.name for b in bars] == ["max |gradient|", "mean |gradient|"]
+    assert list(bars[0].x) == list(LAYERS)  # input on the left
+    expected = frame[(frame["tensor"] == "kernel") & (frame["step"] == shown)].sort_values("layer_index")
+    np.testing.assert_allclose(np.asarray(bars[0].y), expected["max_abs"].to_numpy())
+    np.testing.assert_allclose(np.asarray(bars[1].y), expected["mean_abs"].to_numpy())
+    assert chart.figure.layout.yaxis.type == "log"
+    assert (chart.data["step"] == shown).all()
+
+
+def test_profile_step_between_recorded_steps_uses_the_earlier_one_and_flags_nan():
+    frame = make_layer_stats()
+    frame = frame[frame["step"] != 5]
+    set_value(frame, 4, 0, "kernel", "mean_abs", np.nan)
+    chart = figures.profile(frame, step=5, tensor="kernel")
+    assert (chart.data["step"] == 4).all()
+    assert list(marker_traces(chart)["NaN"].x) == ["dense"]
+
+
+def test_compare_profiles_and_metrics_overlay_runs():
+    a, b = make_layer_stats(seed=3), make_layer_stats(seed=4, layers=LAYERS + ("dense_3",))
+    chart = figures.compare_profiles({"relu": a, "sigmoid": b}, statistic="l2_norm")
+    assert [t.name for t in chart.figure.data] == ["relu", "sigmoid"]
+    assert list(chart.figure.data[1].x) == [0, 1, 2, 3]
+    expected = b[(b["tensor"] == "kernel") & (b["step"] == 6)].sort_values("layer_index")["l2_norm"]
+    np.testing.assert_allclose(np.asarray(chart.figure.data[1].y), expected.to_numpy())
+
+    metrics = pd.DataFrame({"step": [1, 2, 1, 2], "name": ["loss", "loss", "val_loss", "val_loss"], "value": [1.0, 0.5, 1.2, 0.7]})
+    chart = figures.compare_metrics({"relu": metrics, "sigmoid": metrics.assign(value=metrics["value"] * 2)})
+    assert [t.name for t in chart.figure.data] == ["relu", "relu (validation)", "sigmoid", "sigmoid (validation)"]
+    assert chart.figure.data[0].line.color == chart.figure.data[1].line.color
+    assert list(chart.figure.data[3].y) == [2.4, 1.4]
+
+
+def histogram_rows(steps, layer="dense", tensor="kernel"):
+    rows = []
+    for step in steps:
+        counts = np.zeros(schema.HISTOGRAM_BINS, dtype=np.int64)
+        counts[10] = 90
+        counts[12] = 10
+        rows.append(dict(step=step, layer=layer, layer_index=0, tensor=tensor, **{f"b{i}": c for i, c in enumerate(counts)}))
+    return pd.DataFrame(rows)
+
+
+def test_histogram_heatmap_shows_log_share_per_bin():
+    frame = pd.concat([histogram_rows(range(1, 5)), histogram_rows(range(1, 5), layer="other")])
+    chart = figures.histogram_heatmap(frame, "dense")
+    trace = heat_trace(chart)
+    z = np.asarray(trace.z)
+    assert z.shape == (schema.HISTOGRAM_BINS, 4)
+    np.testing.assert_allclose(z[10], np.log10(0.9))
+    np.testing.assert_allclose(z[12], np.log10(0.1))
+    assert np.isnan(z[0]).all()  # empty bins are blank
+    np.testing.assert_allclose(np.asarray(trace.y), schema.histogram_bin_centers())
+    assert set(chart.data["bin"]) == {10, 12}
+
+
+def test_histogram_long_layout_and_decimation_keep_a_rare_bin():
+    wide = histogram_rows(range(1, 401))
+    wide.loc[wide["step"] == 123, "b33"] = 1  # one huge entry, once
+    long = wide.melt(id_vars=["step", "layer", "layer_index", "tensor"], var_name="bin", value_name="count")
+    long["bin"] = long["bin"].str[1:].astype(int)
+    from_wide = figures.histogram_heatmap(wide, "dense", max_columns=40)
+    from_long = figures.histogram_heatmap(long, "dense", max_columns=40)
+    np.testing.assert_allclose(np.asarray(heat_trace(from_wide).z), np.asarray(heat_trace(from_long).z))
+    rare = from_wide.data[from_wide.data["bin"] == 33]
+    assert len(rare) == 1 and rare["step"].iloc[0] <= 123 <= rare["step_last"].iloc[0]
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda f: figures.heatmap([1, 2]), TypeError, "`layer_stats` must be a pandas DataFrame"),
+        (lambda f: figures.heatmap(f, "grad"), ValueError, "`statistic` must be a column"),
+        (lambda f: figures.heatmap(f, tensor="gamma"), ValueError, "'gamma' has no rows"),
+        (lambda f: figures.heatmap(f, zmin=0), ValueError, "`zmin` must be a positive finite"),
+        (lambda f: figures.heatmap(f, zmin=1.0, zmax=0.1), ValueError, "smaller than `zmax`"),
+        (lambda f: figures.heatmap(f, max_columns=0), ValueError, "`max_columns` must be a positive integer"),
+        (lambda f: figures.profile(f, step=0), ValueError, "first recorded step 1"),
+        (lambda f: figures.layer_lines(f, layers=["nope"]), ValueError, "'nope'"),
+        (lambda f: figures.compare_heatmaps({}), ValueError, "non-empty mapping"),
+        (lambda f: figures.metrics_chart(f), ValueError, "`metrics` is missing the columns"),
+        (lambda f: figures.histogram_heatmap(histogram_rows([1]), "nope"), ValueError, "'nope'"),
+    ],
+)
+def test_errors_name_the_argument_and_the_value(call, error, words):
+    with pytest.raises(error, match=None) as info:
+        call(make_layer_stats())
+    assert words in str(info.value)
+
+
+def test_empty_frames_give_a_no_data_figure():
+    empty = make_layer_stats().iloc[:0]
+    for chart in (figures.heatmap(empty), figures.layer_lines(empty), figures.profile(empty)):
+        assert len(chart.data) == 0
+        assert "No layer statistics" in chart.figure.layout.annotations[0].text
+    metrics = figures.metrics_chart(pd.DataFrame(columns=["step", "name", "value"]))
+    assert "No metrics" in metrics.figure.layout.annotations[0].text
+
+
+def test_presentation_style_and_plotly_config():
+    frame = make_layer_stats()
+    screen = figures.heatmap(frame).figure
+    slides = figures.heatmap(frame, presentation=True).figure
+    assert slides.layout.font.size > screen.layout.font.size >= 12
+    assert slides.layout.paper_bgcolor == "white" or slides.layout.template.layout.paper_bgcolor == "white"
+    assert heat_trace(figures.heatmap(frame)).colorscale[0][1] == "#440154"  # viridis, colour-blind safe
+    assert figures.PLOTLY_CONFIG["toImageButtonOptions"] == {"format": "svg", "scale": 2, "filename": "gradflow"}
+    lines = figures.layer_lines(frame, presentation=True).figure
+    assert lines.data[0].line.width == 4
+    assert lines.data[0].line.color == figures.OKABE_ITO[0]
