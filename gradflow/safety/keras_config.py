@@ -151,7 +151,7 @@ def check_model_config(config, *, max_weight_entries):
             f"object with 'class_name'). {_FIX}"
         )
     walker = _Walker(max_weight_entries)
-    walker.visit(config, "config", depth=0, in_compile=False)
+    walker.visit(config, "", depth=0, in_compile=False)
     return walker.weight_entries
 
 
@@ -162,7 +162,7 @@ class _Walker:
 
     def visit(self, node, path, depth, in_compile):
         if depth > _MAX_DEPTH:
-            raise UnsafeInputError(f"The model config is nested deeper than {_MAX_DEPTH} at {path}.")
+            raise UnsafeInputError(f"The model config is nested deeper than {_MAX_DEPTH} at {_where(path)}.")
         if isinstance(node, dict):
             if "class_name" in node:
                 self.check_object(node, path, in_compile)
@@ -171,8 +171,8 @@ class _Walker:
                 self.check_registered_name(node, "?", path)
             for key, value in node.items():
                 if not isinstance(key, str):
-                    raise UnsafeInputError(f"The model config has a non-string key at {path}.")
-                child_path = f"{path}.{key}"
+                    raise UnsafeInputError(f"The model config has a non-string key at {_where(path)}.")
+                child_path = f"{path}.{key}" if path else key
                 self.check_named_value(key, value, child_path, in_compile)
                 self.visit(value, child_path, depth + 1, in_compile or key == "compile_config")
         elif isinstance(node, list):
@@ -181,23 +181,23 @@ class _Walker:
         elif isinstance(node, float) and math.isnan(node):
             return
         elif not (node is None or isinstance(node, (str, int, float, bool))):
-            raise UnsafeInputError(f"Unexpected value of type {type(node).__name__} at {path}.")
+            raise UnsafeInputError(f"Unexpected value of type {type(node).__name__} at {_where(path)}.")
 
     def check_object(self, node, path, in_compile):
         class_name = node["class_name"]
         if not isinstance(class_name, str):
-            raise UnsafeInputError(f"class_name at {path} is {class_name!r}, not a string.")
+            raise UnsafeInputError(f"class_name at {_where(path)} is {class_name!r}, not a string.")
         if class_name == "__keras_tensor__":
             # Functional wiring: a shape, a dtype and a (layer, node, tensor) reference.
             return
         if class_name in _SPECIAL_MARKERS:
             raise UnsafeInputError(
-                f"Refused model file: {_SPECIAL_MARKERS[class_name]} at {path} "
+                f"Refused model file: {_SPECIAL_MARKERS[class_name]} at {_where(path)} "
                 f"(module {node.get('module')!r}, config {_short(node.get('config'))}). {_FIX}"
             )
         if class_name in _KNOWN_DANGEROUS:
             raise UnsafeInputError(
-                f"Refused model file: layer {class_name!r} at {path}: "
+                f"Refused model file: layer {class_name!r} at {_where(path)}: "
                 f"{_KNOWN_DANGEROUS[class_name]}. {_FIX}"
             )
         module = node.get("module")
@@ -205,12 +205,12 @@ class _Walker:
         self.check_registered_name(node, class_name, path)
         if in_compile:
             if not _IDENTIFIER.fullmatch(class_name):
-                raise UnsafeInputError(f"Refused model file: class_name {class_name!r} at {path}.")
+                raise UnsafeInputError(f"Refused model file: class_name {class_name!r} at {_where(path)}.")
             return
         allowed_modules = _ALLOWED.get(class_name)
         if allowed_modules is None or module not in allowed_modules:
             raise UnsafeInputError(
-                f"Refused model file: {class_name!r} (module {module!r}) at {path} is not on "
+                f"Refused model file: {class_name!r} (module {module!r}) at {_where(path)} is not on "
                 f"gradflow's allow-list of core Keras classes. {_FIX}"
             )
         if class_name in _LAYERS:
@@ -222,7 +222,7 @@ class _Walker:
         allowed = _COMPILE_MODULES if in_compile else _MODEL_MODULES
         if not isinstance(module, str) or module not in allowed:
             raise UnsafeInputError(
-                f"Refused model file: {class_name!r} at {path} names the Python module "
+                f"Refused model file: {class_name!r} at {_where(path)} names the Python module "
                 f"{module!r}. Keras would import it and look the name up there "
                 "(the CVE-2025-1550 gadget); only the core keras modules are accepted. "
                 f"{_FIX}"
@@ -233,7 +233,7 @@ class _Walker:
         if registered is None or registered == class_name:
             return
         raise UnsafeInputError(
-            f"Refused model file: {class_name!r} at {path} is registered as "
+            f"Refused model file: {class_name!r} at {_where(path)} is registered as "
             f"{registered!r}, a custom object. Custom objects are not accepted in uploads; "
             f"{_FIX}"
         )
@@ -245,7 +245,7 @@ class _Walker:
             if key == suffix or key.endswith("_" + suffix):
                 if value not in names:
                     raise UnsafeInputError(
-                        f"Refused model file: {key}={value!r} at {path} is not a built-in "
+                        f"Refused model file: {key}={value!r} at {_where(path)} is not a built-in "
                         f"Keras {suffix}. Allowed: {', '.join(sorted(names))}."
                     )
 
@@ -256,13 +256,13 @@ class _Walker:
         n = _declared_weights(node["class_name"], config, _input_dims(node))
         if n is None:
             raise UnsafeInputError(
-                f"Refused model file: layer at {path} declares sizes that are not "
+                f"Refused model file: layer at {_where(path)} declares sizes that are not "
                 "positive integers."
             )
         self.weight_entries += n
         if self.weight_entries > self.max_weight_entries:
             raise UnsafeInputError(
-                f"Refused model file: the layers up to {path} ({node['class_name']} "
+                f"Refused model file: the layers up to {_where(path)} ({node['class_name']} "
                 f"{config.get('name')!r}) declare about {self.weight_entries:,} weight values, "
                 f"over the limit of `max_weight_entries`={self.max_weight_entries:,}. "
                 "Upload a smaller model or raise `max_weight_entries`."
@@ -345,6 +345,10 @@ def _declared_weights(class_name, config, input_dims):
     if class_name == "PReLU":
         return last
     return 0
+
+
+def _where(path):
+    return f"{path} in config.json" if path else "the top of config.json"
 
 
 def _short(value, limit=80):

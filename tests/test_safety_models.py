@@ -1,0 +1,399 @@
+"""gradflow.safe_load_model: real models load, hostile `.keras` files are refused.
+
+Every attack file is built here, in tmp_path, either by saving a real model
+that carries the gadget or by writing the zip and config.json by hand. A
+refusal must be an UnsafeInputError saying what was found and where, the
+canary file a gadget would create must stay absent, and refusals that happen
+before the child process must not allocate what the file declares.
+"""
+
+import copy
+import io
+import json
+import tracemalloc
+import zipfile
+
+import h5py
+import keras
+import numpy as np
+import pytest
+
+from gradflow import UnsafeInputError, safe_load_model
+
+MiB = 2**20
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def write_keras(path, config, weights=b"", metadata=None, extra=()):
+    """Writes a `.keras` zip by hand, the way an attacker would."""
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("metadata.json", json.dumps(metadata or {"keras_version": "3.15.1"}))
+        text = config if isinstance(config, str) else json.dumps(config)
+        archive.writestr("config.json", text)
+        archive.writestr("model.weights.h5", weights)
+        for name, data in extra:
+            archive.writestr(name, data)
+    return path
+
+
+def read_entry(path, name):
+    with zipfile.ZipFile(path) as archive:
+        return archive.read(name)
+
+
+def h5_bytes(build):
+    buffer = io.BytesIO()
+    with h5py.File(buffer, "w") as f:
+        build(f)
+    return buffer.getvalue()
+
+
+def refused_with_peak(fn):
+    tracemalloc.start()
+    try:
+        fn()
+    except UnsafeInputError as e:
+        error = e
+    else:
+        error = None
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert error is not None, "the file was not refused"
+    return str(error), peak
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A real saved Sequential model: (path, config dict, weights bytes)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3, activation="relu"), keras.layers.Dense(2)]
+    )
+    path = tmp_path_factory.mktemp("tiny") / "tiny.keras"
+    model.save(path)
+    return path, json.loads(read_entry(path, "config.json")), read_entry(path, "model.weights.h5")
+
+
+def with_layer(config, layer, at=1):
+    config = copy.deepcopy(config)
+    config["config"]["layers"].insert(at, layer)
+    return config
+
+
+def layer(class_name, module="keras.layers", registered_name=None, **config):
+    return {
+        "module": module,
+        "class_name": class_name,
+        "config": {"name": class_name.lower(), **config},
+        "registered_name": registered_name,
+    }
+
+
+# ---------------------------------------------------------------- happy paths
+
+
+def test_sequential_loads_and_predicts_like_the_original(tmp_path):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((6, 3)),
+            keras.layers.Conv1D(4, 3, activation="gelu", kernel_regularizer="l2"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Flatten(),
+            keras.layers.Dropout(0.1),
+            keras.layers.Dense(5, kernel_constraint="max_norm", activation="softmax"),
+        ]
+    )
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    x = np.random.default_rng(0).normal(size=(8, 6, 3)).astype("float32")
+    model.fit(x, np.arange(8) % 5, epochs=1, verbose=0)  # non-trivial moving statistics
+    model.save(tmp_path / "seq.keras")
+
+    loaded = safe_load_model(tmp_path / "seq.keras")
+
+    assert [type(layer).__name__ for layer in loaded.layers] == [
+        type(layer).__name__ for layer in model.layers
+    ]
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
+
+
+def test_functional_recurrent_model_loads_and_predicts_like_the_original(tmp_path):
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((5, 3))
+    sequence = keras.layers.LSTM(4, return_sequences=True)(inputs)
+    summary = keras.layers.Bidirectional(keras.layers.GRU(2))(sequence)
+    skip = keras.layers.GlobalAveragePooling1D()(sequence)
+    merged = keras.layers.Concatenate()([summary, skip])
+    outputs = keras.layers.Dense(1, activation="sigmoid")(merged)
+    model = keras.Model(inputs, outputs)
+    model.save(tmp_path / "fn.keras")
+    x = np.random.default_rng(1).normal(size=(4, 5, 3)).astype("float32")
+
+    loaded = safe_load_model(tmp_path / "fn.keras")
+
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
+
+
+# ---------------------------------------------------------------- code execution
+
+
+def test_lambda_layer_that_writes_a_file_is_refused(tmp_path):
+    canary = tmp_path / "canary.txt"
+    # Built from source text so the saved bytecode holds the path as a constant.
+    gadget = eval(f"lambda x: (__import__('pathlib').Path({str(canary)!r}).write_text('pwned'), x)[1]")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Lambda(gadget), keras.layers.Dense(1)])
+    model.save(tmp_path / "lambda.keras")
+    canary.unlink()  # building the model ran the lambda once
+
+    with pytest.raises(UnsafeInputError) as caught:
+        safe_load_model(tmp_path / "lambda.keras")
+
+    message = str(caught.value)
+    assert "'Lambda'" in message and "config.layers[1] in config.json" in message
+    assert "CVE-2024-3660" in message and "model.save('m.keras')" in message
+    assert not canary.exists()
+    # Control: the file really is an exploit when loaded carelessly.
+    keras.saving.load_model(tmp_path / "lambda.keras", safe_mode=False)
+    assert canary.read_text() == "pwned"
+
+
+@pytest.mark.parametrize(
+    "gadget, found",
+    [
+        ({"module": "os", "class_name": "system", "config": {}}, "'os'"),
+        ({"module": "subprocess", "class_name": "check_output", "config": {}}, "'subprocess'"),
+        ({"module": "builtins", "class_name": "exec", "config": {}}, "'builtins'"),
+        ({"module": "os", "class_name": "function", "config": "system"}, "Python function"),
+        ({"module": "keras.src.ops", "class_name": "Add", "config": {}}, "'keras.src.ops'"),
+    ],
+)
+def test_module_import_gadget_is_refused_at_any_depth(tmp_path, tiny, gadget, found):
+    canary = tmp_path / "canary.txt"
+    gadget = copy.deepcopy(gadget)
+    if isinstance(gadget["config"], dict):
+        gadget["config"]["command"] = f"touch {canary}"
+    gadget["registered_name"] = None
+    config = copy.deepcopy(tiny[1])
+    # Deep inside a layer, where a top-level scan would not look (CVE-2025-1550).
+    config["config"]["layers"][1]["config"]["kernel_initializer"] = gadget
+    path = write_keras(tmp_path / "gadget.keras", config, tiny[2])
+
+    with pytest.raises(UnsafeInputError) as caught:
+        safe_load_model(path)
+
+    assert found in str(caught.value)
+    assert "config.layers[1].config.kernel_initializer in config.json" in str(caught.value)
+    assert not canary.exists()
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (layer("StringLookup", vocabulary="/etc/passwd"), "CVE-2025-12058"),
+        (layer("IntegerLookup", vocabulary="/etc/passwd"), "CVE-2025-12058"),
+        (layer("TextVectorization", vocabulary="/etc/passwd"), "TextVectorization"),
+        (layer("TFSMLayer", filepath="/srv/other-user/model"), "SavedModel from a path"),
+        (layer("TorchModuleWrapper", module="keras.layers"), "unpickles"),
+        (layer("MyLayer", module="my_package.layers"), "'my_package.layers'"),
+        (layer("Dense", registered_name="evil>Dense", units=2), "'evil>Dense', a custom object"),
+        (layer("Attention"), "not on gradflow's allow-list"),
+        (layer("Dense", units=2, activation="os.system"), "activation='os.system'"),
+        (layer("Dense", units=2, kernel_initializer="exec"), "built-in Keras initializer"),
+        (layer("Dense", units=2, f={"class_name": "__lambda__", "config": {}}), "bytecode"),
+        (layer("Dense", units=2, t={"class_name": "__typespec__", "config": []}), "type spec"),
+    ],
+)
+def test_layers_that_run_code_or_read_files_are_refused(tmp_path, tiny, bad, message):
+    path = write_keras(tmp_path / "bad.keras", with_layer(tiny[1], bad), tiny[2])
+    with pytest.raises(UnsafeInputError) as caught:
+        safe_load_model(path)
+    assert message in str(caught.value)
+    assert "config.layers[1]" in str(caught.value)
+
+
+# ---------------------------------------------------------------- archive structure
+
+
+def test_legacy_hdf5_model_is_refused_by_its_magic_bytes(tmp_path):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.save(tmp_path / "legacy.h5")
+    renamed = tmp_path / "innocent.keras"
+    renamed.write_bytes((tmp_path / "legacy.h5").read_bytes())
+
+    for path in (tmp_path / "legacy.h5", renamed):
+        with pytest.raises(UnsafeInputError) as caught:
+            safe_load_model(path)
+        assert "HDF5" in str(caught.value) and "model.save('m.keras')" in str(caught.value)
+
+
+def test_zip_bomb_is_refused_without_decompressing(tmp_path, tiny):
+    path = tmp_path / "bomb.keras"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("metadata.json", json.dumps({"keras_version": "3.15.1"}))
+        archive.writestr("config.json", json.dumps(tiny[1]))
+        archive.writestr("model.weights.h5", bytes(48 * MiB))
+    assert path.stat().st_size < MiB
+
+    message, peak = refused_with_peak(lambda: safe_load_model(path))
+
+    assert "zip bomb" in message and "'model.weights.h5'" in message
+    assert peak < 8 * MiB
+
+
+def test_weight_shape_bomb_is_refused_before_anything_is_built(tmp_path, tiny):
+    bomb = layer("Dense", units=10**9)
+    bomb["build_config"] = {"input_shape": [None, 4]}
+    path = write_keras(tmp_path / "shape.keras", with_layer(tiny[1], bomb), tiny[2])
+
+    message, peak = refused_with_peak(lambda: safe_load_model(path))
+
+    assert "5,000,000,000 weight values" in message and "`max_weight_entries`" in message
+    assert peak < 8 * MiB
+
+
+def test_embedding_bomb_is_refused(tmp_path, tiny):
+    bomb = layer("Embedding", input_dim=10**7, output_dim=10**3)
+    path = write_keras(tmp_path / "emb.keras", with_layer(tiny[1], bomb), tiny[2])
+    with pytest.raises(UnsafeInputError, match="10,000,000,000 weight values"):
+        safe_load_model(path)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([("../../evil.py", b"print('pwned')")], "'../../evil.py', an absolute path or one with '..'"),
+        ([("/etc/cron.d/evil", b"")], "an absolute path"),
+        ([("assets/vocabulary.txt", b"a\nb\n")], "extra entries such as assets/"),
+    ],
+)
+def test_bad_entry_names_and_extra_entries_are_refused(tmp_path, tiny, extra, message):
+    path = write_keras(tmp_path / "names.keras", tiny[1], tiny[2], extra=extra)
+    with pytest.raises(UnsafeInputError) as caught:
+        safe_load_model(path)
+    assert message in str(caught.value)
+    assert not (tmp_path.parent.parent / "evil.py").exists()
+
+
+def deeply_nested(depth):
+    node = {"class_name": "Zeros", "module": "keras.initializers", "config": {}}
+    for _ in range(depth):
+        node = {"wrap": node}
+    return node
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda p, t: p.write_bytes(b"not a zip at all"), "not a zip archive"),
+        (lambda p, t: write_keras(p, {"layers": []}, t[2]), "not a Keras model config"),
+        (lambda p, t: write_keras(p, t[1], t[2], metadata={"keras_version": "2.15"}), "Keras 3"),
+        (
+            lambda p, t: write_keras(p, '{"x": ' * 100_000 + "1" + "}" * 100_000, t[2]),
+            "not valid JSON",  # Python's own recursion limit, reported, not raised
+        ),
+        (
+            lambda p, t: write_keras(p, {**t[1], "x": deeply_nested(100)}, t[2]),
+            "nested deeper than 64",
+        ),
+    ],
+)
+def test_malformed_files_are_refused_with_a_message(tmp_path, tiny, build, message):
+    path = tmp_path / "m.keras"
+    build(path, tiny)
+    with pytest.raises(UnsafeInputError) as caught:
+        safe_load_model(path)
+    assert message in str(caught.value)
+
+
+def test_file_over_max_bytes_is_refused(tmp_path, tiny):
+    with pytest.raises(UnsafeInputError, match="over the limit of `max_bytes`=1,000"):
+        safe_load_model(tiny[0], max_bytes=1000)
+
+
+@pytest.mark.parametrize("argument", ["max_bytes", "max_entries", "timeout", "memory_limit"])
+def test_limit_arguments_are_validated(tiny, argument):
+    with pytest.raises(ValueError, match=f"`{argument}` must be a positive"):
+        safe_load_model(tiny[0], **{argument: 0})
+
+
+# ---------------------------------------------------------------- weights file (child process)
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (
+            lambda f, secret: f.create_dataset(
+                "w", shape=(4,), dtype="f4", external=[(str(secret), 0, 16)]
+            ),
+            "external files",
+        ),
+        (lambda f, secret: f.__setitem__("l", h5py.ExternalLink(str(secret), "/")), "ExternalLink"),
+        (lambda f, secret: f.__setitem__("s", h5py.SoftLink("/elsewhere")), "SoftLink"),
+        (
+            lambda f, secret: f.create_dataset("v", data=["a"], dtype=h5py.string_dtype()),
+            "only numeric weights",
+        ),
+    ],
+)
+def test_hdf5_weights_that_reach_other_files_are_refused(tmp_path, tiny, build, message):
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"\x00" * 16)
+    path = write_keras(tmp_path / "w.keras", tiny[1], h5_bytes(lambda f: build(f, secret)))
+    with pytest.raises(UnsafeInputError) as caught:
+        safe_load_model(path)
+    assert message in str(caught.value)
+
+
+def test_model_that_builds_more_than_its_config_declares_is_stopped_by_the_memory_limit(
+    tmp_path, tiny
+):
+    # A functional graph without build_configs whose recorded tensor shapes lie:
+    # the config check estimates 60,000 weights, the graph builds 900,000,000.
+    wide = 30_000
+    config = {
+        "module": "keras.src.models.functional",
+        "class_name": "Functional",
+        "registered_name": "Functional",
+        "config": {
+            "name": "liar",
+            "layers": [
+                {
+                    **layer("InputLayer", batch_shape=[None, wide], dtype="float32"),
+                    "name": "inputlayer",
+                    "inbound_nodes": [],
+                },
+                {
+                    **layer("Dense", units=wide),
+                    "name": "dense",
+                    "inbound_nodes": [
+                        {
+                            "args": [
+                                {
+                                    "class_name": "__keras_tensor__",
+                                    "config": {
+                                        "shape": [None, 1],
+                                        "dtype": "float32",
+                                        "keras_history": ["inputlayer", 0, 0],
+                                    },
+                                }
+                            ],
+                            "kwargs": {},
+                        }
+                    ],
+                },
+            ],
+            "input_layers": [["inputlayer", 0, 0]],
+            "output_layers": [["dense", 0, 0]],
+        },
+    }
+    path = write_keras(tmp_path / "liar.keras", config, tiny[2])
+    with pytest.raises(UnsafeInputError, match="memory_limit"):
+        safe_load_model(path, max_weight_entries=10**9, memory_limit=3 * 2**30)
+
+
+def test_slow_load_is_stopped_by_the_timeout(tiny):
+    with pytest.raises(UnsafeInputError, match="longer than `timeout`=0.05 seconds"):
+        safe_load_model(tiny[0], timeout=0.05)
