@@ -278,3 +278,18 @@ def test_train_step_is_restored_after_fit():
     assert "train_step" not in model.__dict__
     model.fit(x, y, batch_size=BATCH, verbose=0)  # Keras's own step again
     assert model.optimizer.iterations.numpy() == 6
+
+
+def test_diagnosis_rules_run_at_the_end_of_training():
+    from gradflow.diagnosis import Thresholds
+
+    x, y = make_data()
+    model = make_model()
+    model.compile(optimizer="sgd", loss="mse")
+    # Any gradient counts as exploding under this threshold: each layer
+    # gets one event, at the first step of its streak.
+    monitor = GradientMonitor(rules=Thresholds(exploding_norm=1e-12))
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    exploding = monitor.events.query("kind == 'exploding'")
+    assert sorted(exploding["layer"]) == ["d0", "d1", "d2"]
+    assert exploding["step"].tolist() == [1, 1, 1]

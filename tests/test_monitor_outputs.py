@@ -95,7 +95,7 @@ def test_stop_on_nonfinite_stops_at_that_step_with_finite_weights(steps_per_exec
     )
     # The non-finite step is recorded although it is not a multiple of `every`.
     assert monitor.history["step"].max() == 3
-    assert monitor.events["step"].tolist() == [3]
+    assert monitor.events.query("kind == 'nonfinite'")["step"].tolist() == [3]
     assert int(model.optimizer.iterations) == 3
     assert len(history.history["loss"]) == 1  # stopped in the first epoch
     # The non-finite update was skipped: the weights are those after step 2.

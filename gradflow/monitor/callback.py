@@ -10,6 +10,7 @@ import pandas as pd
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from gradflow import schema
+from gradflow.diagnosis import diagnose
 from gradflow.monitor.buffer import STEP_METRICS, RingBuffer
 from gradflow.monitor.records import (
     RowLayout,
@@ -86,8 +87,10 @@ class GradientMonitor(keras.callbacks.Callback):
             histograms into this folder. Defaults to `None`.
         probe_every: Probe interval of the fallback for models with their own
             `train_step`. Defaults to `every`.
-        rules: Keyword arguments for `gradflow.diagnosis.diagnose`, run on
-            the history at the end of training. Defaults to `None`.
+        rules: A `gradflow.diagnosis.Thresholds` for the diagnosis rules
+            (vanishing, exploding, dead ReLU, saturation) that run on the
+            history at the end of training; their findings join `.events`.
+            Defaults to `None` (the default thresholds).
 
     Attributes:
         history: Tidy layer statistics (`schema.LAYER_STATS_COLUMNS`).
@@ -130,7 +133,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self.run_name = run_name
         self.run_id = run_id
         self.close_run = bool(close_run)
-        self.rules = dict(rules or {})
+        self.rules = rules
         self._store = store
         self._writer = None
         self._summaries = None
@@ -258,6 +261,7 @@ class GradientMonitor(keras.callbacks.Callback):
                 f"calls and left out {self._plan.dropped_activations} more.",
                 stacklevel=2,
             )
+        self._diagnose()
         if self._summaries is not None:
             self._summaries.close()
         if self._writer is not None:
@@ -405,6 +409,17 @@ class GradientMonitor(keras.callbacks.Callback):
                 total_steps=_planned_steps(self.params),
             )
         self._writer = store.writer(self.run_id)
+
+
+    def _diagnose(self):
+        history = self.history
+        if history.empty:
+            return
+        found = diagnose(history, self.rules)
+        for step, layer, kind, message in found[list(schema.EVENTS_COLUMNS)].itertuples(index=False):
+            if kind == "nonfinite" and self._nonfinite_step is not None:
+                continue  # the monitor reported it already, when it happened
+            self._add_event(int(step), layer, kind, message)
 
 
 def _has_clipping(optimizer):
