@@ -231,11 +231,14 @@ class RunManager:
             if code is None:
                 continue
             del self._running[run_id]
+            if code < 0:
+                status, why = "interrupted", f"was killed by signal {-code}"
+            else:
+                status, why = "failed", f"ended unexpectedly with exit code {code}"
             self.store.set_status(
                 run_id,
-                "failed",
-                f"The worker process ended unexpectedly (exit code {code}); see "
-                f"{self._log_path}.",
+                status,
+                f"The worker process {why}; see {self._log_path}.",
                 only_from=ACTIVE_STATUSES,
             )
 

@@ -1,0 +1,120 @@
+"""Foreground lab runs: statistics against a plain GradientTape, seeds, final statuses."""
+
+import numpy as np
+import pytest
+
+import gradflow
+from gradflow.lab.config import RunConfig
+from gradflow.store import RunStore
+
+TINY = dict(depth=2, width=8, steps=12)
+NUMERIC = ["step", "layer_index", "max_abs", "l2_norm", "mean_abs", "std", "zero_fraction",
+           "nonfinite", "weight_norm", "update_ratio"]
+
+
+@pytest.fixture
+def store(store_path):
+    return RunStore(store_path)
+
+
+def test_first_step_statistics_match_a_plain_gradient_tape(store):
+    import keras
+    import tensorflow as tf
+
+    from gradflow.lab.datasets import load_dataset
+    from gradflow.lab.models import build_model
+
+    # One batch holds the whole training set, so shuffling cannot change step 1.
+    config = RunConfig(depth=2, width=8, steps=2, batch_size=4096, seed=3)
+    run = gradflow.train(config, store=store)
+    assert run.status == "completed"
+
+    data = load_dataset(config)
+    model = build_model(config, data)
+    x, y = tf.constant(data.x_train), tf.constant(data.y_train)
+    with tf.GradientTape() as tape:
+        probabilities = model(x, training=True)
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, probabilities))
+    gradients = tape.gradient(loss, model.trainable_variables)
+
+    first = run.layer_stats.query("step == 1").set_index("variable")
+    assert len(first) == len(model.trainable_variables)
+    for variable, gradient in zip(model.trainable_variables, gradients):
+        row = first.loc[variable.path]
+        g = gradient.numpy()
+        np.testing.assert_allclose(row["l2_norm"], np.sqrt((g.astype(np.float64) ** 2).sum()),
+                                   rtol=1e-4)
+        np.testing.assert_allclose(row["max_abs"], np.abs(g).max(), rtol=1e-4)
+    recorded_loss = run.metrics.query("step == 1 and name == 'loss'")["value"].item()
+    np.testing.assert_allclose(recorded_loss, float(loss), rtol=1e-5)
+
+
+def test_same_config_and_seed_give_identical_statistics(store):
+    config = RunConfig(dropout=0.2, seed=7, **TINY)
+    first, second = (gradflow.train(config, store=store) for _ in range(2))
+    a, b = first.layer_stats, second.layer_stats
+    assert len(a) == 12 * 6 and a["step"].max() == 12
+    np.testing.assert_array_equal(a[NUMERIC].to_numpy(), b[NUMERIC].to_numpy())
+    assert a["layer"].astype(str).tolist() == b["layer"].astype(str).tolist()
+    other = gradflow.train(config.replace(seed=8), store=store).layer_stats
+    assert not np.array_equal(a["l2_norm"].to_numpy(), other["l2_norm"].to_numpy())
+
+
+@pytest.mark.parametrize(
+    "config, status, message",
+    [
+        (RunConfig(**TINY), "completed", None),
+        (
+            RunConfig(depth=2, width=8, steps=50, learning_rate=10.0, dataset="regression",
+                      n_samples=200, activation="linear"),
+            "diverged",
+            "non-finite gradient",
+        ),
+        (RunConfig(dataset="file", data_path="/nonexistent/data.npz", steps=5), "failed",
+         "/nonexistent/data.npz"),
+    ],
+)
+def test_final_status_and_reason(store, config, status, message):
+    run = gradflow.train(config, store=store, name="case")
+    assert (run.status, run.name) == (status, "case")
+    if message is None:
+        assert run.message is None
+        assert run.layer_stats["step"].max() == config.steps == run.progress_step
+    else:
+        assert message in run.message
+    if status == "diverged":
+        nonfinite = run.events.query("kind == 'nonfinite'")
+        last = run.layer_stats["step"].max()
+        assert nonfinite["step"].tolist() == [last]
+        assert last < config.steps  # it stopped at the NaN
+
+
+def test_epochs_run_whole_passes(store):
+    config = RunConfig(depth=1, width=4, epochs=2, batch_size=512, record_every=1)
+    run = gradflow.train(config, store=store)
+    # digits: 1437 training examples -> 3 batches of 512 per epoch.
+    assert run.status == "completed" and run.layer_stats["step"].max() == 6
+    assert {"val_loss", "loss"} <= set(run.metrics["name"])
+
+
+@pytest.mark.parametrize(
+    "config, error, match",
+    [
+        ("depth=3", TypeError, "`config`"),
+        ({"depth": 0}, ValueError, "depth"),
+        ({"colour": "red"}, ValueError, "colour"),
+    ],
+)
+def test_bad_config_is_rejected_before_anything_runs(store, config, error, match):
+    with pytest.raises(error, match=match):
+        gradflow.train(config, store=store)
+    assert store.runs().empty
+
+
+def test_run_reads_back_from_the_store_in_a_new_object(store):
+    run = gradflow.train(RunConfig(**TINY), store=store)
+    again = gradflow.Run(run.run_id, store.path)
+    assert again.config == RunConfig(**TINY)
+    assert again.status == "completed"
+    with pytest.raises(ValueError, match="`run_id`"):
+        gradflow.Run("no such run!", store)
