@@ -35,6 +35,15 @@ def _local_variable(value, dtype):
     )
 
 
+def _write_slot(variable, slot, value):
+    if isinstance(variable, tf.distribute.DistributedValues):
+        # Distributed variables implement no scatter; the ring is small, so
+        # rewriting the replica's whole copy costs little.
+        variable.assign(tf.tensor_scatter_nd_update(variable.read_value(), slot, value[tf.newaxis]))
+    else:
+        variable.scatter_nd_update(slot, value[tf.newaxis])
+
+
 class RingBuffer:
     """A ring of recorded steps kept in variables.
 
@@ -78,12 +87,12 @@ class RingBuffer:
             histograms: float32 `[rows, HISTOGRAM_BINS]` or `None`.
         """
         slot = tf.reshape(tf.math.floormod(step - 1, self.capacity), [1, 1])
-        self.stats.scatter_nd_update(slot, stats[tf.newaxis])
-        self.metrics.scatter_nd_update(slot, metrics[tf.newaxis])
+        _write_slot(self.stats, slot, stats)
+        _write_slot(self.metrics, slot, metrics)
         if self.histograms is not None:
-            self.histograms.scatter_nd_update(slot, histograms[tf.newaxis])
+            _write_slot(self.histograms, slot, histograms)
         # Written last: a slot's step says its other values are complete.
-        self.steps.scatter_nd_update(slot, tf.reshape(step, [1]))
+        _write_slot(self.steps, slot, step)
 
     def read(self, after_step):
         """Return the records newer than `after_step`, oldest first (eager).
