@@ -200,7 +200,7 @@ def many_rows_csv(path):
 
 
 def text_column_csv(path):
-    pathlib.Path(path).write_text("a,y\n1,0\n=HYPERLINK(\"http://x\"),1\n")
+    pathlib.Path(path).write_text('a,y\n1,0\n=HYPERLINK("http://x"),1\n')
 
 
 def missing_value_csv(path):
@@ -262,7 +262,11 @@ _ARRAYS = hnp.arrays(_NUMERIC_DTYPES, hnp.array_shapes(min_dims=0, max_dims=3, m
 
 
 @settings(max_examples=60, deadline=None)
-@given(arrays=st.dictionaries(st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True), _ARRAYS, max_size=4))
+@given(
+    arrays=st.dictionaries(
+        st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True), _ARRAYS, max_size=4
+    )
+)
 def test_random_numeric_arrays_round_trip_through_npz(arrays):
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "d.npz")

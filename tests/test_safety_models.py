@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from gradflow import UnsafeInputError, safe_load_model
+from gradflow.safety.models import check_keras_file
 
 MiB = 2**20
 
@@ -136,14 +137,74 @@ def test_functional_recurrent_model_loads_and_predicts_like_the_original(tmp_pat
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
 
 
+def cnn():
+    L = keras.layers
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 3)),
+            L.Conv2D(4, 3, padding="same"),
+            L.LeakyReLU(),
+            L.MaxPooling2D(),
+            L.SeparableConv2D(4, 3),
+            L.DepthwiseConv2D(2),
+            L.GlobalAveragePooling2D(),
+            L.LayerNormalization(),
+            L.Dense(3, activation="softmax"),
+        ]
+    )
+
+
+def embedding_rnn():
+    L = keras.layers
+    inputs = keras.Input((6,), dtype="int32")
+    sequence = L.SimpleRNN(3, return_sequences=True)(L.Embedding(20, 4)(inputs))
+    outputs = L.Dense(1)(L.Flatten()(L.TimeDistributed(L.Dense(2))(sequence)))
+    return keras.Model(inputs, outputs)
+
+
+def residual():
+    L = keras.layers
+    inputs = keras.Input((5,))
+    hidden = L.PReLU()(L.Dense(5, kernel_initializer="he_normal")(inputs))
+    merged = L.UnitNormalization()(L.Add()([inputs, hidden]))
+    regularizer = keras.regularizers.L1L2(0.1, 0.1)
+    return keras.Model(inputs, L.Dense(2, kernel_regularizer=regularizer)(merged))
+
+
+def nested():
+    inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.ReLU()])
+    inputs = keras.Input((3,))
+    return keras.Model(inputs, keras.layers.Dense(1)(inner(inputs)))
+
+
+@pytest.mark.parametrize("build", [cnn, embedding_rnn, residual, nested])
+def test_common_architectures_pass_the_checks(tmp_path, build):
+    model = build()
+    # Loss and metric *functions* are saved as references; compile_config allows them.
+    model.compile(
+        keras.optimizers.Adam(1e-3),
+        loss=keras.losses.mean_squared_error,
+        metrics=[keras.metrics.mean_absolute_error, "mae"],
+    )
+    model.save(tmp_path / "m.keras")
+    config = check_keras_file(
+        tmp_path / "m.keras", max_bytes=MiB, max_entries=16, max_weight_entries=10_000
+    )
+    assert config["class_name"] == type(model).__name__
+
+
 # ---------------------------------------------------------------- code execution
 
 
 def test_lambda_layer_that_writes_a_file_is_refused(tmp_path):
     canary = tmp_path / "canary.txt"
     # Built from source text so the saved bytecode holds the path as a constant.
-    gadget = eval(f"lambda x: (__import__('pathlib').Path({str(canary)!r}).write_text('pwned'), x)[1]")
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Lambda(gadget), keras.layers.Dense(1)])
+    gadget = eval(
+        f"lambda x: (__import__('pathlib').Path({str(canary)!r}).write_text('pwned'), x)[1]"
+    )
+    model = keras.Sequential(
+        [keras.Input((2,)), keras.layers.Lambda(gadget), keras.layers.Dense(1)]
+    )
     model.save(tmp_path / "lambda.keras")
     canary.unlink()  # building the model ran the lambda once
 
@@ -263,7 +324,10 @@ def test_embedding_bomb_is_refused(tmp_path, tiny):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ([("../../evil.py", b"print('pwned')")], "'../../evil.py', an absolute path or one with '..'"),
+        (
+            [("../../evil.py", b"print('pwned')")],
+            "'../../evil.py', an absolute path or one with '..'",
+        ),
         ([("/etc/cron.d/evil", b"")], "an absolute path"),
         ([("assets/vocabulary.txt", b"a\nb\n")], "extra entries such as assets/"),
     ],

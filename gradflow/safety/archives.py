@@ -74,8 +74,7 @@ def zip_entry_count(path, size, max_entries, what):
         raise UnsafeInputError(f"The {what} is a multi-part zip archive, which is not accepted.")
     if entries > max_entries:
         raise UnsafeInputError(
-            f"The {what} has {entries:,} entries, over the limit of "
-            f"`max_entries`={max_entries:,}."
+            f"The {what} has {entries:,} entries, over the limit of `max_entries`={max_entries:,}."
         )
     return entries
 
@@ -131,9 +130,8 @@ def _check_members(archive, what, max_total_bytes, max_ratio):
                 f"The {what} entry {name!r} uses compression method {info.compress_type}; "
                 "only stored or DEFLATE entries are accepted."
             )
-        if (
-            info.file_size > _RATIO_FLOOR_BYTES
-            and info.file_size > max_ratio * max(info.compress_size, 1)
+        if info.file_size > _RATIO_FLOOR_BYTES and info.file_size > max_ratio * max(
+            info.compress_size, 1
         ):
             raise UnsafeInputError(
                 f"The {what} entry {name!r} expands from {info.compress_size:,} to "

@@ -64,7 +64,11 @@ def load_arrays(path, *, max_bytes=50 * 2**20, max_rows=1_000_000, max_elements=
         UnsafeInputError: the file was refused; the message says why.
         ValueError: a limit argument is not a positive integer.
     """
-    for name, value in (("max_bytes", max_bytes), ("max_rows", max_rows), ("max_elements", max_elements)):
+    for name, value in (
+        ("max_bytes", max_bytes),
+        ("max_rows", max_rows),
+        ("max_elements", max_elements),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
     suffix = os.path.splitext(os.fspath(path))[1].lower()
@@ -145,7 +149,9 @@ def _read_npy(f, size, where, limits):
                 f, max_header_size=_MAX_HEADER_BYTES
             )
         else:
-            raise UnsafeInputError(f"{where} has .npy format version {version}; 1.0 and 2.0 are read.")
+            raise UnsafeInputError(
+                f"{where} has .npy format version {version}; 1.0 and 2.0 are read."
+            )
     except UnsafeInputError:
         raise
     except (ValueError, TypeError, SyntaxError, OverflowError, MemoryError) as e:

@@ -18,31 +18,103 @@ from gradflow.safety.errors import UnsafeInputError
 
 _LAYERS = {
     # Core and shape layers.
-    "InputLayer", "Dense", "Activation", "Dropout", "SpatialDropout1D", "SpatialDropout2D",
-    "SpatialDropout3D", "GaussianNoise", "GaussianDropout", "AlphaDropout", "Flatten",
-    "Reshape", "Permute", "RepeatVector", "Identity", "Masking", "Embedding",
-    "ZeroPadding1D", "ZeroPadding2D", "ZeroPadding3D", "Cropping1D", "Cropping2D",
-    "Cropping3D", "UpSampling1D", "UpSampling2D", "UpSampling3D",
+    "InputLayer",
+    "Dense",
+    "Activation",
+    "Dropout",
+    "SpatialDropout1D",
+    "SpatialDropout2D",
+    "SpatialDropout3D",
+    "GaussianNoise",
+    "GaussianDropout",
+    "AlphaDropout",
+    "Flatten",
+    "Reshape",
+    "Permute",
+    "RepeatVector",
+    "Identity",
+    "Masking",
+    "Embedding",
+    "ZeroPadding1D",
+    "ZeroPadding2D",
+    "ZeroPadding3D",
+    "Cropping1D",
+    "Cropping2D",
+    "Cropping3D",
+    "UpSampling1D",
+    "UpSampling2D",
+    "UpSampling3D",
     # Convolution and pooling.
-    "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
-    "SeparableConv1D", "SeparableConv2D", "DepthwiseConv1D", "DepthwiseConv2D",
-    "MaxPooling1D", "MaxPooling2D", "MaxPooling3D", "AveragePooling1D", "AveragePooling2D",
-    "AveragePooling3D", "GlobalMaxPooling1D", "GlobalMaxPooling2D", "GlobalMaxPooling3D",
-    "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalAveragePooling3D",
+    "Conv1D",
+    "Conv2D",
+    "Conv3D",
+    "Conv1DTranspose",
+    "Conv2DTranspose",
+    "Conv3DTranspose",
+    "SeparableConv1D",
+    "SeparableConv2D",
+    "DepthwiseConv1D",
+    "DepthwiseConv2D",
+    "MaxPooling1D",
+    "MaxPooling2D",
+    "MaxPooling3D",
+    "AveragePooling1D",
+    "AveragePooling2D",
+    "AveragePooling3D",
+    "GlobalMaxPooling1D",
+    "GlobalMaxPooling2D",
+    "GlobalMaxPooling3D",
+    "GlobalAveragePooling1D",
+    "GlobalAveragePooling2D",
+    "GlobalAveragePooling3D",
     # Normalization.
-    "BatchNormalization", "LayerNormalization", "GroupNormalization", "UnitNormalization",
+    "BatchNormalization",
+    "LayerNormalization",
+    "GroupNormalization",
+    "UnitNormalization",
     # Merging.
-    "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate", "Dot",
+    "Add",
+    "Subtract",
+    "Multiply",
+    "Average",
+    "Maximum",
+    "Minimum",
+    "Concatenate",
+    "Dot",
     # Activation layers.
-    "ReLU", "LeakyReLU", "PReLU", "ELU", "Softmax",
+    "ReLU",
+    "LeakyReLU",
+    "PReLU",
+    "ELU",
+    "Softmax",
     # Recurrent.
-    "SimpleRNN", "SimpleRNNCell", "LSTM", "LSTMCell", "GRU", "GRUCell", "RNN",
-    "StackedRNNCells", "Bidirectional", "TimeDistributed",
+    "SimpleRNN",
+    "SimpleRNNCell",
+    "LSTM",
+    "LSTMCell",
+    "GRU",
+    "GRUCell",
+    "RNN",
+    "StackedRNNCells",
+    "Bidirectional",
+    "TimeDistributed",
 }
 _INITIALIZERS = {
-    "Constant", "GlorotNormal", "GlorotUniform", "HeNormal", "HeUniform", "Identity",
-    "LecunNormal", "LecunUniform", "Ones", "Orthogonal", "RandomNormal", "RandomUniform",
-    "TruncatedNormal", "VarianceScaling", "Zeros",
+    "Constant",
+    "GlorotNormal",
+    "GlorotUniform",
+    "HeNormal",
+    "HeUniform",
+    "Identity",
+    "LecunNormal",
+    "LecunUniform",
+    "Ones",
+    "Orthogonal",
+    "RandomNormal",
+    "RandomUniform",
+    "TruncatedNormal",
+    "VarianceScaling",
+    "Zeros",
 }
 _REGULARIZERS = {"L1", "L2", "L1L2", "OrthogonalRegularizer"}
 _CONSTRAINTS = {"MaxNorm", "MinMaxNorm", "NonNeg", "UnitNorm"}
@@ -73,16 +145,54 @@ _COMPILE_MODULES = {
 }
 
 _ACTIVATIONS = {
-    "celu", "elu", "exponential", "gelu", "glu", "hard_sigmoid", "hard_silu", "hard_swish",
-    "hard_shrink", "hard_tanh", "leaky_relu", "linear", "log_sigmoid", "log_softmax", "mish",
-    "relu", "relu6", "selu", "sigmoid", "silu", "softmax", "softplus", "softsign",
-    "soft_shrink", "sparse_plus", "sparsemax", "squareplus", "swish", "tanh", "tanh_shrink",
+    "celu",
+    "elu",
+    "exponential",
+    "gelu",
+    "glu",
+    "hard_sigmoid",
+    "hard_silu",
+    "hard_swish",
+    "hard_shrink",
+    "hard_tanh",
+    "leaky_relu",
+    "linear",
+    "log_sigmoid",
+    "log_softmax",
+    "mish",
+    "relu",
+    "relu6",
+    "selu",
+    "sigmoid",
+    "silu",
+    "softmax",
+    "softplus",
+    "softsign",
+    "soft_shrink",
+    "sparse_plus",
+    "sparsemax",
+    "squareplus",
+    "swish",
+    "tanh",
+    "tanh_shrink",
     "threshold",
 }
 _INITIALIZER_NAMES = {
-    "constant", "glorot_normal", "glorot_uniform", "he_normal", "he_uniform", "identity",
-    "lecun_normal", "lecun_uniform", "ones", "orthogonal", "random_normal", "random_uniform",
-    "truncated_normal", "variance_scaling", "zeros",
+    "constant",
+    "glorot_normal",
+    "glorot_uniform",
+    "he_normal",
+    "he_uniform",
+    "identity",
+    "lecun_normal",
+    "lecun_uniform",
+    "ones",
+    "orthogonal",
+    "random_normal",
+    "random_uniform",
+    "truncated_normal",
+    "variance_scaling",
+    "zeros",
 }
 _REGULARIZER_NAMES = {"l1", "l2", "l1_l2", "orthogonal_regularizer"}
 _CONSTRAINT_NAMES = {"max_norm", "min_max_norm", "non_neg", "unit_norm"}
@@ -162,7 +272,9 @@ class _Walker:
 
     def visit(self, node, path, depth, in_compile):
         if depth > _MAX_DEPTH:
-            raise UnsafeInputError(f"The model config is nested deeper than {_MAX_DEPTH} at {_where(path)}.")
+            raise UnsafeInputError(
+                f"The model config is nested deeper than {_MAX_DEPTH} at {_where(path)}."
+            )
         if isinstance(node, dict):
             if "class_name" in node:
                 self.check_object(node, path, in_compile)
@@ -171,7 +283,9 @@ class _Walker:
                 self.check_registered_name(node, "?", path)
             for key, value in node.items():
                 if not isinstance(key, str):
-                    raise UnsafeInputError(f"The model config has a non-string key at {_where(path)}.")
+                    raise UnsafeInputError(
+                        f"The model config has a non-string key at {_where(path)}."
+                    )
                 child_path = f"{path}.{key}" if path else key
                 self.check_named_value(key, value, child_path, in_compile)
                 self.visit(value, child_path, depth + 1, in_compile or key == "compile_config")
@@ -181,7 +295,9 @@ class _Walker:
         elif isinstance(node, float) and math.isnan(node):
             return
         elif not (node is None or isinstance(node, (str, int, float, bool))):
-            raise UnsafeInputError(f"Unexpected value of type {type(node).__name__} at {_where(path)}.")
+            raise UnsafeInputError(
+                f"Unexpected value of type {type(node).__name__} at {_where(path)}."
+            )
 
     def check_object(self, node, path, in_compile):
         class_name = node["class_name"]
@@ -189,6 +305,8 @@ class _Walker:
             raise UnsafeInputError(f"class_name at {_where(path)} is {class_name!r}, not a string.")
         if class_name == "__keras_tensor__":
             # Functional wiring: a shape, a dtype and a (layer, node, tensor) reference.
+            return
+        if in_compile and _is_keras_compile_function(node):
             return
         if class_name in _SPECIAL_MARKERS:
             raise UnsafeInputError(
@@ -205,7 +323,9 @@ class _Walker:
         self.check_registered_name(node, class_name, path)
         if in_compile:
             if not _IDENTIFIER.fullmatch(class_name):
-                raise UnsafeInputError(f"Refused model file: class_name {class_name!r} at {_where(path)}.")
+                raise UnsafeInputError(
+                    f"Refused model file: class_name {class_name!r} at {_where(path)}."
+                )
             return
         allowed_modules = _ALLOWED.get(class_name)
         if allowed_modules is None or module not in allowed_modules:
@@ -345,6 +465,22 @@ def _declared_weights(class_name, config, input_dims):
     if class_name == "PReLU":
         return last
     return 0
+
+
+def _is_keras_compile_function(node):
+    """A built-in loss or metric function, e.g. `keras.losses.mean_squared_error`.
+
+    Keras writes these with module "builtins" and resolves them only inside its
+    own losses/metrics/... modules; compile_config is dropped anyway.
+    """
+    name = node.get("config")
+    return (
+        node["class_name"] == "function"
+        and node.get("module") in ("builtins", "keras.losses", "keras.metrics")
+        and isinstance(name, str)
+        and _IDENTIFIER.fullmatch(name) is not None
+        and node.get("registered_name") in (None, name, "function")
+    )
 
 
 def _where(path):

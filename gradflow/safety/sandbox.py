@@ -113,9 +113,7 @@ def _check_dataset(dataset, path, error):
             f"{[e[0] for e in dataset.external]!r}; reading it would read server files."
         )
     if dataset.is_virtual:
-        raise error(
-            f"model.weights.h5 dataset {path} is a virtual dataset that maps other files."
-        )
+        raise error(f"model.weights.h5 dataset {path} is a virtual dataset that maps other files.")
     if dataset.dtype.kind not in "biuf" or dataset.dtype.hasobject:
         raise error(
             f"model.weights.h5 dataset {path} has dtype {dataset.dtype}; only numeric "
