@@ -222,10 +222,11 @@ def final_layer_table(store, run_id):
         run_id: The run.
 
     Returns:
-        A DataFrame with columns `layer_index, layer, max_abs, l2_norm`, one
-        row per layer, 0 nearest the input; `max_abs` is the largest entry
-        over the layer's weight gradients and `l2_norm` the L2 norm of all of
-        them together. `attrs["step"]` holds the step. Empty if nothing was
+        A DataFrame with columns `layer_index, layer, max_abs, l2_norm,
+        nonfinite`, one row per layer, 0 nearest the input; `max_abs` is the
+        largest entry over the layer's weight gradients, `l2_norm` the L2 norm
+        of all of them together (NaN if any is), `nonfinite` their count of
+        NaN/Inf entries. `attrs["step"]` holds the step. Empty if nothing was
         recorded.
     """
     import numpy as np
@@ -240,18 +241,25 @@ def final_layer_table(store, run_id):
     if not len(stats):
         stats = store.layer_stats(run_id)
     stats = stats[stats["tensor"] != "activation"]
-    columns = ["layer_index", "layer", "max_abs", "l2_norm"]
+    columns = ["layer_index", "layer", "max_abs", "l2_norm", "nonfinite"]
     if not len(stats):
         return pd.DataFrame(columns=columns)
     step = stats["step"].max()
-    last = stats[stats["step"] == step].assign(squared=lambda frame: frame["l2_norm"] ** 2)
-    table = (
-        last.groupby(["layer_index", "layer"], observed=True, sort=True)
-        .agg(max_abs=("max_abs", "max"), squared=("squared", "sum"))
-        .reset_index()
-    )
-    table["l2_norm"] = np.sqrt(table.pop("squared"))
-    table = table[columns]
+    last = stats[stats["step"] == step]
+    rows = []
+    # NaN must show as NaN: pandas' default max/sum would skip it and hide
+    # exactly the layer a user is looking for.
+    for (index, layer), group in last.groupby(["layer_index", "layer"], observed=True, sort=True):
+        rows.append(
+            {
+                "layer_index": index,
+                "layer": layer,
+                "max_abs": group["max_abs"].max(skipna=False),
+                "l2_norm": float(np.sqrt((group["l2_norm"] ** 2).sum(skipna=False))),
+                "nonfinite": int(group["nonfinite"].fillna(0).sum()),
+            }
+        )
+    table = pd.DataFrame(rows, columns=columns)
     table.attrs["step"] = step
     return table
 

@@ -179,3 +179,45 @@ def test_python_dash_m_gradflow_train(tmp_path):
     assert "dense_1" in result.stdout and "l2_norm" in result.stdout
     assert "step/s" in result.stderr  # the progress bar
     assert RunStore(db).runs()["status"].tolist() == ["completed"]
+
+
+def test_final_table_shows_nan_instead_of_hiding_it(tmp_path):
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run({"record_every": 1}, source="cli")
+    rows = [
+        # step, layer, layer_index, tensor, max_abs, l2_norm, nonfinite
+        (1, "dense_1", 0, "kernel", 9.0, 9.0, 0),
+        (2, "dense_1", 0, "kernel", 3.0, 3.0, 0),
+        (2, "dense_1", 0, "bias", 4.0, 4.0, 0),
+        (2, "dense_2", 1, "kernel", np.nan, np.nan, 5),
+        (2, "dense_2", 1, "bias", 1.0, 1.0, 0),
+        (2, "dense_2", 1, "activation", 7.0, 7.0, 0),
+    ]
+    with store.writer(run_id) as writer:
+        writer.add_layer_stats(
+            [
+                {
+                    "step": s,
+                    "layer": la,
+                    "layer_index": i,
+                    "tensor": t,
+                    "variable": f"{la}/{t}",
+                    "max_abs": m,
+                    "l2_norm": n,
+                    "nonfinite": f,
+                }
+                for s, la, i, t, m, n, f in rows
+            ]
+        )
+        writer.progress(2)
+    table = cli.final_layer_table(store, run_id)
+    assert table.attrs["step"] == 2
+    first, second = table.to_dict("records")
+    assert (first["layer"], first["max_abs"], first["l2_norm"], first["nonfinite"]) == (
+        "dense_1",
+        4.0,
+        5.0,
+        0,
+    )
+    assert second["layer"] == "dense_2" and second["nonfinite"] == 5
+    assert np.isnan(second["max_abs"]) and np.isnan(second["l2_norm"])
