@@ -24,6 +24,7 @@ import threading
 import time
 
 from gradflow.lab.config import RunConfig, field_table
+from gradflow.lab.presets import PRESETS, get_preset
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -90,7 +91,7 @@ def _build_parser():
         "store. Flags mirror gradflow.RunConfig; unset flags keep their defaults (or the "
         "preset's values).",
     )
-    train.add_argument("--preset", help="start from a lecture preset (see gradflow.lab.presets)")
+    train.add_argument("--preset", help=f"start from a lecture preset: {', '.join(PRESETS)}")
     _add_db_flag(train)
     train.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
     fields = train.add_argument_group("run configuration (gradflow.RunConfig)")
@@ -154,8 +155,6 @@ def _add_field_flag(group, name, default, meta):
 
 
 def _config_from(args):
-    from gradflow.lab.presets import get_preset
-
     given = {}
     for name, _, _ in field_table():
         if hasattr(args, name):

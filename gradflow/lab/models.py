@@ -12,7 +12,8 @@ from gradflow.lab.datasets import load_dataset
 from gradflow.lab.models import build_model
 
 config = RunConfig(depth=6, activation="sigmoid")
-model = build_model(config, load_dataset(config))
+data = load_dataset(config)
+model = build_model(config, data)
 model.fit(data.x_train, data.y_train, batch_size=config.batch_size, epochs=1)
 ```
 """
