@@ -1,0 +1,142 @@
+"""chain_gradients against one joint tape written here."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gradflow
+from gradflow.probe.chain import ChainedBackprop
+from gradflow.probe.chain import split_cnn
+from gradflow.probe.chain import toy_batch
+
+
+def joint_tape(parts, x, y, loss_fn):
+    """One tape over the whole composition: gradients and dLoss/d(output of each part)."""
+    with tf.GradientTape(persistent=True) as tape:
+        h, outputs = tf.constant(x), []
+        for part in parts:
+            h = part(h)
+            outputs.append(h)
+        value = loss_fn(y, h)
+    weights = [tape.gradient(value, part.trainable_variables) for part in parts]
+    upstream = [tape.gradient(value, out) for out in outputs]
+    return float(value), weights, upstream
+
+
+def mse(y, p):
+    return tf.reduce_mean(tf.square(tf.cast(y, p.dtype) - p))
+
+
+def split_mlp():
+    parts = [
+        keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh")]),
+        keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(3)]),
+    ]
+    rng = np.random.default_rng(0)
+    return parts, rng.normal(size=(7, 6)).astype("float32"), rng.normal(size=(7, 3)).astype("float32")
+
+
+def single_part():
+    part = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    rng = np.random.default_rng(1)
+    return [part], rng.normal(size=(4, 3)).astype("float32"), rng.normal(size=(4, 2)).astype("float32")
+
+
+def teaching_cnn():
+    x, y = toy_batch(6, input_shape=(7, 7, 1), seed=3)
+    return split_cnn(input_shape=(7, 7, 1), seed=3), x, y
+
+
+CASES = [teaching_cnn, split_mlp, single_part]
+
+
+@pytest.mark.parametrize("method", ["vjp", "jacobian"])
+@pytest.mark.parametrize("build", CASES, ids=[c.__name__ for c in CASES])
+def test_equals_one_joint_tape(build, method):
+    parts, x, y = build()
+    result = gradflow.chain_gradients(parts, x, y, loss="mse", method=method)
+    value, weights, upstream = joint_tape(parts, x, y, mse)
+    assert result.method == method
+    assert result.loss == pytest.approx(value, rel=1e-5)
+    assert len(result) == len(parts)
+    for part, got, expected in zip(parts, result, weights):
+        assert len(got) == len(part.trainable_variables)
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-7)
+    for got, expected in zip(result.upstream, upstream):
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-8)
+
+
+def test_softmax_head_gives_output_gradient_of_the_probabilities():
+    parts = [
+        keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="relu")]),
+        keras.Sequential([keras.Input((3,)), keras.layers.Dense(3, activation="softmax")]),
+    ]
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(5, 4)).astype("float32"), rng.integers(0, 3, 5)
+    result = gradflow.chain_gradients(parts, x, y, loss="sparse_categorical_crossentropy")
+    with tf.GradientTape() as tape:
+        p = parts[1](parts[0](x))
+        value = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, p))
+    for g, e in zip(result[0] + result[1], tape.gradient(value, parts[0].trainable_variables + parts[1].trainable_variables)):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-7)
+    # d(-mean log p_y)/dp for probabilities that sum to 1 (Keras renormalizes): (1 - onehot/p) / n.
+    probs = p.numpy()
+    expected = (1.0 - np.eye(3)[y] / probs) / len(y)
+    np.testing.assert_allclose(result.upstream[1].numpy(), expected, rtol=1e-4)
+
+
+def test_reusable_backprop_follows_new_batches():
+    parts, x, y = split_mlp()
+    backprop = ChainedBackprop(parts, loss="mse")
+    for scale in (1.0, -2.0):
+        result = backprop(scale * x, y)
+        _, weights, _ = joint_tape(parts, scale * x, y, mse)
+        np.testing.assert_allclose(result[0][0].numpy(), weights[0][0].numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_jacobian_size_guard_names_the_limit():
+    parts = split_cnn()
+    x, y = toy_batch(16)
+    with pytest.raises(ValueError, match="max_jacobian_entries"):
+        gradflow.chain_gradients(parts, x, y, loss="mse", method="jacobian", max_jacobian_entries=50_000)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"models": []}, ValueError, "at least one"),
+        ({"models": "parts"}, TypeError, "`models`"),
+        ({"models": [object()]}, TypeError, r"`models\[0\]`"),
+        ({"method": "hessian"}, ValueError, "`method`"),
+        ({"max_jacobian_entries": 0}, ValueError, "`max_jacobian_entries`"),
+        ({"loss": None}, ValueError, "not compiled"),
+    ],
+)
+def test_argument_errors(kwargs, error, words):
+    parts, x, y = split_mlp()
+    arguments = {"models": parts, "x": x, "y": y, "loss": "mse", **kwargs}
+    with pytest.raises(error, match=words):
+        gradflow.chain_gradients(**arguments)
+
+
+def test_batch_mismatch_is_refused():
+    parts, x, y = split_mlp()
+    with pytest.raises(ValueError, match="same number of samples"):
+        gradflow.chain_gradients(parts, x, y[:2], loss="mse")
+
+
+def test_split_cnn_is_the_documented_teaching_model():
+    first = split_cnn(seed=5)
+    again = split_cnn(seed=5)
+    other = split_cnn(seed=6)
+    assert [type(l).__name__ for p in first for l in p.layers] == ["Conv2D", "Conv2D", "Flatten", "Dense"]
+    assert first[2].layers[-1].activation.__name__ == "sigmoid"
+    for a, b in zip(first[0].get_weights(), again[0].get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(first[0].get_weights()[0], other[0].get_weights()[0])
+    x, y = toy_batch(4)
+    assert x.shape == (4, 8, 8, 1) and y.shape == (4, 1)
+    with pytest.raises(ValueError, match="`input_shape`"):
+        split_cnn(input_shape=(3, 3, 1))
