@@ -1,14 +1,25 @@
 """gradflow dashboard: watch gradients flow through a network while it trains.
 
-Start with `streamlit run app.py` (or `gradflow serve`).
+Start with `bash scripts/serve.sh`, `gradflow serve` or `streamlit run app.py`.
+Each page lives in pages/ and stays thin; shared UI code is in gradflow/ui/.
 """
 
 import streamlit as st
 
-st.set_page_config(page_title="gradflow", page_icon="📉", layout="wide")
+from gradflow.ui import resources
 
-st.title("gradflow")
-st.markdown(
-    "See how **gradients flow** through a neural network while it trains: per-layer "
-    "gradient maxima and norms, live, as heatmaps (layer × step) and line charts."
+st.set_page_config(page_title="gradflow", page_icon=":material/monitoring:", layout="wide")
+
+navigation = st.navigation(
+    [
+        st.Page("pages/live_training.py", title="Live training", icon=":material/monitoring:", default=True),
+        st.Page("pages/compare.py", title="Compare", icon=":material/compare:"),
+        st.Page("pages/inspect_model.py", title="Inspect your model", icon=":material/biotech:"),
+        st.Page("pages/split_backprop.py", title="Split backprop", icon=":material/link:"),
+        st.Page("pages/runs.py", title="Runs", icon=":material/folder_open:"),
+    ]
 )
+# Start the run manager (and its warm worker, which imports TensorFlow in
+# its own process) with the server, not on the first click of Start training.
+resources.run_manager()
+navigation.run()

@@ -1,0 +1,65 @@
+"""Show a gradflow `Chart` with its export buttons (PNG, SVG, PDF, HTML, CSV).
+
+Exports are generated only when a button is clicked (Streamlit's deferred
+download data), so a live page does not render images it will never send.
+"""
+
+import functools
+
+import streamlit as st
+
+from gradflow import export, figures
+
+
+@functools.cache
+def image_export_available():
+    """Whether a Chromium for kaleido is on this server (checked once)."""
+    return export.find_browser() is not None
+
+
+def presentation_style():
+    """The sidebar switch for slide-ready figures (large fonts, white background)."""
+    return st.sidebar.toggle(
+        "Presentation style", key="ui.presentation",
+        help="Large fonts and a colour-blind-safe palette, for projectors and handouts.",
+    )
+
+
+def show_chart(chart, key, exports=True):
+    """Draw a chart; below it, its export buttons.
+
+    Args:
+        chart: A `gradflow.figures.Chart`.
+        key: A key unique on the page (widget identity).
+        exports: Whether to offer downloads. Defaults to `True`.
+    """
+    st.plotly_chart(chart.figure, config=figures.PLOTLY_CONFIG, key=f"{key}.plot", width="stretch")
+    if chart.description:
+        st.caption(chart.description)
+    if exports:
+        _export_buttons(chart, key)
+
+
+def _export_buttons(chart, key):
+    name = export.safe_filename(chart.title or key)
+    with st.popover("Export", icon=":material/download:"):
+        if image_export_available():
+            for fmt, mime in (("png", "image/png"), ("svg", "image/svg+xml"), ("pdf", "application/pdf")):
+                st.download_button(
+                    fmt.upper(), data=functools.partial(_image, chart, fmt), file_name=f"{name}.{fmt}",
+                    mime=mime, key=f"{key}.{fmt}", on_click="ignore",
+                )
+        else:
+            st.caption("PNG, SVG and PDF need Chromium on the server (see the README). HTML and CSV work.")
+        st.download_button(
+            "HTML", data=functools.partial(export.to_html, chart), file_name=f"{name}.html",
+            mime="text/html", key=f"{key}.html", on_click="ignore",
+        )
+        st.download_button(
+            "CSV", data=functools.partial(export.to_csv, chart), file_name=f"{name}.csv",
+            mime="text/csv", key=f"{key}.csv", on_click="ignore",
+        )
+
+
+def _image(chart, fmt):
+    return export.to_image(chart, fmt)

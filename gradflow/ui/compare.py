@@ -1,0 +1,97 @@
+"""The Compare page's pieces: an A/B launcher and side-by-side charts of several runs."""
+
+import streamlit as st
+
+from gradflow import figures
+from gradflow.ui import resources
+from gradflow.ui.charts import show_chart
+from gradflow.ui.controls import WIDGETS
+from gradflow.ui.live import ACTIVE, POLL_SECONDS, run_name
+
+_SELECTED = "compare.run_ids"
+# Fields worth an A/B lesson, with the choices offered for each.
+VARIABLE_FIELDS = {
+    spec[0]: spec for spec in WIDGETS
+    if spec[0] in ("activation", "initializer", "optimizer", "normalization", "clipping", "rnn_cell")
+}
+
+
+def ab_launcher(config):
+    """Launch the same configuration twice, differing in one field ("relu vs sigmoid")."""
+    st.subheader("A/B: same settings, one difference")
+    if config is None:
+        st.warning("Fix the settings in the sidebar first.")
+        return
+    field_col, a_col, b_col = st.columns(3)
+    field = field_col.selectbox("Vary", list(VARIABLE_FIELDS), format_func=lambda f: VARIABLE_FIELDS[f][1],
+                                key="compare.field")
+    options = VARIABLE_FIELDS[field][3]
+    value_a = a_col.selectbox("A", options, index=options.index(getattr(config, field)) if getattr(config, field) in options else 0,
+                              key=f"compare.a.{field}")
+    default_b = "sigmoid" if field == "activation" and value_a != "sigmoid" else options[(options.index(value_a) + 1) % len(options)]
+    value_b = b_col.selectbox("B", options, index=options.index(default_b), key=f"compare.b.{field}")
+    if st.button("Start comparison", type="primary"):
+        if value_a == value_b:
+            st.warning("A and B are the same: choose two different values.")
+            return
+        manager = resources.run_manager()
+        run_ids = []
+        for value in (value_a, value_b):
+            try:
+                variant = config.replace(**{field: value}, name=None)
+            except ValueError as error:
+                st.error(f"{value}: {error}")
+                return
+            run_ids.append(manager.start(variant, name=f"{value} · {run_name(variant)}"))
+        st.session_state[_SELECTED] = run_ids
+
+
+def run_picker():
+    """Choose the runs to compare (defaults to the last A/B launch)."""
+    runs = resources.run_store().runs()
+    if runs.empty:
+        return []
+    labels = {row.run_id: f"{row.name} ({row.status})" for row in runs.itertuples()}
+    default = [r for r in st.session_state.get(_SELECTED, []) if r in labels]
+    return st.multiselect("Runs to compare", list(labels), default=default, format_func=labels.get,
+                          key="compare.picker")
+
+
+def comparison(run_ids):
+    """Side-by-side heatmaps with one colour scale, overlaid profiles and loss curves."""
+    if len(run_ids) < 2:
+        st.info("Pick two or more runs, or start an A/B comparison above.")
+        return
+    store = resources.run_store()
+    active = any(store.status(run_id) in ACTIVE for run_id in run_ids)
+    st.fragment(_charts, run_every=POLL_SECONDS if active else None)(tuple(run_ids), active)
+
+
+def _charts(run_ids, was_active):
+    store = resources.run_store()
+    names, stats, metrics = {}, {}, {}
+    for run_id in run_ids:
+        info = store.run_info(run_id)
+        name = info["name"] if info["name"] not in names.values() else f"{info['name']} ({run_id})"
+        names[run_id] = name
+        stats[name] = store.layer_stats(run_id, tensors=["kernel"])
+        metrics[name] = store.metrics(run_id)
+    statuses = [store.status(run_id) for run_id in run_ids]
+    st.caption(" · ".join(f"{names[r]}: {s}" for r, s in zip(run_ids, statuses)))
+    if was_active and not any(s in ACTIVE for s in statuses):
+        st.rerun(scope="app")
+    if all(frame.empty for frame in stats.values()):
+        st.caption("Waiting for the first recorded steps…")
+        return
+    ready = {name: frame for name, frame in stats.items() if not frame.empty}
+    presentation = st.session_state.get("ui.presentation", False)
+    statistic = st.radio("Statistic", ["max_abs", "l2_norm"], horizontal=True, key="compare.statistic")
+    show_chart(figures.compare_heatmaps(ready, statistic, "kernel", presentation=presentation), "compare.heatmaps")
+    left, right = st.columns(2)
+    with left:
+        show_chart(figures.compare_profiles(ready, statistic=statistic, tensor="kernel",
+                                            presentation=presentation), "compare.profiles")
+    with right:
+        ready_metrics = {name: frame for name, frame in metrics.items() if not frame.empty}
+        if ready_metrics:
+            show_chart(figures.compare_metrics(ready_metrics, "loss", presentation=presentation), "compare.loss")

@@ -1,0 +1,181 @@
+"""The training form: sidebar widgets <-> `RunConfig`, presets and shareable links.
+
+Widget labels are part of gradflow's public contract (tests and screen readers
+rely on them): Depth, Width, Activation, Initializer, Optimizer, Learning rate,
+Batch size, Dataset, Gradient clipping, Normalization, Residual connections,
+Seed. The configuration lives in the URL query, so a link restores it.
+"""
+
+import dataclasses
+
+import streamlit as st
+
+from gradflow.lab.config import RunConfig
+from gradflow.lab.presets import PRESETS
+
+_WIDTHS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+_BATCH_SIZES = [1, 8, 16, 32, 64, 128, 256, 512, 1024]
+_LEARNING_RATES = [1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 100.0, 1000.0]
+_STEPS = [50, 100, 200, 300, 500, 1000, 2000, 5000, 10000]
+
+# (field, label, kind, options). Options None means a number input.
+_MAIN = [
+    ("architecture", "Architecture", "select", ["mlp", "residual_mlp", "cnn", "rnn"]),
+    ("depth", "Depth", "slider", (1, 100)),
+    ("width", "Width", "select_slider", _WIDTHS),
+    ("activation", "Activation", "select",
+     ["relu", "leaky_relu", "elu", "selu", "gelu", "swish", "tanh", "sigmoid", "linear"]),
+    ("initializer", "Initializer", "select",
+     ["glorot_uniform", "glorot_normal", "he_uniform", "he_normal", "lecun_uniform",
+      "lecun_normal", "random_normal"]),
+    ("optimizer", "Optimizer", "select",
+     ["sgd", "momentum", "nesterov", "rmsprop", "adam", "adamw", "adagrad", "nadam"]),
+    ("learning_rate", "Learning rate", "select_slider", _LEARNING_RATES),
+    ("batch_size", "Batch size", "select_slider", _BATCH_SIZES),
+    ("dataset", "Dataset", "select",
+     ["digits", "spirals", "circles", "moons", "xor", "gaussians", "regression", "adding",
+      "mnist", "fashion_mnist", "cifar10"]),
+    ("clipping", "Gradient clipping", "select", ["none", "value", "norm", "global_norm"]),
+    ("normalization", "Normalization", "select", ["none", "batch", "layer"]),
+    ("residual", "Residual connections", "toggle", None),
+    ("seed", "Seed", "number", None),
+]
+_MORE = [
+    ("steps", "Steps", "select_slider", _STEPS),
+    ("clip_value", "Clip threshold", "number_float", None),
+    ("init_stddev", "Init stddev (random_normal)", "number_float", None),
+    ("dropout", "Dropout", "slider_float", (0.0, 0.9)),
+    ("max_norm", "Max-norm constraint (0 = off)", "number_float", None),
+    ("rnn_cell", "Recurrent cell", "select", ["simple_rnn", "lstm", "gru"]),
+    ("record_every", "Record every N steps", "number", None),
+    ("activations", "Record activation gradients", "toggle", None),
+    ("histograms", "Record histograms", "toggle", None),
+]
+
+_FIELD_NAMES = {f.name for f in dataclasses.fields(RunConfig)}
+WIDGETS = [spec for spec in _MAIN + _MORE if spec[0] in _FIELD_NAMES]
+
+
+def _key(prefix, field):
+    return f"{prefix}.{field}"
+
+
+def _to_widget(field, value):
+    if field == "max_norm":
+        return float(value or 0.0)
+    return value
+
+
+def _from_widget(field, value):
+    if field == "max_norm":
+        return None if not value else float(value)
+    return value
+
+
+def _with_option(options, value):
+    """Keep a value from a link or preset selectable even if it is not a usual choice."""
+    if value is None or value in options:
+        return list(options)
+    return sorted([*options, value]) if all(isinstance(o, (int, float)) for o in options) else [*options, value]
+
+
+def load_config_into_widgets(config, prefix="cfg"):
+    """Put a `RunConfig`'s values into the form's widgets (call before they render)."""
+    for field, *_ in WIDGETS:
+        st.session_state[_key(prefix, field)] = _to_widget(field, getattr(config, field))
+
+
+def _initial_config():
+    """The configuration in the URL query, or the defaults when the link is broken."""
+    try:
+        return RunConfig.from_query(dict(st.query_params)), None
+    except ValueError as error:
+        return RunConfig(), f"The link's settings were not valid ({error}). Using the defaults."
+
+
+def _render(container, prefix, field, label, kind, options):
+    key = _key(prefix, field)
+    value = st.session_state.get(key)
+    if kind == "select":
+        container.selectbox(label, _with_option(options, value), key=key)
+    elif kind == "select_slider":
+        container.select_slider(label, _with_option(options, value), key=key)
+    elif kind == "slider":
+        container.slider(label, options[0], options[1], key=key)
+    elif kind == "slider_float":
+        container.slider(label, options[0], options[1], step=0.05, key=key)
+    elif kind == "toggle":
+        container.toggle(label, key=key)
+    elif kind == "number":
+        container.number_input(label, min_value=0, step=1, key=key)
+    elif kind == "number_float":
+        container.number_input(label, min_value=0.0, format="%g", key=key)
+
+
+def training_form(prefix="cfg", container=None, sync_url=True):
+    """Render the training form and return the `RunConfig` it describes.
+
+    Args:
+        prefix: Session-state key prefix, so two forms can live on one page.
+        container: Where to draw; defaults to the sidebar.
+        sync_url: Whether the form reads its first values from, and writes its
+            values to, the URL query (shareable links). Defaults to `True`.
+
+    Returns:
+        A valid `RunConfig`, or `None` after showing the problem beside the form.
+    """
+    container = container or st.sidebar
+    remembered = _key(prefix, "_config")
+    if remembered not in st.session_state:
+        config, warning = _initial_config() if sync_url else (RunConfig(), None)
+        st.session_state[remembered] = config
+        if warning:
+            st.session_state[_key(prefix, "_warning")] = warning
+    # Streamlit forgets widget values on pages that do not draw them; refill
+    # any that are missing from the last valid configuration of this form.
+    last = st.session_state[remembered]
+    for field, *_ in WIDGETS:
+        if _key(prefix, field) not in st.session_state:
+            st.session_state[_key(prefix, field)] = _to_widget(field, getattr(last, field))
+    if st.session_state.get(_key(prefix, "_warning")):
+        container.warning(st.session_state[_key(prefix, "_warning")])
+
+    _preset_picker(container, prefix)
+    main = [s for s in WIDGETS if s in _MAIN]
+    more = [s for s in WIDGETS if s in _MORE]
+    for spec in main:
+        _render(container, prefix, *spec)
+    with container.expander("More settings"):
+        for spec in more:
+            _render(st, prefix, *spec)
+
+    values = {field: _from_widget(field, st.session_state[_key(prefix, field)]) for field, *_ in WIDGETS}
+    try:
+        config = RunConfig(**values)
+    except ValueError as error:
+        container.error(str(error), icon=":material/error:")
+        return None
+    st.session_state[remembered] = config
+    if sync_url:
+        st.query_params.from_dict(config.to_query())
+    return config
+
+
+def _apply_preset(prefix):
+    name = st.session_state[_key(prefix, "_preset")]
+    if name in PRESETS:
+        load_config_into_widgets(PRESETS[name].config, prefix)
+
+
+def _preset_picker(container, prefix):
+    names = list(PRESETS)
+    with container.expander("Lecture presets", expanded=False):
+        st.selectbox(
+            "Preset", names, key=_key(prefix, "_preset"),
+            format_func=lambda name: PRESETS[name].title,
+        )
+        chosen = st.session_state.get(_key(prefix, "_preset"))
+        if chosen in PRESETS:
+            st.caption(PRESETS[chosen].description)
+        st.button("Load preset", key=_key(prefix, "_load_preset"),
+                  on_click=_apply_preset, args=(prefix,))

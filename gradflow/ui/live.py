@@ -1,0 +1,238 @@
+"""The live panel: Start/Pause/Stop and charts that update while a run trains.
+
+The panel is an `st.fragment` that reruns every second while its run is
+queued, running or paused, and stops polling once the run has ended. Each tick
+reads only the rows newer than the last step it has seen and appends them to
+a per-session cache, so a long run costs the same per tick as a short one.
+"""
+
+import dataclasses
+
+import pandas as pd
+import streamlit as st
+
+from gradflow import diagnosis, figures
+from gradflow.ui import resources
+from gradflow.ui.charts import show_chart
+
+ACTIVE = ("queued", "running", "paused")
+POLL_SECONDS = 1.0
+_CURRENT = "live.run_id"
+
+_STATUS_TEXT = {
+    "queued": ":material/hourglass_top: Waiting in the queue",
+    "running": ":material/directions_run: Training",
+    "paused": ":material/pause: Paused",
+    "completed": ":material/check_circle: Completed",
+    "stopped": ":material/stop_circle: Stopped",
+    "diverged": ":material/error: Diverged (a gradient became NaN or infinite)",
+    "interrupted": ":material/warning: Interrupted (the worker or the server stopped unexpectedly)",
+    "failed": ":material/cancel: Failed",
+}
+_VIEWS = ["Heatmaps", "Lines", "Profile", "Histograms", "Loss", "Alerts"]
+_TENSOR_LABELS = {"kernel": "Kernels", "bias": "Biases", "activation": "Activations",
+                  figures.ALL_WEIGHTS: "All weights"}
+
+
+def current_run():
+    """The run the live page shows in this browser session, or None."""
+    return st.session_state.get(_CURRENT)
+
+
+def open_run(run_id):
+    """Show `run_id` on the live page of this browser session."""
+    st.session_state[_CURRENT] = run_id
+
+
+def run_name(config):
+    """A short name a student recognises in a list of runs."""
+    return config.name or f"{config.activation} · depth {config.depth} · {config.optimizer} lr={config.learning_rate:g}"
+
+
+def control_buttons(config):
+    """Start training / Pause / Stop for this session's run.
+
+    Args:
+        config: The `RunConfig` from the form, or None while it is invalid.
+    """
+    store = resources.run_store()
+    run_id = current_run()
+    status = store.status(run_id) if run_id else None
+    start, pause, stop, step = st.columns([2, 1, 1, 1])
+    if start.button("Start training", type="primary", disabled=config is None, width="stretch"):
+        open_run(resources.run_manager().start(config, name=run_name(config)))
+        st.rerun()
+    paused = status == "paused"
+    if pause.button("Resume" if paused else "Pause", disabled=status not in ("running", "paused"),
+                    width="stretch"):
+        store.request(run_id, "resume" if paused else "pause")
+    if stop.button("Stop", disabled=status not in ACTIVE, width="stretch"):
+        store.request(run_id, "stop")
+    if step.button("Step once", disabled=not paused, width="stretch",
+                   help="While paused: train exactly one more step."):
+        store.request(run_id, "step")
+    _trainer_readiness()
+
+
+def _trainer_readiness():
+    # A fresh server spends a few seconds importing TensorFlow in its spare
+    # worker; say so, so that a slow first start does not look like a hang.
+    if resources.run_manager().wait_warm(0):
+        st.caption(":material/bolt: Trainer ready", help="A worker process is warm and waiting.")
+    else:
+        st.fragment(_warming, run_every=1.0)()
+
+
+def _warming():
+    if resources.run_manager().wait_warm(0):
+        st.rerun(scope="app")  # ends the polling
+    st.caption(":material/hourglass_top: Warming up the trainer (loading TensorFlow)…")
+
+
+@dataclasses.dataclass
+class _Cache:
+    """What this browser session has already read of one run."""
+
+    layer_stats: pd.DataFrame
+    metrics: pd.DataFrame
+    histograms: pd.DataFrame
+    last_step: int = 0
+
+
+def _read_new(store, run_id):
+    key = f"live.cache.{run_id}"
+    cache = st.session_state.get(key)
+    if cache is None:
+        cache = _Cache(store.layer_stats(run_id), store.metrics(run_id), store.histograms(run_id))
+    else:
+        after = cache.last_step
+        new_stats = store.layer_stats(run_id, after_step=after)
+        if len(new_stats):
+            cache.layer_stats = pd.concat([cache.layer_stats, new_stats], ignore_index=True)
+            cache.metrics = pd.concat([cache.metrics, store.metrics(run_id, after_step=after)],
+                                      ignore_index=True)
+            cache.histograms = pd.concat(
+                [cache.histograms, store.histograms(run_id, after_step=after)], ignore_index=True)
+    if len(cache.layer_stats):
+        cache.last_step = int(cache.layer_stats["step"].max())
+    st.session_state[key] = cache
+    return cache
+
+
+def live_panel(run_id=None, key="live"):
+    """The live charts of one run; polls once a second while the run is active."""
+    run_id = run_id or current_run()
+    if run_id is None:
+        st.info("Choose settings in the sidebar and press **Start training**. "
+                "Or load a lecture preset first.")
+        return
+    store = resources.run_store()
+    if run_id not in set(store.runs()["run_id"]):
+        st.warning("That run no longer exists.")
+        st.session_state.pop(_CURRENT, None)
+        return
+    active = store.status(run_id) in ACTIVE
+    st.fragment(_panel, run_every=POLL_SECONDS if active else None)(run_id, key, active)
+
+
+def _panel(run_id, key, was_active):
+    store = resources.run_store()
+    info = store.run_info(run_id)
+    status = info["status"]
+    cache = _read_new(store, run_id)
+    _status_line(info, cache, status)
+    if was_active and status not in ACTIVE:
+        # The run just ended: one full rerun turns polling off and updates the buttons.
+        st.rerun(scope="app")
+    stats = cache.layer_stats
+    if stats.empty:
+        st.caption("The first statistics appear after the first recorded step.")
+        return
+    view = st.segmented_control("View", _VIEWS, default="Heatmaps", key=f"{key}.view") or "Heatmaps"
+    presentation = st.session_state.get("ui.presentation", False)
+    tensors = _tensor_choices(stats)
+    if view in ("Heatmaps", "Lines", "Profile", "Histograms"):
+        tensor = st.radio("Gradients of", tensors, format_func=_TENSOR_LABELS.get,
+                          horizontal=True, key=f"{key}.tensor")
+    if view == "Heatmaps":
+        left, right = st.columns(2)
+        with left:
+            show_chart(figures.heatmap(stats, "max_abs", tensor, presentation=presentation), f"{key}.max")
+        with right:
+            show_chart(figures.heatmap(stats, "l2_norm", tensor, presentation=presentation), f"{key}.norm")
+    elif view == "Lines":
+        statistic = st.radio("Statistic", ["max_abs", "l2_norm", "mean_abs"], horizontal=True,
+                             key=f"{key}.line_stat")
+        show_chart(figures.layer_lines(stats, statistic, tensor, presentation=presentation), f"{key}.lines")
+    elif view == "Profile":
+        steps = sorted(stats["step"].unique())
+        step = st.select_slider("Step", steps, value=steps[-1], key=f"{key}.profile_step") if len(steps) > 1 else steps[0]
+        show_chart(figures.profile(stats, step=step, tensor=tensor, presentation=presentation), f"{key}.profile")
+    elif view == "Histograms":
+        _histograms(cache.histograms, stats, tensor, key, presentation)
+    elif view == "Loss":
+        if cache.metrics.empty:
+            st.caption("No metrics recorded yet.")
+        else:
+            show_chart(figures.metrics_chart(cache.metrics, presentation=presentation), f"{key}.metrics")
+    else:
+        _alerts(store, run_id, stats)
+
+
+def _tensor_choices(stats):
+    present = set(stats["tensor"].unique())
+    choices = [t for t in ("kernel", "bias") if t in present]
+    if present - {"activation"}:
+        choices.append(figures.ALL_WEIGHTS)
+    if "activation" in present:
+        choices.append("activation")
+    return choices
+
+
+def _status_line(info, cache, status):
+    total = info.get("total_steps") or 0
+    step = int(info.get("progress_step") or cache.last_step or 0)
+    loss = cache.metrics[cache.metrics["name"] == "loss"]["value"] if len(cache.metrics) else []
+    parts = [_STATUS_TEXT.get(status, status), f"step {step}" + (f" / {total}" if total else "")]
+    if len(loss):
+        parts.append(f"loss {loss.iloc[-1]:.4g}")
+    st.markdown(f"**{info['name']}** — " + " · ".join(parts))
+    if total:
+        st.progress(min(step / total, 1.0))
+    if status == "queued":
+        queue = resources.run_manager().queued()
+        ahead = queue.index(info["run_id"]) if info["run_id"] in queue else 0
+        st.info(f"All training slots are busy: this run starts when a slot frees ({ahead} ahead of it).")
+    if status in ("failed", "interrupted") and info.get("message"):
+        st.error(info["message"])
+    if status == "diverged":
+        origin = diagnosis.first_nonfinite(cache.layer_stats)
+        where = f" It started at step {origin.step} in layer **{origin.layer}**." if origin else ""
+        st.error("The gradients became NaN or infinite, so training stopped." + where +
+                 " Try a smaller learning rate, gradient clipping, or normalization.")
+
+
+def _histograms(histograms, stats, tensor, key, presentation):
+    if histograms.empty:
+        st.info("No histograms in this run: turn on **Record histograms** under More settings.")
+        return
+    layers = (stats.sort_values("layer_index").drop_duplicates("layer")["layer"].tolist())
+    with_hist = [layer for layer in layers if layer in set(histograms["layer"])]
+    layer = st.selectbox("Layer", with_hist, key=f"{key}.hist_layer")
+    hist_tensor = "kernel" if tensor == figures.ALL_WEIGHTS else tensor
+    show_chart(figures.histogram_heatmap(histograms, layer, hist_tensor, presentation=presentation),
+               f"{key}.hist")
+
+
+def _alerts(store, run_id, stats):
+    events = pd.concat([store.events(run_id), diagnosis.diagnose(stats)], ignore_index=True)
+    if events.empty:
+        st.success("No alerts: no vanishing, exploding, dead or non-finite gradients detected.")
+        return
+    events = events.drop_duplicates(subset=["kind", "layer", "message"]).sort_values("step")
+    for kind, group in events.groupby("kind", sort=False):
+        show = st.error if kind in ("nonfinite", "exploding") else st.warning
+        for row in group.head(5).itertuples():
+            show(row.message)
+        if len(group) > 5:
+            st.caption(f"… and {len(group) - 5} more {kind} alerts.")

@@ -1,0 +1,31 @@
+"""One run store and one run manager per Streamlit server process.
+
+Training never runs in the server: the manager starts worker processes and
+the pages only read the store. `st.cache_resource` makes both singletons shared
+by every browser session, which is what caps concurrent runs server-wide.
+"""
+
+import atexit
+
+import streamlit as st
+
+from gradflow.store import RunStore
+
+
+@st.cache_resource(show_spinner=False)
+def run_store():
+    """The server's run store (path from $GRADFLOW_DB, else ./gradflow-data/runs.db)."""
+    store = RunStore()
+    # Runs whose worker died with a previous server show `interrupted`.
+    store.recover()
+    return store
+
+
+@st.cache_resource(show_spinner=False)
+def run_manager():
+    """The server's run manager: a queue, a cap on concurrent runs, warm workers."""
+    from gradflow.lab.runner import RunManager
+
+    manager = RunManager(store=run_store())
+    atexit.register(manager.shutdown)
+    return manager

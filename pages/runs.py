@@ -1,0 +1,53 @@
+"""Runs: every run in the store, from the dashboard, the CLI or GradientMonitor in a user's script."""
+
+import streamlit as st
+
+from gradflow.ui import resources
+from gradflow.ui.live import open_run
+
+st.title("Runs")
+st.caption(
+    "Runs started here, with `gradflow train`, or logged by `GradientMonitor(store=...)` in your own "
+    "script all land in the same store, and running ones update live."
+)
+
+store = resources.run_store()
+runs = store.runs()
+if runs.empty:
+    st.info("No runs yet. Start one on the **Live training** page.")
+    st.stop()
+
+st.dataframe(
+    runs[["name", "status", "source", "progress_step", "total_steps", "created_at", "run_id"]],
+    hide_index=True,
+    width="stretch",
+)
+
+labels = {row.run_id: f"{row.name} · {row.status} · {row.run_id}" for row in runs.itertuples()}
+chosen = st.selectbox("Run", list(labels), format_func=labels.get)
+open_col, rename_col, delete_col = st.columns([1, 2, 1])
+if open_col.button("Open in Live training"):
+    open_run(chosen)
+    st.switch_page("pages/live_training.py")
+with rename_col.form("rename", border=False):
+    new_name = st.text_input("New name", value=str(runs.set_index("run_id").loc[chosen, "name"]), max_chars=80)
+    if st.form_submit_button("Rename"):
+        try:
+            store.rename(chosen, new_name)
+        except ValueError as error:
+            st.error(str(error))
+        else:
+            st.rerun()
+if delete_col.button("Delete", help="Removes the run and all its statistics."):
+    st.session_state["runs.confirm_delete"] = chosen
+if st.session_state.get("runs.confirm_delete") == chosen:
+    st.warning(f"Delete {labels[chosen]} and all its data?")
+    yes, no = st.columns(2)
+    if yes.button("Yes, delete"):
+        resources.run_manager().stop(chosen)
+        store.delete(chosen)
+        st.session_state.pop("runs.confirm_delete")
+        st.rerun()
+    if no.button("Cancel"):
+        st.session_state.pop("runs.confirm_delete")
+        st.rerun()
