@@ -3,7 +3,9 @@
 Each preset was checked on CPU by training it with plain `model.fit` and
 measuring per-layer kernel-gradient L2 norms with a `tf.GradientTape` on 256
 fixed training examples, before the first step and after the last (numbers in
-each preset's notes; seed 0, digits unless said). They run in a few seconds.
+each preset's notes; seed 0, digits unless said), and again end to end with
+`gradflow train --preset KEY` (the recorded per-layer norms agreed). They run
+in seconds to a minute on a busy two-core CPU.
 
 Example:
 
@@ -150,7 +152,8 @@ PRESETS = {
         ),
         # Seen (30 steps, 800 Adam steps): loss stays at the 0.17 baseline
         # of predicting the mean; the cell kernel's gradient norm falls
-        # from 1.6 to 0.03 and stays there.
+        # from 1.6 to 0.03 and stays there. With `gradflow train`: mean loss
+        # of the last 50 steps 0.165.
         _preset(
             "rnn_simple",
             "SimpleRNN on a long sequence: it cannot remember",
@@ -162,7 +165,8 @@ PRESETS = {
             **_ADDING,
         ),
         # Seen: the same task; loss 1.3 -> 0.0006 on the probe batch after
-        # 800 steps (epoch mean 0.08): the LSTM solves it.
+        # 800 steps (epoch mean 0.08): the LSTM solves it. With `gradflow
+        # train`: mean loss of the last 50 steps 0.0006.
         _preset(
             "rnn_lstm",
             "LSTM on the same long sequence: it remembers",
