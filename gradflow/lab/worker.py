@@ -16,6 +16,7 @@ its launcher.
 import argparse
 import math
 import os
+import queue
 import sys
 import threading
 import traceback
@@ -114,8 +115,15 @@ def _train(store, run_id):
 def _publisher(monitor):
     """What makes the monitor write the steps it still holds (shown while paused)."""
     # GradientMonitor reads its statistics every few steps; a paused run must
-    # show every step it made.
-    publish = getattr(monitor, "flush", None) or getattr(monitor, "_collect", None)
+    # show every step it made, before it says "paused".
+    if hasattr(monitor, "flush"):
+        return monitor.flush
+
+    def publish():  # Until GradientMonitor has a public flush().
+        monitor._collect()
+        if monitor._writer is not None:
+            monitor._writer.flush()
+
     return publish
 
 
@@ -153,19 +161,28 @@ def _warm_up():
     keras.backend.clear_session()
 
 
-def _watch_launcher(store_path, run_id):
-    """Marks the run interrupted and ends this process once stdin closes."""
-    while sys.stdin.readline():
-        pass
-    try:
-        RunStore(store_path).set_status(
-            run_id,
-            "interrupted",
-            "Interrupted: the process that started the run ended.",
-            only_from=ACTIVE_STATUSES,
-        )
-    finally:
-        os._exit(3)
+def _lifeline(store_path, handoff):
+    """Hands the run id from stdin to the main thread, then waits for stdin to close.
+
+    End-of-file on stdin means the launcher ended (or shut us down): the run,
+    if any, is marked interrupted and the process ends at once, even in the
+    middle of importing TensorFlow or of a training step.
+    """
+    run_id = sys.stdin.readline().strip() or None
+    if run_id is not None:
+        handoff.put(run_id)
+        while sys.stdin.readline():
+            pass
+        try:
+            RunStore(store_path).set_status(
+                run_id,
+                "interrupted",
+                "Interrupted: the process that started the run ended.",
+                only_from=ACTIVE_STATUSES,
+            )
+        except Exception:  # Exit regardless; recover() marks it later.
+            pass
+    os._exit(3 if run_id else 0)
 
 
 def main(argv=None):
@@ -175,19 +192,17 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1, help="TensorFlow threads")
     parser.add_argument("--no-warm-up", action="store_true", help="skip the warm-up fit")
     args = parser.parse_args(argv)
+    handoff = queue.Queue()
+    threading.Thread(
+        target=_lifeline, args=(args.db, handoff), name="gradflow-lifeline", daemon=True
+    ).start()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     _limit_threads(max(1, args.threads))
     if not args.no_warm_up:
         _warm_up()
     print("ready", flush=True)
-    line = sys.stdin.readline()
-    run_id = line.strip()
-    if not run_id:  # The launcher went away, or asked us to quit.
-        return 0
-    threading.Thread(
-        target=_watch_launcher, args=(args.db, run_id), name="launcher-watch", daemon=True
-    ).start()
+    run_id = handoff.get()
     status = execute(RunStore(args.db), run_id)
     print(f"done {run_id} {status}", flush=True)
     return 0

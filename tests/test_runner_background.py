@@ -1,0 +1,93 @@
+"""Background lab runs: worker processes, pause/step/resume/stop, the queue, seeds."""
+
+import time
+
+import numpy as np
+import pytest
+
+import gradflow
+from gradflow.lab.config import RunConfig
+from gradflow.lab.runner import RunManager
+from gradflow.lab.training import Run
+from gradflow.store import RunStore
+
+LONG = RunConfig(depth=1, width=4, steps=1_000_000)
+
+
+@pytest.fixture(scope="module")
+def manager(tmp_path_factory):
+    store = RunStore(tmp_path_factory.mktemp("background") / "runs.db")
+    manager = RunManager(store, max_running=1, threads_per_run=1)
+    yield manager
+    manager.shutdown()
+
+
+def wait_for(condition, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def last_step(run):
+    stats = run.store.layer_stats(run.run_id, columns=["l2_norm"])
+    return int(stats["step"].max()) if len(stats) else 0
+
+
+def test_pause_step_resume_stop(manager):
+    run = Run(manager.start(LONG), manager.store, manager)
+    wait_for(lambda: last_step(run) > 0)
+    assert run.status == "running"
+    run.pause()
+    wait_for(lambda: run.status == "paused")
+    paused_at = last_step(run)
+    time.sleep(1.0)  # two flush intervals: nothing new may arrive
+    assert last_step(run) == paused_at
+    assert run.refresh().progress_step >= paused_at - 1
+
+    run.step_once()
+    wait_for(lambda: last_step(run) == paused_at + 1)
+    time.sleep(0.7)
+    assert (last_step(run), run.status) == (paused_at + 1, "paused")
+
+    run.resume()
+    wait_for(lambda: last_step(run) > paused_at + 3)
+    run.stop()
+    assert run.wait(timeout=60) == "stopped"
+    stats = run.layer_stats
+    steps = np.unique(stats["step"])
+    np.testing.assert_array_equal(steps, np.arange(1, steps.max() + 1))  # no gaps
+    assert "Stopped on request" in run.message
+
+
+def test_queue_starts_runs_in_order_and_stop_cancels_a_queued_run(manager):
+    first = Run(manager.start(LONG, name="first"), manager.store, manager)
+    second = Run(manager.start(LONG, name="second"), manager.store, manager)
+    third = Run(manager.start(RunConfig(depth=1, width=4, steps=5), name="third"),
+                manager.store, manager)
+    wait_for(lambda: first.status == "running")
+    assert (second.status, third.status) == ("queued", "queued")
+    assert manager.queued() == [second.run_id, third.run_id]
+    listed = manager.store.runs().set_index("run_id")["status"]
+    assert listed[second.run_id] == "queued"  # the dashboard sees the queue
+
+    second.stop()  # never starts
+    assert second.status == "stopped"
+    first.stop()
+    assert first.wait(timeout=60) == "stopped"
+    assert third.wait(timeout=120) == "completed"
+    assert second.status == "stopped" and second.layer_stats.empty
+    assert last_step(third) == 5
+
+
+def test_a_background_run_repeats_the_foreground_exactly(manager, tmp_path):
+    config = RunConfig(depth=2, width=8, steps=10, dropout=0.1, seed=11)
+    run = gradflow.train(config, background=True, store=manager.store)
+    assert run.wait(timeout=120) == "completed"
+    foreground = gradflow.train(config, store=tmp_path / "fg.db")
+    columns = ["step", "layer_index", "max_abs", "l2_norm", "std", "update_ratio"]
+    background = run.layer_stats
+    assert len(background) == 10 * 6
+    np.testing.assert_array_equal(
+        background[columns].to_numpy(), foreground.layer_stats[columns].to_numpy()
+    )
