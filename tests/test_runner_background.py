@@ -17,7 +17,7 @@ LONG = RunConfig(depth=1, width=4, steps=1_000_000)
 @pytest.fixture(scope="module")
 def manager(tmp_path_factory):
     store = RunStore(tmp_path_factory.mktemp("background") / "runs.db")
-    manager = RunManager(store, max_running=1, threads_per_run=1)
+    manager = RunManager.for_store(store, max_running=1, threads_per_run=1)
     yield manager
     manager.shutdown()
 

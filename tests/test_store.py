@@ -213,14 +213,20 @@ def test_recover_marks_runs_of_dead_processes_and_stale_heartbeats(store):
     finished = store.create_run({}, pid=gone.pid)
     store.set_status(finished, "completed")
     stale = store.create_run({})
+    busy = store.create_run({})  # alive here: a long step is no reason to give up on it
     conn = sqlite3.connect(store.path)
-    conn.execute("UPDATE runs SET heartbeat_at = ? WHERE run_id = ?", (time.time() - 120, stale))
+    conn.execute(
+        "UPDATE runs SET heartbeat_at = ?, host = 'elsewhere' WHERE run_id = ?",
+        (time.time() - 120, stale),
+    )
+    conn.execute("UPDATE runs SET heartbeat_at = ? WHERE run_id = ?", (time.time() - 120, busy))
     conn.commit()
     assert sorted(store.recover(stale_after=60)) == sorted([dead, queued_dead, stale])
     assert store.status(dead) == "interrupted"
     assert f"pid {gone.pid}" in store.run_info(dead)["message"]
     assert "heartbeat" in store.run_info(stale)["message"]
     assert (store.status(alive), store.status(finished)) == ("running", "completed")
+    assert store.status(busy) == "running"
     assert store.recover() == []
 
 

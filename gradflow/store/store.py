@@ -318,13 +318,13 @@ class RunStore:
         """Marks runs whose process is gone as `interrupted`.
 
         A queued, running or paused run is interrupted when its process (the
-        worker, or the process that queued it) is no longer alive on this host,
-        or when it has sent no heartbeat for `stale_after` seconds.
+        worker, or the process that queued it) is no longer alive on this host
+        (a zombie counts as gone). A run owned by another host is interrupted
+        when it has sent no heartbeat for `stale_after` seconds.
 
         Args:
-            stale_after: seconds without a heartbeat after which a run counts
-                as gone, default 60. Runs on other hosts are judged by this
-                alone.
+            stale_after: seconds without a heartbeat after which a run of
+                another host counts as gone, default 60.
 
         Returns:
             The list of run ids marked interrupted.
@@ -340,8 +340,12 @@ class RunStore:
         ).fetchall()
         interrupted = []
         for key, run_id, pid, run_host, heartbeat, status in rows:
-            dead = run_host == host and pid is not None and not _process_alive(pid)
-            stale = heartbeat is None or now - heartbeat > stale_after
+            if run_host == host and pid is not None:
+                # On this host the process table is the truth: a live process
+                # in a long step must not be declared gone.
+                dead, stale = not _process_alive(pid), False
+            else:
+                dead, stale = False, heartbeat is None or now - heartbeat > stale_after
             if not (dead or stale):
                 continue
             reason = (
