@@ -10,6 +10,8 @@ before the child process must not allocate what the file declares.
 import copy
 import io
 import json
+import os
+import tempfile
 import tracemalloc
 import zipfile
 
@@ -17,6 +19,8 @@ import h5py
 import keras
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gradflow import UnsafeInputError, safe_load_model
 from gradflow.safety.models import check_keras_file
@@ -380,6 +384,27 @@ def test_file_over_max_bytes_is_refused(tmp_path, tiny):
 def test_limit_arguments_are_validated(tiny, argument):
     with pytest.raises(ValueError, match=f"`{argument}` must be a positive"):
         safe_load_model(tiny[0], **{argument: 0})
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=4),
+    cut=st.one_of(st.none(), st.integers(0, 10**6)),
+)
+def test_corrupted_model_files_only_ever_raise_unsafe_input_error(tiny, flips, cut):
+    data = bytearray(tiny[0].read_bytes())
+    for position, byte in flips:
+        data[position % len(data)] = byte
+    if cut is not None:
+        data = data[: cut % len(data)]
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "m.keras")
+        with open(path, "wb") as f:
+            f.write(bytes(data))
+        try:
+            check_keras_file(path, max_bytes=MiB, max_entries=16, max_weight_entries=10**6)
+        except UnsafeInputError:
+            pass
 
 
 # ---------------------------------------------------------------- weights file (child process)

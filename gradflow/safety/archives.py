@@ -10,6 +10,7 @@ handed to `zipfile`.
 import os
 import struct
 import zipfile
+import zlib
 
 from gradflow.safety.errors import UnsafeInputError
 
@@ -27,6 +28,18 @@ _ALLOWED_COMPRESSION = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
 # Small members may compress extremely well (a config of zeros); only members
 # that are both large and highly compressed look like bombs.
 _RATIO_FLOOR_BYTES = 1 << 20
+# General-purpose flag bits we understand: deflate options (1, 2), data
+# descriptor (3), UTF-8 names (11). Encryption (0, 6) and patched data (5) are refused.
+_KNOWN_FLAG_BITS = 0b0000_1000_0000_1110
+# What `zipfile` and `zlib` raise on corrupt member data.
+CORRUPT_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zlib.error,
+    EOFError,
+    OSError,
+    NotImplementedError,
+    RuntimeError,
+)
 
 
 def check_file_size(path, max_bytes, what):
@@ -104,7 +117,7 @@ def open_checked_zip(path, *, what, max_bytes, max_entries, max_total_bytes, max
     zip_entry_count(path, size, max_entries, what)
     try:
         archive = zipfile.ZipFile(path, "r")
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+    except (*CORRUPT_ZIP_ERRORS, ValueError, struct.error) as e:
         raise UnsafeInputError(f"The {what} is not a valid zip archive: {e}.") from e
     try:
         _check_members(archive, what, max_total_bytes, max_ratio)
@@ -123,8 +136,11 @@ def _check_members(archive, what, max_total_bytes, max_ratio):
         if name in seen:
             raise UnsafeInputError(f"The {what} contains the entry {name!r} twice.")
         seen.add(name)
-        if info.flag_bits & 0x1:
-            raise UnsafeInputError(f"The {what} entry {name!r} is encrypted.")
+        if info.flag_bits & ~_KNOWN_FLAG_BITS:
+            raise UnsafeInputError(
+                f"The {what} entry {name!r} is encrypted or uses zip features "
+                f"(flags {info.flag_bits:#06x}) that are not accepted."
+            )
         if info.compress_type not in _ALLOWED_COMPRESSION:
             raise UnsafeInputError(
                 f"The {what} entry {name!r} uses compression method {info.compress_type}; "
@@ -167,8 +183,11 @@ def check_member_name(name, what):
 
 def read_member(archive, name, limit, what):
     """Reads one member, never more than `limit` bytes whatever its header says."""
-    with archive.open(name, "r") as f:
-        data = f.read(limit + 1)
+    try:
+        with archive.open(name, "r") as f:
+            data = f.read(limit + 1)
+    except CORRUPT_ZIP_ERRORS as e:
+        raise UnsafeInputError(f"The {what} entry {name!r} is corrupt: {e}.") from e
     if len(data) > limit:
         raise UnsafeInputError(
             f"The {what} entry {name!r} is larger than its limit of {limit:,} bytes."
