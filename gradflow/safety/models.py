@@ -172,6 +172,17 @@ def check_keras_file(path, *, max_bytes, max_entries, max_weight_entries):
 def rehearse_load(path, *, max_bytes, max_weight_entries, timeout, memory_limit):
     """Loads the checked file once in a limited child process; returns its summary.
 
+    Call it only on a private copy that `check_keras_file` accepted: the child
+    trusts the config check and adds the weights-file and build checks.
+
+    Args:
+        path: the private copy of the model file.
+        max_bytes: largest size of `model.weights.h5`, and of any file the
+            child may write.
+        max_weight_entries: most weight values stored or built.
+        timeout: seconds before the child is killed.
+        memory_limit: the child's address-space limit in bytes.
+
     Returns:
         Dict with `class_name`, `layers`, `params` (built weight values) and
         `stored_values` (values in the weights file).
