@@ -295,6 +295,8 @@ class _ProgressFollower:
                 loss_step = int(last["step"])
                 value = float(last["value"])
                 self._bar.set_postfix(loss=f"{value:.4g}" if math.isfinite(value) else value)
+            # Metrics can reach the store before the progress heartbeat.
+            step = max(step, loss_step)
             if step > self._bar.n:
                 self._bar.update(step - self._bar.n)
             if finished:
