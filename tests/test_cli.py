@@ -10,6 +10,7 @@ import pytest
 
 from gradflow import cli
 from gradflow.lab.config import RunConfig
+from gradflow.lab.presets import get_preset
 from gradflow.store import RunStore
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -130,7 +131,9 @@ def test_preset_with_overrides_and_boolean_flags(tmp_path):
     # From the preset: learning rate 1.0 and He init; from the flags: the rest.
     assert (config.learning_rate, config.initializer) == (1.0, "he_normal")
     assert (config.steps, config.depth, config.residual, config.histograms) == (2, 2, True, True)
-    assert cli.main(["train", "--no-residual", "--steps", "1", "--db", str(db), *TINY]) == 0
+    # `--no-residual` turns off what a preset (here: residual) turned on.
+    args = cli._build_parser().parse_args(["train", "--preset", "residual", "--no-residual"])
+    assert cli._config_from(args) == get_preset("residual").config.replace(residual=False)
 
 
 def test_serve_runs_streamlit_on_the_repository_app(monkeypatch, tmp_path):
