@@ -112,11 +112,13 @@ _SPECIAL_MARKERS = {
     "__tensor__": "an embedded tensor",
     "__bytes__": "embedded bytes",
 }
+# Keras resolves these strings only among its own built-ins; both the
+# snake_case alias and the class name ("he_normal", "HeNormal") are accepted.
 _KEY_SUFFIX_NAMES = {
     "activation": _ACTIVATIONS,
-    "initializer": _INITIALIZER_NAMES,
-    "regularizer": _REGULARIZER_NAMES,
-    "constraint": _CONSTRAINT_NAMES,
+    "initializer": _INITIALIZER_NAMES | _INITIALIZERS,
+    "regularizer": _REGULARIZER_NAMES | _REGULARIZERS,
+    "constraint": _CONSTRAINT_NAMES | _CONSTRAINTS,
 }
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}")
 _MAX_DEPTH = 64
