@@ -197,7 +197,7 @@ def to_html(figure, *, title=None):
     page = plotly.io.to_html(
         plotly_figure, include_plotlyjs=True, full_html=True, config=style.PLOTLY_CONFIG, validate=False
     )
-    return page.replace("<head>", f"<head><title>{style.escape_label(title)}</title>", 1)
+    return page.replace("</head>", f"<title>{style.escape_label(title)}</title></head>", 1)
 
 
 def _neutralize(value):
@@ -250,7 +250,9 @@ def to_csv(data):
         data = data.data
     if not isinstance(data, pd.DataFrame):
         raise TypeError(f"`data` must be a pandas DataFrame or a gradflow.figures.Chart, got {type(data).__name__}.")
-    return neutralize_csv_cells(data).to_csv(index=False, na_rep="nan")
+    # CRLF line ends (RFC 4180) also make the csv module quote fields holding
+    # a lone "\r" or "\n", which would otherwise split a row in two.
+    return neutralize_csv_cells(data).to_csv(index=False, na_rep="nan", lineterminator="\r\n")
 
 
 def safe_filename(name, default="figure"):

@@ -1,0 +1,281 @@
+"""Exports: real PNG/SVG/PDF from Chromium, offline HTML, safe CSV, lesson pack."""
+
+import io
+import json
+import os
+import re
+import xml.etree.ElementTree as ElementTree
+import zipfile
+
+import numpy as np
+import pandas as pd
+import PIL.Image
+import pytest
+
+from gradflow import export
+from gradflow import figures
+
+EVIL = "<script>alert(1)</script>"
+needs_browser = pytest.mark.skipif(export.find_browser() is None, reason="no Chromium/Chrome installed")
+
+
+def make_layer_stats(steps=8, layers=("dense", EVIL, "a&b")):
+    rng = np.random.default_rng(0)
+    rows = []
+    for step in range(1, steps + 1):
+        for index, layer in enumerate(layers):
+            for tensor in ("kernel", "bias"):
+                rows.append(
+                    dict(
+                        step=step,
+                        layer=layer,
+                        layer_index=index,
+                        tensor=tensor,
+                        variable=f"seq/{layer}/{tensor}",
+                        max_abs=10.0 ** (-index) * rng.uniform(0.5, 2),
+                        l2_norm=10.0 ** (-index) * rng.uniform(2, 5),
+                        mean_abs=10.0 ** (-index) * rng.uniform(0.05, 0.4),
+                    )
+                )
+    frame = pd.DataFrame(rows)
+    frame.loc[(frame["step"] == 5) & (frame["layer_index"] == 1), "max_abs"] = np.nan
+    frame.loc[(frame["step"] == 6) & (frame["layer_index"] == 2), "max_abs"] = np.inf
+    return frame
+
+
+def make_metrics(steps=8):
+    rows = []
+    for step in range(1, steps + 1):
+        rows += [dict(step=step, name="loss", value=1.0 / step), dict(step=step, name="accuracy", value=step / 10)]
+    rows.append(dict(step=steps, name="val_loss", value=np.nan))
+    return pd.DataFrame(rows)
+
+
+class FakeStore:
+    """The three RunStore methods export_run uses, over fixed frames."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def run_info(self, run_id):
+        return {"run_id": run_id, "name": self.name, "config": {"depth": 3, "learning_rate": float("nan")}}
+
+    def layer_stats(self, run_id):
+        return make_layer_stats()
+
+    def metrics(self, run_id):
+        return make_metrics()
+
+
+@needs_browser
+def test_png_batch_renders_real_images(artifacts_dir):
+    frame = make_layer_stats()
+    charts = {
+        "heatmap": figures.heatmap(frame, "max_abs"),
+        "profile": figures.profile(frame, presentation=True),
+        "lines": figures.layer_lines(frame, "l2_norm", figures.ALL_WEIGHTS),
+    }
+    images = export.to_images(list(charts.values()), "png")
+    assert len(images) == 3
+    for (name, chart), png in zip(charts.items(), images):
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+        image = PIL.Image.open(io.BytesIO(png))
+        image.load()
+        # Default width 1100 px at scale 2; height is the figure's own.
+        assert image.size == (2200, 2 * (chart.figure.layout.height or 600))
+        assert len(set(image.convert("L").getdata())) > 10  # not a blank page
+        (artifacts_dir / f"export_{name}.png").write_bytes(png)
+
+
+@needs_browser
+def test_svg_is_xml_with_escaped_layer_names_and_pdf_is_pdf():
+    chart = figures.heatmap(make_layer_stats(), "max_abs")
+    svg = export.to_image(chart, "svg", width=800, height=500)
+    root = ElementTree.fromstring(svg)
+    assert root.tag.endswith("svg")
+    assert not [e for e in root.iter() if e.tag.rsplit("}", 1)[-1] == "script"]
+    texts = ["".join(e.itertext()) for e in root.iter() if e.tag.endswith("text")]
+    assert EVIL in texts and "a&b" in texts  # drawn literally, as text
+    pdf = export.to_image(chart, "pdf")
+    assert pdf.startswith(b"%PDF") and len(pdf) > 1000
+
+
+def test_missing_browser_raises_export_error_naming_chromium(monkeypatch, tmp_path):
+    monkeypatch.delenv("GRADFLOW_CHROMIUM", raising=False)
+    monkeypatch.delenv("BROWSER_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert export.find_browser() is None
+    with pytest.raises(export.ExportError, match="(?i)install.*chromium"):
+        export.to_image(figures.heatmap(make_layer_stats()), "png")
+
+
+def test_gradflow_chromium_variable_wins(monkeypatch, tmp_path):
+    fake = tmp_path / "my-chrome"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("GRADFLOW_CHROMIUM", str(fake))
+    assert export.find_browser() == str(fake)
+    monkeypatch.setenv("GRADFLOW_CHROMIUM", str(tmp_path / "missing"))
+    assert export.find_browser() != str(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda c: export.to_image(c, "jpeg"), ValueError, "`format` must be one of ['png', 'svg', 'pdf']"),
+        (lambda c: export.to_html("chart"), TypeError, "plotly Figure or a gradflow.figures.Chart"),
+        (lambda c: export.to_csv([1, 2]), TypeError, "`data` must be a pandas DataFrame"),
+        (lambda c: export.export_run(FakeStore("x"), "r", "gif", "/tmp"), ValueError, "`fmt` must be one of"),
+        (lambda c: export.lesson_pack({}), ValueError, "at least one chart"),
+    ],
+)
+def test_errors_name_the_argument(call, error, words):
+    with pytest.raises(error) as info:
+        call(figures.heatmap(make_layer_stats()))
+    assert words in str(info.value)
+
+
+def parse_new_plot_arguments(page):
+    """The JSON arguments of the Plotly.newPlot call, parsed strictly (no NaN)."""
+
+    def no_constants(name):
+        raise ValueError(f"bare {name} in the page's JSON")
+
+    decoder = json.JSONDecoder(parse_constant=no_constants)
+    position = page.rindex("Plotly.newPlot(") + len("Plotly.newPlot(")  # the library mentions it too
+    arguments = []
+    for _ in range(4):  # div id, data, layout, config
+        while page[position] in " \n\r\t,":
+            position += 1
+        value, position = decoder.raw_decode(page, position)
+        arguments.append(value)
+    return arguments
+
+
+def test_html_is_standalone_valid_and_escaped():
+    chart = figures.heatmap(make_layer_stats(), "max_abs", title=f"run {EVIL}")
+    page = export.to_html(chart)
+    # Booleans first: pytest would spend minutes diffing a 4 MB string.
+    starts_as_html = page.lstrip().lower().startswith("<html")
+    external_scripts = re.findall(r"<script[^>]*\bsrc=", page)
+    has_raw_evil = EVIL in page
+    has_title = "<title>run &lt;script&gt;alert(1)&lt;/script&gt;</title>" in page
+    assert starts_as_html and has_title
+    assert external_scripts == []  # plotly.js inline: works offline
+    assert len(page) > 3_000_000  # the inline library
+    assert not has_raw_evil
+    _, data, layout, config = parse_new_plot_arguments(page)
+    assert data[0]["type"] == "heatmap"
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in data[0]["y"]
+    assert {t.get("name") for t in data} >= {"NaN", "Inf"}
+    assert config["toImageButtonOptions"] == {"format": "svg", "scale": 2, "filename": "gradflow"}
+
+
+@pytest.mark.parametrize(
+    "cell, written",
+    [
+        ("=1+1", "'=1+1"),
+        ("+1", "'+1"),
+        ("-1", "'-1"),
+        ("@SUM(A1)", "'@SUM(A1)"),
+        ("\tcmd", "'\tcmd"),
+        ("\rcmd", "'\rcmd"),
+        ("dense", "dense"),
+        ("a=b", "a=b"),
+        ("two\nlines", "two\nlines"),
+    ],
+)
+def test_csv_neutralises_formula_text_but_not_numbers(cell, written):
+    frame = pd.DataFrame({"layer": [cell], "value": [-2.5], "count": [-3]})
+    back = pd.read_csv(io.StringIO(export.to_csv(frame)), keep_default_na=False)
+    assert back["layer"].iloc[0] == written
+    assert back["value"].iloc[0] == -2.5 and back["count"].iloc[0] == -3
+
+
+def test_csv_round_trips_the_plotted_data_with_nan_and_inf():
+    chart = figures.heatmap(make_layer_stats(), "max_abs")
+    text = export.to_csv(chart)
+    assert ",nan" in text and ",inf" in text
+    back = pd.read_csv(io.StringIO(text))
+    pd.testing.assert_frame_equal(back, chart.data, check_dtype=False)
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("../../etc/passwd", "etc_passwd"),
+        ("run 1", "run_1"),
+        ("", "figure"),
+        ("..", "figure"),
+        (EVIL, "script_alert_1_script"),
+        ("a/b\\c", "a_b_c"),
+        ("relu-vs.sigmoid", "relu-vs.sigmoid"),
+    ],
+)
+def test_safe_filename(name, expected):
+    assert export.safe_filename(name) == expected
+
+
+@needs_browser
+def test_lesson_pack_holds_figures_data_config_and_readme(artifacts_dir):
+    frame = make_layer_stats()
+    charts = {"heatmap": figures.heatmap(frame), "../loss": figures.metrics_chart(make_metrics())}
+    blob = export.lesson_pack(charts, config={"depth": 3, "clip_value": float("inf")})
+    (artifacts_dir / "export_lesson_pack.zip").write_bytes(blob)
+    archive = zipfile.ZipFile(io.BytesIO(blob))
+    names = set(archive.namelist())
+    assert names == {
+        "README.txt",
+        "config.json",
+        "figures/heatmap.png",
+        "figures/heatmap.html",
+        "data/heatmap.csv",
+        "figures/loss.png",
+        "figures/loss.html",
+        "data/loss.csv",
+    }
+    assert archive.read("figures/loss.png")[:4] == b"\x89PNG"
+    assert json.loads(archive.read("config.json")) == {"depth": 3, "clip_value": None}
+    readme = archive.read("README.txt").decode()
+    assert charts["heatmap"].title in readme and charts["../loss"].description in readme
+    back = pd.read_csv(io.BytesIO(archive.read("data/heatmap.csv")))
+    pd.testing.assert_frame_equal(back, charts["heatmap"].data, check_dtype=False)
+
+
+@pytest.mark.parametrize("fmt", ["csv", "html"])
+def test_export_run_writes_only_inside_out_dir(tmp_path, fmt):
+    out_dir = tmp_path / "out"
+    paths = export.export_run(FakeStore(f"../../evil {EVIL}"), "abc123", fmt, out_dir)
+    names = sorted(p.name for p in paths)
+    assert names == sorted(
+        f"evil_script_alert_1_script_{chart}.{fmt}"
+        for chart in ("max_abs_heatmap", "l2_norm_heatmap", "max_abs_lines", "profile", "metrics")
+    )
+    assert all(p.parent == out_dir.resolve() and p.stat().st_size > 0 for p in paths)
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+@needs_browser
+def test_export_run_png_and_zip(tmp_path):
+    paths = export.export_run(FakeStore("relu run"), "abc123", "png", tmp_path)
+    assert len(paths) == 5
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+    (zip_path,) = export.export_run(FakeStore("relu run"), "abc123", "zip", tmp_path)
+    assert zip_path.name == "relu_run_lesson.zip"
+    assert "data/metrics.csv" in zipfile.ZipFile(zip_path).namelist()
+
+
+def test_export_run_from_a_real_run_store(store_path, tmp_path):
+    store_module = pytest.importorskip("gradflow.store")
+    store = store_module.RunStore(store_path)
+    run_id = store.create_run({"depth": 3}, name="tiny")
+    writer = store.writer(run_id, background_flush=False)
+    writer.add_layer_stats(make_layer_stats())
+    for step in range(1, 9):
+        writer.add_metrics(step, {"loss": 1.0 / step})
+    writer.close(status="completed")
+    (csv_path, *_) = export.export_run(store, run_id, "csv", tmp_path)
+    assert csv_path.name == "tiny_max_abs_heatmap.csv"
+    back = pd.read_csv(csv_path)
+    expected = figures.heatmap(make_layer_stats(), "max_abs").data
+    pd.testing.assert_frame_equal(back, expected, check_dtype=False)
