@@ -1,0 +1,157 @@
+"""Runner speed: start request -> first recorded step, and training steps/s.
+
+    python3 bench/bench_runner.py [--repeats 3] [--steps 600]
+
+Measures, interleaved and reported as medians:
+- start latency: `RunManager.start()` until the first statistics row can be
+  read from the store, with a pre-warmed worker (target <= 2 s) and cold;
+- training speed of the default lab model (4 x 32 ReLU MLP on digits, batch
+  32, one TF thread): inside the runner (GradientMonitor + RunControl +
+  store) against the same `model.fit` in a bare script (target >= 0.9x), and
+  the bare script with only GradientMonitor writing to a store, which
+  separates the monitor's own cost from the runner's.
+Writes bench/results/runner.json.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gradflow.lab.config import RunConfig  # noqa: E402
+from gradflow.lab.runner import RunManager  # noqa: E402
+from gradflow.store import ACTIVE_STATUSES, RunStore  # noqa: E402
+
+# A bare Keras script: same data, model, batches, validation and thread
+# count as a lab run. Prints steps/s between the end of the first step and
+# the end of training (so tracing is left out, as for the runner).
+BARE = """
+import json, math, os, sys, time
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import tensorflow as tf
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+import keras
+from gradflow.lab.config import RunConfig
+from gradflow.lab.datasets import load_dataset
+from gradflow.lab.models import build_model
+config = RunConfig.from_json(sys.argv[1])
+data = load_dataset(config)
+model = build_model(config, data)
+class Clock(keras.callbacks.Callback):
+    steps = 0
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+        if self.steps == 1:
+            self.start = time.perf_counter()
+        if self.steps >= config.steps:
+            self.model.stop_training = True
+    def on_train_end(self, logs=None):
+        self.seconds = time.perf_counter() - self.start
+clock = Clock()
+callbacks = [clock]
+if sys.argv[2] == "monitor":
+    from gradflow.monitor import GradientMonitor
+    from gradflow.store import RunStore
+    callbacks.insert(0, GradientMonitor(store=RunStore(sys.argv[3])))
+epochs = math.ceil(config.steps / math.ceil(len(data.x_train) / config.batch_size))
+model.fit(data.x_train, data.y_train, batch_size=config.batch_size, epochs=epochs,
+          validation_data=(data.x_val, data.y_val), verbose=0, callbacks=callbacks)
+print(json.dumps({"steps_per_s": (clock.steps - 1) / clock.seconds}))
+"""
+
+
+def first_step_latency(manager, config):
+    """Seconds from start() until the store has the run's first statistics row."""
+    start = time.perf_counter()
+    run_id = manager.start(config)
+    while manager.store.layer_stats(run_id, columns=["l2_norm"]).empty:
+        if manager.store.status(run_id) not in ACTIVE_STATUSES:
+            raise RuntimeError(manager.store.run_info(run_id)["message"])
+        time.sleep(0.005)
+    latency = time.perf_counter() - start
+    manager.wait(run_id, timeout=300)
+    return latency
+
+
+def runner_steps_per_s(manager, config):
+    """Steps/s of a run inside the runner, from its first recorded step to its end."""
+    run_id = manager.start(config)
+    store = manager.store
+    while store.layer_stats(run_id, columns=["l2_norm"]).empty:
+        time.sleep(0.002)
+    start = time.perf_counter()
+    first = int(store.layer_stats(run_id, columns=["l2_norm"])["step"].max())
+    while store.status(run_id) in ACTIVE_STATUSES:
+        time.sleep(0.002)
+    seconds = time.perf_counter() - start
+    return (config.steps - first) / seconds
+
+
+def bare_steps_per_s(config, mode, path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", BARE, config.to_json(), mode, str(path)],
+        capture_output=True, text=True, env=env, check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])["steps_per_s"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=600)
+    args = parser.parse_args()
+    latency_config = RunConfig(depth=2, width=8, steps=3)
+    speed_config = RunConfig(steps=args.steps)
+    times = {"warm_start_s": [], "cold_start_s": [], "runner_steps_per_s": [],
+             "bare_fit_steps_per_s": [], "bare_fit_with_monitor_steps_per_s": []}
+    with tempfile.TemporaryDirectory() as folder:
+        store = RunStore(pathlib.Path(folder) / "runs.db")
+        warm = RunManager(store, max_running=1, threads_per_run=1, prewarm=True)
+        cold = RunManager(store, max_running=1, threads_per_run=1, prewarm=False)
+        try:
+            for _ in range(args.repeats):
+                if not warm.wait_warm(timeout=300):
+                    raise RuntimeError("the spare worker did not become warm")
+                times["warm_start_s"].append(first_step_latency(warm, latency_config))
+                times["cold_start_s"].append(first_step_latency(cold, latency_config))
+                warm.wait_warm(timeout=300)
+                times["runner_steps_per_s"].append(runner_steps_per_s(warm, speed_config))
+                times["bare_fit_steps_per_s"].append(
+                    bare_steps_per_s(speed_config, "bare", None))
+                times["bare_fit_with_monitor_steps_per_s"].append(
+                    bare_steps_per_s(speed_config, "monitor", pathlib.Path(folder) / "bare.db"))
+        finally:
+            warm.shutdown()
+            cold.shutdown()
+    result = {"command": "python3 bench/bench_runner.py " + " ".join(sys.argv[1:]),
+              "repeats": args.repeats, "steps": args.steps,
+              "load_average_1min": os.getloadavg()[0], "cpus": os.cpu_count()}
+    result.update({name: statistics.median(values) for name, values in times.items()})
+    result["runner_vs_bare_fit"] = result["runner_steps_per_s"] / result["bare_fit_steps_per_s"]
+    result["runner_vs_bare_fit_with_monitor"] = (
+        result["runner_steps_per_s"] / result["bare_fit_with_monitor_steps_per_s"]
+    )
+    result["samples"] = times
+    result["targets"] = {"warm_start_s": 2.0, "runner_vs_bare_fit": 0.9}
+    width = max(map(len, result))
+    for name, value in result.items():
+        if name not in ("samples", "targets", "command"):
+            print(f"{name:<{width}}  {value:,.3f}" if isinstance(value, float)
+                  else f"{name:<{width}}  {value}")
+    out = ROOT / "bench" / "results" / "runner.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
