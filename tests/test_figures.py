@@ -81,6 +81,9 @@ def test_heatmap_values_are_log10_of_the_statistic_in_layer_index_order():
     np.testing.assert_allclose(np.asarray(trace.z), np.log10(reference.to_numpy()))
     np.testing.assert_array_equal(np.asarray(trace.x), reference.columns.to_numpy())
     assert list(trace.y) == list(LAYERS)  # first row is drawn at the bottom
+    # The axes end at the cell edges (no padded empty band around the cells).
+    assert list(chart.figure.layout.yaxis.range) == [-0.5, 2.5]
+    assert list(chart.figure.layout.xaxis.range) == [0.5, 6.5]
     assert chart.figure.layout.yaxis.type == "category"
     # The data is exactly what is drawn, in real units.
     data = chart.data.pivot(index="layer_index", columns="step", values="max_abs")
@@ -315,6 +318,10 @@ def test_metrics_chart_draws_train_and_validation_per_panel():
     assert set(chart.data["name"]) == {"loss", "val_loss", "accuracy"}
     only_loss = figures.metrics_chart(metrics[metrics["name"] == "loss"])
     assert len(only_loss.figure.data) == 1
+    diverged = metrics.copy()
+    diverged.loc[(diverged["name"] == "loss") & (diverged["step"] >= 4), "value"] = np.nan
+    markers = marker_traces(figures.metrics_chart(diverged))
+    assert list(markers["NaN"].x) == [4, 5]
 
 
 @pytest.mark.parametrize(

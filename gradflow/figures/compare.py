@@ -101,8 +101,9 @@ def compare_heatmaps(
         prefix = style.escape_label(name) + ": "
         for trace in heatmap_lib.heatmap_traces(layer_grid, log_min, log_max, coloraxis="coloraxis", name_prefix=prefix):
             figure.add_trace(trace, row=row + 1, col=col + 1)
-        figure.update_xaxes(title_text=heatmap_lib.step_axis_title(layer_grid), row=row + 1, col=col + 1)
-        figure.update_yaxes(type="category", row=row + 1, col=col + 1)
+        x_range, y_range = heatmap_lib.axis_ranges(layer_grid)
+        figure.update_xaxes(title_text=heatmap_lib.step_axis_title(layer_grid), range=x_range, row=row + 1, col=col + 1)
+        figure.update_yaxes(type="category", range=y_range, row=row + 1, col=col + 1)
     figure.update_layout(
         coloraxis=dict(
             cmin=log_min,
@@ -111,7 +112,7 @@ def compare_heatmaps(
             colorbar=heatmap_lib.colorbar(statistic, log_min, log_max),
         ),
         height=rows * min(700, max(380, 60 + 18 * max(len(g.layer) for g in grids))),
-        legend=dict(orientation="h", y=-0.2),
+        legend=dict(orientation="h", x=0.0, y=-0.25 if rows == 1 else -0.12),
     )
     plain_title = title or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({tensor}): " + " vs ".join(
         name for name, _ in named

@@ -10,6 +10,10 @@ from gradflow.figures import style
 from gradflow.figures.chart import Chart
 
 
+# NaN/Inf legend entries sit above the plot, right-aligned, out of the way.
+LEGEND_ABOVE = dict(orientation="h", x=1.0, xanchor="right", y=1.02, yanchor="bottom")
+
+
 def colorbar(statistic, log_min, log_max):
     """A colour bar for a log10 scale, ticked in real units (1e-6, 1e-3, 1)."""
     tickvals, ticktext = logscale.decade_ticks(log_min, log_max)
@@ -104,6 +108,20 @@ def heatmap_traces(layer_grid, log_min, log_max, coloraxis=None, name_prefix="")
     return [heat, *markers]
 
 
+def axis_ranges(layer_grid):
+    """x and y ranges that fit the heatmap cells exactly.
+
+    Without them, autorange pads the axes for the NaN/Inf markers and leaves
+    an empty band beside the heatmap.
+    """
+    steps = layer_grid.step_first
+    half = (steps[1] - steps[0]) / 2 if len(steps) > 1 else 0.5
+    half_last = (steps[-1] - steps[-2]) / 2 if len(steps) > 1 else 0.5
+    x_range = [float(steps[0] - half), float(steps[-1] + half_last)]
+    y_range = [-0.5, len(layer_grid.layer) - 0.5]
+    return x_range, y_range
+
+
 def step_axis_title(layer_grid):
     """x-axis title saying when columns are blocks of steps (max per block)."""
     if not layer_grid.decimated:
@@ -181,9 +199,10 @@ def heatmap(
         xaxis_title=step_axis_title(layer_grid),
         yaxis_title="layer (input at the bottom)",
         height=min(900, max(380, 60 + 22 * len(layer_grid.layer))),
-        legend=dict(orientation="h", y=-0.2),
+        legend=LEGEND_ABOVE,
     )
-    figure.update_yaxes(type="category", showgrid=False)
-    figure.update_xaxes(showgrid=False)
+    x_range, y_range = axis_ranges(layer_grid)
+    figure.update_yaxes(type="category", showgrid=False, range=y_range)
+    figure.update_xaxes(showgrid=False, range=x_range)
     style.apply_style(figure, presentation)
     return Chart(figure, layer_grid.to_frame(), plain_title, description)

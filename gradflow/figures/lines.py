@@ -225,6 +225,15 @@ def metrics_chart(
                 row=1,
                 col=col,
             )
+            bad = ~np.isfinite(values)
+            if bad.any():
+                # A diverged run ends in NaN: mark where, at the top of the data.
+                finite = values[~bad]
+                top = float(finite.max()) if finite.size else 1.0
+                for trace in heatmap_lib.nonfinite_markers(
+                    steps[bad], np.full(bad.sum(), top), values[bad], np.full(bad.sum(), style.escape_label(name), dtype=object)
+                ):
+                    figure.add_trace(trace, row=1, col=col)
         figure.update_xaxes(title_text="step", row=1, col=col)
         if panel == "loss" and log_loss:
             figure.update_yaxes(type="log", row=1, col=col)
