@@ -1,6 +1,5 @@
 """The run store: runs, their statistics and their control requests in SQLite."""
 
-import atexit
 import json
 import os
 import pathlib
@@ -9,6 +8,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 
 import numpy as np
 import pandas as pd
@@ -16,11 +16,6 @@ import pandas as pd
 from gradflow import schema
 from gradflow.store import tables
 from gradflow.store.writer import RunWriter
-
-# ADBC connections left to the garbage collector at interpreter exit complain
-# on stderr; close them while the driver is still loaded.
-_ADBC_CONNECTIONS = []
-atexit.register(lambda: [_close_quietly(c) for c in _ADBC_CONNECTIONS])
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -77,6 +72,11 @@ class RunStore:
         self.path = pathlib.Path(path) if path is not None else tables.default_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
+        # One bulk-read connection per store, shared by threads in turn:
+        # Streamlit runs every rerun in a new thread, and a connection per
+        # thread would pile up.
+        self._adbc = None
+        self._adbc_lock = threading.Lock()
         self._create_schema()
 
     def __repr__(self):
@@ -511,14 +511,15 @@ class RunStore:
         )
 
     def close(self):
-        """Closes this thread's connections (others close when their thread ends)."""
-        for name in ("conn", "adbc"):
-            conn = getattr(self._local, name, None)
-            if conn is not None:
-                _close_quietly(conn)
-                setattr(self._local, name, None)
-                if conn in _ADBC_CONNECTIONS:
-                    _ADBC_CONNECTIONS.remove(conn)
+        """Closes this thread's SQLite connection and the bulk-read connection."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            _close_quietly(conn)
+            self._local.conn = None
+        with self._adbc_lock:
+            if self._adbc is not None:
+                _close_quietly(self._adbc)
+                self._adbc = None
 
     # Internals ------------------------------------------------------------
 
@@ -594,20 +595,22 @@ class RunStore:
             rows = self._conn().execute(sql, params).fetchall()
             frame = pd.DataFrame(rows, columns=list(dtypes))
             return frame.astype(dtypes)
-        conn = getattr(self._local, "adbc", None)
-        if conn is None:
-            # Autocommit, so that every read sees the newest committed rows
-            # instead of the snapshot of a long-open read transaction.
-            conn = self._local.adbc = adbc.connect(str(self.path), autocommit=True)
-            _ADBC_CONNECTIONS.append(conn)
-        cursor = conn.cursor()
-        try:
-            # Bigger Arrow batches than the default 1024 rows: ~15% faster bulk reads.
-            cursor.adbc_statement.set_options(**{"adbc.sqlite.query.batch_rows": "65536"})
-            cursor.execute(sql, parameters=tuple(params))
-            table = cursor.fetch_arrow_table()
-        finally:
-            cursor.close()
+        with self._adbc_lock:
+            if self._adbc is None:
+                # Autocommit, so that every read sees the newest committed rows
+                # instead of the snapshot of a long-open read transaction.
+                self._adbc = adbc.connect(str(self.path), autocommit=True)
+                # Closed before the interpreter unloads the driver, which
+                # otherwise complains on stderr.
+                weakref.finalize(self, _close_quietly, self._adbc)
+            cursor = self._adbc.cursor()
+            try:
+                # Bigger Arrow batches than the default 1024 rows: ~15% faster.
+                cursor.adbc_statement.set_options(**{"adbc.sqlite.query.batch_rows": "65536"})
+                cursor.execute(sql, parameters=tuple(params))
+                table = cursor.fetch_arrow_table()
+            finally:
+                cursor.close()
         if table.num_rows == 0:
             return pd.DataFrame({c: np.zeros(0, dtype=t) for c, t in dtypes.items()})
         frame = table.to_pandas()
