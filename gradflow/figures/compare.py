@@ -82,12 +82,16 @@ def compare_heatmaps(
 
     cols = min(len(grids), _MAX_COLUMNS_PER_ROW)
     rows = math.ceil(len(grids) / cols)
+    # Same layers in every run (the usual relu-vs-sigmoid lesson): one shared
+    # layer axis labelled once, so the panels can sit close together.
+    same_layers = all(g.layer == grids[0].layer for g in grids)
     figure = make_subplots(
         figure=style.new_figure(),
         rows=rows,
         cols=cols,
         subplot_titles=[style.escape_label(name) for name, _ in named],
-        horizontal_spacing=0.12,
+        shared_yaxes=same_layers,
+        horizontal_spacing=0.05 if same_layers else 0.22,
         vertical_spacing=0.18 if rows > 1 else 0.1,
     )
     pieces = []
@@ -102,7 +106,7 @@ def compare_heatmaps(
         for trace in heatmap_lib.heatmap_traces(layer_grid, log_min, log_max, coloraxis="coloraxis", name_prefix=prefix):
             figure.add_trace(trace, row=row + 1, col=col + 1)
         x_range, y_range = heatmap_lib.axis_ranges(layer_grid)
-        figure.update_xaxes(title_text=heatmap_lib.step_axis_title(layer_grid), range=x_range, row=row + 1, col=col + 1)
+        figure.update_xaxes(title_text="step", range=x_range, row=row + 1, col=col + 1)
         figure.update_yaxes(type="category", range=y_range, row=row + 1, col=col + 1)
     figure.update_layout(
         coloraxis=dict(
@@ -117,7 +121,11 @@ def compare_heatmaps(
     plain_title = title or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({tensor}): " + " vs ".join(
         name for name, _ in named
     )
-    figure.update_layout(title=style.escape_label(plain_title))
+    shown_title = style.escape_label(plain_title)
+    if any(g.decimated for g in grids):
+        longest = max(heatmap_lib.step_axis_title(g) for g in grids if g.decimated)
+        shown_title += f"<br><sup>{longest.removeprefix('step (').rstrip(')')}</sup>"
+    figure.update_layout(title=shown_title)
     figure.update_xaxes(showgrid=False)
     figure.update_yaxes(showgrid=False)
     style.apply_style(figure, presentation)
