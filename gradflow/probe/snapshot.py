@@ -249,49 +249,53 @@ class GradientProbe:
             loss, statistics, histograms, maxima = self._compiled(x, y)
         return self._tables(loss, statistics, histograms, maxima)
 
+    def _layout(self):
+        """Key columns of every row, built once per trace (they do not change between calls)."""
+        traced = self._traced
+        if traced.get("keys") is None:
+            variables = traced["variables"]
+            names = variable_names(self.model, variables)
+            index = {path: i for i, path in enumerate(layer_order(self.model))}
+            paths = traced["paths"]
+            traced["keys"] = pd.DataFrame(
+                {
+                    "step": np.zeros(len(names) + len(paths), np.int64),
+                    "layer": [n.layer for n in names] + paths,
+                    "layer_index": [n.layer_index for n in names]
+                    + [index[p.split("#")[0]] for p in paths],
+                    "tensor": [n.tensor for n in names] + [schema.ACTIVATION] * len(paths),
+                    "variable": [n.variable for n in names] + [""] * len(paths),
+                    "shape": [tuple(v.shape) for v in variables] + traced["shapes"],
+                },
+                columns=_KEY_COLUMNS,
+            )
+        return traced["keys"]
+
     def _tables(self, loss, statistics, histograms, maxima):
         traced = self._traced
-        variables = traced["variables"]
-        statistics = statistics.numpy().astype(np.float64)
-        names = variable_names(self.model, variables)
-        index = {path: i for i, path in enumerate(layer_order(self.model))}
-        paths = traced["paths"]
-        keys = pd.DataFrame(
-            {
-                "step": 0,
-                "layer": [n.layer for n in names] + paths,
-                "layer_index": [n.layer_index for n in names]
-                + [index[p.split("#")[0]] for p in paths],
-                "tensor": [n.tensor for n in names] + [schema.ACTIVATION] * len(paths),
-                "variable": [n.variable for n in names] + [""] * len(paths),
-                "shape": [tuple(v.shape) for v in variables] + traced["shapes"],
-            },
-            columns=_KEY_COLUMNS,
+        keys = self._layout()
+        values = pd.DataFrame(
+            statistics.numpy().astype(np.float64), columns=list(schema.STATISTICS)
         )
-        table = pd.concat(
-            [keys, pd.DataFrame(statistics, columns=list(schema.STATISTICS))], axis=1
-        )
-        table["nonfinite"] = table["nonfinite"].astype(np.int64)
-        n = len(variables)
-        weights = table.iloc[:n].reset_index(drop=True)
-        activations = table.iloc[n:].reset_index(drop=True)
+        values["nonfinite"] = values["nonfinite"].astype(np.int64)
+        table = pd.concat([keys, values], axis=1)
+        n = len(traced["variables"])
         note = sensitivity.INTEGER_INPUT_NOTE if traced["integer_inputs"] else ""
         inputs = sensitivity.sensitivity_table(
-            self.model, paths, maxima.numpy().astype(np.float64), note=note
+            self.model, traced["paths"], maxima.numpy().astype(np.float64), note=note
         )
+        histogram_keys = keys[["layer", "layer_index", "tensor", "variable"]]
         if histograms is None:
-            counts = pd.DataFrame(columns=["layer", "layer_index", "tensor", "variable"] + _BIN_COLUMNS)
+            histogram_keys = histogram_keys.iloc[:0]
+            counts = np.zeros((0, len(_BIN_COLUMNS)), np.int64)
         else:
-            counts = pd.concat(
-                [
-                    keys[["layer", "layer_index", "tensor", "variable"]],
-                    pd.DataFrame(histograms.numpy().astype(np.int64), columns=_BIN_COLUMNS),
-                ],
-                axis=1,
-            )
+            counts = histograms.numpy().astype(np.int64)
+        counts = pd.concat(
+            [histogram_keys, pd.DataFrame(counts, columns=_BIN_COLUMNS)], axis=1
+        )
         return Snapshot(
-            weights=weights,
-            activations=activations,
+            weights=table.iloc[:n].reset_index(drop=True),
+            activations=table.iloc[n:].reset_index(drop=True),
             inputs=inputs,
             loss=float(loss),
             histograms=counts,
