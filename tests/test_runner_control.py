@@ -1,0 +1,67 @@
+"""RunControl in process: step limit, stop, pause/step/resume, non-finite loss."""
+
+import numpy as np
+import pytest
+
+from gradflow.lab.control import RunControl
+from gradflow.store import RunStore
+
+
+def tiny_model(learning_rate=0.01):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="mse")
+    return model
+
+
+def fit(model, control, epochs=50):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 3)).astype("float32")
+    y = (100 * x.sum(axis=1, keepdims=True)).astype("float32")
+    history = model.fit(x, y, batch_size=4, epochs=epochs, verbose=0, callbacks=[control])
+    return int(model.optimizer.iterations.numpy()), history
+
+
+@pytest.mark.parametrize(
+    "requests, max_steps, steps, reason, status, pauses",
+    [
+        ([], 7, 7, None, "running", 0),
+        (["stop"], 7, 1, "stop", "running", 0),
+        # Paused at step 1, two single steps, then resumed until the limit.
+        (["pause", "step", "step", "resume"], 6, 6, None, "running", 3),
+        (["pause", "step", "stop"], 6, 2, "stop", "paused", 2),
+    ],
+)
+def test_requests_and_step_limit(store_path, requests, max_steps, steps, reason, status, pauses):
+    store = RunStore(store_path)
+    run_id = store.create_run({})
+    for action in requests:
+        store.request(run_id, action)
+    paused = []
+    control = RunControl(store, run_id, max_steps=max_steps, poll_interval=0.01,
+                         on_pause=lambda: paused.append(control.steps))
+    done, _ = fit(tiny_model(), control)
+    assert (done, control.steps, control.stop_reason) == (steps, steps, reason)
+    assert store.status(run_id) == status
+    assert len(paused) == pauses
+    assert store.pending_request(run_id) is None  # every request was handled
+
+
+def test_nonfinite_loss_stops_at_that_step(store_path):
+    store = RunStore(store_path)
+    run_id = store.create_run({})
+    control = RunControl(store, run_id, poll_interval=1e-9)
+    done, history = fit(tiny_model(learning_rate=10.0), control, epochs=200)
+    assert control.stop_reason == "nonfinite"
+    assert done == control.nonfinite_step < 200 * 4
+
+
+@pytest.mark.parametrize(
+    "arguments, match",
+    [({"max_steps": 0}, "`max_steps`"), ({"poll_interval": 0}, "`poll_interval`")],
+)
+def test_bad_arguments(store_path, arguments, match):
+    with pytest.raises(ValueError, match=match):
+        RunControl(RunStore(store_path), "abc", **arguments)
