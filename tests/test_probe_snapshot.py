@@ -370,3 +370,37 @@ def test_snapshot_is_deterministic_and_nonfinite_is_counted():
     assert (shot.weights["nonfinite"] > 0).all()
     assert shot.weights["max_abs"].isna().all()
     assert shot.weights["nonfinite"].dtype == np.int64
+
+
+class SharedTwice(keras.Model):
+    def __init__(self):
+        super().__init__(name="shared_twice")
+        self.inner = keras.layers.Dense(3, activation="tanh", name="inner")
+        self.head = keras.layers.Dense(1, name="head")
+
+    def call(self, x):
+        return self.head(self.inner(self.inner(x)))
+
+
+def test_shared_layer_gets_one_row_per_call():
+    model = SharedTwice()
+    rng = np.random.default_rng(9)
+    x, y = rng.normal(size=(4, 3)).astype("float32"), rng.normal(size=(4, 1)).astype("float32")
+    shot = gradflow.snapshot(model, x, y, loss="mse")
+    with tf.GradientTape() as tape:
+        first = model.inner(x)
+        second = model.inner(first)
+        value = tf.reduce_mean(tf.square(y - model.head(second)))
+    expected = tape.gradient(value, [first, second])
+    assert list(shot.activations["layer"]) == ["inner", "inner#2", "head"]
+    assert list(shot.activations["layer_index"]) == [0, 0, 1]
+    assert_statistics(shot.activations.iloc[:2], [g.numpy() for g in expected], "shared calls")
+
+
+def test_reused_probe_reports_each_batch_shape():
+    from gradflow.probe.snapshot import GradientProbe
+
+    model, x, y, loss, _ = two_dense_mse()
+    probe = GradientProbe(model, loss=loss)
+    shapes = [probe(x[:n], y[:n]).activations["shape"][0] for n in (6, 2, 6)]
+    assert shapes == [(6, 20), (2, 20), (6, 20)]

@@ -178,7 +178,9 @@ class GradientProbe:
         self.training = bool(training)
         self.histograms = bool(histograms)
         self.sensitivity = bool(sensitivity)
-        self._traced = None
+        # Python-side layout of each traced graph, keyed by the input signature.
+        self._layouts = {}
+        self._last_layout = None
         self._compiled = tf.function(self._gradients)
 
     def _gradients(self, x, y):
@@ -219,7 +221,7 @@ class GradientProbe:
             else tf.fill([len(outputs)], float("nan"))
         )
         # Runs while tracing only: the Python side of the graph's layout.
-        self._traced = {
+        self._layouts[_signature(x, y)] = self._last_layout = {
             "paths": list(outputs.paths),
             "shapes": [tuple(t.shape) for t in outputs.tensors],
             "variables": variables,
@@ -247,11 +249,12 @@ class GradientProbe:
         capture.ensure_built(self.model, x)
         with sensitivity.restored_state(self.model, enabled=self.training):
             loss, statistics, histograms, maxima = self._compiled(x, y)
-        return self._tables(loss, statistics, histograms, maxima)
+        # A relaxed (None-sized) trace has no exact key; its layout is the last one.
+        layout = self._layouts.get(_signature(x, y), self._last_layout)
+        return self._tables(layout, loss, statistics, histograms, maxima)
 
-    def _layout(self):
+    def _layout(self, traced):
         """Key columns of every row, built once per trace (they do not change between calls)."""
-        traced = self._traced
         if traced.get("keys") is None:
             variables = traced["variables"]
             names = variable_names(self.model, variables)
@@ -271,9 +274,8 @@ class GradientProbe:
             )
         return traced["keys"]
 
-    def _tables(self, loss, statistics, histograms, maxima):
-        traced = self._traced
-        keys = self._layout()
+    def _tables(self, traced, loss, statistics, histograms, maxima):
+        keys = self._layout(traced)
         values = pd.DataFrame(
             statistics.numpy().astype(np.float64), columns=list(schema.STATISTICS)
         )
@@ -301,6 +303,11 @@ class GradientProbe:
             histograms=counts,
             training=self.training,
         )
+
+
+def _signature(x, y):
+    """What makes `tf.function` trace anew: the shapes and dtypes of the inputs."""
+    return tuple((tuple(t.shape), t.dtype.name) for t in tf.nest.flatten((x, y)))
 
 
 def snapshot(model, x, y, loss=None, training=False, histograms=True):
