@@ -63,7 +63,9 @@ class Thresholds:
             layer k) is below it, while layer k's own weight gradient is not
             vanishing. That is the signature of sigmoid/tanh units stuck near
             their limits, where their slope is almost 0. Needs activation
-            rows. Defaults to 1e-2.
+            rows, and compares layers next to each other in `layer_index`
+            order, so it speaks of plain stacks (a residual branch that
+            skips a layer is not followed). Defaults to 1e-2.
     """
 
     vanishing_norm: float = 1e-7
