@@ -46,3 +46,11 @@ def chromium():
         browser = playwright.chromium.launch(executable_path=path, headless=True, args=CHROMIUM_ARGS)
         yield browser
         browser.close()
+
+
+@pytest.hookimpl(tryfirst=True, hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Let fixtures see whether the test body failed (for failure screenshots)."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)

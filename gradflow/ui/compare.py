@@ -9,6 +9,7 @@ from gradflow.ui.controls import WIDGETS
 from gradflow.ui.live import ACTIVE, POLL_SECONDS, run_name
 
 _SELECTED = "compare.run_ids"
+_PICKER = "compare.picker"
 # Fields worth an A/B lesson, with the choices offered for each.
 VARIABLE_FIELDS = {
     spec[0]: spec for spec in WIDGETS
@@ -44,6 +45,8 @@ def ab_launcher(config):
                 return
             run_ids.append(manager.start(variant, name=f"{value} · {run_name(variant)}"))
         st.session_state[_SELECTED] = run_ids
+        # The picker below has not been drawn yet in this rerun, so it may be set.
+        st.session_state[_PICKER] = run_ids
 
 
 def run_picker():
@@ -52,9 +55,11 @@ def run_picker():
     if runs.empty:
         return []
     labels = {row.run_id: f"{row.name} ({row.status})" for row in runs.itertuples()}
-    default = [r for r in st.session_state.get(_SELECTED, []) if r in labels]
-    return st.multiselect("Runs to compare", list(labels), default=default, format_func=labels.get,
-                          key="compare.picker")
+    if _PICKER not in st.session_state:
+        st.session_state[_PICKER] = [r for r in st.session_state.get(_SELECTED, []) if r in labels]
+    # Keep only runs that still exist (one may have been deleted on the Runs page).
+    st.session_state[_PICKER] = [r for r in st.session_state[_PICKER] if r in labels]
+    return st.multiselect("Runs to compare", list(labels), format_func=labels.get, key=_PICKER)
 
 
 def comparison(run_ids):

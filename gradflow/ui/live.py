@@ -77,7 +77,10 @@ def control_buttons(config):
 def _trainer_readiness():
     # A fresh server spends a few seconds importing TensorFlow in its spare
     # worker; say so, so that a slow first start does not look like a hang.
-    if resources.run_manager().wait_warm(0):
+    manager = resources.run_manager()
+    if not manager.prewarm:
+        return
+    if manager.wait_warm(0):
         st.caption(":material/bolt: Trainer ready", help="A worker process is warm and waiting.")
     else:
         st.fragment(_warming, run_every=1.0)()

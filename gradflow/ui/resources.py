@@ -6,6 +6,7 @@ by every browser session, which is what caps concurrent runs server-wide.
 """
 
 import atexit
+import os
 
 import streamlit as st
 
@@ -26,6 +27,8 @@ def run_manager():
     """The server's run manager: a queue, a cap on concurrent runs, warm workers."""
     from gradflow.lab.runner import RunManager
 
-    manager = RunManager(store=run_store())
+    # GRADFLOW_PREWARM=0 skips the warm spare worker (page smoke tests, tiny servers).
+    prewarm = os.environ.get("GRADFLOW_PREWARM", "1") != "0"
+    manager = RunManager(store=run_store(), prewarm=prewarm)
     atexit.register(manager.shutdown)
     return manager

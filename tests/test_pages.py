@@ -1,0 +1,120 @@
+"""Every dashboard page runs without an exception and shows its widgets (Streamlit AppTest)."""
+
+import os
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+LIVE_LABELS = {
+    "slider": ["Depth"],
+    "select_slider": ["Width", "Learning rate", "Batch size"],
+    "selectbox": ["Activation", "Initializer", "Optimizer", "Dataset", "Gradient clipping", "Normalization"],
+    "toggle": ["Residual connections"],
+    "number_input": ["Seed"],
+    "button": ["Start training", "Pause", "Stop"],
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def page_environment(tmp_path_factory):
+    # Pages share st.cache_resource singletons in this process: one store for the module.
+    db = tmp_path_factory.mktemp("pages") / "runs.db"
+    saved = {k: os.environ.get(k) for k in ("GRADFLOW_DB", "GRADFLOW_PREWARM")}
+    os.environ.update(GRADFLOW_DB=str(db), GRADFLOW_PREWARM="0")
+    import streamlit as st
+
+    st.cache_resource.clear()
+    yield db
+    st.cache_resource.clear()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def run_page(name, **query):
+    from streamlit.testing.v1 import AppTest
+
+    app = AppTest.from_file(str(REPO / "pages" / name), default_timeout=120)
+    for key, value in query.items():
+        app.query_params[key] = value
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    return app
+
+
+def labels(app, kind):
+    return {widget.label for widget in getattr(app, kind)}
+
+
+def test_live_training_has_the_contract_widgets():
+    app = run_page("live_training.py")
+    for kind, expected in LIVE_LABELS.items():
+        missing = set(expected) - labels(app, kind)
+        assert not missing, f"{kind} widgets missing: {missing}"
+    start = next(b for b in app.button if b.label == "Start training")
+    assert not start.disabled
+    assert any("Start training" in info.value for info in app.info)
+
+
+def test_a_shared_link_restores_its_settings():
+    app = run_page("live_training.py", depth="8", activation="sigmoid")
+    assert next(s for s in app.slider if s.label == "Depth").value == 8
+    assert next(s for s in app.selectbox if s.label == "Activation").value == "sigmoid"
+
+
+def test_a_broken_link_falls_back_to_defaults_with_a_message():
+    app = run_page("live_training.py", depth="5000")
+    assert any("not valid" in w.value for w in app.warning)
+    assert next(s for s in app.slider if s.label == "Depth").value != 5000
+
+
+def test_invalid_settings_show_a_message_and_disable_start():
+    app = run_page("live_training.py")
+    next(s for s in app.selectbox if s.label == "Architecture").set_value("cnn")
+    next(s for s in app.selectbox if s.label == "Dataset").set_value("spirals")
+    app.run()
+    assert not app.exception
+    assert app.error, "a student must see why the settings do not work"
+    assert "cnn" in app.error[0].value.lower() or "image" in app.error[0].value.lower()
+    assert next(b for b in app.button if b.label == "Start training").disabled
+
+
+def test_compare_page_offers_an_ab_launch():
+    app = run_page("compare.py")
+    assert {"Vary", "A", "B"} <= labels(app, "selectbox")
+    assert "Start comparison" in labels(app, "button")
+
+
+def test_runs_page_lists_runs_from_the_store(page_environment):
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 3}, name="from my script", source="monitor")
+    app = run_page("runs.py")
+    assert "from my script" in app.dataframe[0].value["name"].tolist()
+    assert run_id in app.dataframe[0].value["run_id"].tolist()
+
+
+def test_inspect_page_snapshots_a_built_in_subclassed_rnn():
+    app = run_page("inspect_model.py")
+    example = next(s for s in app.selectbox if s.label == "Example")
+    example.set_value(next(o for o in example.options if "Subclassed" in o))
+    next(b for b in app.button if b.label == "Take snapshot").click()
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert app.metric and app.metric[0].label == "Loss on this batch"
+    tables = [frame.value for frame in app.dataframe]
+    activations = tables[1]
+    assert {"rnn", "head/dense"} <= set(activations["layer"])
+
+
+def test_split_backprop_page_runs_the_lesson():
+    app = run_page("split_backprop.py")
+    app.multiselect[0].set_value([6, 8])
+    next(b for b in app.button if b.label == "Run the lesson").click()
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert any("Largest difference" in s.value for s in app.success)
