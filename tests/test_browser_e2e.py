@@ -134,6 +134,7 @@ def test_teacher_flow(page_factory, tmp_path, artifacts_dir):
         page.wait_for_function(
             f"({HEATMAP_WIDTHS})().filter(width => width > 0).length >= 2", timeout=240_000, polling=250,
         )
+        page.locator(".js-plotly-plot .heatmaplayer").first.wait_for(timeout=30_000)
         no_exception(page)
         body = page.inner_text("body")
         assert "relu" in body and "sigmoid" in body

@@ -43,7 +43,9 @@ def ab_launcher(config):
             except ValueError as error:
                 st.error(f"{value}: {error}")
                 return
-            run_ids.append(manager.start(variant, name=f"{value} · {run_name(variant)}"))
+            # run_name already says the activation; other fields get named.
+            prefix = "" if field == "activation" else f"{VARIABLE_FIELDS[field][1]}: {value} · "
+            run_ids.append(manager.start(variant, name=prefix + run_name(variant)))
         st.session_state[_SELECTED] = run_ids
         # The picker below has not been drawn yet in this rerun, so it may be set.
         st.session_state[_PICKER] = run_ids

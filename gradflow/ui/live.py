@@ -11,9 +11,9 @@ import dataclasses
 import pandas as pd
 import streamlit as st
 
-from gradflow import diagnosis, figures
+from gradflow import diagnosis, export, figures
 from gradflow.ui import resources
-from gradflow.ui.charts import show_chart
+from gradflow.ui.charts import image_export_available, show_chart
 
 ACTIVE = ("queued", "running", "paused")
 POLL_SECONDS = 1.0
@@ -180,6 +180,24 @@ def _panel(run_id, key, was_active):
             show_chart(figures.metrics_chart(cache.metrics, presentation=presentation), f"{key}.metrics")
     else:
         _alerts(store, run_id, stats)
+    if status not in ACTIVE:
+        _lesson_pack_button(info, cache, key)
+
+
+def _lesson_pack_button(info, cache, key):
+    if not image_export_available():
+        st.caption("The lesson pack needs Chromium on the server for its PNG figures.")
+        return
+
+    def build():
+        charts = export.run_charts(cache.layer_stats, cache.metrics, presentation=True)
+        return export.lesson_pack(charts, config=info.get("config"), title=f"gradflow: {info['name']}")
+
+    st.download_button(
+        "Download lesson pack (.zip)", data=build, file_name=f"{export.safe_filename(info['name'])}-lesson.zip",
+        mime="application/zip", key=f"{key}.lesson_pack", on_click="ignore",
+        help="Figures (PNG + interactive HTML), the data as CSV, the settings and a README, for slides and handouts.",
+    )
 
 
 def _tensor_choices(stats):
