@@ -40,9 +40,11 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import gradflow  # noqa: E402
-from gradflow.probe.chain import ChainedBackprop  # noqa: E402
-from gradflow.probe.chain import split_cnn  # noqa: E402
-from gradflow.probe.chain import toy_batch  # noqa: E402
+from gradflow.probe.chain import (
+    ChainedBackprop,  # noqa: E402
+    split_cnn,  # noqa: E402
+    toy_batch,  # noqa: E402
+)
 from gradflow.probe.sensitivity import InputSensitivity  # noqa: E402
 from gradflow.probe.snapshot import GradientProbe  # noqa: E402
 
@@ -114,8 +116,8 @@ def bench_sensitivity(args):
         probe = InputSensitivity(model)
         medians, raw = interleaved(
             {
-                "compiled": lambda: probe(x),
-                "eager_loop": lambda: eager_sensitivity_loop(model, x),
+                "compiled": lambda probe=probe, x=x: probe(x),
+                "eager_loop": lambda model=model, x=x: eager_sensitivity_loop(model, x),
             },
             args.repeats,
             args.calls,
@@ -156,9 +158,9 @@ def bench_chain(args):
         xt, yt = tf.constant(x), tf.constant(y)
         medians, raw = interleaved(
             {
-                "vjp": lambda: vjp(x, y),
-                "jacobian": lambda: jacobian(x, y),
-                "joint_tape": lambda: [g.numpy() for g in joint(xt, yt)],
+                "vjp": lambda vjp=vjp, x=x, y=y: vjp(x, y),
+                "jacobian": lambda jacobian=jacobian, x=x, y=y: jacobian(x, y),
+                "joint_tape": lambda xt=xt, yt=yt: [g.numpy() for g in joint(xt, yt)],
             },
             args.repeats,
             args.calls,
@@ -173,6 +175,17 @@ def bench_chain(args):
     return rows
 
 
+def plain_gradients(model, loss_fn):
+    """The baseline: one tape, the loss, the weight gradients; nothing else."""
+
+    def gradients(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=False))
+        return tape.gradient(loss, model.trainable_variables)
+
+    return gradients
+
+
 def bench_snapshot(args):
     rows = {}
     for name, build in MODELS.items():
@@ -180,19 +193,17 @@ def bench_snapshot(args):
         loss_fn = keras.losses.SparseCategoricalCrossentropy()
         probe = GradientProbe(model, loss=loss_fn)
 
-        @tf.function
-        def plain(x, y):
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y, model(x, training=False))
-            return tape.gradient(loss, model.trainable_variables)
+        plain = tf.function(plain_gradients(model, loss_fn))
 
         xt, yt = tf.constant(x), tf.constant(y)
         probe_no_inputs = GradientProbe(model, loss=loss_fn, sensitivity=False, histograms=False)
         medians, raw = interleaved(
             {
-                "snapshot": lambda: probe(x, y),
-                "snapshot_weights_activations_only": lambda: probe_no_inputs(x, y),
-                "plain_tape": lambda: [g.numpy() for g in plain(xt, yt)],
+                "snapshot": lambda probe=probe, x=x, y=y: probe(x, y),
+                "snapshot_weights_activations_only": (
+                    lambda probe=probe_no_inputs, x=x, y=y: probe(x, y)
+                ),
+                "plain_tape": lambda plain=plain, xt=xt, yt=yt: [g.numpy() for g in plain(xt, yt)],
             },
             args.repeats,
             args.calls,
@@ -239,22 +250,30 @@ def main():
     print(f"{'model':<8}{'compiled':>10}{'eager loop':>12}{'speedup':>9}{'one-shot':>10}")
     for name, row in results["sensitivity"].items():
         s = row["seconds"]
-        print(f"{name:<8}{s['compiled'] * ms:>10.2f}{s['eager_loop'] * ms:>12.2f}"
-              f"{row['speedup']:>8.1f}x{row['one_shot_with_tracing_s'] * ms:>10.0f}")
+        print(
+            f"{name:<8}{s['compiled'] * ms:>10.2f}{s['eager_loop'] * ms:>12.2f}"
+            f"{row['speedup']:>8.1f}x{row['one_shot_with_tracing_s'] * ms:>10.0f}"
+        )
     print("\nchain_gradients on the split CNN (ms per call)")
     print(f"{'batch':<10}{'vjp':>8}{'jacobian':>10}{'joint':>8}{'jac/vjp':>9}{'vjp/joint':>11}")
     for name, row in results["chain"].items():
         s = row["seconds"]
-        print(f"{name:<10}{s['vjp'] * ms:>8.2f}{s['jacobian'] * ms:>10.2f}{s['joint_tape'] * ms:>8.2f}"
-              f"{row['jacobian_over_vjp']:>8.0f}x{row['vjp_over_joint_tape']:>10.2f}x")
+        print(
+            f"{name:<10}{s['vjp'] * ms:>8.2f}{s['jacobian'] * ms:>10.2f}{s['joint_tape'] * ms:>8.2f}"
+            f"{row['jacobian_over_vjp']:>8.0f}x{row['vjp_over_joint_tape']:>10.2f}x"
+        )
     print("targets: jacobian/vjp >= 100x, vjp/joint <= 1.3x")
     print("\nsnapshot vs one plain compiled tape gradient (ms per call)")
-    print(f"{'model':<8}{'snapshot':>10}{'w+a only':>10}{'plain':>8}{'ratio':>8}{'w+a ratio':>11}{'one-shot':>10}")
+    print(
+        f"{'model':<8}{'snapshot':>10}{'w+a only':>10}{'plain':>8}{'ratio':>8}{'w+a ratio':>11}{'one-shot':>10}"
+    )
     for name, row in results["snapshot"].items():
         s = row["seconds"]
-        print(f"{name:<8}{s['snapshot'] * ms:>10.2f}{s['snapshot_weights_activations_only'] * ms:>10.2f}"
-              f"{s['plain_tape'] * ms:>8.2f}{row['snapshot_over_plain_tape']:>7.1f}x"
-              f"{row['weights_activations_only_over_plain_tape']:>10.1f}x{row['one_shot_with_tracing_s'] * ms:>10.0f}")
+        print(
+            f"{name:<8}{s['snapshot'] * ms:>10.2f}{s['snapshot_weights_activations_only'] * ms:>10.2f}"
+            f"{s['plain_tape'] * ms:>8.2f}{row['snapshot_over_plain_tape']:>7.1f}x"
+            f"{row['weights_activations_only_over_plain_tape']:>10.1f}x{row['one_shot_with_tracing_s'] * ms:>10.0f}"
+        )
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2))

@@ -90,7 +90,9 @@ class Thresholds:
                     f"`{name}` is a share of entries and must be below 1, got {getattr(self, name)!r}."
                 )
         if int(self.growth_window) != self.growth_window:
-            raise ValueError(f"`growth_window` must be a whole number of steps, got {self.growth_window!r}.")
+            raise ValueError(
+                f"`growth_window` must be a whole number of steps, got {self.growth_window!r}."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,11 +230,18 @@ def _vanishing(norms, thresholds):
     events = []
     low = _mark_streaks(norms, norms["norm"] < thresholds.vanishing_norm)
     for row in _onsets(low).itertuples():
-        events.append((row.step, row.layer, "vanishing", (
-            f"Layer {row.layer}: gradient norm {row.norm:.1e} at step {row.step} is below "
-            f"{thresholds.vanishing_norm:.0e} — gradients are vanishing, so this layer "
-            "barely learns."
-        )))
+        events.append(
+            (
+                row.step,
+                row.layer,
+                "vanishing",
+                (
+                    f"Layer {row.layer}: gradient norm {row.norm:.1e} at step {row.step} is below "
+                    f"{thresholds.vanishing_norm:.0e} — gradients are vanishing, so this layer "
+                    "barely learns."
+                ),
+            )
+        )
     # First-to-last ratio, one value per step.
     rows = []
     for step, group in norms.groupby("step", sort=True):
@@ -248,12 +257,19 @@ def _vanishing(norms, thresholds):
     ratios["ratio"] = ratios["norm"] / ratios["last_norm"]
     small = _mark_streaks(ratios, ratios["ratio"] < thresholds.vanishing_ratio)
     for row in _onsets(small).itertuples():
-        events.append((row.step, row.layer, "vanishing", (
-            f"Layer {row.layer}: gradient norm {row.norm:.1e} at step {row.step} is only "
-            f"{row.ratio:.1e} times that of the last layer {row.last_layer} "
-            f"({row.last_norm:.1e}), below {thresholds.vanishing_ratio:.0e} — gradients "
-            "vanish on their way back to the input."
-        )))
+        events.append(
+            (
+                row.step,
+                row.layer,
+                "vanishing",
+                (
+                    f"Layer {row.layer}: gradient norm {row.norm:.1e} at step {row.step} is only "
+                    f"{row.ratio:.1e} times that of the last layer {row.last_layer} "
+                    f"({row.last_norm:.1e}), below {thresholds.vanishing_ratio:.0e} — gradients "
+                    "vanish on their way back to the input."
+                ),
+            )
+        )
     return events
 
 
@@ -263,11 +279,18 @@ def _exploding(norms, thresholds):
         return events
     high = _mark_streaks(norms, norms["norm"] > thresholds.exploding_norm)
     for row in _onsets(high).itertuples():
-        events.append((row.step, row.layer, "exploding", (
-            f"Layer {row.layer}: gradient norm {row.norm:.1e} at step {row.step} is above "
-            f"{thresholds.exploding_norm:.0e} — gradients are exploding; try a smaller "
-            "learning rate or gradient clipping."
-        )))
+        events.append(
+            (
+                row.step,
+                row.layer,
+                "exploding",
+                (
+                    f"Layer {row.layer}: gradient norm {row.norm:.1e} at step {row.step} is above "
+                    f"{thresholds.exploding_norm:.0e} — gradients are exploding; try a smaller "
+                    "learning rate or gradient clipping."
+                ),
+            )
+        )
     # Growth: compare with the latest recorded norm at least `growth_window` steps back.
     window = int(thresholds.growth_window)
     ordered = norms.sort_values("step")
@@ -282,12 +305,19 @@ def _exploding(norms, thresholds):
     grown = grown.assign(factor=grown["norm"] / grown["then_norm"])
     fast = _mark_streaks(grown, grown["factor"] > thresholds.exploding_growth)
     for row in _onsets(fast).itertuples():
-        events.append((row.step, row.layer, "exploding", (
-            f"Layer {row.layer}: gradient norm grew {row.factor:.1e}-fold within "
-            f"{window} steps (from {row.then_norm:.1e} to {row.norm:.1e} at step "
-            f"{row.step}), more than {thresholds.exploding_growth:g}x — gradients are "
-            "starting to explode."
-        )))
+        events.append(
+            (
+                row.step,
+                row.layer,
+                "exploding",
+                (
+                    f"Layer {row.layer}: gradient norm grew {row.factor:.1e}-fold within "
+                    f"{window} steps (from {row.then_norm:.1e} to {row.norm:.1e} at step "
+                    f"{row.step}), more than {thresholds.exploding_growth:g}x — gradients are "
+                    "starting to explode."
+                ),
+            )
+        )
     return events
 
 
@@ -307,12 +337,19 @@ def _dead_relu(table, thresholds):
         rows = rows.drop_duplicates(["step", "layer"])
         zeros = _mark_streaks(rows, rows["share"] > limit)
         for row in _onsets(zeros).itertuples():
-            events.append((row.step, row.layer, "dead_relu", (
-                f"Layer {row.layer}: {row.share:.0%} of its {what} entries are exactly 0 "
-                f"at step {row.step} (more than {limit:.0%}) — many ReLU units are dead: "
-                "they output 0 for every sample, so no gradient flows through them. Try "
-                "a smaller learning rate, He initialization or leaky_relu."
-            )))
+            events.append(
+                (
+                    row.step,
+                    row.layer,
+                    "dead_relu",
+                    (
+                        f"Layer {row.layer}: {row.share:.0%} of its {what} entries are exactly 0 "
+                        f"at step {row.step} (more than {limit:.0%}) — many ReLU units are dead: "
+                        "they output 0 for every sample, so no gradient flows through them. Try "
+                        "a smaller learning rate, He initialization or leaky_relu."
+                    ),
+                )
+            )
     return events
 
 
@@ -329,7 +366,7 @@ def _saturation(table, norms, thresholds):
     for step, group in outputs.groupby("step", sort=True):
         below = group.iloc[:-1]
         above = group.iloc[1:]
-        for low, high in zip(below.itertuples(), above.itertuples()):
+        for low, high in zip(below.itertuples(), above.itertuples(), strict=True):
             # dLoss/d(output of the layer below) is dLoss/d(input of `high`).
             if not (high.size > 0 and np.isfinite(low.size)):
                 continue
@@ -342,13 +379,18 @@ def _saturation(table, norms, thresholds):
         return []
     shrunk = _mark_streaks(frame, frame["ratio"] < thresholds.saturation_ratio)
     return [
-        (row.step, row.layer, "saturation", (
-            f"Layer {row.layer}: the gradient shrinks {1 / row.ratio:.1e}-fold as it passes "
-            f"back through this layer at step {row.step} (mean |gradient| {row.out_size:.1e} "
-            f"at its output, {row.in_size:.1e} at its input) — its units are probably "
-            "saturated: sigmoid/tanh outputs stuck near their limits, where the slope is "
-            "almost 0."
-        ))
+        (
+            row.step,
+            row.layer,
+            "saturation",
+            (
+                f"Layer {row.layer}: the gradient shrinks {1 / row.ratio:.1e}-fold as it passes "
+                f"back through this layer at step {row.step} (mean |gradient| {row.out_size:.1e} "
+                f"at its output, {row.in_size:.1e} at its input) — its units are probably "
+                "saturated: sigmoid/tanh outputs stuck near their limits, where the slope is "
+                "almost 0."
+            ),
+        )
         for row in _onsets(shrunk).itertuples()
     ]
 
@@ -394,12 +436,19 @@ def diagnose(layer_stats, thresholds=None):
     origin = first_nonfinite(table)
     if origin is not None:
         count = "" if math.isnan(origin.count) else f", {origin.count:.0f} entries"
-        events.append((origin.step, origin.layer, "nonfinite", (
-            f"Layer {origin.layer}: first non-finite (NaN/Inf) gradient at step "
-            f"{origin.step} ({origin.tensor}{count}). It is the layer nearest the loss "
-            "with a broken gradient, so the NaN starts here or in the loss; the layers "
-            "below only inherit it."
-        )))
+        events.append(
+            (
+                origin.step,
+                origin.layer,
+                "nonfinite",
+                (
+                    f"Layer {origin.layer}: first non-finite (NaN/Inf) gradient at step "
+                    f"{origin.step} ({origin.tensor}{count}). It is the layer nearest the loss "
+                    "with a broken gradient, so the NaN starts here or in the loss; the layers "
+                    "below only inherit it."
+                ),
+            )
+        )
     norms = _layer_norms(table)
     events += _vanishing(norms, thresholds)
     events += _exploding(norms, thresholds)

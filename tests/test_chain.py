@@ -6,9 +6,7 @@ import pytest
 import tensorflow as tf
 
 import gradflow
-from gradflow.probe.chain import ChainedBackprop
-from gradflow.probe.chain import split_cnn
-from gradflow.probe.chain import toy_batch
+from gradflow.probe.chain import ChainedBackprop, split_cnn, toy_batch
 
 
 def joint_tape(parts, x, y, loss_fn):
@@ -31,16 +29,26 @@ def mse(y, p):
 def split_mlp():
     parts = [
         keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh")]),
-        keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(3)]),
+        keras.Sequential(
+            [keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(3)]
+        ),
     ]
     rng = np.random.default_rng(0)
-    return parts, rng.normal(size=(7, 6)).astype("float32"), rng.normal(size=(7, 3)).astype("float32")
+    return (
+        parts,
+        rng.normal(size=(7, 6)).astype("float32"),
+        rng.normal(size=(7, 3)).astype("float32"),
+    )
 
 
 def single_part():
     part = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     rng = np.random.default_rng(1)
-    return [part], rng.normal(size=(4, 3)).astype("float32"), rng.normal(size=(4, 2)).astype("float32")
+    return (
+        [part],
+        rng.normal(size=(4, 3)).astype("float32"),
+        rng.normal(size=(4, 2)).astype("float32"),
+    )
 
 
 def teaching_cnn():
@@ -60,11 +68,11 @@ def test_equals_one_joint_tape(build, method):
     assert result.method == method
     assert result.loss == pytest.approx(value, rel=1e-5)
     assert len(result) == len(parts)
-    for part, got, expected in zip(parts, result, weights):
+    for part, got, expected in zip(parts, result, weights, strict=True):
         assert len(got) == len(part.trainable_variables)
-        for g, e in zip(got, expected):
+        for g, e in zip(got, expected, strict=True):
             np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-7)
-    for got, expected in zip(result.upstream, upstream):
+    for got, expected in zip(result.upstream, upstream, strict=True):
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-8)
 
 
@@ -79,7 +87,11 @@ def test_softmax_head_gives_output_gradient_of_the_probabilities():
     with tf.GradientTape() as tape:
         p = parts[1](parts[0](x))
         value = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, p))
-    for g, e in zip(result[0] + result[1], tape.gradient(value, parts[0].trainable_variables + parts[1].trainable_variables)):
+    for g, e in zip(
+        result[0] + result[1],
+        tape.gradient(value, parts[0].trainable_variables + parts[1].trainable_variables),
+        strict=True,
+    ):
         np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-7)
     # d(-mean log p_y)/dp for probabilities that sum to 1 (Keras renormalizes): (1 - onehot/p) / n.
     probs = p.numpy()
@@ -93,14 +105,18 @@ def test_reusable_backprop_follows_new_batches():
     for scale in (1.0, -2.0):
         result = backprop(scale * x, y)
         _, weights, _ = joint_tape(parts, scale * x, y, mse)
-        np.testing.assert_allclose(result[0][0].numpy(), weights[0][0].numpy(), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(
+            result[0][0].numpy(), weights[0][0].numpy(), rtol=1e-5, atol=1e-7
+        )
 
 
 def test_jacobian_size_guard_names_the_limit():
     parts = split_cnn()
     x, y = toy_batch(16)
     with pytest.raises(ValueError, match="max_jacobian_entries"):
-        gradflow.chain_gradients(parts, x, y, loss="mse", method="jacobian", max_jacobian_entries=50_000)
+        gradflow.chain_gradients(
+            parts, x, y, loss="mse", method="jacobian", max_jacobian_entries=50_000
+        )
 
 
 @pytest.mark.parametrize(
@@ -131,12 +147,37 @@ def test_split_cnn_is_the_documented_teaching_model():
     first = split_cnn(seed=5)
     again = split_cnn(seed=5)
     other = split_cnn(seed=6)
-    assert [type(l).__name__ for p in first for l in p.layers] == ["Conv2D", "Conv2D", "Flatten", "Dense"]
+    assert [type(layer).__name__ for part in first for layer in part.layers] == [
+        "Conv2D",
+        "Conv2D",
+        "Flatten",
+        "Dense",
+    ]
     assert first[2].layers[-1].activation.__name__ == "sigmoid"
-    for a, b in zip(first[0].get_weights(), again[0].get_weights()):
+    for a, b in zip(first[0].get_weights(), again[0].get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(first[0].get_weights()[0], other[0].get_weights()[0])
     x, y = toy_batch(4)
     assert x.shape == (4, 8, 8, 1) and y.shape == (4, 1)
     with pytest.raises(ValueError, match="`input_shape`"):
         split_cnn(input_shape=(3, 3, 1))
+
+
+def test_training_pass_leaves_batchnorm_statistics_alone():
+    parts = [
+        keras.Sequential(
+            [keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization()]
+        ),
+        keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]),
+    ]
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(6, 3)) + 2.0, rng.normal(size=(6, 1))
+    before = [v.numpy().copy() for v in parts[0].non_trainable_variables]
+    result = ChainedBackprop(parts, loss="mse", training=True)(x, y)
+    for variable, value in zip(parts[0].non_trainable_variables, before, strict=True):
+        np.testing.assert_array_equal(variable.numpy(), value)
+    with tf.GradientTape() as tape:
+        value = mse(y, parts[1](parts[0](tf.constant(x, tf.float32), training=True)))
+    expected = tape.gradient(value, parts[1].trainable_variables)
+    for got, want in zip(result[1], expected, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-7)

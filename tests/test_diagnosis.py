@@ -1,16 +1,15 @@
 """The diagnosis rules on small synthetic tables, one case per rule and edge."""
 
+import dataclasses
 import math
-import sys
 import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from gradflow.diagnosis import Thresholds
-from gradflow.diagnosis import diagnose
-from gradflow.diagnosis import first_nonfinite
+from gradflow.diagnosis import Thresholds, diagnose, first_nonfinite
 
 NAN = float("nan")
 INF = float("inf")
@@ -39,7 +38,7 @@ def rows(*records):
     return pd.DataFrame(out)
 
 
-def healthy_run(steps=range(1, 6), layers=3, norm=0.1):
+def healthy_run(steps=(1, 2, 3, 4, 5), layers=3, norm=0.1):
     return rows(
         *[
             (s, f"dense_{i}", i, tensor, norm)
@@ -72,7 +71,11 @@ RULE_CASES = [
     ),
     (
         "vanishing_ratio_first_to_last",
-        rows((1, "first", 0, "kernel", 1e-5), (1, "mid", 1, "kernel", 1e-3), (1, "last", 2, "kernel", 0.5)),
+        rows(
+            (1, "first", 0, "kernel", 1e-5),
+            (1, "mid", 1, "kernel", 1e-3),
+            (1, "last", 2, "kernel", 0.5),
+        ),
         None,
         [(1, "first", "vanishing")],
     ),
@@ -114,7 +117,10 @@ RULE_CASES = [
     ),
     (
         "dead_relu_from_activation_zeros",
-        rows((2, "relu", 1, "activation", 0.1, {"zero_fraction": 0.95}), (2, "relu", 1, "kernel", 0.1)),
+        rows(
+            (2, "relu", 1, "activation", 0.1, {"zero_fraction": 0.95}),
+            (2, "relu", 1, "kernel", 0.1),
+        ),
         None,
         [(2, "relu", "dead_relu")],
     ),
@@ -161,7 +167,7 @@ RULE_CASES = [
 def test_rules(table, thresholds, expected):
     events = diagnose(table.reset_index(drop=True), thresholds)
     assert list(events.columns) == ["step", "layer", "kind", "message"]
-    found = sorted(zip(events["step"], events["layer"], events["kind"]))
+    found = sorted(zip(events["step"], events["layer"], events["kind"], strict=True))
     assert found == sorted(expected)
     for message in events["message"]:
         assert message.startswith("Layer ")
@@ -243,13 +249,15 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(TypeError, match="`layer_stats`"):
         diagnose([1, 2, 3])
     with pytest.raises(ValueError, match="layer_index"):
-        diagnose(pd.DataFrame({"step": [1], "layer": ["d"], "tensor": ["kernel"], "l2_norm": [1.0]}))
+        diagnose(
+            pd.DataFrame({"step": [1], "layer": ["d"], "tensor": ["kernel"], "l2_norm": [1.0]})
+        )
     with pytest.raises(TypeError, match="`thresholds`"):
         diagnose(healthy_run(), thresholds={"vanishing_norm": 1e-3})
 
 
 def test_thresholds_are_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         Thresholds().vanishing_norm = 1.0
     assert math.isclose(Thresholds().vanishing_norm, 1e-7)
 

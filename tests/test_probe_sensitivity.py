@@ -5,13 +5,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gradflow.probe.sensitivity import InputSensitivity
-from gradflow.probe.sensitivity import input_sensitivity
+from gradflow.probe.sensitivity import InputSensitivity, input_sensitivity
 
 
 def per_layer_loop(layers_in_order, x):
     """max |d sum(layer output)/dx| with one plain persistent tape."""
-    x = {k: tf.constant(v, tf.float32) for k, v in x.items()} if isinstance(x, dict) else tf.constant(x, tf.float32)
+    x = (
+        {k: tf.constant(v, tf.float32) for k, v in x.items()}
+        if isinstance(x, dict)
+        else tf.constant(x, tf.float32)
+    )
     with tf.GradientTape(persistent=True) as tape:
         tape.watch(x)
         sums = [tf.reduce_sum(h) for h in layers_in_order(x)]
@@ -70,9 +73,9 @@ def two_inputs():
     x = {"a": rng.normal(size=(4, 2)), "b": rng.normal(size=(4, 3))}
 
     def outputs(x):
-        l = left(x["a"])
-        j = joined([l, x["b"]])
-        return [l, j, out(j)]
+        branch = left(x["a"])
+        j = joined([branch, x["b"]])
+        return [branch, j, out(j)]
 
     return model, x, outputs, ["left", "join", "out"]
 
@@ -93,18 +96,24 @@ def test_reused_probe_follows_new_batches_and_batch_sizes():
     model, x, outputs, _ = deep_tanh_mlp()
     probe = InputSensitivity(model)
     for batch in (x, 3.0 * x, x[:2]):
-        np.testing.assert_allclose(probe(batch)["max_abs"], per_layer_loop(outputs, batch), rtol=1e-5)
+        np.testing.assert_allclose(
+            probe(batch)["max_abs"], per_layer_loop(outputs, batch), rtol=1e-5
+        )
 
 
 def test_training_pass_restores_batchnorm_statistics():
-    model = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.BatchNormalization(), keras.layers.Dense(2)]
+    )
     before = [v.numpy().copy() for v in model.non_trainable_variables]
     input_sensitivity(model, np.random.default_rng(3).normal(size=(4, 3)) + 5.0, training=True)
-    for variable, value in zip(model.non_trainable_variables, before):
+    for variable, value in zip(model.non_trainable_variables, before, strict=True):
         np.testing.assert_array_equal(variable.numpy(), value)
 
 
 def test_integer_input_is_explained():
-    model = keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(5, 2), keras.layers.Flatten()])
+    model = keras.Sequential(
+        [keras.Input((4,), dtype="int32"), keras.layers.Embedding(5, 2), keras.layers.Flatten()]
+    )
     with pytest.raises(ValueError, match="int32.*Embedding|Embedding.*int32"):
         input_sensitivity(model, np.zeros((2, 4), "int32"))

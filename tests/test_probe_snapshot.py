@@ -86,7 +86,9 @@ class MinimalCell(keras.layers.Layer):
 
     def build(self, input_shape):
         self.kernel = self.add_weight(shape=(input_shape[-1], self.units), name="kernel")
-        self.recurrent_kernel = self.add_weight(shape=(self.units, self.units), name="recurrent_kernel")
+        self.recurrent_kernel = self.add_weight(
+            shape=(self.units, self.units), name="recurrent_kernel"
+        )
         self.bias = self.add_weight(shape=(self.units,), initializer="zeros", name="bias")
 
     def call(self, inputs, states):
@@ -203,7 +205,7 @@ def residual_conv_bn():
         f = flat(d)
         out = head(f)
         names = ["conv_a", "norm", "relu", "conv_b", "add", "pool", "drop", "flat", "head"]
-        return list(zip(names, [c, n, r, b, s, p, d, f, out])), out
+        return list(zip(names, [c, n, r, b, s, p, d, f, out], strict=True)), out
 
     return model, x, y, "mse", forward
 
@@ -286,7 +288,7 @@ def test_snapshot_matches_plain_tape(build):
 def test_layer_index_follows_leaf_order_for_weights_and_activations():
     model, x, y, loss, _ = nested_model()
     shot = gradflow.snapshot(model, x, y, loss=loss)
-    weights = dict(zip(shot.weights["layer"], shot.weights["layer_index"]))
+    weights = dict(zip(shot.weights["layer"], shot.weights["layer_index"], strict=True))
     assert weights == {"body/d1": 0, "body/d2": 1, "head": 2}
     assert list(shot.activations["layer_index"]) == [0, 1, 2]
     assert list(shot.weights["tensor"]) == ["kernel", "bias"] * 3
@@ -299,14 +301,19 @@ def test_snapshot_changes_no_variable(training):
     before = [v.numpy().copy() for v in model.variables]
     shot = gradflow.snapshot(model, x, y, training=training)
     assert shot.training is training
-    for variable, value in zip(model.variables, before):
+    for variable, value in zip(model.variables, before, strict=True):
         np.testing.assert_array_equal(variable.numpy(), value, err_msg=variable.path)
 
 
 def test_training_true_matches_a_training_pass_with_batch_statistics():
     model = keras.Sequential(
         # No bias before BN: its gradient is exactly 0 in theory, rounding noise in practice.
-        [keras.Input((3,)), keras.layers.Dense(5, use_bias=False), keras.layers.BatchNormalization(), keras.layers.Dense(1)]
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(5, use_bias=False),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(1),
+        ]
     )
     rng = np.random.default_rng(8)
     x, y = rng.normal(size=(6, 3)).astype("float32"), rng.normal(size=(6, 1)).astype("float32")
@@ -314,7 +321,7 @@ def test_training_true_matches_a_training_pass_with_batch_statistics():
     with tf.GradientTape() as tape:
         value = tf.reduce_mean(tf.square(y - model(x, training=True)))
     gradients = tape.gradient(value, model.trainable_variables)
-    for variable, saved in zip(model.non_trainable_variables, moving):
+    for variable, saved in zip(model.non_trainable_variables, moving, strict=True):
         variable.assign(saved)  # the reference pass moved them
 
     shot = gradflow.snapshot(model, x, y, loss="mse", training=True)
@@ -334,7 +341,12 @@ def test_compiled_loss_is_used_when_loss_is_none():
 
 def test_integer_inputs_give_nan_sensitivity_with_reason():
     model = keras.Sequential(
-        [keras.Input((5,), dtype="int32"), keras.layers.Embedding(10, 3), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)]
+        [
+            keras.Input((5,), dtype="int32"),
+            keras.layers.Embedding(10, 3),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1),
+        ]
     )
     x = np.arange(20).reshape(4, 5) % 10
     shot = gradflow.snapshot(model, x, np.zeros((4, 1)), loss="mse")
@@ -349,8 +361,16 @@ def test_integer_inputs_give_nan_sensitivity_with_reason():
     "call, error, words",
     [
         (lambda m, x, y: gradflow.snapshot(m, x, y), ValueError, "not compiled"),
-        (lambda m, x, y: gradflow.snapshot(m, x, y[:3], loss="mse"), ValueError, "same number of samples"),
-        (lambda m, x, y: gradflow.snapshot(m, x, y, loss="mean_squared_eror"), ValueError, "Unknown loss"),
+        (
+            lambda m, x, y: gradflow.snapshot(m, x, y[:3], loss="mse"),
+            ValueError,
+            "same number of samples",
+        ),
+        (
+            lambda m, x, y: gradflow.snapshot(m, x, y, loss="mean_squared_eror"),
+            ValueError,
+            "Unknown loss",
+        ),
         (lambda m, x, y: gradflow.snapshot(m, x, y, loss=3), TypeError, "`loss`"),
         (lambda m, x, y: gradflow.snapshot(m, {"a": object()}, y, loss="mse"), TypeError, "`x`"),
     ],

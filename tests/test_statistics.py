@@ -41,7 +41,10 @@ def numpy_histogram(array):
         if value < 10.0**schema.HISTOGRAM_LOW:
             position = 0
         else:
-            position = int(np.floor((np.log10(value) - schema.HISTOGRAM_LOW) / schema.HISTOGRAM_BIN_WIDTH)) + 1
+            position = (
+                int(np.floor((np.log10(value) - schema.HISTOGRAM_LOW) / schema.HISTOGRAM_BIN_WIDTH))
+                + 1
+            )
             position = min(position, schema.HISTOGRAM_BINS - 1)
         counts[position] += 1
     return counts
@@ -76,7 +79,9 @@ def test_many_tensors_at_once_keep_their_own_rows():
     statistics, histograms = summarize([tf.constant(a) for a in arrays], histogram=True)
     assert statistics.shape == (len(arrays), len(schema.STATISTICS))
     for row, array in enumerate(arrays):
-        np.testing.assert_allclose(statistics.numpy()[row], numpy_statistics(array), rtol=1e-5, atol=1e-30)
+        np.testing.assert_allclose(
+            statistics.numpy()[row], numpy_statistics(array), rtol=1e-5, atol=1e-30
+        )
         np.testing.assert_array_equal(histograms.numpy()[row], numpy_histogram(array))
 
 

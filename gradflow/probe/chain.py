@@ -25,6 +25,7 @@ result.upstream[1]   # dLoss/d(output of parts[1]), what parts[1]'s tape receive
 """
 
 import collections.abc
+import contextlib
 import dataclasses
 
 import keras
@@ -32,9 +33,8 @@ import numpy as np
 import tensorflow as tf
 
 from gradflow.probe import capture
-from gradflow.probe.sensitivity import to_tensors
-from gradflow.probe.snapshot import check_batch_sizes
-from gradflow.probe.snapshot import resolve_loss
+from gradflow.probe.sensitivity import restored_state, to_tensors
+from gradflow.probe.snapshot import check_batch_sizes, resolve_loss
 
 METHODS = ("vjp", "jacobian")
 
@@ -88,7 +88,9 @@ class ChainedBackprop:
             Jacobians (slow, for teaching).
         max_jacobian_entries: With `method="jacobian"`, the largest number of
             entries one Jacobian may have. Defaults to 20,000,000.
-        training: Forward pass in training mode. Defaults to `False`.
+        training: Forward pass in training mode. Defaults to `False`. With
+            `True`, BatchNormalization's moving statistics (and Dropout's seed
+            state) are restored after each call.
 
     Raises:
         TypeError: if `models` is not a list of Keras layers.
@@ -120,14 +122,14 @@ class ChainedBackprop:
             raise ValueError(f"`method` must be one of {METHODS}, got {method!r}.")
         if not isinstance(max_jacobian_entries, int) or max_jacobian_entries < 1:
             raise ValueError(
-                "`max_jacobian_entries` must be a positive integer, got "
-                f"{max_jacobian_entries!r}."
+                f"`max_jacobian_entries` must be a positive integer, got {max_jacobian_entries!r}."
             )
         self.models = list(models)
         self.loss_fn = resolve_loss(self.models[-1], loss)
         self.method = method
         self.max_jacobian_entries = max_jacobian_entries
         self.training = bool(training)
+        self._checked_shapes = set()
         backward = self._vjp if method == "vjp" else self._jacobian
         self._compiled = tf.function(backward)
 
@@ -155,9 +157,13 @@ class ChainedBackprop:
             for model in self.models:
                 capture.ensure_built(model, h)
                 h = model(h, training=False)
-        if self.method == "jacobian":
+        if self.method == "jacobian" and tuple(x.shape) not in self._checked_shapes:
             self._check_jacobian_sizes(x)
-        loss, gradients, upstream = self._compiled(x, y)
+            self._checked_shapes.add(tuple(x.shape))
+        with contextlib.ExitStack() as stack:
+            for model in self.models:
+                stack.enter_context(restored_state(model, enabled=self.training))
+            loss, gradients, upstream = self._compiled(x, y)
         return ChainGradients(
             gradients=[list(g) for g in gradients],
             upstream=list(upstream),
@@ -368,9 +374,7 @@ def split_cnn(input_shape=(8, 8, 1), filters=4, seed=0):
         )
 
     first = keras.Sequential([keras.Input(shape), conv(0)], name="part_1_conv")
-    second = keras.Sequential(
-        [keras.Input(first.output_shape[1:]), conv(1)], name="part_2_conv"
-    )
+    second = keras.Sequential([keras.Input(first.output_shape[1:]), conv(1)], name="part_2_conv")
     head = keras.Sequential(
         [
             keras.Input(second.output_shape[1:]),

@@ -22,10 +22,8 @@ import pandas as pd
 import tensorflow as tf
 
 from gradflow import schema
-from gradflow.probe import capture
-from gradflow.probe import sensitivity
-from gradflow.probe.naming import layer_order
-from gradflow.probe.naming import variable_names
+from gradflow.probe import capture, sensitivity
+from gradflow.probe.naming import layer_order, variable_names
 from gradflow.statistics import summarize
 
 _KEY_COLUMNS = ["step", "layer", "layer_index", "tensor", "variable", "shape"]
@@ -72,9 +70,7 @@ class Snapshot:
     def layer_stats(self):
         """`weights` and `activations` stacked in gradflow's tidy layout."""
         columns = [c for c in schema.LAYER_STATS_COLUMNS if c in self.weights.columns]
-        return pd.concat(
-            [self.weights[columns], self.activations[columns]], ignore_index=True
-        )
+        return pd.concat([self.weights[columns], self.activations[columns]], ignore_index=True)
 
 
 def resolve_loss(model, loss):
@@ -122,9 +118,7 @@ def check_batch_sizes(x, y):
     for name, data in (("x", x), ("y", y)):
         for tensor in tf.nest.flatten(data):
             if tensor.shape.rank == 0:
-                raise ValueError(
-                    f"`{name}` must have a batch dimension, got a scalar {tensor}."
-                )
+                raise ValueError(f"`{name}` must have a batch dimension, got a scalar {tensor}.")
             sizes.setdefault(tensor.shape[0], (name, tuple(tensor.shape)))
     if len(sizes) > 1:
         seen = ", ".join(f"`{n}` of shape {s}" for n, s in sizes.values())
@@ -194,7 +188,9 @@ class GradientProbe:
                 y_pred = model(x, training=self.training)
             loss = _mean_loss(self.loss_fn, y, y_pred)
             if model.losses:
-                loss += tf.add_n([tf.cast(tf.reduce_sum(l), tf.float32) for l in model.losses])
+                loss += tf.add_n(
+                    [tf.cast(tf.reduce_sum(extra), tf.float32) for extra in model.losses]
+                )
             # Keras's cross-entropies read a softmax/sigmoid output's logits
             # directly (for stability), which leaves the output tensor itself
             # off the gradient path. The same loss on a copy of the output
@@ -210,7 +206,7 @@ class GradientProbe:
         )
         final = tape.gradient(shown_loss, shown)
         for i, tensor in enumerate(outputs.tensors):
-            for output, gradient in zip(tf.nest.flatten(y_pred), final):
+            for output, gradient in zip(tf.nest.flatten(y_pred), final, strict=True):
                 if tensor is output and gradient is not None:
                     gradients[len(variables) + i] = gradient
         # Record gradient statistics
@@ -292,9 +288,7 @@ class GradientProbe:
             counts = np.zeros((0, len(_BIN_COLUMNS)), np.int64)
         else:
             counts = histograms.numpy().astype(np.int64)
-        counts = pd.concat(
-            [histogram_keys, pd.DataFrame(counts, columns=_BIN_COLUMNS)], axis=1
-        )
+        counts = pd.concat([histogram_keys, pd.DataFrame(counts, columns=_BIN_COLUMNS)], axis=1)
         return Snapshot(
             weights=table.iloc[:n].reset_index(drop=True),
             activations=table.iloc[n:].reset_index(drop=True),
