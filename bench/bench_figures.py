@@ -48,7 +48,9 @@ def synthetic_layer_stats(tensors=("kernel",)):
             pd.DataFrame(
                 {
                     "step": step,
-                    "layer": np.array([f"block_{i}/dense" for i in range(LAYERS)], dtype=object)[layer_index],
+                    "layer": np.array([f"block_{i}/dense" for i in range(LAYERS)], dtype=object)[
+                        layer_index
+                    ],
                     "layer_index": layer_index,
                     "tensor": tensor,
                     "variable": "",
@@ -111,11 +113,23 @@ def main():
             times[name].append(timed(case, cpu[name]))
 
     chart = figures.heatmap(kernels_cat, "max_abs")
-    small = [chart, figures.profile(kernels_cat, statistics=("max_abs", "l2_norm")), figures.layer_lines(kernels_cat, layers=[0, 50, 99]), chart]
-    image_times = {"PNG export, 1 heatmap (browser start included)": [], "PNG export, batch of 4 figures (one browser)": []}
+    small = [
+        chart,
+        figures.profile(kernels_cat, statistics=("max_abs", "l2_norm")),
+        figures.layer_lines(kernels_cat, layers=[0, 50, 99]),
+        chart,
+    ]
+    image_times = {
+        "PNG export, 1 heatmap (browser start included)": [],
+        "PNG export, batch of 4 figures (one browser)": [],
+    }
     for _ in range(IMAGE_REPEATS):
-        image_times["PNG export, 1 heatmap (browser start included)"].append(timed(lambda: export.to_image(chart, "png")))
-        image_times["PNG export, batch of 4 figures (one browser)"].append(timed(lambda: export.to_images(small, "png")))
+        image_times["PNG export, 1 heatmap (browser start included)"].append(
+            timed(lambda: export.to_image(chart, "png"))
+        )
+        image_times["PNG export, batch of 4 figures (one browser)"].append(
+            timed(lambda: export.to_images(small, "png"))
+        )
     times.update(image_times)
 
     medians = {name: statistics.median(values) for name, values in times.items()}
@@ -125,7 +139,9 @@ def main():
     for name, values in times.items():
         ratio = f"{medians[name] / baseline:.2f}x" if "export" not in name else ""
         cpu_text = f"{cpu_medians[name] * 1e3:8.1f}" if name in cpu_medians else f"{'':8s}"
-        print(f"{name:58s} {medians[name] * 1e3:10.1f} {min(values) * 1e3:8.1f} {cpu_text} {ratio:>9s}")
+        print(
+            f"{name:58s} {medians[name] * 1e3:10.1f} {min(values) * 1e3:8.1f} {cpu_text} {ratio:>9s}"
+        )
     result = {
         "layers": LAYERS,
         "steps": STEPS,

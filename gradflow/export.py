@@ -193,9 +193,17 @@ def to_html(figure, *, title=None):
     """
     plotly_figure = _figure_of(figure)
     if title is None:
-        title = figure.title if isinstance(figure, figures.Chart) and figure.title else "gradflow figure"
+        title = (
+            figure.title
+            if isinstance(figure, figures.Chart) and figure.title
+            else "gradflow figure"
+        )
     page = plotly.io.to_html(
-        plotly_figure, include_plotlyjs=True, full_html=True, config=style.PLOTLY_CONFIG, validate=False
+        plotly_figure,
+        include_plotlyjs=True,
+        full_html=True,
+        config=style.PLOTLY_CONFIG,
+        validate=False,
     )
     return page.replace("</head>", f"<title>{style.escape_label(title)}</title></head>", 1)
 
@@ -220,7 +228,9 @@ def neutralize_csv_cells(data):
     """
     safe = data.copy()
     for column in safe.columns:
-        if safe[column].dtype == object or isinstance(safe[column].dtype, (pd.CategoricalDtype, pd.StringDtype)):
+        if safe[column].dtype == object or isinstance(
+            safe[column].dtype, (pd.CategoricalDtype, pd.StringDtype)
+        ):
             safe[column] = safe[column].astype(object).map(_neutralize)
     safe.columns = [_neutralize(str(c)) for c in safe.columns]
     return safe
@@ -249,7 +259,9 @@ def to_csv(data):
     if isinstance(data, figures.Chart):
         data = data.data
     if not isinstance(data, pd.DataFrame):
-        raise TypeError(f"`data` must be a pandas DataFrame or a gradflow.figures.Chart, got {type(data).__name__}.")
+        raise TypeError(
+            f"`data` must be a pandas DataFrame or a gradflow.figures.Chart, got {type(data).__name__}."
+        )
     # CRLF line ends (RFC 4180) also make the csv module quote fields holding
     # a lone "\r" or "\n", which would otherwise split a row in two.
     return neutralize_csv_cells(data).to_csv(index=False, na_rep="nan", lineterminator="\r\n")
@@ -318,7 +330,9 @@ def lesson_pack(charts, config=None, title="gradflow lesson pack"):
     used = set()
     for name, chart in charts.items():
         if not isinstance(chart, figures.Chart):
-            raise TypeError(f"`charts` values must be gradflow.figures.Chart, got {type(chart).__name__} for {name!r}.")
+            raise TypeError(
+                f"`charts` values must be gradflow.figures.Chart, got {type(chart).__name__} for {name!r}."
+            )
         stem = safe_filename(name)
         while stem in used:
             stem += "_"
@@ -329,7 +343,7 @@ def lesson_pack(charts, config=None, title="gradflow lesson pack"):
     readme = [title, "=" * len(title), "", "Made with gradflow. Contents:", ""]
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-        for (stem, chart), png in zip(named, pngs):
+        for (stem, chart), png in zip(named, pngs, strict=True):
             archive.writestr(f"figures/{stem}.png", png)
             archive.writestr(f"figures/{stem}.html", to_html(chart))
             archive.writestr(f"data/{stem}.csv", to_csv(chart))
@@ -346,7 +360,10 @@ def lesson_pack(charts, config=None, title="gradflow lesson pack"):
             "maximum over blocks of steps, so no spike, NaN or Inf is hidden.",
             "Text cells starting with = + - @ are prefixed with ' for spreadsheet safety.",
         ]
-        archive.writestr("config.json", json.dumps(_json_safe(config or {}), indent=2, sort_keys=True, allow_nan=False))
+        archive.writestr(
+            "config.json",
+            json.dumps(_json_safe(config or {}), indent=2, sort_keys=True, allow_nan=False),
+        )
         archive.writestr("README.txt", "\n".join(readme) + "\n")
     return buffer.getvalue()
 
@@ -371,12 +388,20 @@ def run_charts(layer_stats, metrics, presentation=False):
     kinds = set(layer_stats["tensor"].unique()) if len(layer_stats) else set()
     weights = "kernel" if "kernel" in kinds else figures.ALL_WEIGHTS
     if kinds - {"activation"}:
-        charts["max_abs_heatmap"] = figures.heatmap(layer_stats, "max_abs", weights, presentation=presentation)
-        charts["l2_norm_heatmap"] = figures.heatmap(layer_stats, "l2_norm", weights, presentation=presentation)
-        charts["max_abs_lines"] = figures.layer_lines(layer_stats, "max_abs", weights, presentation=presentation)
+        charts["max_abs_heatmap"] = figures.heatmap(
+            layer_stats, "max_abs", weights, presentation=presentation
+        )
+        charts["l2_norm_heatmap"] = figures.heatmap(
+            layer_stats, "l2_norm", weights, presentation=presentation
+        )
+        charts["max_abs_lines"] = figures.layer_lines(
+            layer_stats, "max_abs", weights, presentation=presentation
+        )
         charts["profile"] = figures.profile(layer_stats, tensor=weights, presentation=presentation)
     if "activation" in kinds:
-        charts["activation_heatmap"] = figures.heatmap(layer_stats, "max_abs", "activation", presentation=presentation)
+        charts["activation_heatmap"] = figures.heatmap(
+            layer_stats, "max_abs", "activation", presentation=presentation
+        )
     if len(metrics):
         chart = figures.metrics_chart(metrics, presentation=presentation)
         if len(chart.data):
@@ -428,15 +453,22 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     out_dir = out_dir.resolve()
-    base = safe_filename(info.get("name") or f"run-{run_id}", default=f"run-{safe_filename(run_id, 'run')}")
+    base = safe_filename(
+        info.get("name") or f"run-{run_id}", default=f"run-{safe_filename(run_id, 'run')}"
+    )
 
     if fmt == "zip":
         title = f"gradflow lesson pack: {info.get('name') or run_id}"
-        return [_write(out_dir, f"{base}_lesson.zip", lesson_pack(charts, info.get("config"), title))]
+        return [
+            _write(out_dir, f"{base}_lesson.zip", lesson_pack(charts, info.get("config"), title))
+        ]
     if fmt in IMAGE_FORMATS:
         payloads = to_images(list(charts.values()), fmt)
     elif fmt == "html":
         payloads = [to_html(chart) for chart in charts.values()]
     else:
         payloads = [to_csv(chart) for chart in charts.values()]
-    return [_write(out_dir, f"{base}_{name}.{fmt}", payload) for name, payload in zip(charts, payloads)]
+    return [
+        _write(out_dir, f"{base}_{name}.{fmt}", payload)
+        for name, payload in zip(charts, payloads, strict=True)
+    ]

@@ -12,11 +12,12 @@ import pandas as pd
 import PIL.Image
 import pytest
 
-from gradflow import export
-from gradflow import figures
+from gradflow import export, figures
 
 EVIL = "<script>alert(1)</script>"
-needs_browser = pytest.mark.skipif(export.find_browser() is None, reason="no Chromium/Chrome installed")
+needs_browser = pytest.mark.skipif(
+    export.find_browser() is None, reason="no Chromium/Chrome installed"
+)
 
 
 def make_layer_stats(steps=8, layers=("dense", EVIL, "a&b")):
@@ -46,7 +47,10 @@ def make_layer_stats(steps=8, layers=("dense", EVIL, "a&b")):
 def make_metrics(steps=8):
     rows = []
     for step in range(1, steps + 1):
-        rows += [dict(step=step, name="loss", value=1.0 / step), dict(step=step, name="accuracy", value=step / 10)]
+        rows += [
+            dict(step=step, name="loss", value=1.0 / step),
+            dict(step=step, name="accuracy", value=step / 10),
+        ]
     rows.append(dict(step=steps, name="val_loss", value=np.nan))
     return pd.DataFrame(rows)
 
@@ -58,7 +62,11 @@ class FakeStore:
         self.name = name
 
     def run_info(self, run_id):
-        return {"run_id": run_id, "name": self.name, "config": {"depth": 3, "learning_rate": float("nan")}}
+        return {
+            "run_id": run_id,
+            "name": self.name,
+            "config": {"depth": 3, "learning_rate": float("nan")},
+        }
 
     def layer_stats(self, run_id):
         return make_layer_stats()
@@ -77,7 +85,7 @@ def test_png_batch_renders_real_images(artifacts_dir):
     }
     images = export.to_images(list(charts.values()), "png")
     assert len(images) == 3
-    for (name, chart), png in zip(charts.items(), images):
+    for (name, chart), png in zip(charts.items(), images, strict=True):
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
         image = PIL.Image.open(io.BytesIO(png))
         image.load()
@@ -122,10 +130,18 @@ def test_gradflow_chromium_variable_wins(monkeypatch, tmp_path):
 @pytest.mark.parametrize(
     "call, error, words",
     [
-        (lambda c: export.to_image(c, "jpeg"), ValueError, "`format` must be one of ['png', 'svg', 'pdf']"),
+        (
+            lambda c: export.to_image(c, "jpeg"),
+            ValueError,
+            "`format` must be one of ['png', 'svg', 'pdf']",
+        ),
         (lambda c: export.to_html("chart"), TypeError, "plotly Figure or a gradflow.figures.Chart"),
         (lambda c: export.to_csv([1, 2]), TypeError, "`data` must be a pandas DataFrame"),
-        (lambda c: export.export_run(FakeStore("x"), "r", "gif", "/tmp"), ValueError, "`fmt` must be one of"),
+        (
+            lambda c: export.export_run(FakeStore("x"), "r", "gif", "/tmp"),
+            ValueError,
+            "`fmt` must be one of",
+        ),
         (lambda c: export.lesson_pack({}), ValueError, "at least one chart"),
     ],
 )
@@ -142,7 +158,9 @@ def parse_new_plot_arguments(page):
         raise ValueError(f"bare {name} in the page's JSON")
 
     decoder = json.JSONDecoder(parse_constant=no_constants)
-    position = page.rindex("Plotly.newPlot(") + len("Plotly.newPlot(")  # the library mentions it too
+    position = page.rindex("Plotly.newPlot(") + len(
+        "Plotly.newPlot("
+    )  # the library mentions it too
     arguments = []
     for _ in range(4):  # div id, data, layout, config
         while page[position] in " \n\r\t,":

@@ -13,8 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gradflow import figures
-from gradflow import schema
+from gradflow import figures, schema
 from gradflow.figures import decimate
 from gradflow.figures import grid as grid_lib
 
@@ -47,7 +46,11 @@ def make_layer_stats(steps=6, layers=LAYERS, tensors=("kernel", "bias"), seed=0)
 
 
 def set_value(frame, step, layer_index, tensor, column, value):
-    where = (frame["step"] == step) & (frame["layer_index"] == layer_index) & (frame["tensor"] == tensor)
+    where = (
+        (frame["step"] == step)
+        & (frame["layer_index"] == layer_index)
+        & (frame["tensor"] == tensor)
+    )
     assert where.sum() == 1
     frame.loc[where, column] = value
 
@@ -68,7 +71,9 @@ def test_figures_and_export_import_neither_tensorflow_nor_streamlit():
         "bad = [m for m in ('tensorflow', 'streamlit', 'keras') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -77,7 +82,9 @@ def test_heatmap_values_are_log10_of_the_statistic_in_layer_index_order():
     chart = figures.heatmap(frame, "max_abs", "kernel")
     trace = heat_trace(chart)
     # Reference: plain pandas pivot, rows by layer_index (input first = bottom).
-    reference = frame[frame["tensor"] == "kernel"].pivot(index="layer_index", columns="step", values="max_abs")
+    reference = frame[frame["tensor"] == "kernel"].pivot(
+        index="layer_index", columns="step", values="max_abs"
+    )
     np.testing.assert_allclose(np.asarray(trace.z), np.log10(reference.to_numpy()))
     np.testing.assert_array_equal(np.asarray(trace.x), reference.columns.to_numpy())
     assert list(trace.y) == list(LAYERS)  # first row is drawn at the bottom
@@ -98,7 +105,7 @@ def test_heatmap_colorbar_is_labelled_in_real_units():
     assert trace.zmin == math.floor(math.log10(lowest))
     assert trace.zmax == math.ceil(math.log10(highest))
     expected = {-3: "1e-3", -2: "1e-2", -1: "1e-1", 0: "1", 1: "10"}
-    for value, text in zip(trace.colorbar.tickvals, trace.colorbar.ticktext):
+    for value, text in zip(trace.colorbar.tickvals, trace.colorbar.ticktext, strict=True):
         assert expected[int(value)] == text
     assert "log" in trace.colorbar.title.text
 
@@ -156,7 +163,9 @@ def test_all_weights_combines_every_variable_of_a_layer(statistic, combine):
     frame = make_layer_stats(tensors=("kernel", "bias", "activation"))
     chart = figures.heatmap(frame, statistic, figures.ALL_WEIGHTS)
     z = np.asarray(heat_trace(chart).z)
-    for (step, index), group in frame[frame["tensor"] != "activation"].groupby(["step", "layer_index"]):
+    for (step, index), group in frame[frame["tensor"] != "activation"].groupby(
+        ["step", "layer_index"]
+    ):
         assert z[index, step - 1] == pytest.approx(math.log10(combine(group[statistic].to_numpy())))
 
 
@@ -197,7 +206,9 @@ def brute_force_block_max(values, present, block):
     out = np.full((rows, math.ceil(cols / block)), np.nan)
     for r in range(rows):
         for b in range(out.shape[1]):
-            cells = [values[r, c] for c in range(b * block, min(cols, (b + 1) * block)) if present[r, c]]
+            cells = [
+                values[r, c] for c in range(b * block, min(cols, (b + 1) * block)) if present[r, c]
+            ]
             if not cells:
                 continue
             if any(np.isnan(cells)):
@@ -297,7 +308,9 @@ def test_layer_lines_log_axis_one_line_per_layer_and_nan_marker():
     lines = [t for t in chart.figure.data if t.mode == "lines"]
     assert [t.name for t in lines] == list(LAYERS)
     assert chart.figure.layout.yaxis.type == "log"
-    reference = frame[(frame["tensor"] == "kernel") & (frame["layer_index"] == 0)].sort_values("step")
+    reference = frame[(frame["tensor"] == "kernel") & (frame["layer_index"] == 0)].sort_values(
+        "step"
+    )
     np.testing.assert_allclose(np.asarray(lines[0].y), reference["max_abs"].to_numpy())
     nan_marker = marker_traces(chart)["NaN"]
     assert list(nan_marker.x) == [4]
@@ -308,7 +321,11 @@ def test_layer_lines_log_axis_one_line_per_layer_and_nan_marker():
 
 def test_metrics_chart_draws_train_and_validation_per_panel():
     metrics = pd.DataFrame(
-        [dict(step=s, name=n, value=v) for s in range(1, 6) for n, v in (("loss", 1 / s), ("val_loss", 2 / s), ("accuracy", s / 10))]
+        [
+            dict(step=s, name=n, value=v)
+            for s in range(1, 6)
+            for n, v in (("loss", 1 / s), ("val_loss", 2 / s), ("accuracy", s / 10))
+        ]
     )
     chart = figures.metrics_chart(metrics)
     names = [t.name for t in chart.figure.data]
@@ -335,7 +352,9 @@ def test_profile_at_a_step(step, shown):
     bars = [t for t in chart.figure.data if t.type == "bar"]
     assert [b.name for b in bars] == ["max |gradient|", "mean |gradient|"]
     assert list(bars[0].x) == list(LAYERS)  # input on the left
-    expected = frame[(frame["tensor"] == "kernel") & (frame["step"] == shown)].sort_values("layer_index")
+    expected = frame[(frame["tensor"] == "kernel") & (frame["step"] == shown)].sort_values(
+        "layer_index"
+    )
     np.testing.assert_allclose(np.asarray(bars[0].y), expected["max_abs"].to_numpy())
     np.testing.assert_allclose(np.asarray(bars[1].y), expected["mean_abs"].to_numpy())
     assert chart.figure.layout.yaxis.type == "log"
@@ -359,9 +378,22 @@ def test_compare_profiles_and_metrics_overlay_runs():
     expected = b[(b["tensor"] == "kernel") & (b["step"] == 6)].sort_values("layer_index")["l2_norm"]
     np.testing.assert_allclose(np.asarray(chart.figure.data[1].y), expected.to_numpy())
 
-    metrics = pd.DataFrame({"step": [1, 2, 1, 2], "name": ["loss", "loss", "val_loss", "val_loss"], "value": [1.0, 0.5, 1.2, 0.7]})
-    chart = figures.compare_metrics({"relu": metrics, "sigmoid": metrics.assign(value=metrics["value"] * 2)})
-    assert [t.name for t in chart.figure.data] == ["relu", "relu (validation)", "sigmoid", "sigmoid (validation)"]
+    metrics = pd.DataFrame(
+        {
+            "step": [1, 2, 1, 2],
+            "name": ["loss", "loss", "val_loss", "val_loss"],
+            "value": [1.0, 0.5, 1.2, 0.7],
+        }
+    )
+    chart = figures.compare_metrics(
+        {"relu": metrics, "sigmoid": metrics.assign(value=metrics["value"] * 2)}
+    )
+    assert [t.name for t in chart.figure.data] == [
+        "relu",
+        "relu (validation)",
+        "sigmoid",
+        "sigmoid (validation)",
+    ]
     assert chart.figure.data[0].line.color == chart.figure.data[1].line.color
     assert list(chart.figure.data[3].y) == [2.4, 1.4]
 
@@ -372,7 +404,15 @@ def histogram_rows(steps, layer="dense", tensor="kernel"):
         counts = np.zeros(schema.HISTOGRAM_BINS, dtype=np.int64)
         counts[10] = 90
         counts[12] = 10
-        rows.append(dict(step=step, layer=layer, layer_index=0, tensor=tensor, **{f"b{i}": c for i, c in enumerate(counts)}))
+        rows.append(
+            dict(
+                step=step,
+                layer=layer,
+                layer_index=0,
+                tensor=tensor,
+                **{f"b{i}": c for i, c in enumerate(counts)},
+            )
+        )
     return pd.DataFrame(rows)
 
 
@@ -392,11 +432,15 @@ def test_histogram_heatmap_shows_log_share_per_bin():
 def test_histogram_long_layout_and_decimation_keep_a_rare_bin():
     wide = histogram_rows(range(1, 401))
     wide.loc[wide["step"] == 123, "b33"] = 1  # one huge entry, once
-    long = wide.melt(id_vars=["step", "layer", "layer_index", "tensor"], var_name="bin", value_name="count")
+    long = wide.melt(
+        id_vars=["step", "layer", "layer_index", "tensor"], var_name="bin", value_name="count"
+    )
     long["bin"] = long["bin"].str[1:].astype(int)
     from_wide = figures.histogram_heatmap(wide, "dense", max_columns=40)
     from_long = figures.histogram_heatmap(long, "dense", max_columns=40)
-    np.testing.assert_allclose(np.asarray(heat_trace(from_wide).z), np.asarray(heat_trace(from_long).z))
+    np.testing.assert_allclose(
+        np.asarray(heat_trace(from_wide).z), np.asarray(heat_trace(from_long).z)
+    )
     rare = from_wide.data[from_wide.data["bin"] == 33]
     assert len(rare) == 1 and rare["step"].iloc[0] <= 123 <= rare["step_last"].iloc[0]
 
@@ -409,7 +453,11 @@ def test_histogram_long_layout_and_decimation_keep_a_rare_bin():
         (lambda f: figures.heatmap(f, tensor="gamma"), ValueError, "'gamma' has no rows"),
         (lambda f: figures.heatmap(f, zmin=0), ValueError, "`zmin` must be a positive finite"),
         (lambda f: figures.heatmap(f, zmin=1.0, zmax=0.1), ValueError, "smaller than `zmax`"),
-        (lambda f: figures.heatmap(f, max_columns=0), ValueError, "`max_columns` must be a positive integer"),
+        (
+            lambda f: figures.heatmap(f, max_columns=0),
+            ValueError,
+            "`max_columns` must be a positive integer",
+        ),
         (lambda f: figures.profile(f, step=0), ValueError, "first recorded step 1"),
         (lambda f: figures.layer_lines(f, layers=["nope"]), ValueError, "'nope'"),
         (lambda f: figures.compare_heatmaps({}), ValueError, "non-empty mapping"),
@@ -437,9 +485,18 @@ def test_presentation_style_and_plotly_config():
     screen = figures.heatmap(frame).figure
     slides = figures.heatmap(frame, presentation=True).figure
     assert slides.layout.font.size > screen.layout.font.size >= 12
-    assert slides.layout.paper_bgcolor == "white" or slides.layout.template.layout.paper_bgcolor == "white"
-    assert heat_trace(figures.heatmap(frame)).colorscale[0][1] == "#440154"  # viridis, colour-blind safe
-    assert figures.PLOTLY_CONFIG["toImageButtonOptions"] == {"format": "svg", "scale": 2, "filename": "gradflow"}
+    assert (
+        slides.layout.paper_bgcolor == "white"
+        or slides.layout.template.layout.paper_bgcolor == "white"
+    )
+    assert (
+        heat_trace(figures.heatmap(frame)).colorscale[0][1] == "#440154"
+    )  # viridis, colour-blind safe
+    assert figures.PLOTLY_CONFIG["toImageButtonOptions"] == {
+        "format": "svg",
+        "scale": 2,
+        "filename": "gradflow",
+    }
     lines = figures.layer_lines(frame, presentation=True).figure
     assert lines.data[0].line.width == 4
     assert lines.data[0].line.color == figures.OKABE_ITO[0]

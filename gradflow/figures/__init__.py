@@ -15,24 +15,14 @@ st.plotly_chart(chart.figure, config=figures.PLOTLY_CONFIG)
 """
 
 from gradflow.figures.chart import Chart
-from gradflow.figures.compare import compare_heatmaps
-from gradflow.figures.compare import compare_metrics
-from gradflow.figures.compare import compare_profiles
-from gradflow.figures.decimate import decimate_envelope
-from gradflow.figures.decimate import decimate_max
-from gradflow.figures.grid import ALL_WEIGHTS
-from gradflow.figures.grid import LayerGrid
-from gradflow.figures.grid import layer_grid
+from gradflow.figures.compare import compare_heatmaps, compare_metrics, compare_profiles
+from gradflow.figures.decimate import decimate_envelope, decimate_max
+from gradflow.figures.grid import ALL_WEIGHTS, LayerGrid, layer_grid
 from gradflow.figures.heatmap import heatmap
-from gradflow.figures.histogram import BIN_COLUMNS
-from gradflow.figures.histogram import histogram_heatmap
-from gradflow.figures.lines import layer_lines
-from gradflow.figures.lines import metrics_chart
+from gradflow.figures.histogram import BIN_COLUMNS, histogram_heatmap
+from gradflow.figures.lines import layer_lines, metrics_chart
 from gradflow.figures.profile import profile
-from gradflow.figures.style import OKABE_ITO
-from gradflow.figures.style import PLOTLY_CONFIG
-from gradflow.figures.style import apply_style
-from gradflow.figures.style import escape_label
+from gradflow.figures.style import OKABE_ITO, PLOTLY_CONFIG, apply_style, escape_label
 
 __all__ = [
     "ALL_WEIGHTS",

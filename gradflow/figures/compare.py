@@ -7,13 +7,10 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from gradflow.figures import decimate
+from gradflow.figures import decimate, lines, logscale, style
 from gradflow.figures import grid as grid_lib
 from gradflow.figures import heatmap as heatmap_lib
-from gradflow.figures import lines
-from gradflow.figures import logscale
 from gradflow.figures import profile as profile_lib
-from gradflow.figures import style
 from gradflow.figures.chart import Chart
 
 _MAX_COLUMNS_PER_ROW = 3
@@ -74,7 +71,9 @@ def compare_heatmaps(
     grids = []
     for name, frame in named:
         try:
-            grids.append(decimate.decimate_max(grid_lib.layer_grid(frame, statistic, tensor), max_columns))
+            grids.append(
+                decimate.decimate_max(grid_lib.layer_grid(frame, statistic, tensor), max_columns)
+            )
         except (TypeError, ValueError) as error:
             raise type(error)(f"Run {name!r}: {error}") from error
     every = np.concatenate([g.values[g.present] for g in grids])
@@ -95,7 +94,7 @@ def compare_heatmaps(
         vertical_spacing=0.18 if rows > 1 else 0.1,
     )
     pieces = []
-    for number, ((name, _), layer_grid) in enumerate(zip(named, grids)):
+    for number, ((name, _), layer_grid) in enumerate(zip(named, grids, strict=True)):
         row, col = divmod(number, cols)
         frame = layer_grid.to_frame()
         frame.insert(0, "run", name)
@@ -103,7 +102,9 @@ def compare_heatmaps(
         if layer_grid.values.size == 0:
             continue
         prefix = style.escape_label(name) + ": "
-        for trace in heatmap_lib.heatmap_traces(layer_grid, log_min, log_max, coloraxis="coloraxis", name_prefix=prefix):
+        for trace in heatmap_lib.heatmap_traces(
+            layer_grid, log_min, log_max, coloraxis="coloraxis", name_prefix=prefix
+        ):
             figure.add_trace(trace, row=row + 1, col=col + 1)
         x_range, y_range = heatmap_lib.axis_ranges(layer_grid)
         figure.update_xaxes(title_text="step", range=x_range, row=row + 1, col=col + 1)
@@ -118,8 +119,10 @@ def compare_heatmaps(
         height=rows * min(700, max(380, 60 + 18 * max(len(g.layer) for g in grids))),
         legend=dict(orientation="h", x=0.0, y=-0.25 if rows == 1 else -0.12),
     )
-    plain_title = title or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({tensor}): " + " vs ".join(
-        name for name, _ in named
+    plain_title = (
+        title
+        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({tensor}): "
+        + " vs ".join(name for name, _ in named)
     )
     shown_title = style.escape_label(plain_title)
     if any(g.decimated for g in grids):
@@ -187,12 +190,19 @@ def compare_profiles(
     plain_title = title or f"{style.STATISTIC_LABELS.get(statistic, statistic)} by depth ({tensor})"
     description = f"{statistic} of the {tensor} gradients against layer depth (0 = input side), one line per run."
     if data.empty:
-        return Chart(style.no_data_figure("No layer statistics recorded yet.", presentation), data, plain_title, description)
+        return Chart(
+            style.no_data_figure("No layer statistics recorded yet.", presentation),
+            data,
+            plain_title,
+            description,
+        )
 
     values = data[statistic].to_numpy(dtype=np.float64)
     log_min, log_max = logscale.log_range(values)
     figure = style.new_figure()
-    for (name, piece), color in zip(data.groupby("run", sort=False), style.line_colors(len(pieces))):
+    for (name, piece), color in zip(
+        data.groupby("run", sort=False), style.line_colors(len(pieces)), strict=False
+    ):
         raw = piece[statistic].to_numpy(dtype=np.float64)
         label = style.escape_label(name)
         figure.add_trace(
@@ -213,7 +223,12 @@ def compare_profiles(
         xaxis_title="layer index (0 = input side)",
         yaxis_title=style.statistic_label(statistic) + " (log scale)",
     )
-    figure.update_yaxes(type="log", range=[log_min, log_max], tickvals=[10.0**v for v in tickvals], ticktext=ticktext)
+    figure.update_yaxes(
+        type="log",
+        range=[log_min, log_max],
+        tickvals=[10.0**v for v in tickvals],
+        ticktext=ticktext,
+    )
     style.apply_style(figure, presentation)
     return Chart(figure, data, plain_title, description)
 
@@ -254,7 +269,7 @@ def compare_metrics(
     named = _check_runs(runs)
     figure = style.new_figure()
     pieces = []
-    for (run, metrics), color in zip(named, style.line_colors(len(named))):
+    for (run, metrics), color in zip(named, style.line_colors(len(named)), strict=True):
         try:
             lines.check_metrics(metrics)
         except (TypeError, ValueError) as error:
@@ -264,7 +279,9 @@ def compare_metrics(
             if metric not in recorded or (dash == "dash" and not validation):
                 continue
             steps, values = lines.metric_series(metrics, metric, max_points)
-            pieces.append(pd.DataFrame({"run": run, "step": steps, "name": metric, "value": values}))
+            pieces.append(
+                pd.DataFrame({"run": run, "step": steps, "name": metric, "value": values})
+            )
             label = style.escape_label(run) + (" (validation)" if dash == "dash" else "")
             figure.add_trace(
                 go.Scatter(
@@ -278,10 +295,23 @@ def compare_metrics(
             )
     plain_title = title or f"{name} over training: " + " vs ".join(run for run, _ in named)
     description = f"{name} per step of each run (validation dashed when recorded)."
-    data = pd.concat(pieces, ignore_index=True) if pieces else pd.DataFrame(columns=["run", "step", "name", "value"])
+    data = (
+        pd.concat(pieces, ignore_index=True)
+        if pieces
+        else pd.DataFrame(columns=["run", "step", "name", "value"])
+    )
     if data.empty:
-        return Chart(style.no_data_figure(f"No {name} recorded yet.", presentation), data, plain_title, description)
-    figure.update_layout(title=style.escape_label(plain_title), xaxis_title="step", yaxis_title=style.escape_label(name))
+        return Chart(
+            style.no_data_figure(f"No {name} recorded yet.", presentation),
+            data,
+            plain_title,
+            description,
+        )
+    figure.update_layout(
+        title=style.escape_label(plain_title),
+        xaxis_title="step",
+        yaxis_title=style.escape_label(name),
+    )
     if log_y:
         figure.update_yaxes(type="log")
     style.apply_style(figure, presentation)

@@ -17,7 +17,11 @@ DEFAULT_MAX_COLUMNS = 1000
 
 def check_max_columns(max_columns):
     """Raise ValueError unless `max_columns` is a positive integer."""
-    if isinstance(max_columns, bool) or not isinstance(max_columns, (int, np.integer)) or max_columns < 1:
+    if (
+        isinstance(max_columns, bool)
+        or not isinstance(max_columns, (int, np.integer))
+        or max_columns < 1
+    ):
         raise ValueError(f"`max_columns` must be a positive integer, got {max_columns!r}.")
 
 

@@ -89,7 +89,9 @@ def check_layer_stats(layer_stats, statistic, argument="layer_stats"):
                 f"`statistic` must be a column of `{argument}`, got {statistic!r}; "
                 f"available: {sorted(c for c in layer_stats.columns if c not in schema.KEY_COLUMNS)}."
             )
-        raise ValueError(f"`{argument}` is missing the columns {missing}; see gradflow.schema.LAYER_STATS_COLUMNS.")
+        raise ValueError(
+            f"`{argument}` is missing the columns {missing}; see gradflow.schema.LAYER_STATS_COLUMNS."
+        )
 
 
 def tensor_mask(layer_stats, tensor):
@@ -114,7 +116,9 @@ def tensor_mask(layer_stats, tensor):
         available = sorted(set(column.dropna().astype(str).unique()))
         if any(k != schema.ACTIVATION for k in available):
             available.append(ALL_WEIGHTS)
-        raise ValueError(f"`tensor` {tensor!r} has no rows in these layer statistics; available: {available}.")
+        raise ValueError(
+            f"`tensor` {tensor!r} has no rows in these layer statistics; available: {available}."
+        )
     return mask
 
 

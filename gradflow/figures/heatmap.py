@@ -3,12 +3,9 @@
 import numpy as np
 import plotly.graph_objects as go
 
-from gradflow.figures import decimate
+from gradflow.figures import decimate, logscale, style
 from gradflow.figures import grid as grid_lib
-from gradflow.figures import logscale
-from gradflow.figures import style
 from gradflow.figures.chart import Chart
-
 
 # NaN/Inf legend entries sit above the plot, right-aligned, out of the way.
 LEGEND_ABOVE = dict(orientation="h", x=1.0, xanchor="right", y=1.02, yanchor="bottom")
@@ -52,7 +49,9 @@ def nonfinite_markers(x, y, raw, hover_names, name_prefix=""):
                 y=y[selected],
                 mode="markers",
                 name=f"{name_prefix}{label}",
-                marker=dict(symbol=symbol, color=style.NONFINITE_COLOR, size=9, line=dict(width=1.5)),
+                marker=dict(
+                    symbol=symbol, color=style.NONFINITE_COLOR, size=9, line=dict(width=1.5)
+                ),
                 customdata=hover_names[selected],
                 hovertemplate=f"%{{customdata}}<br>step %{{x}}<br>{label}<extra></extra>",
             )
@@ -182,9 +181,13 @@ def heatmap(
         ValueError: if `statistic` is not a column, `tensor` has no rows,
             or `zmin`/`zmax`/`max_columns` are invalid.
     """
-    layer_grid = decimate.decimate_max(grid_lib.layer_grid(layer_stats, statistic, tensor), max_columns)
+    layer_grid = decimate.decimate_max(
+        grid_lib.layer_grid(layer_stats, statistic, tensor), max_columns
+    )
     log_min, log_max = logscale.log_range(layer_grid.values[layer_grid.present], zmin, zmax)
-    plain_title = title or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({tensor})"
+    plain_title = (
+        title or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({tensor})"
+    )
     description = (
         f"Heatmap of {statistic} of the {tensor} gradients: one row per layer (input at the "
         "bottom), one column per step, colour on a log10 scale. Blank cells with a black x are "

@@ -5,9 +5,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from gradflow import schema
-from gradflow.figures import decimate
-from gradflow.figures import logscale
-from gradflow.figures import style
+from gradflow.figures import decimate, logscale, style
 from gradflow.figures.chart import Chart
 
 # Wide layout of histogram frames: one count column per fixed bin.
@@ -26,7 +24,9 @@ def histogram_counts(histograms, layer, tensor):
         ValueError: if columns are missing, or `layer`/`tensor` have no rows.
     """
     if not isinstance(histograms, pd.DataFrame):
-        raise TypeError(f"`histograms` must be a pandas DataFrame, got {type(histograms).__name__}.")
+        raise TypeError(
+            f"`histograms` must be a pandas DataFrame, got {type(histograms).__name__}."
+        )
     long_layout = {"bin", "count"} <= set(histograms.columns)
     needed = ["step", "layer", "tensor"] + ([] if long_layout else list(BIN_COLUMNS))
     missing = [c for c in needed if c not in histograms.columns]
@@ -45,7 +45,9 @@ def histogram_counts(histograms, layer, tensor):
             f"{list(pairs.itertuples(index=False, name=None))}."
         )
     if long_layout:
-        wide = rows.pivot_table(index="step", columns="bin", values="count", aggfunc="sum", fill_value=0)
+        wide = rows.pivot_table(
+            index="step", columns="bin", values="count", aggfunc="sum", fill_value=0
+        )
         wide = wide.reindex(columns=range(schema.HISTOGRAM_BINS), fill_value=0)
     else:
         wide = rows.groupby("step")[list(BIN_COLUMNS)].sum()
@@ -98,7 +100,12 @@ def histogram_heatmap(
     )
     columns = ["step", "step_last", "bin", "log10_center", "share"]
     if steps.size == 0:
-        return Chart(style.no_data_figure("No histograms recorded yet.", presentation), pd.DataFrame(columns=columns), plain_title, description)
+        return Chart(
+            style.no_data_figure("No histograms recorded yet.", presentation),
+            pd.DataFrame(columns=columns),
+            plain_title,
+            description,
+        )
 
     totals = counts.sum(axis=1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -124,20 +131,30 @@ def histogram_heatmap(
             zmin=share_floor,
             zmax=0.0,
             colorscale=style.HEATMAP_COLORSCALE,
-            colorbar=dict(title=dict(text="share of entries", side="right"), tickvals=tickvals, ticktext=ticktext),
+            colorbar=dict(
+                title=dict(text="share of entries", side="right"),
+                tickvals=tickvals,
+                ticktext=ticktext,
+            ),
             hovertemplate="step %{x}<br>log10 |g| %{y:.2f}<br>log10 share %{z:.2f}<extra></extra>",
             hoverongaps=False,
         )
     )
-    ytickvals, yticktext = logscale.decade_ticks(schema.HISTOGRAM_LOW, schema.HISTOGRAM_HIGH, max_ticks=9)
+    ytickvals, yticktext = logscale.decade_ticks(
+        schema.HISTOGRAM_LOW, schema.HISTOGRAM_HIGH, max_ticks=9
+    )
     ytickvals = [centers[0], *ytickvals, centers[-1]]
     yticktext = [f"<1e{int(schema.HISTOGRAM_LOW)}", *yticktext, f">=1e{int(schema.HISTOGRAM_HIGH)}"]
     figure.update_layout(
         title=style.escape_label(plain_title),
-        xaxis_title="step" if block == 1 else f"step (each column: max share over up to {block} steps)",
+        xaxis_title="step"
+        if block == 1
+        else f"step (each column: max share over up to {block} steps)",
         yaxis_title="|gradient| (log scale)",
     )
-    figure.update_yaxes(tickvals=ytickvals, ticktext=[style.escape_label(t) for t in yticktext], showgrid=False)
+    figure.update_yaxes(
+        tickvals=ytickvals, ticktext=[style.escape_label(t) for t in yticktext], showgrid=False
+    )
     figure.update_xaxes(showgrid=False)
     style.apply_style(figure, presentation)
 

@@ -6,11 +6,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from gradflow import schema
-from gradflow.figures import decimate
+from gradflow.figures import decimate, logscale, style
 from gradflow.figures import grid as grid_lib
 from gradflow.figures import heatmap as heatmap_lib
-from gradflow.figures import logscale
-from gradflow.figures import style
 from gradflow.figures.chart import Chart
 
 # Headroom above the data, in decades, where NaN/Inf markers are drawn.
@@ -89,20 +87,28 @@ def layer_lines(
         statistic=statistic,
         tensor=tensor,
     )
-    plain_title = title or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer over training ({tensor})"
+    plain_title = (
+        title
+        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer over training ({tensor})"
+    )
     description = (
         f"{statistic} of the {tensor} gradients of each layer over steps, log scale. "
         "Black markers above the lines show steps with NaN (x) or Inf (triangle)."
     )
     data = layer_grid.to_frame()
     if layer_grid.values.size == 0:
-        return Chart(style.no_data_figure("No layer statistics recorded yet.", presentation), data, plain_title, description)
+        return Chart(
+            style.no_data_figure("No layer statistics recorded yet.", presentation),
+            data,
+            plain_title,
+            description,
+        )
 
     log_min, log_max = logscale.log_range(layer_grid.values[layer_grid.present])
     labels = style.layer_labels(layer_grid.layer, layer_grid.layer_index)
     colors = style.line_colors(len(labels))
     figure = style.new_figure()
-    for row, (label, color) in enumerate(zip(labels, colors)):
+    for row, (label, color) in enumerate(zip(labels, colors, strict=True)):
         drawn = layer_grid.present[row]
         values = layer_grid.values[row, drawn]
         y = np.power(10.0, logscale.to_log(values, log_min))  # zeros at the floor, NaN/Inf -> gap
@@ -121,7 +127,10 @@ def layer_lines(
     marker_y = np.full(len(rows_nf), 10.0 ** (log_max + _MARKER_HEADROOM / 2))
     label_array = np.asarray(labels, dtype=object)
     for trace in heatmap_lib.nonfinite_markers(
-        layer_grid.step_first[cols_nf], marker_y, layer_grid.values[rows_nf, cols_nf], label_array[rows_nf]
+        layer_grid.step_first[cols_nf],
+        marker_y,
+        layer_grid.values[rows_nf, cols_nf],
+        label_array[rows_nf],
     ):
         figure.add_trace(trace)
     figure.update_layout(
@@ -143,10 +152,14 @@ def layer_lines(
 def check_metrics(metrics, argument="metrics"):
     """Raise a clear error unless `metrics` is a long step/name/value frame."""
     if not isinstance(metrics, pd.DataFrame):
-        raise TypeError(f"`{argument}` must be a pandas DataFrame with columns step, name, value, got {type(metrics).__name__}.")
+        raise TypeError(
+            f"`{argument}` must be a pandas DataFrame with columns step, name, value, got {type(metrics).__name__}."
+        )
     missing = [c for c in schema.METRICS_COLUMNS if c not in metrics.columns]
     if missing:
-        raise ValueError(f"`{argument}` is missing the columns {missing}; expected {list(schema.METRICS_COLUMNS)}.")
+        raise ValueError(
+            f"`{argument}` is missing the columns {missing}; expected {list(schema.METRICS_COLUMNS)}."
+        )
 
 
 def metric_series(metrics, name, max_points):
@@ -200,15 +213,32 @@ def metrics_chart(
     recorded = set(metrics["name"].unique())
     panels = [n for n in names if n in recorded or f"val_{n}" in recorded]
     plain_title = title or " and ".join(panels or list(names)) + " over training"
-    description = "Training (solid) and validation (dashed) " + ", ".join(panels or list(names)) + " per step."
+    description = (
+        "Training (solid) and validation (dashed) "
+        + ", ".join(panels or list(names))
+        + " per step."
+    )
     pieces = []
     if not panels:
         empty = pd.DataFrame({"step": np.array([], dtype=np.int64), "name": [], "value": []})
-        return Chart(style.no_data_figure("No metrics recorded yet.", presentation), empty, plain_title, description)
+        return Chart(
+            style.no_data_figure("No metrics recorded yet.", presentation),
+            empty,
+            plain_title,
+            description,
+        )
 
-    figure = make_subplots(figure=style.new_figure(), rows=1, cols=len(panels), subplot_titles=[style.escape_label(p) for p in panels])
+    figure = make_subplots(
+        figure=style.new_figure(),
+        rows=1,
+        cols=len(panels),
+        subplot_titles=[style.escape_label(p) for p in panels],
+    )
     for col, panel in enumerate(panels, start=1):
-        for name, dash, color in ((panel, "solid", style.OKABE_ITO[0]), (f"val_{panel}", "dash", style.OKABE_ITO[1])):
+        for name, dash, color in (
+            (panel, "solid", style.OKABE_ITO[0]),
+            (f"val_{panel}", "dash", style.OKABE_ITO[1]),
+        ):
             if name not in recorded:
                 continue
             steps, values = metric_series(metrics, name, max_points)
@@ -218,7 +248,8 @@ def metrics_chart(
                     x=steps,
                     y=values,
                     mode="lines+markers" if len(steps) < 30 else "lines",
-                    name=style.escape_label("validation" if name.startswith("val_") else "training") + f" {style.escape_label(panel)}",
+                    name=style.escape_label("validation" if name.startswith("val_") else "training")
+                    + f" {style.escape_label(panel)}",
                     line=dict(color=color, dash=dash, width=2),
                     hovertemplate="step %{x}<br>%{y:.4g}<extra></extra>",
                 ),
@@ -231,12 +262,17 @@ def metrics_chart(
                 finite = values[~bad]
                 top = float(finite.max()) if finite.size else 1.0
                 for trace in heatmap_lib.nonfinite_markers(
-                    steps[bad], np.full(bad.sum(), top), values[bad], np.full(bad.sum(), style.escape_label(name), dtype=object)
+                    steps[bad],
+                    np.full(bad.sum(), top),
+                    values[bad],
+                    np.full(bad.sum(), style.escape_label(name), dtype=object),
                 ):
                     figure.add_trace(trace, row=1, col=col)
         figure.update_xaxes(title_text="step", row=1, col=col)
         if panel == "loss" and log_loss:
             figure.update_yaxes(type="log", row=1, col=col)
-    figure.update_layout(title=style.escape_label(plain_title), legend=dict(orientation="h", y=-0.2))
+    figure.update_layout(
+        title=style.escape_label(plain_title), legend=dict(orientation="h", y=-0.2)
+    )
     style.apply_style(figure, presentation)
     return Chart(figure, pd.concat(pieces, ignore_index=True), plain_title, description)

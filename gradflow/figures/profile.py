@@ -6,8 +6,7 @@ import plotly.graph_objects as go
 
 from gradflow.figures import grid as grid_lib
 from gradflow.figures import heatmap as heatmap_lib
-from gradflow.figures import logscale
-from gradflow.figures import style
+from gradflow.figures import logscale, style
 from gradflow.figures.chart import Chart
 
 _MARKER_HEADROOM = 0.35
@@ -50,7 +49,11 @@ def profile_frame(layer_stats, step, tensor, statistics):
     for statistic in statistics:
         grid = grid_lib.layer_grid(at_step, statistic, tensor)
         column = grid.to_frame().drop(columns="step_last")
-        frame = column if frame is None else frame.merge(column, on=["layer_index", "layer", "step"], how="outer")
+        frame = (
+            column
+            if frame is None
+            else frame.merge(column, on=["layer_index", "layer", "step"], how="outer")
+        )
     return frame.sort_values("layer_index", ignore_index=True)
 
 
@@ -104,14 +107,19 @@ def profile(
     )
     if shown_step is None:
         empty = pd.DataFrame(columns=["layer_index", "layer", "step", *statistics])
-        return Chart(style.no_data_figure("No layer statistics recorded yet.", presentation), empty, plain_title, description)
+        return Chart(
+            style.no_data_figure("No layer statistics recorded yet.", presentation),
+            empty,
+            plain_title,
+            description,
+        )
 
     data = profile_frame(layer_stats, shown_step, tensor, statistics)
     labels = style.layer_labels(data["layer"].tolist(), data["layer_index"].tolist())
     every = data[statistics].to_numpy(dtype=np.float64)
     log_min, log_max = logscale.log_range(every)
     figure = style.new_figure()
-    for statistic, color in zip(statistics, style.OKABE_ITO):
+    for statistic, color in zip(statistics, style.OKABE_ITO, strict=False):
         values = data[statistic].to_numpy(dtype=np.float64)
         figure.add_trace(
             go.Bar(
@@ -133,7 +141,9 @@ def profile(
             worst,
             label_array[bad_rows],
         ):
-            figure.add_trace(trace.update(hovertemplate="%{customdata}<br>non-finite<extra></extra>"))
+            figure.add_trace(
+                trace.update(hovertemplate="%{customdata}<br>non-finite<extra></extra>")
+            )
     tickvals, ticktext = logscale.decade_ticks(log_min, log_max)
     figure.update_layout(
         title=style.escape_label(plain_title),

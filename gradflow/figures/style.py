@@ -168,7 +168,7 @@ def layer_labels(names, indices):
     """Escaped axis labels for layers, made unique with the index if needed."""
     labels = [escape_label(name) for name in names]
     if len(set(labels)) < len(labels):
-        labels = [f"{label} [{index}]" for label, index in zip(labels, indices)]
+        labels = [f"{label} [{index}]" for label, index in zip(labels, indices, strict=True)]
     return labels
 
 
