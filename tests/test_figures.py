@@ -500,3 +500,23 @@ def test_presentation_style_and_plotly_config():
     lines = figures.layer_lines(frame, presentation=True).figure
     assert lines.data[0].line.width == 4
     assert lines.data[0].line.color == figures.OKABE_ITO[0]
+
+
+def test_histogram_heatmap_reads_the_run_store_layout(store_path):
+    store_module = pytest.importorskip("gradflow.store")
+    store = store_module.RunStore(store_path)
+    run_id = store.create_run({}, name="hist")
+    writer = store.writer(run_id, background_flush=False)
+    for step in (1, 2, 3):
+        counts = np.zeros(schema.HISTOGRAM_BINS, dtype=np.int64)
+        counts[step + 5] = 4
+        counts[20] = 12
+        writer.add_histograms(
+            step, [("dense", 0, "kernel", counts), ("dense_1", 1, "kernel", counts * 2)]
+        )
+    writer.close(status="completed")
+    chart = figures.histogram_heatmap(store.histograms(run_id), "dense")
+    z = np.asarray(heat_trace(chart).z)
+    np.testing.assert_allclose(z[20], np.log10([0.75, 0.75, 0.75]))
+    np.testing.assert_allclose([z[6, 0], z[7, 1], z[8, 2]], np.log10(0.25))
+    assert list(chart.data["step"].unique()) == [1, 2, 3]
