@@ -88,7 +88,8 @@ def load_config_into_widgets(config, prefix="cfg"):
 def _initial_config():
     """The configuration in the URL query, or the defaults when the link is broken."""
     try:
-        return RunConfig.from_query(dict(st.query_params)), None
+        settings = {k: v for k, v in st.query_params.to_dict().items() if k in _FIELD_NAMES}
+        return RunConfig.from_query(settings), None
     except ValueError as error:
         return RunConfig(), f"The link's settings were not valid ({error}). Using the defaults."
 
@@ -157,7 +158,9 @@ def training_form(prefix="cfg", container=None, sync_url=True):
         return None
     st.session_state[remembered] = config
     if sync_url:
-        st.query_params.from_dict(config.to_query())
+        # Keep what is not a setting (the open run) in the link.
+        others = {k: v for k, v in st.query_params.to_dict().items() if k not in _FIELD_NAMES}
+        st.query_params.from_dict({**others, **config.to_query()})
     return config
 
 

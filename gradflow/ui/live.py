@@ -14,6 +14,7 @@ import streamlit as st
 from gradflow import diagnosis, export, figures
 from gradflow.ui import resources
 from gradflow.ui.charts import image_export_available, show_chart
+from gradflow.ui.sessions import session_ownership
 
 ACTIVE = ("queued", "running", "paused")
 POLL_SECONDS = 1.0
@@ -35,13 +36,21 @@ _TENSOR_LABELS = {"kernel": "Kernels", "bias": "Biases", "activation": "Activati
 
 
 def current_run():
-    """The run the live page shows in this browser session, or None."""
+    """The run the live page shows in this browser session, or None.
+
+    After a page reload the session is new, but the run id is in the URL:
+    the new session takes the run over.
+    """
+    if _CURRENT not in st.session_state and st.query_params.get("run"):
+        open_run(st.query_params["run"])
     return st.session_state.get(_CURRENT)
 
 
 def open_run(run_id):
-    """Show `run_id` on the live page of this browser session."""
+    """Show `run_id` on the live page of this browser session, and own it."""
     st.session_state[_CURRENT] = run_id
+    st.query_params["run"] = run_id
+    session_ownership().claim(run_id)
 
 
 def run_name(config):
@@ -130,9 +139,12 @@ def live_panel(run_id=None, key="live"):
                 "Or load a lecture preset first.")
         return
     store = resources.run_store()
-    if run_id not in set(store.runs()["run_id"]):
-        st.warning("That run no longer exists.")
+    try:
+        store.run_info(run_id)
+    except ValueError:
+        st.warning("That run no longer exists (or the link is wrong).")
         st.session_state.pop(_CURRENT, None)
+        st.query_params.pop("run", None)
         return
     active = store.status(run_id) in ACTIVE
     st.fragment(_panel, run_every=POLL_SECONDS if active else None)(run_id, key, active)

@@ -1,0 +1,89 @@
+"""Stop the runs of browser sessions that have gone away.
+
+A student who closes the tab should not leave a worker training for nobody
+on a shared classroom server. Each run started from the dashboard is owned by
+the browser session that started (or last opened) it; a reaper thread stops
+active runs whose owner has been gone for `GRACE_SECONDS`. A page reload
+keeps the run: the run id is in the URL, and the new session claims it.
+"""
+
+import os
+import threading
+import time
+
+import streamlit as st
+from streamlit.runtime import Runtime
+from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+GRACE_SECONDS = 30.0
+CHECK_SECONDS = 5.0
+
+
+class SessionOwnership:
+    """Which browser session owns which run, and a thread that reaps orphans.
+
+    Args:
+        store: The server's `RunStore`.
+        grace_seconds: How long a run may outlive its session (reload time).
+    """
+
+    def __init__(self, store, grace_seconds=GRACE_SECONDS):
+        self.store = store
+        self.grace_seconds = grace_seconds
+        self._owner = {}        # run_id -> session id
+        self._gone_since = {}   # run_id -> monotonic time its owner was first missed
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="gradflow-session-reaper", daemon=True)
+        self._thread.start()
+
+    def claim(self, run_id):
+        """Make the current browser session the owner of `run_id`."""
+        ctx = get_script_run_ctx()
+        if ctx is None:
+            return
+        with self._lock:
+            self._owner[run_id] = ctx.session_id
+            self._gone_since.pop(run_id, None)
+
+    def reap(self, now=None):
+        """Stop active runs whose session has been gone longer than the grace period.
+
+        Returns:
+            The run ids asked to stop.
+        """
+        if not Runtime.exists():
+            return []
+        now = time.monotonic() if now is None else now
+        session_manager = Runtime.instance()._session_mgr
+        stopped = []
+        with self._lock:
+            for run_id, session_id in list(self._owner.items()):
+                if session_manager.is_active_session(session_id):
+                    self._gone_since.pop(run_id, None)
+                    continue
+                first_missed = self._gone_since.setdefault(run_id, now)
+                if now - first_missed < self.grace_seconds:
+                    continue
+                if self.store.status(run_id) in ("queued", "running", "paused"):
+                    self.store.request(run_id, "stop")
+                    stopped.append(run_id)
+                del self._owner[run_id]
+                self._gone_since.pop(run_id, None)
+        return stopped
+
+    def _loop(self):
+        while True:
+            time.sleep(CHECK_SECONDS)
+            try:
+                self.reap()
+            except Exception:  # noqa: BLE001 - a reaper must outlive a bad tick (deleted run, busy db)
+                continue
+
+
+@st.cache_resource(show_spinner=False)
+def session_ownership():
+    """The server's one `SessionOwnership`."""
+    from gradflow.ui.resources import run_store
+
+    grace = float(os.environ.get("GRADFLOW_SESSION_GRACE", GRACE_SECONDS))
+    return SessionOwnership(run_store(), grace_seconds=grace)

@@ -1,0 +1,46 @@
+"""Browser sessions and their runs: a reload keeps the run, a closed tab stops it."""
+
+import re
+import time
+
+import pytest
+
+from gradflow.store import RunStore
+from tests.browser import streamlit_server
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+
+def _start_long_run(page, url):
+    page.goto(f"{url}/?steps=20000&depth=2&width=8")
+    page.get_by_role("button", name="Start training").click()
+    page.wait_for_url(re.compile(r"run=[0-9a-f]+"), timeout=60_000)
+    return re.search(r"run=([0-9a-f]+)", page.url).group(1)
+
+
+def _wait_status(store, run_id, wanted, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if store.status(run_id) in wanted:
+            return store.status(run_id)
+        time.sleep(0.5)
+    return store.status(run_id)
+
+
+def test_reload_keeps_the_run_and_a_closed_tab_stops_it(chromium, tmp_path, artifacts_dir):
+    db = tmp_path / "runs.db"
+    env = {"GRADFLOW_SESSION_GRACE": "3", "GRADFLOW_PREWARM": "0"}
+    with streamlit_server(db, extra_env=env, log_path=artifacts_dir / "sessions-server.log") as (url, _):
+        store = RunStore(db)
+        context = chromium.new_context()
+        page = context.new_page()
+        run_id = _start_long_run(page, url)
+        assert _wait_status(store, run_id, {"running"}, 120) == "running"
+
+        page.reload()
+        page.get_by_text(re.compile(r"Training · step \d+")).first.wait_for(timeout=60_000)
+        time.sleep(8)  # longer than the grace period: the reloaded session owns the run now
+        assert store.status(run_id) == "running"
+
+        context.close()  # the student closes the tab
+        assert _wait_status(store, run_id, {"stopped", "completed"}, 60) == "stopped"
