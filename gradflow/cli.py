@@ -114,6 +114,11 @@ def _build_parser():
 
     serve = commands.add_parser("serve", help="start the dashboard (streamlit run app.py)")
     serve.add_argument("--port", type=int, default=8501, help="port, default 8501")
+    serve.add_argument(
+        "--address", default="127.0.0.1",
+        help="address to listen on, default 127.0.0.1 (this machine only); "
+        "0.0.0.0 serves a classroom network (put it behind an authenticating proxy, see SECURITY.md)",
+    )
     _add_db_flag(serve)
     serve.set_defaults(handler=_serve)
     return parser
@@ -381,10 +386,12 @@ def _serve(args):
         str(app),
         "--server.port",
         str(args.port),
+        "--server.address",
+        args.address,
         "--server.headless",
         "true",
     ]
-    print(f"gradflow: dashboard at http://localhost:{args.port} ({' '.join(command)})")
+    print(f"gradflow: dashboard at http://{args.address}:{args.port} ({' '.join(command)})")
     # Pages are found relative to app.py, so streamlit runs from its folder.
     return subprocess.call(command, cwd=app.parent, env=environment)
 

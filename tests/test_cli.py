@@ -150,6 +150,8 @@ def test_serve_runs_streamlit_on_the_repository_app(monkeypatch, tmp_path):
     assert app == REPO / "app.py" and app.is_file() and cwd == REPO
     assert command[:3] == [sys.executable, "-m", "streamlit"]
     assert command[command.index("--server.port") + 1] == "8600"
+    # Safe by default: only this machine can reach the dashboard.
+    assert command[command.index("--server.address") + 1] == "127.0.0.1"
     assert env["GRADFLOW_DB"] == str((tmp_path / "r.db").resolve())
 
 
