@@ -8,6 +8,7 @@ Targets: ingest >= 100,000 layer-step rows/s; 1,000,000 rows into pandas
 
 import argparse
 import json
+import os
 import pathlib
 import sqlite3
 import statistics
@@ -103,6 +104,8 @@ def main():
     result = {
         "command": "python3 bench/bench_store.py " + " ".join(sys.argv[1:]),
         "rows": args.rows,
+        "load_average_1min": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
         "ingest_rows_per_s": statistics.median(ingest_rates),
         "read_all_columns_s": statistics.median(times["read_all"]),
         "read_8_columns_s": statistics.median(times["read_8_columns"]),
