@@ -293,3 +293,59 @@ def test_diagnosis_rules_run_at_the_end_of_training():
     exploding = monitor.events.query("kind == 'exploding'")
     assert sorted(exploding["layer"]) == ["d0", "d1", "d2"]
     assert exploding["step"].tolist() == [1, 1, 1]
+
+
+class Twice(keras.Model):
+    """Subclassed, unbuilt until fit traces it, with a nested block called twice."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.block = keras.Sequential(
+            [keras.layers.Dense(4, activation="tanh", name="a"), keras.layers.Dense(3, name="b")],
+            name="block",
+        )
+        self.head = keras.layers.Dense(1, name="head")
+
+    def call(self, x):
+        return self.head(self.block(x) + self.block(x * 0.5))
+
+
+@pytest.mark.parametrize("loss_scaled", [False, True], ids=["sgd", "loss_scale_optimizer"])
+def test_subclassed_model_built_during_fit(loss_scaled):
+    x, y = make_data()
+    keras.utils.set_random_seed(0)
+    model = Twice()
+    optimizer = keras.optimizers.SGD(0.05)
+    if loss_scaled:
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    model.compile(optimizer=optimizer, loss="mse")
+    after_step_1 = {}
+
+    class Keep(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                after_step_1["weights"] = [v.numpy() for v in self.model.trainable_variables]
+
+    monitor = GradientMonitor(activations=True)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[Keep(), monitor])
+
+    reference = Twice()
+    reference(x[:1])
+    for variable, value in zip(reference.trainable_variables, after_step_1["weights"]):
+        variable.assign(value)
+    xb, yb = x[BATCH: 2 * BATCH], y[BATCH: 2 * BATCH]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(yb - reference(xb)))
+    grads = tape.gradient(loss, reference.trainable_variables)
+    step2 = monitor.history.query("step == 2")
+    weights = step2[step2["tensor"] != "activation"]
+    assert weights["layer"].tolist() == ["block/a", "block/a", "block/b", "block/b", "head", "head"]
+    for (_, row), grad in zip(weights.iterrows(), grads):
+        expected = numpy_stats(grad.numpy())
+        for column in ("max_abs", "l2_norm", "mean_abs", "std"):
+            np.testing.assert_allclose(
+                row[column], expected[column], rtol=1e-5, atol=1e-7, err_msg=column
+            )
+    activations = step2[step2["tensor"] == "activation"]
+    assert activations["layer"].tolist() == ["block/a", "block/b", "block/a#2", "block/b#2", "head"]
+    assert activations["layer_index"].tolist() == [0, 1, 0, 1, 2]

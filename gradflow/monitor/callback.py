@@ -11,7 +11,7 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from gradflow import schema
 from gradflow.diagnosis import diagnose
-from gradflow.monitor.buffer import STEP_METRICS, RingBuffer
+from gradflow.monitor.buffer import STEP_METRICS
 from gradflow.monitor.records import (
     RowLayout,
     layer_stats_frame,
@@ -20,8 +20,6 @@ from gradflow.monitor.records import (
 )
 from gradflow.monitor.step import StepPlan, instrumented_train_step, probed_train_step
 from gradflow.monitor.tensorboard import SummaryWriter
-from gradflow.probe.capture import leaf_layers
-from gradflow.probe.naming import variable_names
 
 # The ring holds this many executions of the train function, so the callback
 # can read it every few batches instead of after each one.
@@ -177,24 +175,17 @@ class GradientMonitor(keras.callbacks.Callback):
             raise ValueError("GradientMonitor needs a compiled model; call `model.compile()` first.")
         strategy = model.distribute_strategy
         self._is_chief = bool(getattr(strategy.extended, "should_checkpoint", True))
-        variables = model.trainable_weights
-        self._names = variable_names(model, variables)
-        self._layer_order = [path for path, _ in leaf_layers(model)]
-        # Shared layers are recorded once per call; leave room for a few.
-        activation_slots = 2 * len(self._layer_order) + 4 if self.activations else 0
-        self._capacity = max(1, int(model.steps_per_execution)) * _EXECUTIONS_PER_READ
-        self._buffer = RingBuffer(
-            strategy, self._capacity, len(variables) + activation_slots, self.histograms
-        )
         self._plan = StepPlan(
             model,
-            self._buffer,
-            len(variables),
-            activation_slots,
+            max(1, int(model.steps_per_execution)) * _EXECUTIONS_PER_READ,
+            self.activations,
             self.every,
             self.histograms,
             self.stop_on_nonfinite,
         )
+        if all(layer.built for layer in model._flatten_layers()):
+            # Otherwise the first trace builds the model and then the ring.
+            self._plan.prepare(model.trainable_weights)
         self._saved_train_step = model.__dict__.get("train_step")
         if type(model).train_step is TensorFlowTrainer.train_step:
             step = instrumented_train_step(self._plan)
@@ -226,7 +217,7 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._batches_since_read += 1
-        if self.stop_on_nonfinite and self._buffer.halted.numpy() > 0:
+        if self.stop_on_nonfinite and self._plan.buffer.halted.numpy() > 0:
             self._collect()
             self.model.stop_training = True
             return
@@ -282,12 +273,14 @@ class GradientMonitor(keras.callbacks.Callback):
         """Read the ring, keep the new records, and pass them on."""
         self._last_read = time.monotonic()
         self._batches_since_read = 0
-        steps, stats, metrics, histograms = self._buffer.read(self._last_step)
+        if self._plan.buffer is None:
+            return  # the step has not been traced yet
+        steps, stats, metrics, histograms = self._plan.buffer.read(self._last_step)
         if len(steps) == 0:
             return
         if self._layout is None:
             self._layout = RowLayout.build(
-                self._names, self._plan.activation_paths, self._layer_order
+                self._plan.names, self._plan.activation_paths, self._plan.layer_order
             )
         self._last_step = int(steps[-1])
         self._blocks.append((steps, stats, metrics, histograms))
@@ -400,7 +393,6 @@ class GradientMonitor(keras.callbacks.Callback):
                 "every": self.every,
                 "activations": self.activations,
                 "histograms": self.histograms,
-                "trainable_variables": len(self._names),
             }
             self.run_id = store.create_run(
                 config,

@@ -22,8 +22,9 @@ from keras.src import tree
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from gradflow.monitor.buffer import STEP_METRICS
-from gradflow.probe.capture import record_layer_outputs
+from gradflow.monitor.buffer import STEP_METRICS, RingBuffer
+from gradflow.probe.capture import leaf_layers, record_layer_outputs
+from gradflow.probe.naming import variable_names
 from gradflow.statistics import summarize
 
 _NAN = float("nan")
@@ -34,24 +35,26 @@ class StepPlan:
 
     Args:
         model: The compiled Keras model.
-        buffer: The `RingBuffer` the step writes to.
-        weight_count: Number of trainable variables (the first rows).
-        activation_slots: Rows reserved for activation gradients (0: none).
+        capacity: Steps the ring buffer holds between two reads.
+        activations: Whether to record activation gradients too.
         every: Record when `optimizer.iterations % every == 0`.
         histograms: Whether to count log10|g| histograms.
         stop_on_nonfinite: Whether to skip the update of a step with a
             non-finite gradient and halt the steps after it.
     """
 
-    def __init__(self, model, buffer, weight_count, activation_slots, every,
-                 histograms, stop_on_nonfinite):
+    def __init__(self, model, capacity, activations, every, histograms, stop_on_nonfinite):
         self.model = model
-        self.buffer = buffer
-        self.weight_count = weight_count
-        self.activation_slots = activation_slots
+        self.capacity = capacity
         self.every = every
         self.histograms = histograms
         self.stop_on_nonfinite = stop_on_nonfinite
+        self.layer_order = [path for path, _ in leaf_layers(model)]
+        # Rows for layer outputs; a shared layer is recorded once per call,
+        # so leave room for a few repeated calls.
+        self.activation_slots = 2 * len(self.layer_order) + 4 if activations else 0
+        self.names = None
+        self.buffer = None
         # Filled while the step is traced: the path of each recorded layer
         # output, in call order (`path#2` for a second call of a shared layer).
         self.activation_paths = []
@@ -64,6 +67,27 @@ class StepPlan:
     @property
     def optimizer(self):
         return self.model.optimizer
+
+    def prepare(self, variables):
+        """Name the variables and create the ring buffer, once.
+
+        Keras builds a subclassed model only while it traces the first train
+        step, so this may run inside that trace; `tf.init_scope` lifts the
+        new variables out of the graph, as Keras does for the model's own.
+
+        Args:
+            variables: The model's trainable variables, in gradient order.
+        """
+        if self.buffer is not None:
+            return
+        with tf.init_scope():
+            self.names = variable_names(self.model, variables)
+            self.buffer = RingBuffer(
+                self.model.distribute_strategy,
+                self.capacity,
+                len(variables) + self.activation_slots,
+                self.histograms,
+            )
 
 
 def instrumented_train_step(plan):
@@ -98,6 +122,7 @@ def instrumented_train_step(plan):
 
         # Compute gradients
         variables = model.trainable_weights
+        plan.prepare(variables)
         activations = _take_activations(plan, outputs)
         gradients = tape.gradient(scaled_loss, variables + activations)
         weight_gradients = gradients[: len(variables)]
@@ -200,6 +225,7 @@ def probed_train_step(plan, original_train_step, probe_every):
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
             )
         variables = model.trainable_weights
+        plan.prepare(variables)
         activations = _take_activations(plan, outputs)
         gradients = tape.gradient(loss, variables + activations)
         _record(
@@ -357,6 +383,9 @@ def _take_activations(plan, outputs):
 def _loss_scale(optimizer):
     """The factor the loss was multiplied by, read before the update changes it."""
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        # The same choice as `LossScaleOptimizer.scale_loss` made above.
+        if not optimizer.built:
+            return optimizer.initial_scale
         return tf.identity(optimizer.dynamic_scale.value)
     return optimizer.loss_scale_factor
 
