@@ -193,7 +193,7 @@ def test_sample_weights_validation_data_and_compiled_metrics():
     reference = copy_of(model)
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
     monitor = GradientMonitor()
-    model.fit(
+    history = model.fit(
         x, y, sample_weight=weights, validation_data=(x[:8], y[:8]), batch_size=BATCH,
         epochs=2, shuffle=False, verbose=0, callbacks=[monitor],
     )
@@ -204,6 +204,10 @@ def test_sample_weights_validation_data_and_compiled_metrics():
     assert_matches_reference(monitor, rows, metrics, 1e-5)
     validation = monitor.metrics.query("name == 'val_loss'")
     assert validation["step"].tolist() == [3, 6]
+    # Compiled metrics arrive per batch, as Keras's running epoch means.
+    mae = monitor.metrics.query("name == 'mae'")
+    assert mae["step"].tolist() == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose(mae["value"].iloc[-1], history.history["mae"][-1], rtol=1e-6)
     np.testing.assert_allclose(
         validation["value"].iloc[-1], model.evaluate(x[:8], y[:8], verbose=0)[0], rtol=1e-5
     )

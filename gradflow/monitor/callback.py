@@ -221,6 +221,11 @@ class GradientMonitor(keras.callbacks.Callback):
             self._collect()
             self.model.stop_training = True
             return
+        # Compiled metrics (accuracy, ...) come only through `logs`, as
+        # Keras's running means over the epoch so far; keep them per batch.
+        compiled = {k: float(v) for k, v in (logs or {}).items() if k != "loss"}
+        if compiled:
+            self._add_metrics(self._current_step(), compiled)
         if (
             self._batches_since_read >= _EXECUTIONS_PER_READ
             or time.monotonic() - self._last_read >= _READ_INTERVAL_S
@@ -231,12 +236,8 @@ class GradientMonitor(keras.callbacks.Callback):
         self._collect()
         # Validation results belong to the last step of the epoch.
         values = {k: float(v) for k, v in (logs or {}).items() if k.startswith("val_")}
-        if values and self._last_step > 0:
-            for name, value in values.items():
-                self._metric_rows.append((self._last_step, name, value))
-            self._frames = None
-            if self._writer is not None:
-                self._writer.add_metrics(self._last_step, values)
+        if values:
+            self._add_metrics(self._current_step(), values)
 
     def on_train_end(self, logs=None):
         self._collect()
@@ -308,6 +309,15 @@ class GradientMonitor(keras.callbacks.Callback):
             if self.stop_on_nonfinite:
                 self.model.stop_training = True
             return
+
+    def _current_step(self):
+        return int(self.model.optimizer.iterations.numpy())
+
+    def _add_metrics(self, step, values):
+        self._metric_rows.extend((step, name, value) for name, value in values.items())
+        self._frames = None
+        if self._writer is not None:
+            self._writer.add_metrics(step, values)
 
     def _add_event(self, step, layer, kind, message):
         self._events.append((step, layer, kind, message))
