@@ -424,3 +424,27 @@ def test_reused_probe_reports_each_batch_shape():
     probe = GradientProbe(model, loss=loss)
     shapes = [probe(x[:n], y[:n]).activations["shape"][0] for n in (6, 2, 6)]
     assert shapes == [(6, 20), (2, 20), (6, 20)]
+
+
+def test_sensitivity_can_be_skipped():
+    model, x, y, loss, _ = two_dense_mse()
+    shot = gradflow.snapshot(model, x, y, loss=loss, sensitivity=False, histograms=False)
+    assert shot.inputs["max_abs"].isna().all()
+    assert "sensitivity=False" in shot.inputs["note"][0]
+    assert shot.histograms.empty
+    assert len(shot.weights) == 4
+
+
+def test_diagnose_reads_a_snapshot_of_dead_relus():
+    dead = keras.initializers.Constant(-5.0)
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8, activation="relu", name="alive")]
+        + [keras.layers.Dense(8, activation="relu", bias_initializer=dead, name="dead")]
+        + [keras.layers.Dense(1, name="out")]
+    )
+    x = np.random.default_rng(10).normal(size=(8, 4)).astype("float32")
+    events = gradflow.diagnose(gradflow.snapshot(model, x, np.zeros((8, 1)), loss="mse"))
+    found = set(zip(events["layer"], events["kind"], strict=True))
+    assert ("dead", "dead_relu") in found
+    # Nothing flows back through the dead layer: the layer below it starves.
+    assert ("alive", "vanishing") in found

@@ -221,7 +221,11 @@ class GradientProbe:
             "paths": list(outputs.paths),
             "shapes": [tuple(t.shape) for t in outputs.tensors],
             "variables": variables,
-            "integer_inputs": not inputs,
+            "inputs_note": (
+                sensitivity.INTEGER_INPUT_NOTE
+                if not inputs
+                else ("" if self.sensitivity else "not computed (sensitivity=False)")
+            ),
         }
         return loss, statistics, histograms, maxima
 
@@ -278,7 +282,7 @@ class GradientProbe:
         values["nonfinite"] = values["nonfinite"].astype(np.int64)
         table = pd.concat([keys, values], axis=1)
         n = len(traced["variables"])
-        note = sensitivity.INTEGER_INPUT_NOTE if traced["integer_inputs"] else ""
+        note = traced["inputs_note"]
         inputs = sensitivity.sensitivity_table(
             self.model, traced["paths"], maxima.numpy().astype(np.float64), note=note
         )
@@ -304,7 +308,7 @@ def _signature(x, y):
     return tuple((tuple(t.shape), t.dtype.name) for t in tf.nest.flatten((x, y)))
 
 
-def snapshot(model, x, y, loss=None, training=False, histograms=True):
+def snapshot(model, x, y, loss=None, training=False, histograms=True, sensitivity=True):
     """Per-layer gradient statistics of `model` on one batch, without updating it.
 
     Example:
@@ -334,6 +338,9 @@ def snapshot(model, x, y, loss=None, training=False, histograms=True):
             `fit` step (batch statistics, random Dropout masks); the moving
             statistics and seed state are restored afterwards.
         histograms: Also count log10|g| histograms. Defaults to `True`.
+        sensitivity: Also compute `.inputs` (one extra backward graph per
+            layer, which is most of the tracing time of a deep model).
+            Defaults to `True`; with `False`, `.inputs["max_abs"]` is NaN.
 
     Returns:
         A `Snapshot` with `.weights`, `.activations`, `.inputs`, `.loss` and
@@ -345,5 +352,7 @@ def snapshot(model, x, y, loss=None, training=False, histograms=True):
             samples.
         TypeError: if `x` or `y` is not array-like, or `loss` not callable.
     """
-    probe = GradientProbe(model, loss=loss, training=training, histograms=histograms)
+    probe = GradientProbe(
+        model, loss=loss, training=training, histograms=histograms, sensitivity=sensitivity
+    )
     return probe(x, y)
