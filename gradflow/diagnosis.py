@@ -243,15 +243,18 @@ def _vanishing(norms, thresholds):
             )
         )
     # First-to-last ratio, one value per step.
-    rows = []
-    for step, group in norms.groupby("step", sort=True):
-        if group["layer_index"].nunique() < 2:
-            continue
-        first = group.loc[group["layer_index"].idxmin()]
-        last = group.loc[group["layer_index"].idxmax()]
-        if last["norm"] > 0:
-            rows.append((step, first["layer"], first["norm"], last["layer"], last["norm"]))
-    ratios = pd.DataFrame(rows, columns=["step", "layer", "norm", "last_layer", "last_norm"])
+    ordered = norms.sort_values(["step", "layer_index"], kind="stable").groupby("step")
+    first, last = ordered.first(), ordered.last()
+    ratios = pd.DataFrame(
+        {
+            "layer": first["layer"],
+            "norm": first["norm"],
+            "last_layer": last["layer"],
+            "last_norm": last["norm"],
+        }
+    ).reset_index()
+    ratios = ratios[(first["layer_index"] != last["layer_index"]).to_numpy()]
+    ratios = ratios[ratios["last_norm"] > 0]
     if ratios.empty:
         return events
     ratios["ratio"] = ratios["norm"] / ratios["last_norm"]
@@ -361,20 +364,22 @@ def _saturation(table, norms, thresholds):
     outputs = outputs.sort_values(["step", "layer_index"]).drop_duplicates(["step", "layer_index"])
     if outputs.empty:
         return []
-    weight_norm = {(r.step, r.layer): r.norm for r in norms.itertuples()}
-    rows = []
-    for step, group in outputs.groupby("step", sort=True):
-        below = group.iloc[:-1]
-        above = group.iloc[1:]
-        for low, high in zip(below.itertuples(), above.itertuples(), strict=True):
-            # dLoss/d(output of the layer below) is dLoss/d(input of `high`).
-            if not (high.size > 0 and np.isfinite(low.size)):
-                continue
-            own = weight_norm.get((step, high.layer))
-            if own is not None and own < thresholds.vanishing_norm:
-                continue  # its weights get no gradient at all: that is vanishing
-            rows.append((step, high.layer, low.size / high.size, high.size, low.size))
-    frame = pd.DataFrame(rows, columns=["step", "layer", "ratio", "out_size", "in_size"])
+    # Pair each output gradient with the one of the next layer up: dLoss/d(output
+    # of the layer below) is dLoss/d(input of the layer above).
+    above = outputs.groupby("step").shift(-1)
+    frame = pd.DataFrame(
+        {
+            "step": outputs["step"],
+            "layer": above["layer"],
+            "in_size": outputs["size"],
+            "out_size": above["size"],
+        }
+    ).dropna(subset=["layer"])
+    frame = frame[(frame["out_size"] > 0) & np.isfinite(frame["in_size"])]
+    # A layer whose weights get no gradient at all is vanishing, not saturated.
+    frame = frame.merge(norms[["step", "layer", "norm"]], on=["step", "layer"], how="left")
+    frame = frame[~(frame["norm"] < thresholds.vanishing_norm)]
+    frame = frame.assign(ratio=frame["in_size"] / frame["out_size"])
     if frame.empty:
         return []
     shrunk = _mark_streaks(frame, frame["ratio"] < thresholds.saturation_ratio)
