@@ -80,6 +80,32 @@ RULE_CASES = [
         [(1, "first", "vanishing")],
     ),
     (
+        "vanishing_ratio_starts_at_a_later_step",
+        rows(
+            *[(s, "first", 0, "kernel", 1e-2 if s < 3 else 1e-6) for s in (1, 2, 3, 4)],
+            *[(s, "last", 5, "kernel", 0.5) for s in (1, 2, 3, 4)],
+        ),
+        None,
+        [(3, "first", "vanishing")],
+    ),
+    (
+        "saturation_per_step_and_layer_pair",
+        # Step 1: the gradient shrinks 1000x through b; step 2: through c.
+        rows(
+            *[
+                (s, "a", 0, "activation", 1.0, {"mean_abs": 1e-6 if s == 1 else 1e-3})
+                for s in (1, 2)
+            ],
+            *[
+                (s, "b", 1, "activation", 1.0, {"mean_abs": 1e-3 if s == 1 else 1e-6})
+                for s in (1, 2)
+            ],
+            *[(s, "c", 2, "activation", 1.0, {"mean_abs": 1e-3}) for s in (1, 2)],
+        ),
+        None,
+        [(1, "b", "saturation"), (2, "c", "saturation")],
+    ),
+    (
         "layer_norm_combines_kernel_and_bias",
         # Each is below the 1e-7 floor, but sqrt(6e-8^2 + 8e-8^2) is just above it.
         rows((1, "d", 0, "kernel", 6e-8), (1, "d", 0, "bias", 8.000001e-8)),
