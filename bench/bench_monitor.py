@@ -89,7 +89,12 @@ VARIANTS = {
 def measure(model, x, y, steps, variant):
     timer = SecondEpochTimer()
     model.fit(
-        x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
         callbacks=VARIANTS[variant]() + [timer],
     )
     return steps / timer.seconds

@@ -6,9 +6,9 @@ own max-norm constraint, and computes every statistic with numpy. The
 monitor's recorded rows must match it step by step.
 """
 
+import keras
 import numpy as np
 import pytest
-import keras
 import tensorflow as tf
 
 from gradflow import schema
@@ -76,7 +76,7 @@ def reference_run(model, optimizer, x, y, epochs, clip=None, max_norm=None, samp
     rows, metrics, step = {}, {}, 0
     for _ in range(epochs):
         for start in range(0, len(x), BATCH):
-            xb, yb = x[start: start + BATCH], y[start: start + BATCH]
+            xb, yb = x[start : start + BATCH], y[start : start + BATCH]
             with tf.GradientTape() as tape:
                 outputs, h = [], tf.constant(xb)
                 for layer in model.layers:
@@ -86,12 +86,16 @@ def reference_run(model, optimizer, x, y, epochs, clip=None, max_norm=None, samp
                 if sample_weight is None:
                     loss = tf.reduce_mean(per_sample)
                 else:
-                    loss = tf.reduce_sum(per_sample * sample_weight[start: start + BATCH]) / len(xb)
+                    loss = tf.reduce_sum(per_sample * sample_weight[start : start + BATCH]) / len(
+                        xb
+                    )
             grads = tape.gradient(loss, variables + outputs)
             weight_grads = [g.numpy() for g in grads[: len(variables)]]
             clipped = reference_clip(weight_grads, clip)
             before = [v.numpy() for v in variables]
-            optimizer.apply_gradients(zip([tf.constant(g) for g in clipped], variables))
+            optimizer.apply_gradients(
+                zip([tf.constant(g) for g in clipped], variables, strict=False)
+            )
             step += 1
             for i, v in enumerate(variables):
                 unconstrained = v.numpy()
@@ -110,7 +114,7 @@ def reference_run(model, optimizer, x, y, epochs, clip=None, max_norm=None, samp
                 row["max_abs_clipped"] = np.abs(clipped[i]).max() if clip else np.nan
                 layer, tensor = v.path.split("/")[-2:]
                 rows[(step, layer, tensor)] = row
-            for layer, g in zip(model.layers, grads[len(variables):]):
+            for layer, g in zip(model.layers, grads[len(variables) :], strict=False):
                 rows[(step, layer.name, "activation")] = numpy_stats(g.numpy())
             metrics[(step, "loss")] = float(loss)
             metrics[(step, "global_norm")] = np.sqrt(sum(np.sum(g * g) for g in weight_grads))
@@ -136,7 +140,10 @@ def assert_matches_reference(monitor, rows, metrics, rtol):
         expected = rows[(record.step, record.layer, record.tensor)]
         for column, value in expected.items():
             np.testing.assert_allclose(
-                getattr(record, column), value, rtol=rtol, atol=1e-6,
+                getattr(record, column),
+                value,
+                rtol=rtol,
+                atol=1e-6,
                 err_msg=f"step {record.step} {record.layer}/{record.tensor} {column}",
             )
     recorded = monitor.metrics.set_index(["step", "name"])["value"]
@@ -155,7 +162,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,optimizer_class,clip,max_norm,rtol", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    "name,optimizer_class,clip,max_norm,rtol", CASES, ids=[c[0] for c in CASES]
+)
 def test_statistics_equal_a_hand_written_tape_loop(name, optimizer_class, clip, max_norm, rtol):
     x, y = make_data()
     model = make_model(max_norm=max_norm)
@@ -182,7 +191,7 @@ def test_statistics_equal_a_hand_written_tape_loop(name, optimizer_class, clip, 
         ]
         np.testing.assert_array_equal(clipped, expected)
     # The model trained exactly like the reference: same final weights.
-    for a, b in zip(model.get_weights(), reference.get_weights()):
+    for a, b in zip(model.get_weights(), reference.get_weights(), strict=False):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6)
 
 
@@ -194,8 +203,15 @@ def test_sample_weights_validation_data_and_compiled_metrics():
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
     monitor = GradientMonitor()
     history = model.fit(
-        x, y, sample_weight=weights, validation_data=(x[:8], y[:8]), batch_size=BATCH,
-        epochs=2, shuffle=False, verbose=0, callbacks=[monitor],
+        x,
+        y,
+        sample_weight=weights,
+        validation_data=(x[:8], y[:8]),
+        batch_size=BATCH,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[monitor],
     )
     rows, metrics = reference_run(
         reference, keras.optimizers.SGD(0.05), x, y, epochs=2, sample_weight=weights
@@ -217,7 +233,8 @@ def fit_history(**fit_kwargs):
     x, y = make_data()
     model = make_model()
     model.compile(
-        optimizer=keras.optimizers.Adam(0.01), loss="mse",
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="mse",
         steps_per_execution=fit_kwargs.pop("steps_per_execution", 1),
     )
     monitor = GradientMonitor(**fit_kwargs)
@@ -232,8 +249,10 @@ def test_steps_per_execution_records_every_step():
     assert sorted(multi.history["step"].unique()) == list(range(1, 13))
     stat_columns = list(schema.STATISTICS + schema.EXTRA_COLUMNS)
     np.testing.assert_allclose(
-        multi.history[stat_columns].to_numpy(), single.history[stat_columns].to_numpy(),
-        rtol=1e-5, atol=1e-7,
+        multi.history[stat_columns].to_numpy(),
+        single.history[stat_columns].to_numpy(),
+        rtol=1e-5,
+        atol=1e-7,
     )
 
 
@@ -335,16 +354,18 @@ def test_subclassed_model_built_during_fit(loss_scaled):
 
     reference = Twice()
     reference(x[:1])
-    for variable, value in zip(reference.trainable_variables, after_step_1["weights"]):
+    for variable, value in zip(
+        reference.trainable_variables, after_step_1["weights"], strict=False
+    ):
         variable.assign(value)
-    xb, yb = x[BATCH: 2 * BATCH], y[BATCH: 2 * BATCH]
+    xb, yb = x[BATCH : 2 * BATCH], y[BATCH : 2 * BATCH]
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(tf.square(yb - reference(xb)))
     grads = tape.gradient(loss, reference.trainable_variables)
     step2 = monitor.history.query("step == 2")
     weights = step2[step2["tensor"] != "activation"]
     assert weights["layer"].tolist() == ["block/a", "block/a", "block/b", "block/b", "head", "head"]
-    for (_, row), grad in zip(weights.iterrows(), grads):
+    for (_, row), grad in zip(weights.iterrows(), grads, strict=False):
         expected = numpy_stats(grad.numpy())
         for column in ("max_abs", "l2_norm", "mean_abs", "std"):
             np.testing.assert_allclose(

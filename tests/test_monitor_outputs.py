@@ -2,9 +2,9 @@
 
 import glob
 
+import keras
 import numpy as np
 import pytest
-import keras
 import tensorflow as tf
 
 from gradflow import schema
@@ -56,7 +56,7 @@ def blow_up_model():
 def blow_up_data(bad_step=3):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(N, 3)).astype("float32")
-    x[(bad_step - 1) * BATCH: bad_step * BATCH] *= 1e4  # only this batch is huge
+    x[(bad_step - 1) * BATCH : bad_step * BATCH] *= 1e4  # only this batch is huge
     y = rng.normal(size=(N, 1)).astype("float32")
     return x, y
 
@@ -99,7 +99,7 @@ def test_stop_on_nonfinite_stops_at_that_step_with_finite_weights(steps_per_exec
     assert int(model.optimizer.iterations) == 3
     assert len(history.history["loss"]) == 1  # stopped in the first epoch
     # The non-finite update was skipped: the weights are those after step 2.
-    for a, b in zip(model.get_weights(), before_bad_step["weights"]):
+    for a, b in zip(model.get_weights(), before_bad_step["weights"], strict=False):
         np.testing.assert_array_equal(a, b)
 
 
@@ -156,7 +156,7 @@ def test_tensorboard_summaries_hold_the_recorded_values(tmp_path):
         tag = f"gradients/{layer}/{tensor}/l2_norm"
         np.testing.assert_allclose(scalars[(tag, step)], row["l2_norm"], rtol=1e-6)
     loss = monitor.metrics.query("name == 'loss'")
-    for step, value in zip(loss["step"], loss["value"]):
+    for step, value in zip(loss["step"], loss["value"], strict=False):
         np.testing.assert_allclose(scalars[("gradflow/loss", step)], value, rtol=1e-6)
     buckets = histograms[("log10_abs_gradient/below/kernel", 1)]
     assert buckets.shape == (schema.HISTOGRAM_BINS, 3) and buckets[:, 2].sum() == 12
@@ -178,7 +178,7 @@ class OwnStep(keras.Model):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(y - self(x, training=True)))
         grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=False))
         return {"loss": loss}
 
 
@@ -202,14 +202,14 @@ def test_own_train_step_falls_back_to_a_probe_every_n_steps():
     # The probe saw the weights before step 4's update, on step 4's batch.
     probe = OwnStep()
     probe(x[:1])
-    for variable, value in zip(probe.trainable_variables, weights_at[3]):
+    for variable, value in zip(probe.trainable_variables, weights_at[3], strict=False):
         variable.assign(value)
-    xb, yb = x[3 * BATCH: 4 * BATCH], y[3 * BATCH: 4 * BATCH]
+    xb, yb = x[3 * BATCH : 4 * BATCH], y[3 * BATCH : 4 * BATCH]
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(tf.square(yb - probe(xb)))
     grads = tape.gradient(loss, probe.trainable_variables)
     recorded = monitor.history.query("step == 4")
-    for variable, grad in zip(model.trainable_variables, grads):
+    for variable, grad in zip(model.trainable_variables, grads, strict=False):
         row = recorded[recorded["variable"] == variable.path].iloc[0]
         np.testing.assert_allclose(row["l2_norm"], np.linalg.norm(grad.numpy()), rtol=1e-5)
         np.testing.assert_allclose(row["max_abs"], np.abs(grad.numpy()).max(), rtol=1e-5)

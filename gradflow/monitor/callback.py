@@ -117,8 +117,8 @@ class GradientMonitor(keras.callbacks.Callback):
     ):
         super().__init__()
         self.every = _positive_int("every", every)
-        self.probe_every = self.every if probe_every is None else _positive_int(
-            "probe_every", probe_every
+        self.probe_every = (
+            self.every if probe_every is None else _positive_int("probe_every", probe_every)
         )
         if store is None and run_id is not None:
             raise ValueError(
@@ -172,7 +172,9 @@ class GradientMonitor(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         model = self.model
         if model.optimizer is None:
-            raise ValueError("GradientMonitor needs a compiled model; call `model.compile()` first.")
+            raise ValueError(
+                "GradientMonitor needs a compiled model; call `model.compile()` first."
+            )
         strategy = model.distribute_strategy
         self._is_chief = bool(getattr(strategy.extended, "should_checkpoint", True))
         self._plan = StepPlan(
@@ -293,7 +295,7 @@ class GradientMonitor(keras.callbacks.Callback):
     def _check_nonfinite(self, steps, stats):
         if self._nonfinite_step is not None:
             return
-        for step, block in zip(steps, stats):
+        for step, block in zip(steps, stats, strict=False):
             row = nonfinite_origin(block, self._layout)
             if row is None:
                 continue
@@ -331,7 +333,9 @@ class GradientMonitor(keras.callbacks.Callback):
         if self._writer is not None:
             self._writer.add_layer_stats(layer_stats)
             for step, group in step_metrics.groupby("step", sort=True):
-                self._writer.add_metrics(step, dict(zip(group["name"], group["value"])))
+                self._writer.add_metrics(
+                    step, dict(zip(group["name"], group["value"], strict=False))
+                )
             for step in steps:
                 rows = [r[1:] for r in histogram_rows if r[0] == step]
                 if rows:
@@ -355,7 +359,7 @@ class GradientMonitor(keras.callbacks.Callback):
         for steps, _, _, histograms in self._blocks if blocks is None else blocks:
             if histograms is None:
                 continue
-            for step, block in zip(steps, histograms):
+            for step, block in zip(steps, histograms, strict=False):
                 for i in range(len(self._layout)):
                     rows.append(
                         (
@@ -412,13 +416,14 @@ class GradientMonitor(keras.callbacks.Callback):
             )
         self._writer = store.writer(self.run_id)
 
-
     def _diagnose(self):
         history = self.history
         if history.empty:
             return
         found = diagnose(history, self.rules)
-        for step, layer, kind, message in found[list(schema.EVENTS_COLUMNS)].itertuples(index=False):
+        for step, layer, kind, message in found[list(schema.EVENTS_COLUMNS)].itertuples(
+            index=False
+        ):
             if kind == "nonfinite" and self._nonfinite_step is not None:
                 continue  # the monitor reported it already, when it happened
             self._add_event(int(step), layer, kind, message)

@@ -14,6 +14,7 @@ those gradients instead.
 """
 
 import contextlib
+import warnings
 
 import keras
 import numpy as np
@@ -122,6 +123,9 @@ def instrumented_train_step(plan):
 
         # Compute gradients
         variables = model.trainable_weights
+        if not variables:
+            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+            return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         plan.prepare(variables)
         activations = _take_activations(plan, outputs)
         gradients = tape.gradient(scaled_loss, variables + activations)
@@ -135,35 +139,22 @@ def instrumented_train_step(plan):
         # Update weights
         def update():
             with _constraints_deferred(variables, constrained):
-                optimizer.apply_gradients(zip(weight_gradients, variables))
+                optimizer.apply_gradients(zip(weight_gradients, variables, strict=False))
                 # Keras applies constraints inside `apply`; doing it here lets
                 # the step measure the weights between update and constraint.
                 unconstrained = []
-                for index, constraint in zip(constrained, constraints):
+                for index, constraint in zip(constrained, constraints, strict=False):
                     variable = variables[index]
                     unconstrained.append(tf.identity(variable.value))
                     variable.assign(constraint(variable))
             return unconstrained
 
-        finite = _all_finite(weight_gradients) if plan.stop_on_nonfinite else None
-        halted = tf.constant(False)
+        finite = halted = None
+        if plan.stop_on_nonfinite:
+            finite = _all_finite(weight_gradients)
         if plan.stop_on_nonfinite and plan.replicas == 1:
-            # Like LossScaleOptimizer: a non-finite step leaves the weights
-            # alone so the model stays usable; the steps after it do nothing.
-            # (tf.distribute forbids a cond around the optimizer's
-            # cross-replica update, hence one replica only.)
-            halted = plan.buffer.halted.read_value() > 0
-
-            def skip():
-                def halt():
-                    optimizer.iterations.assign_add(1)  # the step did happen
-                    plan.buffer.halted.assign(1)
-
-                tf.cond(halted, lambda: None, halt)
-                return [tf.identity(variables[i].value) for i in constrained]
-
-            unconstrained = tf.cond(
-                tf.logical_and(finite, tf.logical_not(halted)), update, skip
+            unconstrained, halted = _update_unless_nonfinite(
+                plan, update, finite, [variables[i] for i in constrained]
             )
         else:
             unconstrained = update()
@@ -173,10 +164,13 @@ def instrumented_train_step(plan):
         when = None  # every step
         if plan.every > 1:
             when = tf.equal(tf.math.floormod(step, plan.every), 0)
-        if plan.stop_on_nonfinite:
-            when = tf.constant(True) if when is None else when
-            when = tf.logical_and(
-                tf.logical_or(when, tf.logical_not(finite)), tf.logical_not(halted)
+            if finite is not None:  # the non-finite step, also off the grid
+                when = tf.logical_or(when, tf.logical_not(finite))
+        if halted is not None:  # nothing after a halt
+            when = (
+                tf.logical_not(halted)
+                if when is None
+                else tf.logical_and(when, tf.logical_not(halted))
             )
         weight_gradients = _unscaled(_filled(weight_gradients, variables), scale)
         clipping = _clipping_optimizer(optimizer)
@@ -188,11 +182,11 @@ def instrumented_train_step(plan):
             learning_rate=learning_rate,
             weight_gradients=weight_gradients,
             activation_gradients=_unscaled(
-                _filled(gradients[len(variables):], activations), scale
+                _filled(gradients[len(variables) :], activations), scale
             ),
             weights=[tf.identity(v.value) for v in variables],
             weights_before=weights_before,
-            unconstrained=dict(zip(constrained, unconstrained)),
+            unconstrained=dict(zip(constrained, unconstrained, strict=False)),
             clipped_gradients=(
                 None if clipping is None else clipping._clip_gradients(weight_gradients)
             ),
@@ -200,6 +194,33 @@ def instrumented_train_step(plan):
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     return train_step
+
+
+def _update_unless_nonfinite(plan, update, finite, constrained_variables):
+    """Run `update` only while every gradient is finite and no step halted.
+
+    Like `LossScaleOptimizer`, a non-finite step leaves the weights alone, so
+    the model stays usable; it still counts as a step, and the steps after it
+    in the same execution do nothing. (tf.distribute forbids a cond around
+    the optimizer's cross-replica update, so this is for one replica only.)
+
+    Returns:
+        `(unconstrained, halted)`: the values `update` returns (or the
+        current ones when skipped) and whether an earlier step had halted.
+    """
+    optimizer = plan.optimizer
+    halted = plan.buffer.halted.read_value() > 0
+
+    def skip():
+        def halt():
+            optimizer.iterations.assign_add(1)
+            plan.buffer.halted.assign(1)
+
+        tf.cond(halted, lambda: None, halt)
+        return [tf.identity(v.value) for v in constrained_variables]
+
+    go = tf.logical_and(finite, tf.logical_not(halted))
+    return tf.cond(go, update, skip), halted
 
 
 def probed_train_step(plan, original_train_step, probe_every):
@@ -235,7 +256,7 @@ def probed_train_step(plan, original_train_step, probe_every):
             loss=loss,
             learning_rate=_scalar(optimizer.learning_rate),
             weight_gradients=_filled(gradients[: len(variables)], variables),
-            activation_gradients=_filled(gradients[len(variables):], activations),
+            activation_gradients=_filled(gradients[len(variables) :], activations),
             weights=[tf.identity(v.value) for v in variables],
         )
 
@@ -253,9 +274,19 @@ def probed_train_step(plan, original_train_step, probe_every):
     return train_step
 
 
-def _record(plan, when, step, loss, learning_rate, weight_gradients,
-            activation_gradients, weights, weights_before=None, unconstrained=None,
-            clipped_gradients=None):
+def _record(
+    plan,
+    when,
+    step,
+    loss,
+    learning_rate,
+    weight_gradients,
+    activation_gradients,
+    weights,
+    weights_before=None,
+    unconstrained=None,
+    clipped_gradients=None,
+):
     """Summarize one step and write it to the ring: when `when` holds, or always if it is None."""
     if plan.replicas > 1:
         # Each replica holds the gradient of its share of the batch; Keras
@@ -268,15 +299,22 @@ def _record(plan, when, step, loss, learning_rate, weight_gradients,
             [loss] + weight_gradients + (clipped_gradients or []),
         )
         loss = reduced[0]
-        weight_gradients = reduced[1: 1 + len(weight_gradients)]
+        weight_gradients = reduced[1 : 1 + len(weight_gradients)]
         if clipped_gradients:
-            clipped_gradients = reduced[1 + len(weight_gradients):]
+            clipped_gradients = reduced[1 + len(weight_gradients) :]
         activation_gradients = [context.all_gather(g, axis=0) for g in activation_gradients]
 
     def write():
         stats, metrics, histograms = _summarize_step(
-            plan, loss, learning_rate, weight_gradients, activation_gradients,
-            weights, weights_before, unconstrained or {}, clipped_gradients,
+            plan,
+            loss,
+            learning_rate,
+            weight_gradients,
+            activation_gradients,
+            weights,
+            weights_before,
+            unconstrained or {},
+            clipped_gradients,
         )
         plan.buffer.write(step, stats, metrics, histograms)
 
@@ -286,8 +324,17 @@ def _record(plan, when, step, loss, learning_rate, weight_gradients,
         tf.cond(when, write, lambda: None)
 
 
-def _summarize_step(plan, loss, learning_rate, weight_gradients, activation_gradients,
-                    weights, weights_before, unconstrained, clipped_gradients):
+def _summarize_step(
+    plan,
+    loss,
+    learning_rate,
+    weight_gradients,
+    activation_gradients,
+    weights,
+    weights_before,
+    unconstrained,
+    clipped_gradients,
+):
     count = len(weight_gradients)
     stats, histograms = summarize(weight_gradients + activation_gradients, plan.histograms)
     missing = tf.fill([count], _NAN)
@@ -295,7 +342,7 @@ def _summarize_step(plan, loss, learning_rate, weight_gradients, activation_grad
     # One segment reduction for every weight norm the row needs.
     tensors = list(weights)
     if weights_before is not None:
-        tensors += [after - before for after, before in zip(weights, weights_before)]
+        tensors += [after - before for after, before in zip(weights, weights_before, strict=False)]
         tensors += weights_before
     indices = sorted(unconstrained)
     tensors += [unconstrained[i] for i in indices]
@@ -303,12 +350,12 @@ def _summarize_step(plan, loss, learning_rate, weight_gradients, activation_grad
     weight_norm = norms[:count]
     update_ratio = missing
     if weights_before is not None:
-        change, before = norms[count: 2 * count], norms[2 * count: 3 * count]
+        change, before = norms[count : 2 * count], norms[2 * count : 3 * count]
         update_ratio = tf.where(before > 0, change / tf.maximum(before, 1e-30), _NAN)
     weight_norm_unconstrained = missing
     if indices:
         weight_norm_unconstrained = tf.tensor_scatter_nd_update(
-            missing, [[i] for i in indices], norms[-len(indices):]
+            missing, [[i] for i in indices], norms[-len(indices) :]
         )
 
     gradient_norm = stats[:count, 1]
@@ -320,9 +367,7 @@ def _summarize_step(plan, loss, learning_rate, weight_gradients, activation_grad
         global_norm_clipped = tf.sqrt(tf.reduce_sum(tf.square(l2_norm_clipped)))
         # Clipping scales by clip/norm, which is 1.0 up to rounding when the
         # norm is under the limit: count only a real reduction.
-        clipped = tf.cast(
-            tf.reduce_any(l2_norm_clipped < gradient_norm * (1.0 - 1e-6)), tf.float32
-        )
+        clipped = tf.cast(tf.reduce_any(l2_norm_clipped < gradient_norm * (1.0 - 1e-6)), tf.float32)
 
     extras = tf.stack(
         [weight_norm, weight_norm_unconstrained, update_ratio, l2_norm_clipped, max_abs_clipped],
@@ -408,7 +453,7 @@ def _filled(gradients, sources):
     """Zeros for the gradients of tensors the loss does not depend on."""
     return [
         tf.zeros_like(tf.convert_to_tensor(s)) if g is None else tf.convert_to_tensor(g)
-        for g, s in zip(gradients, sources)
+        for g, s in zip(gradients, sources, strict=False)
     ]
 
 

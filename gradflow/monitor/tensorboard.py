@@ -26,12 +26,13 @@ def _metadata(plugin_name):
 
 def _log10_edges():
     # The open end bins get one bin width so TensorBoard can draw them.
-    inner = schema.HISTOGRAM_LOW + schema.HISTOGRAM_BIN_WIDTH * np.arange(
-        schema.HISTOGRAM_BINS - 1
-    )
+    inner = schema.HISTOGRAM_LOW + schema.HISTOGRAM_BIN_WIDTH * np.arange(schema.HISTOGRAM_BINS - 1)
     edges = np.concatenate(
-        [[schema.HISTOGRAM_LOW - schema.HISTOGRAM_BIN_WIDTH], inner,
-         [schema.HISTOGRAM_HIGH + schema.HISTOGRAM_BIN_WIDTH]]
+        [
+            [schema.HISTOGRAM_LOW - schema.HISTOGRAM_BIN_WIDTH],
+            inner,
+            [schema.HISTOGRAM_HIGH + schema.HISTOGRAM_BIN_WIDTH],
+        ]
     )
     return edges[:-1], edges[1:]
 
