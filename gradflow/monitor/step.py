@@ -339,23 +339,28 @@ def _summarize_step(
     stats, histograms = summarize(weight_gradients + activation_gradients, plan.histograms)
     missing = tf.fill([count], _NAN)
 
-    # One segment reduction for every weight norm the row needs.
-    tensors = list(weights)
+    # Weights, their change and the clipped gradients share the shapes of the
+    # weights: one segment sum over stacked columns gives every norm.
+    segments = _WeightSegments(weights)
+    columns = [segments.flat(weights)]
     if weights_before is not None:
-        tensors += [after - before for after, before in zip(weights, weights_before, strict=False)]
-        tensors += weights_before
-    indices = sorted(unconstrained)
-    tensors += [unconstrained[i] for i in indices]
-    norms, _ = _norms_and_max(tensors)
-    weight_norm = norms[:count]
+        before = segments.flat(weights_before)
+        columns += [columns[0] - before, before]
+    if clipped_gradients is not None:
+        clipped_values = segments.flat(clipped_gradients)
+        columns.append(clipped_values)
+    norms = tf.unstack(segments.norms(columns), num=len(columns), axis=1)
+    weight_norm = norms[0]
     update_ratio = missing
     if weights_before is not None:
-        change, before = norms[count : 2 * count], norms[2 * count : 3 * count]
-        update_ratio = tf.where(before > 0, change / tf.maximum(before, 1e-30), _NAN)
+        change, before_norm = norms[1], norms[2]
+        update_ratio = tf.where(before_norm > 0, change / tf.maximum(before_norm, 1e-30), _NAN)
     weight_norm_unconstrained = missing
-    if indices:
+    if unconstrained:
+        indices = sorted(unconstrained)
+        unconstrained_norms = tf.stack([tf.norm(unconstrained[i]) for i in indices])
         weight_norm_unconstrained = tf.tensor_scatter_nd_update(
-            missing, [[i] for i in indices], norms[-len(indices) :]
+            missing, [[i] for i in indices], unconstrained_norms
         )
 
     gradient_norm = stats[:count, 1]
@@ -363,7 +368,8 @@ def _summarize_step(
     l2_norm_clipped = max_abs_clipped = missing
     global_norm_clipped = clipped = tf.constant(_NAN)
     if clipped_gradients is not None:
-        l2_norm_clipped, max_abs_clipped = _norms_and_max(clipped_gradients)
+        l2_norm_clipped = norms[-1]
+        max_abs_clipped = segments.max_abs(clipped_values)
         global_norm_clipped = tf.sqrt(tf.reduce_sum(tf.square(l2_norm_clipped)))
         # Clipping scales by clip/norm, which is 1.0 up to rounding when the
         # norm is under the limit: count only a real reduction.
@@ -386,27 +392,32 @@ def _summarize_step(
     return rows, metrics, histograms
 
 
-def _norms_and_max(tensors):
-    """L2 norm and max |entry| of each tensor with a constant number of ops.
+class _WeightSegments:
+    """Per-variable reductions over tensors shaped like the model's weights.
 
-    Weight and gradient shapes are static, so the segment ids are a constant
-    computed once at trace time, and the sorted segment reductions apply (on
-    CPU both are several times faster than `tf.repeat` and the unsorted ones).
+    Weight shapes are static, so the segment id of every entry is a constant
+    made once at trace time, and the sorted segment ops apply: on CPU both
+    are several times faster than `tf.repeat` and the unsorted ops.
     """
-    if not tensors:
-        return tf.zeros([0]), tf.zeros([0])
-    flats = [tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors]
-    sizes = [f.shape[0] for f in flats]
-    values = tf.concat(flats, axis=0)
-    if all(size for size in sizes):  # static and non-empty
-        ids = tf.constant(np.repeat(np.arange(len(flats), dtype=np.int32), sizes))
-    else:
-        ids = tf.repeat(tf.range(len(flats)), tf.stack([tf.size(f) for f in flats]))
-        count = len(flats)
-        norms = tf.sqrt(tf.math.unsorted_segment_sum(tf.square(values), ids, count))
-        return norms, tf.math.unsorted_segment_max(tf.abs(values), ids, count)
-    norms = tf.sqrt(tf.math.segment_sum(tf.square(values), ids))
-    return norms, tf.math.segment_max(tf.abs(values), ids)
+
+    def __init__(self, weights):
+        sizes = [int(np.prod(w.shape)) for w in weights]
+        self.count = len(sizes)
+        ids = np.repeat(np.arange(self.count, dtype=np.int32), sizes)
+        self.ids = tf.constant(ids)
+        # Sorted segment ops end at the last non-empty segment.
+        self.trailing = self.count - (int(ids[-1]) + 1 if ids.size else 0)
+
+    def flat(self, tensors):
+        return tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], axis=0)
+
+    def norms(self, columns):
+        """`[count, len(columns)]` L2 norms of flat columns."""
+        sums = tf.math.segment_sum(tf.square(tf.stack(columns, axis=1)), self.ids)
+        return tf.sqrt(tf.pad(sums, [[0, self.trailing], [0, 0]]))
+
+    def max_abs(self, values):
+        return tf.pad(tf.math.segment_max(tf.abs(values), self.ids), [[0, self.trailing]])
 
 
 def _layer_outputs(plan):
