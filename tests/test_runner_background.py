@@ -91,3 +91,16 @@ def test_a_background_run_repeats_the_foreground_exactly(manager, tmp_path):
     np.testing.assert_array_equal(
         background[columns].to_numpy(), foreground.layer_stats[columns].to_numpy()
     )
+
+
+def test_a_killed_worker_is_reaped_and_its_run_interrupted(manager):
+    import os
+    import signal
+
+    run = Run(manager.start(LONG), manager.store, manager)
+    wait_for(lambda: last_step(run) > 0)
+    pid = manager.running()[run.run_id]
+    os.kill(pid, signal.SIGKILL)
+    assert run.wait(timeout=30) == "interrupted"
+    assert "killed by signal 9" in run.message
+    assert run.run_id not in manager.running() and pid not in manager.worker_pids()
