@@ -536,6 +536,8 @@ class RunStore:
         ).fetchone()
         if has_meta:
             row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if row is not None and int(row[0]) == tables.SCHEMA_VERSION:
+                return  # Already made: no schema statements, no write lock.
             if row is not None and int(row[0]) > tables.SCHEMA_VERSION:
                 raise RuntimeError(
                     f"The run store {str(self.path)!r} has schema version {row[0]}, written by a "
