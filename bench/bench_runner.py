@@ -100,7 +100,10 @@ def bare_steps_per_s(config, mode, path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
         [sys.executable, "-c", BARE, config.to_json(), mode, str(path)],
-        capture_output=True, text=True, env=env, check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])["steps_per_s"]
 
@@ -112,8 +115,13 @@ def main():
     args = parser.parse_args()
     latency_config = RunConfig(depth=2, width=8, steps=3)
     speed_config = RunConfig(steps=args.steps)
-    times = {"warm_start_s": [], "cold_start_s": [], "runner_steps_per_s": [],
-             "bare_fit_steps_per_s": [], "bare_fit_with_monitor_steps_per_s": []}
+    times = {
+        "warm_start_s": [],
+        "cold_start_s": [],
+        "runner_steps_per_s": [],
+        "bare_fit_steps_per_s": [],
+        "bare_fit_with_monitor_steps_per_s": [],
+    }
     with tempfile.TemporaryDirectory() as folder:
         store = RunStore(pathlib.Path(folder) / "runs.db")
         warm = RunManager(store, max_running=1, threads_per_run=1, prewarm=True)
@@ -126,16 +134,20 @@ def main():
                 times["cold_start_s"].append(first_step_latency(cold, latency_config))
                 warm.wait_warm(timeout=300)
                 times["runner_steps_per_s"].append(runner_steps_per_s(warm, speed_config))
-                times["bare_fit_steps_per_s"].append(
-                    bare_steps_per_s(speed_config, "bare", None))
+                times["bare_fit_steps_per_s"].append(bare_steps_per_s(speed_config, "bare", None))
                 times["bare_fit_with_monitor_steps_per_s"].append(
-                    bare_steps_per_s(speed_config, "monitor", pathlib.Path(folder) / "bare.db"))
+                    bare_steps_per_s(speed_config, "monitor", pathlib.Path(folder) / "bare.db")
+                )
         finally:
             warm.shutdown()
             cold.shutdown()
-    result = {"command": "python3 bench/bench_runner.py " + " ".join(sys.argv[1:]),
-              "repeats": args.repeats, "steps": args.steps,
-              "load_average_1min": os.getloadavg()[0], "cpus": os.cpu_count()}
+    result = {
+        "command": "python3 bench/bench_runner.py " + " ".join(sys.argv[1:]),
+        "repeats": args.repeats,
+        "steps": args.steps,
+        "load_average_1min": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
+    }
     result.update({name: statistics.median(values) for name, values in times.items()})
     result["runner_vs_bare_fit"] = result["runner_steps_per_s"] / result["bare_fit_steps_per_s"]
     result["runner_vs_bare_fit_with_monitor"] = (
@@ -146,8 +158,11 @@ def main():
     width = max(map(len, result))
     for name, value in result.items():
         if name not in ("samples", "targets", "command"):
-            print(f"{name:<{width}}  {value:,.3f}" if isinstance(value, float)
-                  else f"{name:<{width}}  {value}")
+            print(
+                f"{name:<{width}}  {value:,.3f}"
+                if isinstance(value, float)
+                else f"{name:<{width}}  {value}"
+            )
     out = ROOT / "bench" / "results" / "runner.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -49,8 +49,10 @@ def ingest(store, rows, rng):
     run_id = store.create_run({"bench": True})
     writer = store.writer(run_id)
     steps_per_call = 20  # what a monitor recording every step hands over in 20 steps
-    blocks = [tidy_block(1 + i * steps_per_call, steps_per_call, rng)
-              for i in range(rows // (SERIES * steps_per_call))]
+    blocks = [
+        tidy_block(1 + i * steps_per_call, steps_per_call, rng)
+        for i in range(rows // (SERIES * steps_per_call))
+    ]
     start = time.perf_counter()
     for block in blocks:
         writer.add_layer_stats(block)
@@ -119,7 +121,11 @@ def main():
     width = max(map(len, result))
     for name, value in result.items():
         if name not in ("command", "targets"):
-            print(f"{name:<{width}}  {value:,.3f}" if isinstance(value, float) else f"{name:<{width}}  {value}")
+            print(
+                f"{name:<{width}}  {value:,.3f}"
+                if isinstance(value, float)
+                else f"{name:<{width}}  {value}"
+            )
     out = pathlib.Path(__file__).resolve().parent / "results" / "store.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

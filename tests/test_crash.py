@@ -20,7 +20,10 @@ LONG = RunConfig(depth=2, width=8, steps=1_000_000)
 
 
 def env():
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
 
 
 def wait_for(condition, timeout=90.0):
@@ -39,7 +42,10 @@ def test_killed_worker_keeps_its_flushed_rows_and_is_recovered_as_interrupted(st
     run_id = store.create_run(LONG.to_dict(), status="queued")
     worker = subprocess.Popen(
         [sys.executable, "-m", "gradflow.lab.worker", "--db", str(store_path), "--no-warm-up"],
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env(), text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        env=env(),
+        text=True,
     )
     worker.stdin.write(run_id + "\n")
     worker.stdin.flush()
@@ -89,7 +95,9 @@ def test_killed_launcher_takes_its_workers_along(store_path, tmp_path):
     script.write_text(LAUNCHER)
     launcher = subprocess.Popen(
         [sys.executable, str(script), str(store_path)],
-        stdout=subprocess.PIPE, env=env(), text=True,
+        stdout=subprocess.PIPE,
+        env=env(),
+        text=True,
     )
     try:
         line = launcher.stdout.readline().split()

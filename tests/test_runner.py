@@ -8,8 +8,18 @@ from gradflow.lab.config import RunConfig
 from gradflow.store import RunStore
 
 TINY = dict(depth=2, width=8, steps=12)
-NUMERIC = ["step", "layer_index", "max_abs", "l2_norm", "mean_abs", "std", "zero_fraction",
-           "nonfinite", "weight_norm", "update_ratio"]
+NUMERIC = [
+    "step",
+    "layer_index",
+    "max_abs",
+    "l2_norm",
+    "mean_abs",
+    "std",
+    "zero_fraction",
+    "nonfinite",
+    "weight_norm",
+    "update_ratio",
+]
 
 
 @pytest.fixture
@@ -39,11 +49,12 @@ def test_first_step_statistics_match_a_plain_gradient_tape(store):
 
     first = run.layer_stats.query("step == 1").set_index("variable")
     assert len(first) == len(model.trainable_variables)
-    for variable, gradient in zip(model.trainable_variables, gradients):
+    for variable, gradient in zip(model.trainable_variables, gradients, strict=True):
         row = first.loc[variable.path]
         g = gradient.numpy()
-        np.testing.assert_allclose(row["l2_norm"], np.sqrt((g.astype(np.float64) ** 2).sum()),
-                                   rtol=1e-4)
+        np.testing.assert_allclose(
+            row["l2_norm"], np.sqrt((g.astype(np.float64) ** 2).sum()), rtol=1e-4
+        )
         np.testing.assert_allclose(row["max_abs"], np.abs(g).max(), rtol=1e-4)
     recorded_loss = run.metrics.query("step == 1 and name == 'loss'")["value"].item()
     np.testing.assert_allclose(recorded_loss, float(loss), rtol=1e-5)
@@ -65,13 +76,23 @@ def test_same_config_and_seed_give_identical_statistics(store):
     [
         (RunConfig(**TINY), "completed", None),
         (
-            RunConfig(depth=2, width=8, steps=50, learning_rate=10.0, dataset="regression",
-                      n_samples=200, activation="linear"),
+            RunConfig(
+                depth=2,
+                width=8,
+                steps=50,
+                learning_rate=10.0,
+                dataset="regression",
+                n_samples=200,
+                activation="linear",
+            ),
             "diverged",
             "non-finite gradient",
         ),
-        (RunConfig(dataset="file", data_path="/nonexistent/data.npz", steps=5), "failed",
-         "/nonexistent/data.npz"),
+        (
+            RunConfig(dataset="file", data_path="/nonexistent/data.npz", steps=5),
+            "failed",
+            "/nonexistent/data.npz",
+        ),
     ],
 )
 def test_final_status_and_reason(store, config, status, message):

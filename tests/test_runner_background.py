@@ -63,8 +63,9 @@ def test_pause_step_resume_stop(manager):
 def test_queue_starts_runs_in_order_and_stop_cancels_a_queued_run(manager):
     first = Run(manager.start(LONG, name="first"), manager.store, manager)
     second = Run(manager.start(LONG, name="second"), manager.store, manager)
-    third = Run(manager.start(RunConfig(depth=1, width=4, steps=5), name="third"),
-                manager.store, manager)
+    third = Run(
+        manager.start(RunConfig(depth=1, width=4, steps=5), name="third"), manager.store, manager
+    )
     wait_for(lambda: first.status == "running")
     assert (second.status, third.status) == ("queued", "queued")
     assert manager.queued() == [second.run_id, third.run_id]

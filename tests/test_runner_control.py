@@ -40,8 +40,13 @@ def test_requests_and_step_limit(store_path, requests, max_steps, steps, reason,
     for action in requests:
         store.request(run_id, action)
     paused = []
-    control = RunControl(store, run_id, max_steps=max_steps, poll_interval=0.01,
-                         on_pause=lambda: paused.append(control.steps))
+    control = RunControl(
+        store,
+        run_id,
+        max_steps=max_steps,
+        poll_interval=0.01,
+        on_pause=lambda: paused.append(control.steps),
+    )
     done, _ = fit(tiny_model(), control)
     assert (done, control.steps, control.stop_reason) == (steps, steps, reason)
     assert store.status(run_id) == status

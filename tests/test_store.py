@@ -60,9 +60,7 @@ def test_layer_stats_round_trip_with_names_and_missing_columns(store):
     assert got["update_ratio"].isna().all() and got["update_ratio"].dtype == np.float64
 
 
-@pytest.mark.parametrize(
-    "value", [float("nan"), float("inf"), float("-inf"), 0.0, 1e-300, 1.7e308]
-)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 0.0, 1e-300, 1.7e308])
 def test_non_finite_values_round_trip(store, value):
     run_id = store.create_run({})
     rows = tidy_rows([1])
@@ -140,14 +138,21 @@ def test_events_and_histograms(store):
     hist = store.histograms(run_id)
     assert len(hist) == 3
     bins = [f"b{i}" for i in range(schema.HISTOGRAM_BINS)]
-    np.testing.assert_array_equal(hist.loc[hist["layer"] == "dense_1", bins].to_numpy()[0], counts * 2)
+    np.testing.assert_array_equal(
+        hist.loc[hist["layer"] == "dense_1", bins].to_numpy()[0], counts * 2
+    )
     one = store.histograms(run_id, layer="dense", after_step=1)
     assert one["step"].tolist() == [2]
     np.testing.assert_array_equal(one[bins].to_numpy()[0], counts + 1)
     assert store.histograms(run_id, tensor="bias").empty
     events = store.events(run_id)
     assert events.to_dict("records") == [
-        {"step": 2, "layer": "dense_1", "kind": "nonfinite", "message": "first NaN in dense_1/kernel"}
+        {
+            "step": 2,
+            "layer": "dense_1",
+            "kind": "nonfinite",
+            "message": "first NaN in dense_1/kernel",
+        }
     ]
 
 
@@ -266,7 +271,10 @@ def test_reader_in_another_process_sees_committed_rows(store):
         "print(len(df), sorted(set(df['step'])), 'tensorflow' in sys.modules)"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
     assert out.stdout.split() == ["4", "[2]", "False"]

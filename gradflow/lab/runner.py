@@ -182,7 +182,9 @@ class RunManager:
             self._closed = True
             for run_id in self._queue:
                 self.store.set_status(
-                    run_id, "interrupted", "The launcher shut down before the run started.",
+                    run_id,
+                    "interrupted",
+                    "The launcher shut down before the run started.",
                     only_from=("queued",),
                 )
             self._queue.clear()

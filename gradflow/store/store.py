@@ -107,7 +107,9 @@ class RunStore:
         if hasattr(config, "to_dict"):
             config = config.to_dict()
         if not isinstance(config, dict):
-            raise TypeError(f"`config` must be a dict or have .to_dict(), got {type(config).__name__}.")
+            raise TypeError(
+                f"`config` must be a dict or have .to_dict(), got {type(config).__name__}."
+            )
         if source not in tables.SOURCES:
             raise ValueError(f"`source` must be one of {tables.SOURCES}, got {source!r}.")
         _check_status(status)
@@ -151,9 +153,7 @@ class RunStore:
             flush_interval: seconds between writes to disk, default 0.5.
             background_flush: write from a daemon thread, default True.
         """
-        return RunWriter(
-            self.path, self._key(run_id), run_id, flush_interval, background_flush
-        )
+        return RunWriter(self.path, self._key(run_id), run_id, flush_interval, background_flush)
 
     def set_status(self, run_id, status, message=None, pid=None, only_from=None):
         """Sets a run's status (and why, for people).
@@ -209,9 +209,11 @@ class RunStore:
             updated_at, heartbeat_at, progress_step, total_steps, tags, message,
             pid, host`; times are UTC timestamps and `tags` are lists.
         """
-        rows = self._conn().execute(
-            f"SELECT {', '.join(_RUNS_COLUMNS)} FROM runs ORDER BY id DESC"
-        ).fetchall()
+        rows = (
+            self._conn()
+            .execute(f"SELECT {', '.join(_RUNS_COLUMNS)} FROM runs ORDER BY id DESC")
+            .fetchall()
+        )
         frame = pd.DataFrame(rows, columns=list(_RUNS_COLUMNS))
         for column in ("created_at", "updated_at", "heartbeat_at"):
             frame[column] = pd.to_datetime(frame[column].astype("float64"), unit="s", utc=True)
@@ -229,12 +231,16 @@ class RunStore:
             `"config"`, the config dict the run was created with.
         """
         self._check_id(run_id)
-        row = self._conn().execute(
-            f"SELECT {', '.join(_RUNS_COLUMNS)}, config FROM runs WHERE run_id = ?", (run_id,)
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute(
+                f"SELECT {', '.join(_RUNS_COLUMNS)}, config FROM runs WHERE run_id = ?", (run_id,)
+            )
+            .fetchone()
+        )
         if row is None:
             raise self._unknown(run_id)
-        info = dict(zip(_RUNS_COLUMNS + ("config",), row))
+        info = dict(zip(_RUNS_COLUMNS + ("config",), row, strict=True))
         info["tags"] = json.loads(info["tags"])
         info["config"] = json.loads(info["config"])
         return info
@@ -433,9 +439,13 @@ class RunStore:
             names = [names] if isinstance(names, str) else list(names)
             where += f" AND name IN ({', '.join('?' * len(names))})"
             params.extend(names)
-        rows = self._conn().execute(
-            f"SELECT step, name, value FROM metrics WHERE {where} ORDER BY step, name", params
-        ).fetchall()
+        rows = (
+            self._conn()
+            .execute(
+                f"SELECT step, name, value FROM metrics WHERE {where} ORDER BY step, name", params
+            )
+            .fetchall()
+        )
         frame = pd.DataFrame(rows, columns=list(schema.METRICS_COLUMNS))
         frame["step"] = frame["step"].astype("int64")
         frame["name"] = frame["name"].astype(object)
@@ -453,10 +463,14 @@ class RunStore:
         if after_step is not None:
             where += " AND step > ?"
             params.append(int(after_step))
-        rows = self._conn().execute(
-            f"SELECT step, layer, kind, message FROM events WHERE {where} ORDER BY step, id",
-            params,
-        ).fetchall()
+        rows = (
+            self._conn()
+            .execute(
+                f"SELECT step, layer, kind, message FROM events WHERE {where} ORDER BY step, id",
+                params,
+            )
+            .fetchall()
+        )
         frame = pd.DataFrame(rows, columns=list(schema.EVENTS_COLUMNS))
         frame["step"] = frame["step"].astype("int64")
         return frame
@@ -487,10 +501,16 @@ class RunStore:
         if after_step is not None:
             where += " AND step > ?"
             params.append(int(after_step))
-        rows = self._conn().execute(
-            f"SELECT step, series, counts FROM histograms WHERE {where} ORDER BY step, series",
-            params,
-        ).fetchall() if ids else []
+        rows = (
+            self._conn()
+            .execute(
+                f"SELECT step, series, counts FROM histograms WHERE {where} ORDER BY step, series",
+                params,
+            )
+            .fetchall()
+            if ids
+            else []
+        )
         if rows and max(r[1] for r in rows) >= len(series):
             series = self._series(key)
         bins = [f"b{i}" for i in range(schema.HISTOGRAM_BINS)]
@@ -500,8 +520,10 @@ class RunStore:
             else np.zeros((0, len(bins)), dtype=np.int64)
         )
         data = pd.DataFrame(
-            {"step": np.array([r[0] for r in rows], dtype=np.int64),
-             "series": np.array([r[1] for r in rows], dtype=np.int64)}
+            {
+                "step": np.array([r[0] for r in rows], dtype=np.int64),
+                "series": np.array([r[1] for r in rows], dtype=np.int64),
+            }
         )
         named = _name_series(data, series, ())
         named = named.drop(columns=["variable"])
@@ -569,9 +591,11 @@ class RunStore:
 
     def _run_row(self, run_id, column):
         self._check_id(run_id)
-        row = self._conn().execute(
-            f"SELECT {column} FROM runs WHERE run_id = ?", (run_id,)
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute(f"SELECT {column} FROM runs WHERE run_id = ?", (run_id,))
+            .fetchone()
+        )
         if row is None:
             raise self._unknown(run_id)
         return row[0]
@@ -583,11 +607,15 @@ class RunStore:
         )
 
     def _series(self, key):
-        rows = self._conn().execute(
-            "SELECT series, layer, layer_index, tensor, variable FROM series WHERE run = ? "
-            "ORDER BY series",
-            (key,),
-        ).fetchall()
+        rows = (
+            self._conn()
+            .execute(
+                "SELECT series, layer, layer_index, tensor, variable FROM series WHERE run = ? "
+                "ORDER BY series",
+                (key,),
+            )
+            .fetchall()
+        )
         return pd.DataFrame(rows, columns=["series", "layer", "layer_index", "tensor", "variable"])
 
     def _read_arrow(self, sql, params, dtypes):

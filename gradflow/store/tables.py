@@ -136,9 +136,7 @@ def connect(path):
     """
     import sqlite3
 
-    conn = sqlite3.connect(
-        str(path), timeout=30.0, isolation_level=None, check_same_thread=False
-    )
+    conn = sqlite3.connect(str(path), timeout=30.0, isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA busy_timeout = 30000")
     conn.execute("PRAGMA journal_mode = WAL")
     conn.execute("PRAGMA synchronous = NORMAL")

@@ -108,9 +108,10 @@ class RunWriter:
                     frame["layer_index"].to_numpy(dtype=np.int64).tolist(),
                     frame["tensor"].astype(str).tolist(),
                     variables,
+                    strict=True,
                 )
             ]
-            self._stats.extend(zip([self._run] * n, steps, series, *stats))
+            self._stats.extend(zip([self._run] * n, steps, series, *stats, strict=True))
         self._maybe_flush()
 
     def add_metrics(self, step, values):
@@ -136,9 +137,7 @@ class RunWriter:
             message: a sentence for people.
         """
         if kind not in schema.EVENT_KINDS:
-            raise ValueError(
-                f"`kind` must be one of {schema.EVENT_KINDS}, got {kind!r}."
-            )
+            raise ValueError(f"`kind` must be one of {schema.EVENT_KINDS}, got {kind!r}.")
         with self._buffer_lock:
             self._events.append((self._run, int(step), str(layer or ""), kind, str(message)))
         self._maybe_flush()
