@@ -11,7 +11,9 @@ def train(config, background=False, store=None, name=None):
     In the foreground (the default) the run trains in this process and the
     finished `Run` is returned. With `background=True` it trains in a worker
     process and `train` returns at once; the run may first wait as `queued`
-    when as many runs as CPUs are already training.
+    when as many runs as CPUs are already training. A background run ends with
+    the process that started it (it becomes `interrupted`): a script should
+    call `run.wait()` before it exits.
 
     Example:
 
