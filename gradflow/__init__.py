@@ -32,6 +32,12 @@ _EXPORTS = {
     "load_arrays": "gradflow.safety.arrays",
     "UnsafeInputError": "gradflow.safety.errors",
     "diagnose": "gradflow.diagnosis",
+    "first_nonfinite": "gradflow.diagnosis",
+    "Thresholds": "gradflow.diagnosis",
+    "GradientProbe": "gradflow.probe.snapshot",
+    "InputSensitivity": "gradflow.probe.sensitivity",
+    "ChainedBackprop": "gradflow.probe.chain",
+    "split_cnn": "gradflow.probe.chain",
 }
 
 __all__ = sorted(_EXPORTS)
