@@ -5,7 +5,6 @@ wait for the heatmap, Stop; download a PNG and a CSV and check them; run the
 relu-vs-sigmoid comparison. Screenshots land in test-artifacts/.
 """
 
-import io
 import json
 import re
 import time

@@ -42,7 +42,7 @@ def jacobian_cost(cost, *, presentation=False):
     data = cost[["input_size", "jacobian_entries", "method", "milliseconds", "jacobian_megabytes"]]
     figure = go.Figure()
     labels = {"vjp": "vector-Jacobian products (one tape per part)", "jacobian": "full Jacobians multiplied"}
-    for color, (method, group) in zip(line_colors(2), data.groupby("method", sort=False)):
+    for color, (method, group) in zip(line_colors(2), data.groupby("method", sort=False), strict=False):
         figure.add_trace(go.Scatter(
             x=group["jacobian_entries"], y=group["milliseconds"], mode="lines+markers",
             name=labels.get(method, method), line_color=color,

@@ -104,7 +104,7 @@ def split_backprop_lesson(sizes=(6, 8, 10, 12), batch_size=8, repeats=3, seed=0)
         for method, backprop in (("vjp", vjp), ("jacobian", jacobian)):
             cost_rows.append({
                 "input_size": size, "jacobian_entries": largest, "method": method,
-                "milliseconds": _median_ms(lambda b=backprop: b(x, y), repeats),
+                "milliseconds": _median_ms(lambda b=backprop, x=x, y=y: b(x, y), repeats),
                 "jacobian_megabytes": largest * 4 / 2**20 if method == "jacobian" else 0.0,
             })
         if index:
@@ -122,7 +122,7 @@ def split_backprop_lesson(sizes=(6, 8, 10, 12), batch_size=8, repeats=3, seed=0)
                 "upstream_max_abs": float(np.abs(upstream).max()),
                 "weight_grad_l2_norm": float(np.sqrt(sum(np.sum(g.numpy() ** 2) for g in chained[number]))),
             })
-            for variable, g_vjp, g_jac in zip(part.trainable_variables, chained[number], by_jacobian[number]):
+            for variable, g_vjp, g_jac in zip(part.trainable_variables, chained[number], by_jacobian[number], strict=True):
                 reference = next(joint).numpy()
                 agreement_rows.append({
                     "part": number + 1, "variable": variable.path,

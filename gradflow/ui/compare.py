@@ -84,7 +84,7 @@ def _charts(run_ids, was_active):
         stats[name] = store.layer_stats(run_id, tensors=["kernel"])
         metrics[name] = store.metrics(run_id)
     statuses = [store.status(run_id) for run_id in run_ids]
-    st.caption(" · ".join(f"{names[r]}: {s}" for r, s in zip(run_ids, statuses)))
+    st.caption(" · ".join(f"{names[r]}: {s}" for r, s in zip(run_ids, statuses, strict=True)))
     if was_active and not any(s in ACTIVE for s in statuses):
         st.rerun(scope="app")
     if all(frame.empty for frame in stats.values()):
