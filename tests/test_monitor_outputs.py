@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from gradflow import schema
 from gradflow.monitor import GradientMonitor
+from gradflow.monitor import callback as monitor_callback
 from gradflow.store import RunStore
 
 N, BATCH = 24, 4  # 6 steps per epoch
@@ -214,3 +215,23 @@ def test_own_train_step_falls_back_to_a_probe_every_n_steps():
         np.testing.assert_allclose(row["l2_norm"], np.linalg.norm(grad.numpy()), rtol=1e-5)
         np.testing.assert_allclose(row["max_abs"], np.abs(grad.numpy()).max(), rtol=1e-5)
     assert "train_step" not in model.__dict__
+
+
+def test_flush_writes_the_latest_step_to_the_store_at_once(store_path, monkeypatch):
+    # Without flush, nothing would be read before the 16th batch.
+    monkeypatch.setattr(monitor_callback, "_READ_INTERVAL_S", 1e9)
+    x, y = blow_up_data(bad_step=99)
+    store = RunStore(store_path)
+    monitor = GradientMonitor(store=store)
+    seen = []
+
+    class Pause(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                monitor.flush()
+                seen.append(sorted(store.layer_stats(monitor.run_id)["step"].unique()))
+
+    blow_up_model().fit(
+        x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor, Pause()]
+    )
+    assert seen == [[1, 2, 3]]

@@ -140,6 +140,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self._events = []
         self._frames = None
         self._nonfinite_step = None
+        self._plan = None
 
     # Results -----------------------------------------------------------------
 
@@ -166,6 +167,19 @@ class GradientMonitor(keras.callbacks.Callback):
             for step, layer, index, tensor, counts in self._histogram_rows()
         ]
         return pd.DataFrame(rows, columns=["step", "layer", "layer_index", "tensor", "counts"])
+
+    def flush(self):
+        """Read every step recorded so far and write it to the store now.
+
+        The monitor reads the compiled step's records every few batches (at
+        most 0.2 s apart); call this when the run must show its latest step
+        at once, e.g. before it pauses. A no-op outside `fit`.
+        """
+        if getattr(self, "_plan", None) is None:
+            return
+        self._collect()
+        if self._writer is not None:
+            self._writer.flush()
 
     # Callback hooks ----------------------------------------------------------
 
