@@ -1,0 +1,610 @@
+"""A classroom on one dashboard: N students start a small run at the same time.
+
+    python3 bench/bench_classroom.py [--students 30] [--cycles 100] [--timeout 540]
+
+One `streamlit run app.py` server on loopback (tests/browser.py), one headless
+Chromium with one browser context per student (the async Playwright API, so
+30 students are 30 pages, not 30 browsers). Each student opens a shared link
+with small settings (`/?steps=60&depth=3&width=16`), waits for the
+**Start training** button, presses it, and watches until the run is
+`Completed`; runs beyond the server's training slots must wait visibly
+("Waiting in the queue"). Then pages are opened and closed `--cycles` times to
+look for leaked processes and threads in the server.
+
+Measured (reported, never asserted here):
+- every run completed; statuses each page showed; `stException` blocks seen;
+- click -> first status line, click -> first heatmap column, click -> Completed;
+- page update latency: the time between successive changes of the
+  "step N / M" counter on a page while its run trains (target p95 <= 2 s);
+- peak memory: the sum of VmRSS over the server and all its descendant
+  processes (workers), sampled every 0.5 s, and the largest VmHWM seen;
+- processes in the server's tree and the server's threads before and after the
+  open/close cycles.
+
+Writes bench/results/classroom.json.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import platform
+import random
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.browser import CHROMIUM_ARGS, chromium_path, streamlit_server  # noqa: E402
+
+SHARED_LINK = "/?steps=60&depth=3&width=16"
+STATUS_WORDS = ("Waiting in the queue", "Training", "Paused", "Completed", "Stopped",
+                "Diverged", "Interrupted", "Failed")
+FINAL_WORDS = ("Completed", "Stopped", "Diverged", "Interrupted", "Failed")
+# Thirty pages in one headless browser: no page may be throttled as "hidden".
+BROWSER_ARGS = CHROMIUM_ARGS + [
+    "--disable-background-timer-throttling",
+    "--disable-renderer-backgrounding",
+    "--disable-backgrounding-occluded-windows",
+]
+
+# Runs in every page from its first instant: records each change of the run's
+# status line ("**name** — Training · step 12 / 60 · loss 2.1") with the
+# browser's clock, the first time a heatmap has a column, and the most
+# exception blocks ever on screen (an exception that a rerun later removes
+# still counts).
+PAGE_RECORDER = r"""
+(() => {
+  const record = {changes: [], firstChart: null, exceptions: 0};
+  window.__classroom = record;
+  let last = null;
+  setInterval(() => {
+    const lines = document.querySelectorAll('[data-testid="stMarkdownContainer"]');
+    let text = null;
+    for (const line of lines) {
+      const value = line.innerText;
+      if (/ — /.test(value) && /step \d+/.test(value)) { text = value; break; }
+    }
+    if (text !== null && text !== last) { record.changes.push([Date.now(), text]); last = text; }
+    record.exceptions = Math.max(record.exceptions,
+      document.querySelectorAll('[data-testid="stException"]').length);
+    if (record.firstChart === null) {
+      for (const plot of document.querySelectorAll('.js-plotly-plot')) {
+        for (const trace of (plot.data || [])) {
+          if (trace.type === 'heatmap' && trace.z &&
+              (trace.z.shape ? Number(String(trace.z.shape).split(',').pop()) > 0 : trace.z.length > 0)) {
+            record.firstChart = Date.now();
+          }
+        }
+      }
+    }
+  }, 100);
+})();
+"""
+LAST_STATUS = "() => { const c = window.__classroom; return c && c.changes.length ? c.changes[c.changes.length - 1][1] : null; }"
+
+
+def status_of(text):
+    """The status word of a status line, or None."""
+    if not text:
+        return None
+    return next((word for word in STATUS_WORDS if word in text), None)
+
+
+def step_of(text):
+    match = re.search(r"step (\d+)", text or "")
+    return int(match.group(1)) if match else None
+
+
+# ---------------------------------------------------------------- processes (no psutil)
+
+
+def _proc_status(pid):
+    """Fields of /proc/<pid>/status as a dict of strings, or None if gone."""
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            return dict(line.rstrip("\n").split(":\t", 1) for line in handle if ":\t" in line)
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+
+
+def process_tree(root_pid):
+    """The pids of `root_pid` and all its descendants (workers start new sessions,
+    so the process group would miss them; the parent links do not)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            status = _proc_status(entry)
+            if status:
+                children.setdefault(int(status["PPid"]), []).append(int(entry))
+    tree, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def _kib(value):
+    return int(value.split()[0]) if value else 0
+
+
+def threads_of(pid):
+    status = _proc_status(pid)
+    return int(status["Threads"]) if status else None
+
+
+def rss_mib(pid):
+    status = _proc_status(pid)
+    return _kib(status.get("VmRSS")) / 1024 if status else 0.0
+
+
+class MemorySampler:
+    """Samples the memory of a process tree every `interval` seconds in a thread."""
+
+    def __init__(self, root_pid, interval=0.5):
+        self.root_pid = root_pid
+        self.interval = interval
+        self.peak_total_rss_mib = 0.0
+        self.peak_processes = 0
+        self.peak_hwm_mib = {}  # pid -> (name, VmHWM MiB)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self):
+        while not self._stop.is_set():
+            total, count = 0.0, 0
+            for pid in process_tree(self.root_pid):
+                status = _proc_status(pid)
+                if not status:
+                    continue
+                count += 1
+                total += _kib(status.get("VmRSS")) / 1024
+                hwm = _kib(status.get("VmHWM")) / 1024
+                if hwm > self.peak_hwm_mib.get(pid, ("", 0.0))[1]:
+                    self.peak_hwm_mib[pid] = (status.get("Name", "?"), hwm)
+            self.peak_total_rss_mib = max(self.peak_total_rss_mib, total)
+            self.peak_processes = max(self.peak_processes, count)
+            self._stop.wait(self.interval)
+
+    def summary(self, server_pid):
+        workers = [hwm for pid, (_, hwm) in self.peak_hwm_mib.items() if pid != server_pid]
+        return {
+            "peak_total_rss_mib": round(self.peak_total_rss_mib, 1),
+            "peak_processes_in_tree": self.peak_processes,
+            "server_vm_hwm_mib": round(self.peak_hwm_mib.get(server_pid, ("", 0.0))[1], 1),
+            "largest_worker_vm_hwm_mib": round(max(workers, default=0.0), 1),
+            "workers_seen": len(workers),
+        }
+
+
+class StoreSampler:
+    """Reads every run's status and progress step from the store every
+    `interval` seconds (plain sqlite3, read only), remembering when each step
+    and each status was first seen: the reference for the page latencies."""
+
+    def __init__(self, db_path, interval=0.1):
+        self.db_path = db_path
+        self.interval = interval
+        self.first_step = {}  # (run_id, step) -> time first seen
+        self.first_status = {}  # (run_id, status) -> time first seen
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self):
+        import sqlite3
+
+        conn = None
+        while not self._stop.is_set():
+            try:
+                if conn is None:
+                    conn = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=5)
+                rows = conn.execute("SELECT run_id, progress_step, status FROM runs").fetchall()
+            except sqlite3.Error:
+                rows = []  # the server has not made the file yet
+            now = time.time()
+            for run_id, step, status in rows:
+                self.first_step.setdefault((run_id, int(step or 0)), now)
+                self.first_status.setdefault((run_id, status), now)
+            self._stop.wait(self.interval)
+        if conn is not None:
+            conn.close()
+
+    def step_available_at(self, run_id, step):
+        """When the store first had `progress_step >= step` for `run_id`, or None."""
+        times = [t for (rid, s), t in self.first_step.items() if rid == run_id and s >= step]
+        return min(times) if times else None
+
+
+# ---------------------------------------------------------------- one student
+
+
+async def student(browser, url, number, deadline, stagger_s=2.0, linger_s=10.0):
+    """Open the shared link, press Start training, follow the run to its end.
+
+    Returns a dict of what the page showed and when (seconds, bench clock).
+    """
+    result = {"student": number, "error": None, "statuses": [], "final": None}
+    context = await browser.new_context(viewport={"width": 1280, "height": 900})
+    try:
+        page = await context.new_page()
+        await page.add_init_script(PAGE_RECORDER)
+        opened = time.time()
+        await page.goto(url + SHARED_LINK, timeout=remaining_ms(deadline))
+        start = page.get_by_role("button", name="Start training")
+        await start.wait_for(timeout=remaining_ms(deadline))
+        result["open_to_button_s"] = time.time() - opened
+        # Students do not all click in the same millisecond.
+        await asyncio.sleep(random.uniform(0, stagger_s))
+        clicked = time.time()
+        await start.click(timeout=remaining_ms(deadline))
+        result["clicked_at"] = clicked
+        # The page puts its run in the URL (?run=<id>), so a reload keeps it.
+        while time.time() < deadline and "run=" not in page.url:
+            await asyncio.sleep(0.2)
+        match = re.search(r"[?&]run=([0-9a-f]+)", page.url)
+        result["run_id"] = match.group(1) if match else None
+        while time.time() < deadline:
+            text = await page.evaluate(LAST_STATUS)
+            if status_of(text) in FINAL_WORDS:
+                break
+            await asyncio.sleep(0.5)
+        # A finished run's page reruns once more and draws its charts.
+        linger = min(deadline, time.time() + linger_s)
+        while time.time() < linger and await page.evaluate("() => window.__classroom.firstChart") is None:
+            await asyncio.sleep(0.5)
+        result["final_text"] = await page.evaluate(LAST_STATUS)
+        record = await page.evaluate("() => window.__classroom")
+        result.update(_timeline(record, clicked))
+    except Exception as error:  # noqa: BLE001 - a bench reports every failure, it never stops on one
+        result["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        try:
+            record = await page.evaluate("() => window.__classroom")
+            result.update(_timeline(record, result.get("clicked_at", time.time())))
+        except Exception:  # noqa: BLE001
+            pass
+    finally:
+        await context.close()
+    return result
+
+
+def _timeline(record, clicked):
+    changes = [(ms / 1000.0, text) for ms, text in (record or {}).get("changes", [])]
+    after = [(t, text) for t, text in changes if t >= clicked - 0.05]
+    statuses = []
+    for _, text in after:
+        word = status_of(text)
+        if word and (not statuses or statuses[-1] != word):
+            statuses.append(word)
+    # Intervals between successive step-counter changes while the run trains.
+    training = [(t, step_of(text)) for t, text in after if status_of(text) == "Training"]
+    # The first change after step 0 waits for the worker to start; leave it out.
+    intervals = [b[0] - a[0] for a, b in zip(training, training[1:]) if b[1] != a[1] and a[1]]
+    first_status = after[0][0] - clicked if after else None
+    completed = next((t - clicked for t, text in after if status_of(text) in FINAL_WORDS), None)
+    first_chart = (record or {}).get("firstChart")
+    return {
+        "statuses": statuses,
+        "final": statuses[-1] if statuses else None,
+        "queued": "Waiting in the queue" in statuses,
+        "click_to_status_s": first_status,
+        "click_to_first_chart_s": None if first_chart is None else first_chart / 1000.0 - clicked,
+        "click_to_final_s": completed,
+        "update_intervals_s": intervals,
+        "step_changes": [(t, step_of(text), status_of(text)) for t, text in after],
+        "exceptions": (record or {}).get("exceptions", 0),
+    }
+
+
+def remaining_ms(deadline):
+    return max(1000, int((deadline - time.time()) * 1000))
+
+
+async def classroom(url, students, timeout_s):
+    """All students at once in one Chromium; returns their results."""
+    from playwright.async_api import async_playwright
+
+    deadline = time.time() + timeout_s
+    async with async_playwright() as playwright:
+        browser = await playwright.chromium.launch(
+            executable_path=chromium_path(), headless=True, args=BROWSER_ARGS
+        )
+        try:
+            return await asyncio.gather(
+                *(student(browser, url, number, deadline) for number in range(students))
+            )
+        finally:
+            await browser.close()
+
+
+async def open_close_cycles(url, cycles, concurrency=4, timeout_s=600):
+    """Open a page, wait for Start training, close it; `cycles` times.
+
+    Returns:
+        A dict: cycles done, failures, median and p95 seconds per cycle.
+    """
+    from playwright.async_api import async_playwright
+
+    deadline = time.time() + timeout_s
+    durations, failures = [], []
+    todo = list(range(cycles))
+
+    async with async_playwright() as playwright:
+        browser = await playwright.chromium.launch(
+            executable_path=chromium_path(), headless=True, args=BROWSER_ARGS
+        )
+
+        async def one(number):
+            began = time.time()
+            context = await browser.new_context()
+            try:
+                page = await context.new_page()
+                await page.goto(url + SHARED_LINK, timeout=remaining_ms(deadline))
+                await page.get_by_role("button", name="Start training").wait_for(
+                    timeout=remaining_ms(deadline)
+                )
+                durations.append(time.time() - began)
+            except Exception as error:  # noqa: BLE001
+                failures.append(f"cycle {number}: {type(error).__name__}")
+            finally:
+                await context.close()
+
+        async def lane():
+            while todo and time.time() < deadline:
+                await one(todo.pop())
+
+        try:
+            await asyncio.gather(*(lane() for _ in range(concurrency)))
+        finally:
+            await browser.close()
+    return {
+        "cycles_done": len(durations),
+        "failures": failures,
+        "median_s": round(statistics.median(durations), 2) if durations else None,
+        "p95_s": round(percentile(durations, 95), 2) if durations else None,
+    }
+
+
+def settle(server_pid, baseline_threads, timeout_s=60):
+    """Wait until the server's threads come back down to `baseline_threads`
+    (Streamlit ends script threads after each rerun) or `timeout_s` passes."""
+    deadline = time.time() + timeout_s
+    threads = threads_of(server_pid)
+    while time.time() < deadline and threads is not None and threads > baseline_threads:
+        time.sleep(1)
+        threads = threads_of(server_pid)
+    return threads
+
+
+def percentile(values, q):
+    values = sorted(values)
+    if not values:
+        return None
+    index = (len(values) - 1) * q / 100
+    low, high = int(index), min(int(index) + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (index - low)
+
+
+def wait_idle_workers(server_pid, timeout_s=120):
+    """Wait until only the server and at most one warm spare are in its tree."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and len(process_tree(server_pid)) > 2:
+        time.sleep(1)
+    return len(process_tree(server_pid))
+
+
+def store_to_page_latencies(results, store):
+    """For every new step a page showed: seconds since the store first had it."""
+    latencies = []
+    for result in results:
+        run_id, shown = result.get("run_id"), 0
+        for t, step, status in result.get("step_changes", []):
+            if run_id is None or step is None or step <= shown or status not in ("Training", "Completed"):
+                continue
+            shown = step
+            available = store.step_available_at(run_id, step)
+            if available is not None:
+                latencies.append(max(0.0, t - available))
+    return latencies
+
+
+def _queued_after_shown(result, store):
+    run_id, clicked, shown = result.get("run_id"), result.get("clicked_at"), result.get("click_to_status_s")
+    if run_id is None or clicked is None or shown is None:
+        return 0.0
+    started = store.first_status.get((run_id, "running"))
+    return 0.0 if started is None else started - (clicked + shown)
+
+
+def summarize(results, wall_s, store):
+    intervals = [i for r in results for i in r.get("update_intervals_s", [])]
+
+    def stats(key):
+        values = [r[key] for r in results if r.get(key) is not None]
+        if not values:
+            return None
+        return {"median": round(statistics.median(values), 2), "p95": round(percentile(values, 95), 2),
+                "max": round(max(values), 2), "n": len(values)}
+
+    latencies = store_to_page_latencies(results, store)
+    # Runs still queued in the store more than 2 s after their page first
+    # showed a status line: those pages must have said "Waiting in the queue".
+    long_waits = [r for r in results if _queued_after_shown(r, store) > 2.0]
+    return {
+        "students": len(results),
+        "store_to_page_latency_s": {
+            "median": round(statistics.median(latencies), 2) if latencies else None,
+            "p95": round(percentile(latencies, 95), 2) if latencies else None,
+            "max": round(max(latencies), 2) if latencies else None,
+            "n": len(latencies),
+            "target_p95": 2.0,
+        },
+        "runs_queued_over_2s": len(long_waits),
+        "of_those_shown_waiting": sum(bool(r.get("queued")) for r in long_waits),
+        "pages_with_a_chart": sum(r.get("click_to_first_chart_s") is not None for r in results),
+        "completed": sum(r.get("final") == "Completed" for r in results),
+        "seen_waiting_in_queue": sum(bool(r.get("queued")) for r in results),
+        "final_statuses": {w: sum(r.get("final") == w for r in results) for w in
+                           {r.get("final") for r in results}},
+        "pages_with_exceptions": sum(r.get("exceptions", 0) > 0 for r in results),
+        "errors": [f"student {r['student']}: {r['error']}" for r in results if r.get("error")],
+        "open_to_button_s": stats("open_to_button_s"),
+        "click_to_status_s": stats("click_to_status_s"),
+        "click_to_first_chart_s": stats("click_to_first_chart_s"),
+        "click_to_final_s": stats("click_to_final_s"),
+        "update_interval_s": {
+            "median": round(statistics.median(intervals), 2) if intervals else None,
+            "p95": round(percentile(intervals, 95), 2) if intervals else None,
+            "max": round(max(intervals), 2) if intervals else None,
+            "n": len(intervals),
+            "target_p95": 2.0,
+        },
+        "wall_s": round(wall_s, 1),
+    }
+
+
+async def teacher_opens(url, timeout_s=300):
+    """Open the app once and wait for "Trainer ready"; returns the seconds it took."""
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as playwright:
+        browser = await playwright.chromium.launch(
+            executable_path=chromium_path(), headless=True, args=BROWSER_ARGS
+        )
+        try:
+            page = await browser.new_page()
+            began = time.time()
+            await page.goto(url)
+            await page.get_by_text("Trainer ready").wait_for(timeout=timeout_s * 1000)
+            return round(time.time() - began, 1)
+        finally:
+            await browser.close()
+
+
+def run(students, cycles, timeout_s, log_path=None, db_dir=None, warmup_cycles=8, teacher_first=True):
+    """The whole bench on one fresh server; returns the results dict.
+
+    Args:
+        students: pages that each start one run at the same time.
+        cycles: page open/close cycles for the leak check (0: none).
+        timeout_s: hard limit of the classroom phase, seconds.
+        log_path: file for the server's output, default none.
+        db_dir: folder for the run store, default a new temporary one.
+        warmup_cycles: open/close cycles before the leak baseline is taken.
+        teacher_first: open the app once and wait for "Trainer ready" before
+            the students arrive (as a teacher would before class).
+    """
+    db_dir = pathlib.Path(db_dir or tempfile.mkdtemp(prefix="classroom-"))
+    report = {"students": students, "link": SHARED_LINK, "cpus": os.cpu_count(),
+              "machine": platform.platform(), "load_average_at_start": os.getloadavg()}
+    with streamlit_server(db_dir / "runs.db", log_path=log_path) as (url, server):
+        pid = server.pid
+        # The teacher opens the dashboard before class: the spare worker is warm.
+        if teacher_first:
+            report["teacher_open_to_trainer_ready_s"] = asyncio.run(teacher_opens(url))
+        report["server_threads_at_start"] = threads_of(pid)
+        with MemorySampler(pid) as memory, StoreSampler(db_dir / "runs.db") as store:
+            began = time.time()
+            results = asyncio.run(classroom(url, students, timeout_s))
+            report["classroom"] = summarize(results, time.time() - began, store)
+            report["pages"] = results
+            report["processes_after_runs"] = wait_idle_workers(pid)
+            if cycles:
+                # Streamlit's thread pools grow to their size with the first
+                # sessions; a few cycles first, so growth is not taken for a leak.
+                if warmup_cycles:
+                    asyncio.run(open_close_cycles(url, warmup_cycles))
+                time.sleep(5)
+                before_threads = threads_of(pid)
+                before_processes = len(process_tree(pid))
+                before_rss = rss_mib(pid)
+                report["open_close"] = asyncio.run(open_close_cycles(url, cycles))
+                after_processes = wait_idle_workers(pid, timeout_s=30)
+                after_threads = settle(pid, before_threads, timeout_s=60)
+                report["leaks"] = {
+                    "processes_before": before_processes, "processes_after": after_processes,
+                    "server_threads_before": before_threads, "server_threads_after": after_threads,
+                    "server_rss_mib_before": round(before_rss, 1),
+                    "server_rss_mib_after": round(rss_mib(pid), 1),
+                }
+        report["memory"] = memory.summary(pid)
+    return report
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--students", type=int, default=30)
+    parser.add_argument("--cycles", type=int, default=100)
+    parser.add_argument("--timeout", type=float, default=540.0, help="hard limit of the classroom phase, s")
+    args = parser.parse_args(argv)
+    if chromium_path() is None:
+        sys.exit("bench_classroom needs Chromium (scripts/ensure_chromium.sh)")
+    results_dir = ROOT / "bench" / "results"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    report = run(args.students, args.cycles, args.timeout, log_path=results_dir / "classroom-server.log")
+    (results_dir / "classroom.json").write_text(json.dumps(report, indent=2, default=str))
+
+    c = report["classroom"]
+    rows = [
+        ("students", c["students"]),
+        ("runs completed", c["completed"]),
+        ("pages with an exception", c["pages_with_exceptions"]),
+        ("page errors (timeouts ...)", len(c["errors"])),
+        ("open -> Start button, median / p95 s", _pair(c["open_to_button_s"])),
+        ("click -> status line, median / p95 s", _pair(c["click_to_status_s"])),
+        ("click -> first heatmap column, median / p95 s", _pair(c["click_to_first_chart_s"])),
+        ("click -> Completed, median / p95 s", _pair(c["click_to_final_s"])),
+        ("store -> page latency of a new step, median / p95 s (target p95 <= 2)",
+         _pair(c["store_to_page_latency_s"])),
+        ("step counter update interval, median / p95 s", _pair(c["update_interval_s"])),
+        ("runs queued > 2 s after the page showed a status / of those shown 'Waiting'",
+         f"{c['runs_queued_over_2s']} / {c['of_those_shown_waiting']}"),
+        ("pages that drew a heatmap", c["pages_with_a_chart"]),
+        ("peak RSS server + workers, MiB", report["memory"]["peak_total_rss_mib"]),
+        ("server VmHWM / largest worker VmHWM, MiB",
+         f"{report['memory']['server_vm_hwm_mib']} / {report['memory']['largest_worker_vm_hwm_mib']}"),
+        ("classroom wall time, s", c["wall_s"]),
+    ]
+    if "leaks" in report:
+        leaks, cycles = report["leaks"], report["open_close"]
+        rows += [
+            (f"open/close cycles done (of {args.cycles}), failures", f"{cycles['cycles_done']}, {len(cycles['failures'])}"),
+            ("processes in server tree before / after", f"{leaks['processes_before']} / {leaks['processes_after']}"),
+            ("server threads before / after", f"{leaks['server_threads_before']} / {leaks['server_threads_after']}"),
+            ("server RSS MiB before / after", f"{leaks['server_rss_mib_before']} / {leaks['server_rss_mib_after']}"),
+        ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    for error in c["errors"][:10]:
+        print("  ", error)
+
+
+def _pair(stats):
+    return "n/a" if not stats or stats.get("median") is None else f"{stats['median']} / {stats['p95']}"
+
+
+if __name__ == "__main__":
+    main()
