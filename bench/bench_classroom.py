@@ -26,6 +26,7 @@ Writes bench/results/classroom.json.
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import pathlib
@@ -44,8 +45,16 @@ sys.path.insert(0, str(ROOT))
 from tests.browser import CHROMIUM_ARGS, chromium_path, streamlit_server  # noqa: E402
 
 SHARED_LINK = "/?steps=60&depth=3&width=16"
-STATUS_WORDS = ("Waiting in the queue", "Training", "Paused", "Completed", "Stopped",
-                "Diverged", "Interrupted", "Failed")
+STATUS_WORDS = (
+    "Waiting in the queue",
+    "Training",
+    "Paused",
+    "Completed",
+    "Stopped",
+    "Diverged",
+    "Interrupted",
+    "Failed",
+)
 FINAL_WORDS = ("Completed", "Stopped", "Diverged", "Interrupted", "Failed")
 # Thirty pages in one headless browser: no page may be throttled as "hidden".
 BROWSER_ARGS = CHROMIUM_ARGS + [
@@ -273,7 +282,10 @@ async def student(browser, url, number, deadline, stagger_s=2.0, linger_s=10.0):
             await asyncio.sleep(0.5)
         # A finished run's page reruns once more and draws its charts.
         linger = min(deadline, time.time() + linger_s)
-        while time.time() < linger and await page.evaluate("() => window.__classroom.firstChart") is None:
+        while (
+            time.time() < linger
+            and await page.evaluate("() => window.__classroom.firstChart") is None
+        ):
             await asyncio.sleep(0.5)
         result["final_text"] = await page.evaluate(LAST_STATUS)
         record = await page.evaluate("() => window.__classroom")
@@ -301,7 +313,7 @@ def _timeline(record, clicked):
     # Intervals between successive step-counter changes while the run trains.
     training = [(t, step_of(text)) for t, text in after if status_of(text) == "Training"]
     # The first change after step 0 waits for the worker to start; leave it out.
-    intervals = [b[0] - a[0] for a, b in zip(training, training[1:]) if b[1] != a[1] and a[1]]
+    intervals = [b[0] - a[0] for a, b in itertools.pairwise(training) if b[1] != a[1] and a[1]]
     first_status = after[0][0] - clicked if after else None
     completed = next((t - clicked for t, text in after if status_of(text) in FINAL_WORDS), None)
     first_chart = (record or {}).get("firstChart")
@@ -421,7 +433,12 @@ def store_to_page_latencies(results, store):
     for result in results:
         run_id, shown = result.get("run_id"), 0
         for t, step, status in result.get("step_changes", []):
-            if run_id is None or step is None or step <= shown or status not in ("Training", "Completed"):
+            if (
+                run_id is None
+                or step is None
+                or step <= shown
+                or status not in ("Training", "Completed")
+            ):
                 continue
             shown = step
             available = store.step_available_at(run_id, step)
@@ -431,7 +448,11 @@ def store_to_page_latencies(results, store):
 
 
 def _queued_after_shown(result, store):
-    run_id, clicked, shown = result.get("run_id"), result.get("clicked_at"), result.get("click_to_status_s")
+    run_id, clicked, shown = (
+        result.get("run_id"),
+        result.get("clicked_at"),
+        result.get("click_to_status_s"),
+    )
     if run_id is None or clicked is None or shown is None:
         return 0.0
     started = store.first_status.get((run_id, "running"))
@@ -445,8 +466,12 @@ def summarize(results, wall_s, store):
         values = [r[key] for r in results if r.get(key) is not None]
         if not values:
             return None
-        return {"median": round(statistics.median(values), 2), "p95": round(percentile(values, 95), 2),
-                "max": round(max(values), 2), "n": len(values)}
+        return {
+            "median": round(statistics.median(values), 2),
+            "p95": round(percentile(values, 95), 2),
+            "max": round(max(values), 2),
+            "n": len(values),
+        }
 
     latencies = store_to_page_latencies(results, store)
     # Runs still queued in the store more than 2 s after their page first
@@ -466,8 +491,9 @@ def summarize(results, wall_s, store):
         "pages_with_a_chart": sum(r.get("click_to_first_chart_s") is not None for r in results),
         "completed": sum(r.get("final") == "Completed" for r in results),
         "seen_waiting_in_queue": sum(bool(r.get("queued")) for r in results),
-        "final_statuses": {w: sum(r.get("final") == w for r in results) for w in
-                           {r.get("final") for r in results}},
+        "final_statuses": {
+            w: sum(r.get("final") == w for r in results) for w in {r.get("final") for r in results}
+        },
         "pages_with_exceptions": sum(r.get("exceptions", 0) > 0 for r in results),
         "errors": [f"student {r['student']}: {r['error']}" for r in results if r.get("error")],
         "open_to_button_s": stats("open_to_button_s"),
@@ -503,7 +529,9 @@ async def teacher_opens(url, timeout_s=300):
             await browser.close()
 
 
-def run(students, cycles, timeout_s, log_path=None, db_dir=None, warmup_cycles=8, teacher_first=True):
+def run(
+    students, cycles, timeout_s, log_path=None, db_dir=None, warmup_cycles=8, teacher_first=True
+):
     """The whole bench on one fresh server; returns the results dict.
 
     Args:
@@ -517,8 +545,13 @@ def run(students, cycles, timeout_s, log_path=None, db_dir=None, warmup_cycles=8
             the students arrive (as a teacher would before class).
     """
     db_dir = pathlib.Path(db_dir or tempfile.mkdtemp(prefix="classroom-"))
-    report = {"students": students, "link": SHARED_LINK, "cpus": os.cpu_count(),
-              "machine": platform.platform(), "load_average_at_start": os.getloadavg()}
+    report = {
+        "students": students,
+        "link": SHARED_LINK,
+        "cpus": os.cpu_count(),
+        "machine": platform.platform(),
+        "load_average_at_start": os.getloadavg(),
+    }
     with streamlit_server(db_dir / "runs.db", log_path=log_path) as (url, server):
         pid = server.pid
         # The teacher opens the dashboard before class: the spare worker is warm.
@@ -544,8 +577,10 @@ def run(students, cycles, timeout_s, log_path=None, db_dir=None, warmup_cycles=8
                 after_processes = wait_idle_workers(pid, timeout_s=30)
                 after_threads = settle(pid, before_threads, timeout_s=60)
                 report["leaks"] = {
-                    "processes_before": before_processes, "processes_after": after_processes,
-                    "server_threads_before": before_threads, "server_threads_after": after_threads,
+                    "processes_before": before_processes,
+                    "processes_after": after_processes,
+                    "server_threads_before": before_threads,
+                    "server_threads_after": after_threads,
                     "server_rss_mib_before": round(before_rss, 1),
                     "server_rss_mib_after": round(rss_mib(pid), 1),
                 }
@@ -557,13 +592,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--students", type=int, default=30)
     parser.add_argument("--cycles", type=int, default=100)
-    parser.add_argument("--timeout", type=float, default=540.0, help="hard limit of the classroom phase, s")
+    parser.add_argument(
+        "--timeout", type=float, default=540.0, help="hard limit of the classroom phase, s"
+    )
     args = parser.parse_args(argv)
     if chromium_path() is None:
         sys.exit("bench_classroom needs Chromium (scripts/ensure_chromium.sh)")
     results_dir = ROOT / "bench" / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
-    report = run(args.students, args.cycles, args.timeout, log_path=results_dir / "classroom-server.log")
+    report = run(
+        args.students, args.cycles, args.timeout, log_path=results_dir / "classroom-server.log"
+    )
     (results_dir / "classroom.json").write_text(json.dumps(report, indent=2, default=str))
 
     c = report["classroom"]
@@ -576,24 +615,42 @@ def main(argv=None):
         ("click -> status line, median / p95 s", _pair(c["click_to_status_s"])),
         ("click -> first heatmap column, median / p95 s", _pair(c["click_to_first_chart_s"])),
         ("click -> Completed, median / p95 s", _pair(c["click_to_final_s"])),
-        ("store -> page latency of a new step, median / p95 s (target p95 <= 2)",
-         _pair(c["store_to_page_latency_s"])),
+        (
+            "store -> page latency of a new step, median / p95 s (target p95 <= 2)",
+            _pair(c["store_to_page_latency_s"]),
+        ),
         ("step counter update interval, median / p95 s", _pair(c["update_interval_s"])),
-        ("runs queued > 2 s after the page showed a status / of those shown 'Waiting'",
-         f"{c['runs_queued_over_2s']} / {c['of_those_shown_waiting']}"),
+        (
+            "runs queued > 2 s after the page showed a status / of those shown 'Waiting'",
+            f"{c['runs_queued_over_2s']} / {c['of_those_shown_waiting']}",
+        ),
         ("pages that drew a heatmap", c["pages_with_a_chart"]),
         ("peak RSS server + workers, MiB", report["memory"]["peak_total_rss_mib"]),
-        ("server VmHWM / largest worker VmHWM, MiB",
-         f"{report['memory']['server_vm_hwm_mib']} / {report['memory']['largest_worker_vm_hwm_mib']}"),
+        (
+            "server VmHWM / largest worker VmHWM, MiB",
+            f"{report['memory']['server_vm_hwm_mib']} / {report['memory']['largest_worker_vm_hwm_mib']}",
+        ),
         ("classroom wall time, s", c["wall_s"]),
     ]
     if "leaks" in report:
         leaks, cycles = report["leaks"], report["open_close"]
         rows += [
-            (f"open/close cycles done (of {args.cycles}), failures", f"{cycles['cycles_done']}, {len(cycles['failures'])}"),
-            ("processes in server tree before / after", f"{leaks['processes_before']} / {leaks['processes_after']}"),
-            ("server threads before / after", f"{leaks['server_threads_before']} / {leaks['server_threads_after']}"),
-            ("server RSS MiB before / after", f"{leaks['server_rss_mib_before']} / {leaks['server_rss_mib_after']}"),
+            (
+                f"open/close cycles done (of {args.cycles}), failures",
+                f"{cycles['cycles_done']}, {len(cycles['failures'])}",
+            ),
+            (
+                "processes in server tree before / after",
+                f"{leaks['processes_before']} / {leaks['processes_after']}",
+            ),
+            (
+                "server threads before / after",
+                f"{leaks['server_threads_before']} / {leaks['server_threads_after']}",
+            ),
+            (
+                "server RSS MiB before / after",
+                f"{leaks['server_rss_mib_before']} / {leaks['server_rss_mib_after']}",
+            ),
         ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
@@ -603,7 +660,9 @@ def main(argv=None):
 
 
 def _pair(stats):
-    return "n/a" if not stats or stats.get("median") is None else f"{stats['median']} / {stats['p95']}"
+    return (
+        "n/a" if not stats or stats.get("median") is None else f"{stats['median']} / {stats['p95']}"
+    )
 
 
 if __name__ == "__main__":

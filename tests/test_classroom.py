@@ -22,7 +22,9 @@ def bench():
 
     if chromium_path() is None:
         pytest.skip("no system Chromium; run scripts/ensure_chromium.sh")
-    spec = importlib.util.spec_from_file_location("bench_classroom", REPO / "bench" / "bench_classroom.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_classroom", REPO / "bench" / "bench_classroom.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -30,8 +32,12 @@ def bench():
 
 def test_four_students_at_once(bench, tmp_path, artifacts_dir):
     report = bench.run(
-        students=4, cycles=10, timeout_s=360, db_dir=tmp_path,
-        log_path=artifacts_dir / "classroom-server.log", warmup_cycles=4,
+        students=4,
+        cycles=10,
+        timeout_s=360,
+        db_dir=tmp_path,
+        log_path=artifacts_dir / "classroom-server.log",
+        warmup_cycles=4,
     )
     pages, summary = report["pages"], report["classroom"]
     # Every run completes, and every page said so; nothing failed on the way.
@@ -58,4 +64,9 @@ def test_four_students_at_once(bench, tmp_path, artifacts_dir):
     assert cycles["cycles_done"] == 10 and not cycles["failures"]
     assert leaks["processes_after"] <= leaks["processes_before"]
     assert leaks["server_threads_after"] <= leaks["server_threads_before"] + 3, leaks
-    print({key: summary[key] for key in ("click_to_final_s", "store_to_page_latency_s", "pages_with_a_chart")})
+    print(
+        {
+            key: summary[key]
+            for key in ("click_to_final_s", "store_to_page_latency_s", "pages_with_a_chart")
+        }
+    )

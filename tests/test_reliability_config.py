@@ -179,7 +179,8 @@ def test_unknown_keys_are_named(key):
 
 
 @pytest.mark.parametrize(
-    "text", ["", "not json", "[]", "null", "3", '"depth"', "{", '{"depth": NaN}', '{"depth": 1e400}']
+    "text",
+    ["", "not json", "[]", "null", "3", '"depth"', "{", '{"depth": NaN}', '{"depth": 1e400}'],
 )
 def test_from_json_refuses_anything_but_an_object_of_fields(text):
     with pytest.raises(ValueError):
@@ -189,9 +190,19 @@ def test_from_json_refuses_anything_but_an_object_of_fields(text):
 @pytest.mark.parametrize(
     "field, text",
     [
-        ("depth", "abc"), ("depth", "1e3"), ("depth", "4.0"), ("depth", ""), ("learning_rate", "fast"),
-        ("learning_rate", "nan"), ("learning_rate", "-inf"), ("residual", "maybe"), ("residual", ""),
-        ("seed", "0x10"), ("steps", "-5"), ("activation", "ReLU"), ("dropout", "1"),
+        ("depth", "abc"),
+        ("depth", "1e3"),
+        ("depth", "4.0"),
+        ("depth", ""),
+        ("learning_rate", "fast"),
+        ("learning_rate", "nan"),
+        ("learning_rate", "-inf"),
+        ("residual", "maybe"),
+        ("residual", ""),
+        ("seed", "0x10"),
+        ("steps", "-5"),
+        ("activation", "ReLU"),
+        ("dropout", "1"),
     ],
 )
 def test_query_strings_that_do_not_parse_name_their_field(field, text):
@@ -261,7 +272,11 @@ JUNK = st.one_of(
     st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
 )
 FIELDS = [
-    *INTEGER_RANGES, *NUMBER_RANGES, *CHOICES, *FLAGS, *TEXTS,
+    *INTEGER_RANGES,
+    *NUMBER_RANGES,
+    *CHOICES,
+    *FLAGS,
+    *TEXTS,
 ]
 
 
@@ -321,7 +336,9 @@ def _load(tmp_path, architecture="mlp", loss="auto", **arrays):
 
     path = tmp_path / "data.npz"
     np.savez(path, **arrays)
-    return load_dataset(RunConfig(dataset="file", data_path=str(path), architecture=architecture, loss=loss))
+    return load_dataset(
+        RunConfig(dataset="file", data_path=str(path), architecture=architecture, loss=loss)
+    )
 
 
 X = np.arange(40, dtype="float32").reshape(20, 2)
@@ -336,15 +353,27 @@ Y = np.arange(20) % 2
         ({"x": X, "y": Y[:15]}, "one row per example"),
         ({"x": X, "y": np.int64(1)}, "one row per example"),
         ({"x": X, "y": np.where(Y == 1, -1, 0)}, "labels must be whole numbers"),
-        ({"x_train": X, "y_train": Y, "x_val": X[:4], "y_val": np.array([0, 1, -3, 1])},
-         "labels must be whole numbers"),
+        (
+            {"x_train": X, "y_train": Y, "x_val": X[:4], "y_val": np.array([0, 1, -3, 1])},
+            "labels must be whole numbers",
+        ),
         ({"x_train": X, "y_train": Y, "x_val": X[:4], "y_val": Y[:3]}, "one row per example"),
         ({"x": np.where(X > 30, np.nan, X), "y": Y}, "finite"),
         ({"x": np.where(X > 30, np.inf, X), "y": Y}, "finite"),
         ({"features": X, "labels": Y}, "must hold arrays named 'x' and 'y'"),
     ],
-    ids=["empty", "scalar", "short-y", "scalar-y", "negative-label", "bad-val-label",
-         "short-val-y", "nan-x", "inf-x", "wrong-names"],
+    ids=[
+        "empty",
+        "scalar",
+        "short-y",
+        "scalar-y",
+        "negative-label",
+        "bad-val-label",
+        "short-val-y",
+        "nan-x",
+        "inf-x",
+        "wrong-names",
+    ],
 )
 def test_bad_data_files_fail_with_a_clear_value_error(tmp_path, arrays, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -419,7 +448,9 @@ def test_a_good_file_loads(tmp_path):
 def test_cli_bad_flags_exit_2_with_one_line_and_no_traceback(tmp_path, flags, field):
     result = subprocess.run(
         [sys.executable, "-m", "gradflow", "train", *flags, "--db", str(tmp_path / "runs.db")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr

@@ -18,7 +18,9 @@ import pandas as pd
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-CONFIG = dict(depth=8, activation="relu", learning_rate=1e3, steps=50, optimizer="sgd", batch_size=16)
+CONFIG = dict(
+    depth=8, activation="relu", learning_rate=1e3, steps=50, optimizer="sgd", batch_size=16
+)
 
 
 def strict_json(text):
