@@ -203,7 +203,7 @@ def _layer_norms(table):
     squares = pd.to_numeric(weights["l2_norm"], errors="coerce") ** 2
     norms = (
         weights.assign(_square=squares)
-        .groupby(["step", "layer", "layer_index"], as_index=False, sort=True)["_square"]
+        .groupby(["step", "layer", "layer_index"], as_index=False, sort=True, observed=True)["_square"]
         .sum(min_count=1)
     )
     norms["norm"] = np.sqrt(norms.pop("_square"))
@@ -221,7 +221,7 @@ def _onsets(flagged, keys=("layer",)):
 def _mark_streaks(frame, condition, keys=("layer",)):
     """Rows where `condition` holds and did not hold at the previous recorded step."""
     frame = frame.assign(_flag=condition.to_numpy()).sort_values(list(keys) + ["step"])
-    previous = frame.groupby(list(keys))["_flag"].shift(1, fill_value=False)
+    previous = frame.groupby(list(keys), observed=True)["_flag"].shift(1, fill_value=False)
     frame["_streak_start"] = frame["_flag"] & ~previous.astype(bool)
     return frame[frame["_flag"]]
 
@@ -243,7 +243,7 @@ def _vanishing(norms, thresholds):
             )
         )
     # First-to-last ratio, one value per step.
-    ordered = norms.sort_values(["step", "layer_index"], kind="stable").groupby("step")
+    ordered = norms.sort_values(["step", "layer_index"], kind="stable").groupby("step", observed=True)
     first, last = ordered.first(), ordered.last()
     ratios = pd.DataFrame(
         {
@@ -366,7 +366,7 @@ def _saturation(table, norms, thresholds):
         return []
     # Pair each output gradient with the one of the next layer up: dLoss/d(output
     # of the layer below) is dLoss/d(input of the layer above).
-    above = outputs.groupby("step").shift(-1)
+    above = outputs.groupby("step", observed=True).shift(-1)
     frame = pd.DataFrame(
         {
             "step": outputs["step"],
