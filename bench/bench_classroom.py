@@ -1,6 +1,6 @@
 """A classroom on one dashboard: N students start a small run at the same time.
 
-    python3 bench/bench_classroom.py [--students 30] [--cycles 100] [--timeout 540]
+    python3 bench/bench_classroom.py [--students 30] [--cycles 100] [--timeout 540] [--out FILE]
 
 One `streamlit run app.py` server on loopback (tests/browser.py), one headless
 Chromium with one browser context per student (the async Playwright API, so
@@ -14,14 +14,21 @@ look for leaked processes and threads in the server.
 Measured (reported, never asserted here):
 - every run completed; statuses each page showed; `stException` blocks seen;
 - click -> first status line, click -> first heatmap column, click -> Completed;
-- page update latency: the time between successive changes of the
-  "step N / M" counter on a page while its run trains (target p95 <= 2 s);
+- page update latency (target p95 <= 2 s): for every new step a page shows,
+  the time since the store first had that step (the store is read every
+  0.1 s by this bench); also the time between successive changes of the
+  "step N / M" counter while the run trains (short runs give few of these);
+- whether each page drew a heatmap of its run;
+- CPU seconds of the server alone, of the server with its workers, and of
+  this bench with its Chromium (they share the same cores here; in a real
+  classroom every student's browser runs on their own machine);
 - peak memory: the sum of VmRSS over the server and all its descendant
   processes (workers), sampled every 0.5 s, and the largest VmHWM seen;
 - processes in the server's tree and the server's threads before and after the
   open/close cycles.
 
-Writes bench/results/classroom.json.
+A teacher's page opens first and waits for "Trainer ready" (the warm spare
+worker), as before a class. Writes bench/results/classroom.json (or --out).
 """
 
 import argparse
@@ -138,6 +145,31 @@ def process_tree(root_pid):
         tree.append(pid)
         todo.extend(children.get(pid, []))
     return tree
+
+
+def cpu_seconds(root_pid):
+    """CPU time used by a process tree so far, including its reaped children."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in process_tree(root_pid):
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        # utime, stime, cutime, cstime (fields 14-17 of proc(5)).
+        total += sum(int(value) for value in fields[11:15])
+    return total / ticks
+
+
+def own_cpu_seconds(pid):
+    """CPU time of one process alone (threads included, children not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _kib(value):
@@ -560,8 +592,16 @@ def run(
         report["server_threads_at_start"] = threads_of(pid)
         with MemorySampler(pid) as memory, StoreSampler(db_dir / "runs.db") as store:
             began = time.time()
+            server_cpu, browser_cpu = cpu_seconds(pid), cpu_seconds(os.getpid())
+            server_alone = own_cpu_seconds(pid)
             results = asyncio.run(classroom(url, students, timeout_s))
             report["classroom"] = summarize(results, time.time() - began, store)
+            # Who used the 2 cores: the server and its workers, or the browser (this bench)?
+            report["classroom"]["cpu_s"] = {
+                "server_and_workers": round(cpu_seconds(pid) - server_cpu, 1),
+                "bench_and_chromium": round(cpu_seconds(os.getpid()) - browser_cpu, 1),
+                "server_process_alone": round(own_cpu_seconds(pid) - server_alone, 1),
+            }
             report["pages"] = results
             report["processes_after_runs"] = wait_idle_workers(pid)
             if cycles:
@@ -595,6 +635,7 @@ def main(argv=None):
     parser.add_argument(
         "--timeout", type=float, default=540.0, help="hard limit of the classroom phase, s"
     )
+    parser.add_argument("--out", default=None, help="default bench/results/classroom.json")
     args = parser.parse_args(argv)
     if chromium_path() is None:
         sys.exit("bench_classroom needs Chromium (scripts/ensure_chromium.sh)")
@@ -603,7 +644,8 @@ def main(argv=None):
     report = run(
         args.students, args.cycles, args.timeout, log_path=results_dir / "classroom-server.log"
     )
-    (results_dir / "classroom.json").write_text(json.dumps(report, indent=2, default=str))
+    out = pathlib.Path(args.out) if args.out else results_dir / "classroom.json"
+    out.write_text(json.dumps(report, indent=2, default=str))
 
     c = report["classroom"]
     rows = [
@@ -631,6 +673,11 @@ def main(argv=None):
             f"{report['memory']['server_vm_hwm_mib']} / {report['memory']['largest_worker_vm_hwm_mib']}",
         ),
         ("classroom wall time, s", c["wall_s"]),
+        (
+            "CPU s: server alone / server + workers / bench + Chromium",
+            f"{c['cpu_s']['server_process_alone']} / {c['cpu_s']['server_and_workers']}"
+            f" / {c['cpu_s']['bench_and_chromium']}",
+        ),
     ]
     if "leaks" in report:
         leaks, cycles = report["leaks"], report["open_close"]
