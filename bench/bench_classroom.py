@@ -570,7 +570,7 @@ def run(
         students: pages that each start one run at the same time.
         cycles: page open/close cycles for the leak check (0: none).
         timeout_s: hard limit of the classroom phase, seconds.
-        log_path: file for the server's output, default none.
+        log_path: file for the server's output, default `server.log` beside the store.
         db_dir: folder for the run store, default a new temporary one.
         warmup_cycles: open/close cycles before the leak baseline is taken.
         teacher_first: open the app once and wait for "Trainer ready" before
@@ -584,6 +584,8 @@ def run(
         "machine": platform.platform(),
         "load_average_at_start": os.getloadavg(),
     }
+    log_path = log_path or db_dir / "server.log"
+    report["server_log"] = str(log_path)
     with streamlit_server(db_dir / "runs.db", log_path=log_path) as (url, server):
         pid = server.pid
         # The teacher opens the dashboard before class: the spare worker is warm.
@@ -641,9 +643,7 @@ def main(argv=None):
         sys.exit("bench_classroom needs Chromium (scripts/ensure_chromium.sh)")
     results_dir = ROOT / "bench" / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
-    report = run(
-        args.students, args.cycles, args.timeout, log_path=results_dir / "classroom-server.log"
-    )
+    report = run(args.students, args.cycles, args.timeout)
     out = pathlib.Path(args.out) if args.out else results_dir / "classroom.json"
     out.write_text(json.dumps(report, indent=2, default=str))
 
