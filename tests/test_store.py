@@ -297,3 +297,24 @@ def test_default_path_follows_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("GRADFLOW_DB")
     monkeypatch.chdir(tmp_path)
     assert str(RunStore().path) == os.path.join("gradflow-data", "runs.db")
+
+
+def test_arrow_and_sqlite_readers_give_the_same_frames(tmp_path):
+    import numpy as np
+    import pandas as pd
+
+    from gradflow.store import RunStore
+
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run({"depth": 2}, name="same either way")
+    rows = pd.DataFrame({
+        "step": [1, 1, 2, 2], "layer": ["a", "b", "a", "b"], "layer_index": [0, 1, 0, 1],
+        "tensor": ["kernel"] * 4, "variable": ["a/kernel", "b/kernel"] * 2,
+        "max_abs": [1.0, np.nan, np.inf, 2.0], "l2_norm": [3.0, 4.0, -np.inf, 5.0],
+    })
+    with store.writer(run_id) as writer:
+        writer.add_layer_stats(rows)
+    plain = store.layer_stats(run_id)
+    arrow = RunStore(tmp_path / "runs.db", arrow_reads=True).layer_stats(run_id)
+    pd.testing.assert_frame_equal(plain, arrow)
+    assert np.isnan(plain["max_abs"].iloc[1]) and np.isposinf(plain["max_abs"].iloc[2])

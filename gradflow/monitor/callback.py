@@ -225,6 +225,8 @@ class GradientMonitor(keras.callbacks.Callback):
         self._last_step = int(model.optimizer.iterations.numpy())
         self._last_read = time.monotonic()
         self._batches_since_read = 0
+        self._pending_logs = []
+        self._epoch_start_step = self._last_step
         self._layout = None
         if self._is_chief:
             self._open_store()
@@ -239,14 +241,21 @@ class GradientMonitor(keras.callbacks.Callback):
             return
         # Compiled metrics (accuracy, ...) come only through `logs`, as
         # Keras's running means over the epoch so far; keep them per batch.
-        compiled = {k: float(v) for k, v in (logs or {}).items() if k != "loss"}
+        # Converting a tensor to a float waits for the step to finish, so
+        # they are kept as they are and converted when the ring is read.
+        compiled = {k: v for k, v in (logs or {}).items() if k != "loss"}
         if compiled:
-            self._add_metrics(self._current_step(), compiled)
+            # `batch` is the last step of this execution within the epoch;
+            # reading `optimizer.iterations` here would wait for the step.
+            self._pending_logs.append((self._epoch_start_step + batch + 1, compiled))
         if (
             self._batches_since_read >= _EXECUTIONS_PER_READ
             or time.monotonic() - self._last_read >= _READ_INTERVAL_S
         ):
             self._collect()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_start_step = self._current_step()
 
     def on_epoch_end(self, epoch, logs=None):
         self._collect()
@@ -290,6 +299,9 @@ class GradientMonitor(keras.callbacks.Callback):
         """Read the ring, keep the new records, and pass them on."""
         self._last_read = time.monotonic()
         self._batches_since_read = 0
+        for step, compiled in self._pending_logs:
+            self._add_metrics(step, {name: float(value) for name, value in compiled.items()})
+        self._pending_logs = []
         if self._plan.buffer is None:
             return  # the step has not been traced yet
         steps, stats, metrics, histograms = self._plan.buffer.read(self._last_step)

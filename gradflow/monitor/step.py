@@ -26,7 +26,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from gradflow.monitor.buffer import STEP_METRICS, RingBuffer
 from gradflow.probe.capture import leaf_layers, record_layer_outputs
 from gradflow.probe.naming import variable_names
-from gradflow.statistics import summarize
+from gradflow.statistics import ShapeGroups, Stacked, summarize
 
 _NAN = float("nan")
 
@@ -132,7 +132,10 @@ def instrumented_train_step(plan):
         weight_gradients = gradients[: len(variables)]
         scale = _loss_scale(optimizer)
         learning_rate = _scalar(optimizer.learning_rate)
-        weights_before = [tf.identity(v.value) for v in variables]
+        # Stacking by shape copies the weights (the values before the update)
+        # and lets one op reduce all weights of a shape.
+        weight_groups = ShapeGroups([v.shape for v in variables])
+        weights_before = weight_groups.stack([v.value for v in variables])
         constrained = _constrained_indices(variables)
         constraints = [variables[i].constraint for i in constrained]
 
@@ -184,7 +187,7 @@ def instrumented_train_step(plan):
             activation_gradients=_unscaled(
                 _filled(gradients[len(variables) :], activations), scale
             ),
-            weights=[tf.identity(v.value) for v in variables],
+            weights=weight_groups.stack([v.value for v in variables]),
             weights_before=weights_before,
             unconstrained=dict(zip(constrained, unconstrained, strict=False)),
             clipped_gradients=(
@@ -345,7 +348,7 @@ def _summarize_step(
     columns = [segments.flat(weights)]
     if weights_before is not None:
         before = segments.flat(weights_before)
-        columns += [columns[0] - before, before]
+        columns += [segments.difference(columns[0], before), before]
     if clipped_gradients is not None:
         clipped_values = segments.flat(clipped_gradients)
         columns.append(clipped_values)
@@ -395,31 +398,29 @@ def _summarize_step(
 class _WeightSegments:
     """Per-variable reductions over tensors shaped like the model's weights.
 
-    Weight shapes are static, so the segment id of every entry is a constant
-    made once at trace time, and the sorted segment ops apply: on CPU both
-    are several times faster than `tf.repeat` and the unsorted ops.
+    Same-shaped tensors are stacked and reduced together
+    (`gradflow.statistics.ShapeGroups`), so the op count follows the number
+    of distinct shapes, not of variables.
     """
 
     def __init__(self, weights):
-        sizes = [int(np.prod(w.shape)) for w in weights]
-        self.count = len(sizes)
-        ids = np.repeat(np.arange(self.count, dtype=np.int32), sizes)
-        self.ids = tf.constant(ids)
-        # Sorted segment ops end at the last non-empty segment.
-        self.trailing = self.count - (int(ids[-1]) + 1 if ids.size else 0)
+        self.groups = weights.groups if isinstance(weights, Stacked) else ShapeGroups([t.shape for t in weights])
+        self.count = self.groups.count
 
     def flat(self, tensors):
-        return tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], axis=0)
+        if isinstance(tensors, Stacked):
+            return tensors
+        return self.groups.stack([tf.cast(t, tf.float32) for t in tensors])
+
+    def difference(self, after, before):
+        return Stacked([a - b for a, b in zip(after, before, strict=True)], after.groups)
 
     def norms(self, columns):
-        """`[count, len(columns)]` L2 norms of flat columns."""
-        # One 1-D segment sum per column: stacking the long columns first
-        # (an interleaving copy) costs more on CPU than the sums themselves.
-        sums = tf.stack([tf.math.segment_sum(tf.square(c), self.ids) for c in columns], axis=1)
-        return tf.sqrt(tf.pad(sums, [[0, self.trailing], [0, 0]]))
+        """`[count, len(columns)]` L2 norms, one column per stacked list of tensors."""
+        return tf.stack([self.groups.l2_norms(column) for column in columns], axis=1)
 
     def max_abs(self, values):
-        return tf.pad(tf.math.segment_max(tf.abs(values), self.ids), [[0, self.trailing]])
+        return self.groups.max_abs(values)
 
 
 def _layer_outputs(plan):
