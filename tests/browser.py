@@ -69,6 +69,7 @@ def streamlit_server(db_path, extra_env=None, log_path=None):
             sys.executable, "-m", "streamlit", "run", str(REPO / "app.py"),
             "--server.port", str(port), "--server.address", "127.0.0.1",
             "--server.headless", "true", "--browser.gatherUsageStats", "false",
+            "--server.fileWatcherType", "none",
         ],
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True,

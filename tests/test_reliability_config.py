@@ -318,10 +318,6 @@ def _refuse_constant(name):
     raise AssertionError(f"non-standard JSON constant {name}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="to_query/from_query strips text fields and reads 'none'/'' as None (config.py parse_field_text)",
-)
 @pytest.mark.parametrize("name", [" padded ", "none", "Null", ""])
 def test_names_round_trip_through_the_query_form(name):
     config = RunConfig(name=name)
@@ -380,11 +376,6 @@ def test_bad_data_files_fail_with_a_clear_value_error(tmp_path, arrays, pattern)
         _load(tmp_path, **arrays)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="datasets._from_file takes max(label)+1 as the class count: one label 2e9 asks "
-    "build_model for a 2e9-unit softmax (hundreds of GB) instead of a ValueError",
-)
 def test_one_huge_label_is_refused_before_a_model_is_built(tmp_path):
     y = Y.copy()
     y[3] = 2_000_000_000

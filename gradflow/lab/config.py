@@ -399,6 +399,10 @@ def parse_field_text(field, text):
     kind = field.metadata["kind"]
     if not isinstance(text, str):
         raise ValueError(f"`{field.name}` must be given as a string here, got {text!r}.")
+    if kind == "str":
+        # Text is kept exactly: a run may be called "none" or " padded ".
+        # (to_query leaves out a text field that is None, its default.)
+        return text
     stripped = text.strip()
     if field.metadata.get("optional") and stripped.lower() in ("", "none", "null"):
         return None

@@ -59,6 +59,10 @@ _REMOTE_FILES = {
 }
 
 
+# More classes than this in a user's file is a mistake, not a data set.
+MAX_CLASSES = 10_000
+
+
 class DatasetDownloadError(OSError):
     """A data set needs a one-time download that failed (no network?)."""
 
@@ -357,6 +361,14 @@ def _from_file(path, rng):
     ) and np.ndim(y_train) == 1
     if is_labels:
         n_classes = int(labels.max()) + 1
+        if n_classes > MAX_CLASSES:
+            # The output layer gets one unit per class: one stray label of
+            # 2e9 would ask for a model of hundreds of gigabytes.
+            raise ValueError(
+                f"The labels in {os.path.basename(str(path))} go up to {n_classes - 1}, which would "
+                f"mean {n_classes:,} classes; gradflow allows at most {MAX_CLASSES:,}. Labels must be "
+                "class numbers 0, 1, 2, ...; for a regression target, store y as floats with decimals."
+            )
         kind = f"{n_classes} classes"
     else:
         n_classes = None

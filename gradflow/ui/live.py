@@ -111,6 +111,15 @@ class _Cache:
     last_step: int = 0
 
 
+def _appended(old, new):
+    """`old` with `new` rows below it (an empty side is skipped, not concatenated)."""
+    if new.empty:
+        return old
+    if old.empty:
+        return new.reset_index(drop=True)
+    return pd.concat([old, new], ignore_index=True)
+
+
 def _read_new(store, run_id):
     key = f"live.cache.{run_id}"
     cache = st.session_state.get(key)
@@ -120,11 +129,9 @@ def _read_new(store, run_id):
         after = cache.last_step
         new_stats = store.layer_stats(run_id, after_step=after)
         if len(new_stats):
-            cache.layer_stats = pd.concat([cache.layer_stats, new_stats], ignore_index=True)
-            cache.metrics = pd.concat([cache.metrics, store.metrics(run_id, after_step=after)],
-                                      ignore_index=True)
-            cache.histograms = pd.concat(
-                [cache.histograms, store.histograms(run_id, after_step=after)], ignore_index=True)
+            cache.layer_stats = _appended(cache.layer_stats, new_stats)
+            cache.metrics = _appended(cache.metrics, store.metrics(run_id, after_step=after))
+            cache.histograms = _appended(cache.histograms, store.histograms(run_id, after_step=after))
     if len(cache.layer_stats):
         cache.last_step = int(cache.layer_stats["step"].max())
     st.session_state[key] = cache
