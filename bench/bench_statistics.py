@@ -63,7 +63,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    results = {"command": "python3 bench/bench_statistics.py --repeats %d" % args.repeats,
+    results = {"command": f"python3 bench/bench_statistics.py --repeats {args.repeats}",
                "load_average": os.getloadavg(), "results": {}}
     for depth in (5, 20, 100):
         tensors = [tf.random.normal(s) for s in mlp_shapes(depth)]

@@ -17,7 +17,6 @@ import contextlib
 import warnings
 
 import keras
-import numpy as np
 import tensorflow as tf
 from keras.src import tree
 from keras.src.losses import loss as loss_module
