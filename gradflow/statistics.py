@@ -124,16 +124,6 @@ def by_shape(tensors, reduce_stack):
     return groups.rows([reduce_stack(stacked) for stacked in groups.stack(tensors)])
 
 
-def l2_norms(tensors):
-    """The L2 (Frobenius) norm of each tensor, as a `[len(tensors)]` float32 vector."""
-    return by_shape([_dense_float(t) for t in tensors], lambda s: tf.sqrt(tf.reduce_sum(tf.square(_rows(s)), axis=1)))
-
-
-def max_abs_values(tensors):
-    """The largest absolute entry of each tensor (NaN if it holds a NaN; 0 if empty)."""
-    return by_shape([_dense_float(t) for t in tensors], _stacked_max_abs)
-
-
 def summarize(tensors, histogram=False):
     """Compute gradflow's statistics for each tensor of a list.
 

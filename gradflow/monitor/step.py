@@ -404,7 +404,6 @@ class _WeightSegments:
 
     def __init__(self, weights):
         self.groups = weights.groups if isinstance(weights, Stacked) else ShapeGroups([t.shape for t in weights])
-        self.count = self.groups.count
 
     def flat(self, tensors):
         if isinstance(tensors, Stacked):

@@ -406,9 +406,7 @@ class RunStore:
             )
         series = self._series(key)
         where, params = "run = ?", [key]
-        if after_step is not None:
-            where += " AND step > ?"
-            params.append(int(after_step))
+        where, params = _newer_than(where, params, after_step)
         if tensors is not None:
             tensors = [tensors] if isinstance(tensors, str) else list(tensors)
             ids = series.loc[series["tensor"].isin(tensors), "series"].tolist()
@@ -441,9 +439,7 @@ class RunStore:
         """
         key = self._key(run_id)
         where, params = "run = ?", [key]
-        if after_step is not None:
-            where += " AND step > ?"
-            params.append(int(after_step))
+        where, params = _newer_than(where, params, after_step)
         if names is not None:
             names = [names] if isinstance(names, str) else list(names)
             where += f" AND name IN ({', '.join('?' * len(names))})"
@@ -469,9 +465,7 @@ class RunStore:
         """
         key = self._key(run_id)
         where, params = "run = ?", [key]
-        if after_step is not None:
-            where += " AND step > ?"
-            params.append(int(after_step))
+        where, params = _newer_than(where, params, after_step)
         rows = (
             self._conn()
             .execute(
@@ -507,9 +501,7 @@ class RunStore:
             keep &= series["tensor"] == tensor
         ids = series.loc[keep, "series"].tolist()
         where, params = f"run = ? AND series IN ({', '.join('?' * len(ids))})", [key] + ids
-        if after_step is not None:
-            where += " AND step > ?"
-            params.append(int(after_step))
+        where, params = _newer_than(where, params, after_step)
         rows = (
             self._conn()
             .execute(
@@ -656,6 +648,13 @@ class RunStore:
             return pd.DataFrame({c: np.zeros(0, dtype=t) for c, t in dtypes.items()})
         frame = table.to_pandas()
         return frame.astype(dtypes, copy=False)
+
+
+def _newer_than(where, params, after_step):
+    """Add the live-polling filter `step > after_step` to a WHERE clause (None: no filter)."""
+    if after_step is None:
+        return where, params
+    return f"{where} AND step > ?", [*params, int(after_step)]
 
 
 def _name_series(data, series, columns):

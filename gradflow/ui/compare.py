@@ -76,14 +76,14 @@ def comparison(run_ids):
 
 def _charts(run_ids, was_active):
     store = resources.run_store()
-    names, stats, metrics = {}, {}, {}
+    names, stats, metrics, statuses = {}, {}, {}, []
     for run_id in run_ids:
         info = store.run_info(run_id)
         name = info["name"] if info["name"] not in names.values() else f"{info['name']} ({run_id})"
         names[run_id] = name
+        statuses.append(info["status"])
         stats[name] = store.layer_stats(run_id, tensors=["kernel"])
         metrics[name] = store.metrics(run_id)
-    statuses = [store.status(run_id) for run_id in run_ids]
     st.caption(" · ".join(f"{names[r]}: {s}" for r, s in zip(run_ids, statuses, strict=True)))
     if was_active and not any(s in ACTIVE for s in statuses):
         st.rerun(scope="app")
