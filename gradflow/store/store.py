@@ -8,13 +8,12 @@ import socket
 import threading
 import time
 import uuid
-import weakref
 
 import numpy as np
 import pandas as pd
 
 from gradflow import schema
-from gradflow.store import tables
+from gradflow.store import blocks, migrate, tables
 from gradflow.store.writer import RunWriter
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -63,17 +62,19 @@ class RunStore:
     Args:
         path: the database file, default `$GRADFLOW_DB` or
             `./gradflow-data/runs.db`. Its folder is created if needed.
-        arrow_reads: read layer statistics through Arrow's ADBC SQLite
-            driver, ~2-3x faster for million-row reads. Default False, and
-            keep it off in any process that also writes this file or reads it
-            from several threads (the dashboard, a worker): ADBC bundles its
-            own SQLite library, and two SQLite libraries in one process drop
-            each other's POSIX file locks (sqlite.org/howtocorrupt.html
-            2.2.1), which showed up as reads missing committed rows. It suits
-            a read-only analysis process (a notebook, an export).
+        arrow_reads: kept so that existing code keeps working; it changes
+            nothing. It used to read layer statistics through Arrow's ADBC
+            SQLite driver, which was faster for the row-per-series format of
+            schema version 1 but unsafe beside `sqlite3` in one process (two
+            SQLite libraries drop each other's POSIX locks,
+            sqlite.org/howtocorrupt.html 2.2.1). Since version 2 stores
+            columnar blocks, `sqlite3` reads them faster than ADBC read the
+            old rows, so every read goes through `sqlite3`.
 
     Raises:
-        RuntimeError: if the file was written by a newer gradflow.
+        RuntimeError: if the file was written by a newer gradflow, or a file
+            of an older gradflow could not be upgraded (see
+            `gradflow.store.migrate`).
     """
 
     def __init__(self, path=None, arrow_reads=False):
@@ -81,12 +82,7 @@ class RunStore:
         self.path = pathlib.Path(path) if path is not None else tables.default_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
-        # One bulk-read connection per store, shared by threads in turn:
-        # Streamlit runs every rerun in a new thread, and a connection per
-        # thread would pile up.
-        self._adbc = None
-        self._adbc_lock = threading.Lock()
-        self._create_schema()
+        migrate.upgrade(self._conn(), self.path)
 
     def __repr__(self):
         return f"RunStore({str(self.path)!r})"
@@ -405,23 +401,29 @@ class RunStore:
                 f"`columns` must be among {list(tables.STAT_COLUMNS)}, got unknown {unknown}."
             )
         series = self._series(key)
-        where, params = "run = ?", [key]
-        where, params = _newer_than(where, params, after_step)
+        # Blocks are picked by their newest step; the rows within are filtered below.
+        where, params = _newer_than("run = ?", [key], after_step, column="last_step")
+        rows = (
+            self._conn()
+            .execute(
+                f"SELECT steps, series, {', '.join(columns)} FROM layer_stats WHERE {where} "
+                f"ORDER BY id",
+                params,
+            )
+            .fetchall()
+        )
+        data = blocks.unpack(rows, columns)
+        keep = None
+        if after_step is not None:
+            keep = data["step"] > int(after_step)
         if tensors is not None:
             tensors = [tensors] if isinstance(tensors, str) else list(tensors)
-            ids = series.loc[series["tensor"].isin(tensors), "series"].tolist()
-            where += f" AND series IN ({', '.join('?' * len(ids))})" if ids else " AND 0"
-            params.extend(ids)
-        selected = ", ".join(f"IFNULL({c}, {tables.NULL_SENTINEL!r}) AS {c}" for c in columns)
-        data = self._read_arrow(
-            f"SELECT step, series, {selected} FROM layer_stats WHERE {where} ORDER BY step, series",
-            params,
-            {"step": "int64", "series": "int64", **{c: "float64" for c in columns}},
-        )
-        for c in columns:
-            values = data[c].to_numpy()
-            data[c] = np.where(values == tables.NULL_SENTINEL, np.nan, values)
-        if len(data) and data["series"].max() >= len(series):
+            ids = series.loc[series["tensor"].isin(tensors), "series"].to_numpy(dtype=np.int64)
+            chosen = np.isin(data["series"], ids)
+            keep = chosen if keep is None else keep & chosen
+        if keep is not None and not keep.all():
+            data = {name: array[keep] for name, array in data.items()}
+        if len(data["series"]) and data["series"].max() >= len(series):
             # A writer committed new series between our two reads.
             series = self._series(key)
         return _name_series(data, series, columns)
@@ -534,15 +536,11 @@ class RunStore:
         )
 
     def close(self):
-        """Closes this thread's SQLite connection and the bulk-read connection."""
+        """Closes this thread's SQLite connection."""
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             _close_quietly(conn)
             self._local.conn = None
-        with self._adbc_lock:
-            if self._adbc is not None:
-                _close_quietly(self._adbc)
-                self._adbc = None
 
     # Internals ------------------------------------------------------------
 
@@ -551,27 +549,6 @@ class RunStore:
         if conn is None:
             conn = self._local.conn = tables.connect(self.path)
         return conn
-
-    def _create_schema(self):
-        conn = self._conn()
-        has_meta = conn.execute(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
-        ).fetchone()
-        if has_meta:
-            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            if row is not None and int(row[0]) == tables.SCHEMA_VERSION:
-                return  # Already made: no schema statements, no write lock.
-            if row is not None and int(row[0]) > tables.SCHEMA_VERSION:
-                raise RuntimeError(
-                    f"The run store {str(self.path)!r} has schema version {row[0]}, written by a "
-                    f"newer gradflow; this gradflow reads up to version {tables.SCHEMA_VERSION}. "
-                    f"Upgrade gradflow, or use another store path (--db or $GRADFLOW_DB)."
-                )
-        conn.executescript(tables.DDL)
-        conn.execute(
-            "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
-            (str(tables.SCHEMA_VERSION),),
-        )
 
     def _check_id(self, run_id):
         if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
@@ -619,51 +596,27 @@ class RunStore:
         )
         return pd.DataFrame(rows, columns=["series", "layer", "layer_index", "tensor", "variable"])
 
-    def _read_arrow(self, sql, params, dtypes):
-        if not self.arrow_reads:
-            rows = self._conn().execute(sql, params).fetchall()
-            if not rows:
-                return pd.DataFrame({c: np.zeros(0, dtype=t) for c, t in dtypes.items()})
-            frame = pd.DataFrame(rows, columns=list(dtypes))
-            return frame.astype(dtypes)
-        import adbc_driver_sqlite.dbapi as adbc
 
-        with self._adbc_lock:
-            if self._adbc is None:
-                # Autocommit, so that every read sees the newest committed rows
-                # instead of the snapshot of a long-open read transaction.
-                self._adbc = adbc.connect(str(self.path), autocommit=True)
-                # Closed before the interpreter unloads the driver, which
-                # otherwise complains on stderr.
-                weakref.finalize(self, _close_quietly, self._adbc)
-            cursor = self._adbc.cursor()
-            try:
-                # Bigger Arrow batches than the default 1024 rows: ~15% faster.
-                cursor.adbc_statement.set_options(**{"adbc.sqlite.query.batch_rows": "65536"})
-                cursor.execute(sql, parameters=tuple(params))
-                table = cursor.fetch_arrow_table()
-            finally:
-                cursor.close()
-        if table.num_rows == 0:
-            return pd.DataFrame({c: np.zeros(0, dtype=t) for c, t in dtypes.items()})
-        frame = table.to_pandas()
-        return frame.astype(dtypes, copy=False)
-
-
-def _newer_than(where, params, after_step):
-    """Add the live-polling filter `step > after_step` to a WHERE clause (None: no filter)."""
+def _newer_than(where, params, after_step, column="step"):
+    """Add the live-polling filter `column > after_step` to a WHERE clause (None: no filter)."""
     if after_step is None:
         return where, params
-    return f"{where} AND step > ?", [*params, int(after_step)]
+    return f"{where} AND {column} > ?", [*params, int(after_step)]
 
 
 def _name_series(data, series, columns):
-    """Replaces integer series ids with layer, layer_index, tensor, variable."""
-    ids = data["series"].to_numpy()
+    """Replaces integer series ids with layer, layer_index, tensor, variable.
+
+    Args:
+        data: a dict (or DataFrame) with `step`, `series` and `columns`.
+        series: the run's `series` table as a DataFrame.
+        columns: the statistic columns to keep from `data`.
+    """
+    ids = np.asarray(data["series"])
     size = int(series["series"].max()) + 1 if len(series) else 0
     if len(ids) and (ids.max() >= size):
         raise RuntimeError("The run store has rows for an unknown series; is the file damaged?")
-    out = {"step": data["step"].to_numpy(dtype=np.int64)}
+    out = {"step": np.asarray(data["step"], dtype=np.int64)}
     position = np.zeros(size, dtype=np.int64)
     position[series["series"].to_numpy(dtype=np.int64)] = np.arange(len(series))
     rows = position[ids]
@@ -671,10 +624,9 @@ def _name_series(data, series, columns):
         categories, codes = _codes(series[name])
         out[name] = pd.Categorical.from_codes(codes[rows], categories=categories)
     out["layer_index"] = series["layer_index"].to_numpy(dtype=np.int64)[rows]
-    frame = pd.DataFrame(out, columns=list(schema.KEY_COLUMNS))
     for c in columns:
-        frame[c] = data[c].to_numpy()
-    return frame
+        out[c] = np.asarray(data[c], dtype=np.float64)
+    return pd.DataFrame(out, columns=[*schema.KEY_COLUMNS, *columns])
 
 
 def _codes(values):

@@ -10,8 +10,11 @@ import pathlib
 from gradflow import schema
 
 # Bump when a table changes shape. A store written by a newer gradflow is
-# refused instead of being misread.
-SCHEMA_VERSION = 1
+# refused instead of being misread; an older one is upgraded on open (see
+# `gradflow.store.migrate`).
+# 1: one layer_stats row per step x series, one REAL column per statistic.
+# 2: layer_stats in columnar blocks (see `gradflow.store.blocks`).
+SCHEMA_VERSION = 2
 
 STATUSES = (
     "queued",
@@ -30,17 +33,29 @@ FINAL_STATUSES = tuple(s for s in STATUSES if s not in ACTIVE_STATUSES)
 SOURCES = ("lab", "monitor", "cli")
 REQUESTS = ("pause", "resume", "stop", "step")
 
-# Statistic columns stored per layer_stats row, in this order.
+# Statistic columns stored per layer_stats block, in this order.
 STAT_COLUMNS = schema.STATISTICS + schema.EXTRA_COLUMNS
 
-# SQLite stores NaN as NULL, and the ADBC reader infers a column's type from
-# its first rows, so an all-NULL start would be read as integers. Readers ask
-# for NULL as this value (no statistic is negative) and turn it back to NaN.
-NULL_SENTINEL = -1.0e308
+# The most tidy rows one layer_stats block holds. Small enough that a live
+# poll of the newest step reads a few hundred kB, big enough that a million
+# rows are a few hundred SQLite rows (a Python object per value, not the
+# bytes, is what made the row-per-series format slow to read).
+BLOCK_ROWS = 4096
 
-_stat_ddl = ",\n    ".join(f"{name} REAL" for name in STAT_COLUMNS)
+_stat_ddl = ",\n    ".join(f"{name} BLOB NOT NULL" for name in STAT_COLUMNS)
 
-DDL = f"""
+# layer_stats holds columnar blocks: one SQLite row per run and up to
+# BLOCK_ROWS tidy rows, with one little-endian array per column (`steps`
+# int64, `series` int32, each statistic float64 with NaN and inf stored as
+# they are). `id` is the write order: where two blocks hold the same step and
+# series, the later one wins, as INSERT OR REPLACE did in version 1.
+# `last_step` lets a live poll read only the blocks with newer rows.
+#
+# Each statement apart, so that a migration can run them inside its own
+# transaction (`executescript` would commit it first).
+DDL = tuple(
+    statement.strip()
+    for statement in f"""
 CREATE TABLE IF NOT EXISTS meta (
     key TEXT PRIMARY KEY,
     value TEXT NOT NULL
@@ -72,12 +87,14 @@ CREATE TABLE IF NOT EXISTS series (
     PRIMARY KEY (run, series)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS layer_stats (
+    id INTEGER PRIMARY KEY,
     run INTEGER NOT NULL,
-    step INTEGER NOT NULL,
-    series INTEGER NOT NULL,
-    {_stat_ddl},
-    PRIMARY KEY (run, step, series)
-) WITHOUT ROWID;
+    last_step INTEGER NOT NULL,
+    steps BLOB NOT NULL,
+    series BLOB NOT NULL,
+    {_stat_ddl}
+);
+CREATE INDEX IF NOT EXISTS layer_stats_by_step ON layer_stats (run, last_step);
 CREATE TABLE IF NOT EXISTS metrics (
     run INTEGER NOT NULL,
     step INTEGER NOT NULL,
@@ -108,7 +125,19 @@ CREATE TABLE IF NOT EXISTS requests (
     created_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS requests_by_run ON requests (run, id);
-"""
+""".split(";")
+    if statement.strip()
+)
+
+
+def create_tables(conn):
+    """Create the tables and indexes that do not exist yet (in the caller's transaction, if any).
+
+    Args:
+        conn: a `sqlite3.Connection` from `connect`.
+    """
+    for statement in DDL:
+        conn.execute(statement)
 
 
 def default_path():

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 
 from gradflow import schema
-from gradflow.store import tables
+from gradflow.store import blocks, tables
 
 _SERIES_KEY = ("layer", "layer_index", "tensor", "variable")
 
@@ -15,10 +15,11 @@ _SERIES_KEY = ("layer", "layer_index", "tensor", "variable")
 class RunWriter:
     """Buffers one run's rows and writes them in one transaction at a time.
 
-    Rows are kept in memory and written with `executemany` in a single
-    transaction at least every `flush_interval` seconds, so a killed process
-    loses at most that much. Layer, tensor and variable names are stored once
-    per run as integer series ids, which keeps each statistics row small.
+    Rows are kept in memory and written in a single transaction at least
+    every `flush_interval` seconds, so a killed process loses at most that
+    much. Layer, tensor and variable names are stored once per run as integer
+    series ids; layer statistics go to disk as columnar blocks (see
+    `gradflow.store.blocks`), which is what makes reading them back fast.
 
     Use `RunStore.writer(run_id)` rather than building one directly. One
     writer per run; its methods may be called from several threads.
@@ -93,25 +94,37 @@ class RunWriter:
             raise ValueError(
                 f"`rows` must have the columns {list(schema.KEY_COLUMNS)}; missing {missing}."
             )
-        n = len(frame)
-        variables = frame["variable"].fillna("").tolist() if "variable" in frame else [""] * n
-        steps = frame["step"].to_numpy(dtype=np.int64).tolist()
-        stats = [
-            frame[c].to_numpy(dtype=np.float64).tolist() if c in frame else [None] * n
-            for c in tables.STAT_COLUMNS
-        ]
+        steps = frame["step"].to_numpy(dtype=np.int64)
+        values = frame.reindex(columns=list(tables.STAT_COLUMNS)).to_numpy(
+            dtype=np.float64, na_value=np.nan
+        )
+        variables = frame["variable"].fillna("") if "variable" in frame else [""] * len(frame)
+        keys = (
+            frame["layer"].astype(str).to_numpy(dtype=object),
+            frame["layer_index"].to_numpy(dtype=np.int64),
+            frame["tensor"].astype(str).to_numpy(dtype=object),
+            np.asarray(variables, dtype=object).astype(str).astype(object),
+        )
+        # One dictionary lookup per distinct series rather than per row: a
+        # monitor hands over many steps of the same few series at once.
+        # `combined` numbers the distinct keys 0, 1, ... in order of first
+        # appearance, so new series get ids in the order they were written.
+        combined = np.zeros(len(frame), dtype=np.int64)
+        for column in keys:
+            codes, uniques = pd.factorize(column)
+            combined = pd.factorize(combined * len(uniques) + codes)[0]
+        _, first = np.unique(combined, return_index=True)
         with self._buffer_lock:
-            series = [
-                self._series_id(key)
-                for key in zip(
-                    frame["layer"].astype(str).tolist(),
-                    frame["layer_index"].to_numpy(dtype=np.int64).tolist(),
-                    frame["tensor"].astype(str).tolist(),
-                    variables,
-                    strict=True,
-                )
-            ]
-            self._stats.extend(zip([self._run] * n, steps, series, *stats, strict=True))
+            ids = np.array(
+                [
+                    self._series_id(
+                        (str(keys[0][row]), int(keys[1][row]), str(keys[2][row]), str(keys[3][row]))
+                    )
+                    for row in first
+                ],
+                dtype=np.int64,
+            )
+            self._stats.append((steps, ids[combined], values))
         self._maybe_flush()
 
     def add_metrics(self, step, values):
@@ -275,9 +288,16 @@ class RunWriter:
 
     def _write(self, series, stats, metrics, events, histograms, progress, heartbeat):
         conn = self._conn
-        stat_names = ", ".join(tables.STAT_COLUMNS)
-        marks = ", ".join("?" * (3 + len(tables.STAT_COLUMNS)))
         now = time.time()
+        if stats:
+            # Packed before the transaction, so the write lock is held only for
+            # the inserts.
+            stats = blocks.pack(
+                self._run,
+                np.concatenate([s[0] for s in stats]),
+                np.concatenate([s[1] for s in stats]),
+                np.concatenate([s[2] for s in stats]),
+            )
         conn.execute("BEGIN IMMEDIATE")
         try:
             if series:
@@ -288,8 +308,8 @@ class RunWriter:
                 )
             if stats:
                 conn.executemany(
-                    f"INSERT OR REPLACE INTO layer_stats (run, step, series, {stat_names}) "
-                    f"VALUES ({marks})",
+                    f"INSERT INTO layer_stats ({', '.join(blocks.INSERT_COLUMNS)}) "
+                    f"VALUES ({', '.join('?' * len(blocks.INSERT_COLUMNS))})",
                     stats,
                 )
             if metrics:

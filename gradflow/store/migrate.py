@@ -1,0 +1,108 @@
+"""Upgrade a run store written by an older gradflow to the current format.
+
+Each step is one transaction: a reader in another process sees the old format
+or the new one, never half of each, and a process killed in the middle leaves
+the old format in place, to be upgraded by the next open.
+"""
+
+import numpy as np
+
+from gradflow.store import blocks, tables
+
+
+def upgrade(conn, path):
+    """Bring the store's tables to `tables.SCHEMA_VERSION`, creating them in a new file.
+
+    Args:
+        conn: a `sqlite3.Connection` from `tables.connect` (autocommit).
+        path: the store's file, for messages.
+
+    Raises:
+        RuntimeError: if the file was written by a newer gradflow, or an
+            upgrade failed (the file is then left as it was).
+    """
+    version = stored_version(conn)
+    if version == tables.SCHEMA_VERSION:
+        return  # The common case: no schema statements, no write lock.
+    _refuse_newer(version, path)
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        # Read again under the write lock: another process may have just done it.
+        version = stored_version(conn)
+        _refuse_newer(version, path)
+        if version is None and "step" in _columns(conn, "layer_stats"):
+            version = 1  # Version 1 made its tables before it recorded its version.
+        if version is None:
+            tables.create_tables(conn)
+        elif version == 1:
+            _from_version_1(conn)
+        conn.execute(
+            "INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)",
+            (str(tables.SCHEMA_VERSION),),
+        )
+        conn.execute("COMMIT")
+    except BaseException as error:
+        conn.execute("ROLLBACK")
+        if version is None or not isinstance(error, Exception) or isinstance(error, RuntimeError):
+            raise
+        raise RuntimeError(
+            f"Could not upgrade the run store {str(path)!r} from schema version {version} to "
+            f"{tables.SCHEMA_VERSION}: {error}. The file is unchanged; fix the cause (free disk "
+            f"space, stop other gradflow processes using it) and open it again, or use another "
+            f"store path (--db or $GRADFLOW_DB)."
+        ) from error
+
+
+def stored_version(conn):
+    """The schema version recorded in the file, or None for a new (empty) store."""
+    has_meta = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
+    ).fetchone()
+    if not has_meta:
+        return None
+    row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    return None if row is None else int(row[0])
+
+
+def _columns(conn, table):
+    return {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+
+
+def _refuse_newer(version, path):
+    if version is not None and version > tables.SCHEMA_VERSION:
+        raise RuntimeError(
+            f"The run store {str(path)!r} has schema version {version}, written by a "
+            f"newer gradflow; this gradflow reads up to version {tables.SCHEMA_VERSION}. "
+            f"Upgrade gradflow, or use another store path (--db or $GRADFLOW_DB)."
+        )
+
+
+def _from_version_1(conn):
+    """Version 1 kept one layer_stats row per step x series: repack it as blocks."""
+    conn.execute("ALTER TABLE layer_stats RENAME TO layer_stats_v1")
+    tables.create_tables(conn)
+    columns = ", ".join(tables.STAT_COLUMNS)
+    insert = (
+        f"INSERT INTO layer_stats ({', '.join(blocks.INSERT_COLUMNS)}) "
+        f"VALUES ({', '.join('?' * len(blocks.INSERT_COLUMNS))})"
+    )
+    runs = [r[0] for r in conn.execute("SELECT DISTINCT run FROM layer_stats_v1 ORDER BY run")]
+    for run in runs:
+        cursor = conn.execute(
+            f"SELECT step, series, {columns} FROM layer_stats_v1 WHERE run = ? "
+            f"ORDER BY step, series",
+            (run,),
+        )
+        while rows := cursor.fetchmany(tables.BLOCK_ROWS):
+            # NULL (how version 1 stored NaN) becomes NaN here.
+            values = np.array([r[2:] for r in rows], dtype=np.float64)
+            conn.executemany(
+                insert,
+                blocks.pack(
+                    run,
+                    np.array([r[0] for r in rows], dtype=np.int64),
+                    np.array([r[1] for r in rows], dtype=np.int64),
+                    values.reshape(len(rows), len(tables.STAT_COLUMNS)),
+                ),
+            )
+    conn.execute("DROP TABLE layer_stats_v1")
