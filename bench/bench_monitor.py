@@ -1,6 +1,7 @@
 """GradientMonitor overhead: steps/s of `model.fit` with and without the monitor.
 
     python3 bench/bench_monitor.py [--steps 200] [--repeats 3] [--models mlp5,mlp20,cnn]
+                                   [--size small|large] [--out FILE]
 
 For each model, three variants train side by side, interleaved repetition by
 repetition: plain `fit`, `fit` with `GradientMonitor()` (weights, every step)
@@ -8,8 +9,16 @@ and with `GradientMonitor(activations=True)`. Each measurement is one `fit` of
 two epochs of `--steps` steps; the first epoch (tracing, warm-up) is thrown
 away and the second is timed with epoch callbacks only, so Keras's per-batch
 path is the same as a plain fit's. Reports median steps/s and the ratio to
-plain fit. Targets: weights >= 0.90x, activations >= 0.85x.
-Writes bench/results/monitor.json.
+plain fit, and the monitor's own cost per step in milliseconds
+(1/monitored - 1/plain): a fixed cost per recorded step, which is why the
+ratio depends so much on how long a plain step takes.
+Targets: weights >= 0.90x, activations >= 0.85x.
+
+`--size small` (default): width 64, 16x16x1 CNN input, batch 32; a plain
+step takes about a millisecond on CPU, the worst case for a fixed cost.
+`--size large`: width 512, 32x32x3 CNN input with 32 and 64 filters,
+batch 128: models of the size the dashboard's users debug.
+Writes bench/results/monitor.json (or monitor-large.json, or --out).
 """
 
 import argparse
@@ -32,7 +41,12 @@ import tensorflow as tf  # noqa: E402
 
 from gradflow.monitor import GradientMonitor  # noqa: E402
 
-BATCH = 32
+SIZES = {
+    "small": {"batch": 32, "width": 64, "image": (16, 16, 1), "filters": (8, 16), "features": 32},
+    "large": {"batch": 128, "width": 512, "image": (32, 32, 3), "filters": (32, 64), "features": 256},
+}
+SIZE = SIZES["small"]
+BATCH = SIZE["batch"]
 TARGETS = {"weights": 0.90, "activations": 0.85}
 
 
@@ -40,9 +54,9 @@ def build(name):
     keras.utils.set_random_seed(0)
     if name == "cnn":
         layers = [
-            keras.Input((16, 16, 1)),
-            keras.layers.Conv2D(8, 3, activation="relu"),
-            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.Input(SIZE["image"]),
+            keras.layers.Conv2D(SIZE["filters"][0], 3, activation="relu"),
+            keras.layers.Conv2D(SIZE["filters"][1], 3, activation="relu"),
             keras.layers.MaxPooling2D(),
             keras.layers.Flatten(),
             keras.layers.Dense(32, activation="relu"),
@@ -50,8 +64,8 @@ def build(name):
         ]
     else:
         depth = {"mlp5": 5, "mlp20": 20}[name]
-        layers = [keras.Input((32,))]
-        layers += [keras.layers.Dense(64, activation="relu") for _ in range(depth - 1)]
+        layers = [keras.Input((SIZE["features"],))]
+        layers += [keras.layers.Dense(SIZE["width"], activation="relu") for _ in range(depth - 1)]
         layers += [keras.layers.Dense(10)]
     model = keras.Sequential(layers, name=name)
     model.compile(
@@ -63,7 +77,7 @@ def build(name):
 
 def data(name, steps):
     rng = np.random.default_rng(0)
-    shape = (16, 16, 1) if name == "cnn" else (32,)
+    shape = SIZE["image"] if name == "cnn" else (SIZE["features"],)
     x = rng.normal(size=(steps * BATCH, *shape)).astype("float32")
     y = rng.integers(0, 10, size=steps * BATCH)
     return x, y
@@ -105,7 +119,12 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", default="mlp5,mlp20,cnn")
+    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    global SIZE, BATCH
+    SIZE = SIZES[args.size]
+    BATCH = SIZE["batch"]
 
     results = {}
     for name in args.models.split(","):
@@ -120,16 +139,24 @@ def main():
             "steps_per_second": medians,
             "all_steps_per_second": rates,
             "ratio": {v: medians[v] / medians["plain"] for v in ("weights", "activations")},
+            "monitor_ms_per_step": {
+                v: 1e3 * (1 / medians[v] - 1 / medians["plain"]) for v in ("weights", "activations")
+            },
         }
 
-    print(f"{'model':<8}{'plain/s':>10}{'weights/s':>11}{'ratio':>8}{'activ./s':>10}{'ratio':>8}")
+    print(f"size {args.size}: {SIZE}")
+    print(
+        f"{'model':<8}{'plain/s':>10}{'weights/s':>11}{'ratio':>8}{'ms':>7}"
+        f"{'activ./s':>10}{'ratio':>8}{'ms':>7}"
+    )
     for name, r in results.items():
-        s, q = r["steps_per_second"], r["ratio"]
+        s, q, c = r["steps_per_second"], r["ratio"], r["monitor_ms_per_step"]
         print(
-            f"{name:<8}{s['plain']:>10.1f}{s['weights']:>11.1f}{q['weights']:>7.2f}x"
-            f"{s['activations']:>10.1f}{q['activations']:>7.2f}x"
+            f"{name:<8}{s['plain']:>10.1f}{s['weights']:>11.1f}{q['weights']:>7.2f}x{c['weights']:>7.2f}"
+            f"{s['activations']:>10.1f}{q['activations']:>7.2f}x{c['activations']:>7.2f}"
         )
-    out = pathlib.Path(__file__).resolve().parent / "results" / "monitor.json"
+    default = "monitor.json" if args.size == "small" else f"monitor-{args.size}.json"
+    out = pathlib.Path(args.out or pathlib.Path(__file__).resolve().parent / "results" / default)
     out.parent.mkdir(exist_ok=True)
     out.write_text(
         json.dumps(
@@ -137,7 +164,10 @@ def main():
                 "command": "python3 bench/bench_monitor.py " + " ".join(sys.argv[1:]),
                 "steps": args.steps,
                 "repeats": args.repeats,
+                "size": args.size,
+                "model_sizes": SIZE,
                 "batch_size": BATCH,
+                "load_average_1min": os.getloadavg()[0],
                 "targets": TARGETS,
                 "devices": [d.device_type for d in tf.config.list_logical_devices()],
                 "machine": platform.machine(),

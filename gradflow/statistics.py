@@ -18,6 +18,11 @@ import tensorflow as tf
 from gradflow import schema
 
 _NAN = float("nan")
+# Tensors with at least this many entries are reduced on their own: stacking
+# copies them, which costs more than the ops it saves.
+_ALONE_FROM = 1 << 16
+# Groups above this many entries count NaN/Inf only when there is one.
+_BRANCH_ABOVE = 1 << 16
 
 
 def _dense_float(tensor):
@@ -33,30 +38,58 @@ def _rows(stacked):
 
 
 def _stacked_statistics(stacked):
-    """The six statistics of each tensor of a `[k, ...]` stack: `[k, 6]`."""
+    """The six statistics of each tensor of a `[k, ...]` stack: `[k, 6]`.
+
+    Written for few passes over the entries and few full-size temporaries,
+    which is what a large tensor costs: one `|g|`, one `(g - mean)^2` and one
+    zero mask. Everything else comes from reductions of those and of `g`.
+    """
     values = _rows(stacked)
     size = tf.cast(tf.shape(values)[1], tf.float32)
     count = tf.maximum(size, 1.0)
-    magnitude = tf.abs(values)
     total = tf.reduce_sum(values, axis=1)
-    l2_norm = tf.sqrt(tf.reduce_sum(tf.square(values), axis=1))
+    mean = total / count
+    magnitude = tf.abs(values)
+    sum_abs = tf.reduce_sum(magnitude, axis=1)
+    # Two-pass variance around the (rounded) mean: E[g^2] - E[g]^2 cancels
+    # badly in float32 when entries share a large offset (2e3 +- 1e-2).
+    deviations = tf.reduce_sum(tf.math.squared_difference(values, mean[:, tf.newaxis]), axis=1)
+    # sum |g| is NaN exactly when an entry is NaN, and finite exactly when
+    # every entry is finite (an overflowing sum overflows sum g^2 too).
+    has_nan = tf.math.is_nan(sum_abs)
+    all_finite = tf.math.is_finite(sum_abs)
+    # sum g^2 = sum (g - mean)^2 + n mean^2: both terms are >= 0, so no
+    # cancellation, and no pass of its own.
+    l2_norm = tf.sqrt(deviations + size * tf.square(mean))
+    l2_norm = tf.where(all_finite, l2_norm, tf.where(has_nan, _NAN, float("inf")))
     # An empty tensor's max is -inf; entries are >= 0, so clamping at 0 reports
     # 0 for it and changes nothing else (no branch: a cond is slow).
-    max_abs = tf.maximum(tf.reduce_max(magnitude, axis=1), 0.0)
-    # reduce_max does not promise to propagate NaN; the sum of squares does.
-    max_abs = tf.where(tf.math.is_nan(l2_norm), _NAN, max_abs)
-    # The corrected two-pass variance: E[g^2] - E[g]^2 cancels badly in
-    # float32, and subtracting the summed deviations also corrects the
-    # rounding of the mean, so entries sharing a large offset (2e3 +- 1e-2)
-    # keep their std.
-    centered = values - (total / count)[:, tf.newaxis]
-    deviation = tf.reduce_sum(centered, axis=1)
-    variance = (tf.reduce_sum(tf.square(centered), axis=1) - tf.square(deviation) / count) / count
-    std = tf.sqrt(tf.where(variance < 0.0, 0.0, variance))  # keeps NaN
-    zeros = size - tf.cast(tf.math.count_nonzero(values, axis=1), tf.float32)
-    nonfinite = size - tf.cast(tf.math.count_nonzero(tf.math.is_finite(values), axis=1), tf.float32)
-    mean_abs = tf.reduce_sum(magnitude, axis=1) / count
+    # reduce_max does not promise to propagate NaN; sum |g| does.
+    max_abs = tf.where(has_nan, _NAN, tf.maximum(tf.reduce_max(magnitude, axis=1), 0.0))
+    std = tf.sqrt(deviations / count)  # keeps NaN
+    zeros = tf.cast(tf.reduce_sum(tf.cast(tf.equal(values, 0.0), tf.int32), axis=1), tf.float32)
+    nonfinite = _nonfinite_counts(values, all_finite)
+    mean_abs = sum_abs / count
     return tf.stack([max_abs, l2_norm, mean_abs, std, zeros / count, nonfinite], axis=1)
+
+
+def _nonfinite_counts(values, all_finite):
+    """NaN/Inf entries per row; counted only when some row has one.
+
+    A healthy step skips the count (one cheap branch instead of a pass over
+    every entry): a finite sum of |g| already proves every entry finite.
+    """
+
+    def count():
+        finite = tf.reduce_sum(tf.cast(tf.math.is_finite(values), tf.int32), axis=1)
+        return tf.cast(tf.shape(values)[1] - finite, tf.float32)
+
+    rows = tf.shape(values)[0]
+    if values.shape.num_elements() is not None and values.shape.num_elements() <= _BRANCH_ABOVE:
+        return count()  # small: counting costs less than a branch
+    return tf.cond(
+        tf.reduce_all(all_finite), lambda: tf.zeros([rows], tf.float32), count
+    )
 
 
 class Stacked(list):
@@ -79,7 +112,8 @@ class ShapeGroups:
         groups = {}
         for index, shape in enumerate(shapes):
             shape = tf.TensorShape(shape)
-            key = tuple(shape.as_list()) if shape.is_fully_defined() else ("dynamic", index)
+            alone = not shape.is_fully_defined() or shape.num_elements() >= _ALONE_FROM
+            key = ("alone", index) if alone else tuple(shape.as_list())
             groups.setdefault(key, []).append(index)
         self.groups = list(groups.values())
         self.count = len(shapes)
@@ -88,8 +122,8 @@ class ShapeGroups:
         self._position = None if order == sorted(order) else sorted(range(len(order)), key=order.__getitem__)
 
     def stack(self, tensors):
-        """One `[k, ...]` stack per group (a copy of the values)."""
-        return Stacked([tf.stack([tensors[i] for i in group]) for group in self.groups], self)
+        """One `[k, ...]` stack per group (a copy of the values, except for a group of one)."""
+        return Stacked([_stack([tensors[i] for i in group]) for group in self.groups], self)
 
     def rows(self, per_group):
         """Concatenate one result per group back into the tensors' order."""
@@ -97,10 +131,22 @@ class ShapeGroups:
         return joined if self._position is None else tf.gather(joined, self._position)
 
     def l2_norms(self, stacks):
-        return self.rows([tf.sqrt(tf.reduce_sum(tf.square(_rows(s)), axis=1)) for s in stacks])
+        return self.rows([_stacked_l2_norms(s) for s in stacks])
 
     def max_abs(self, stacks):
         return self.rows([_stacked_max_abs(s) for s in stacks])
+
+
+def _stack(tensors):
+    # A group of one needs no copy: add the leading axis instead.
+    return tensors[0][tf.newaxis] if len(tensors) == 1 else tf.stack(tensors)
+
+
+def _stacked_l2_norms(stacked):
+    if stacked.shape[0] == 1:
+        # One fused pass, no temporary the size of the tensor.
+        return tf.sqrt(2.0 * tf.nn.l2_loss(stacked))[tf.newaxis]
+    return tf.sqrt(tf.reduce_sum(tf.square(_rows(stacked)), axis=1))
 
 
 def _stacked_max_abs(stacked):

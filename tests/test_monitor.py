@@ -6,6 +6,8 @@ own max-norm constraint, and computes every statistic with numpy. The
 monitor's recorded rows must match it step by step.
 """
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -159,6 +161,15 @@ CASES = [
     ("adam_clipvalue", keras.optimizers.Adam, ("clipvalue", 0.02), None, 1e-4),
     ("sgd_global_clipnorm", keras.optimizers.SGD, ("global_clipnorm", 0.1), None, 1e-5),
     ("sgd_max_norm", keras.optimizers.SGD, None, 0.3, 1e-5),
+    # The update ratio comes from the optimizer's own increment for these...
+    ("sgd_nesterov", functools.partial(keras.optimizers.SGD, momentum=0.9, nesterov=True), None, None, 1e-5),
+    ("rmsprop_centered_momentum", functools.partial(keras.optimizers.RMSprop, momentum=0.5, centered=True), None, None, 1e-4),
+    ("adagrad", keras.optimizers.Adagrad, None, None, 1e-4),
+    ("nadam", keras.optimizers.Nadam, None, None, 1e-4),
+    ("adamax", keras.optimizers.Adamax, None, None, 1e-4),
+    # ...and from the weights before and after for these (weight decay).
+    ("adamw", keras.optimizers.AdamW, None, None, 1e-4),
+    ("sgd_weight_decay", functools.partial(keras.optimizers.SGD, weight_decay=0.1), None, None, 1e-5),
 ]
 
 

@@ -66,6 +66,24 @@ CASES = [
 ]
 
 
+def _large(fill=None):
+    # 300 x 300 entries: above the size where the kernel reduces a tensor on
+    # its own and counts NaN/Inf only when the cheap check finds one.
+    array = RNG.normal(size=(300, 300)).astype(np.float32)
+    array[::7, ::3] = 0.0
+    if fill is not None:
+        array[123, 45] = fill
+    return array
+
+
+CASES += [
+    ("large_finite", _large()),
+    ("large_with_nan", _large(NAN)),
+    ("large_with_inf", _large(INF)),
+    ("large_offset", (5e2 + _large() * 1e-3).astype(np.float32)),
+]
+
+
 @pytest.mark.parametrize("array", [c[1] for c in CASES], ids=[c[0] for c in CASES])
 def test_statistics_match_numpy(array):
     statistics, histograms = summarize([tf.constant(array)], histogram=True)
@@ -83,6 +101,18 @@ def test_many_tensors_at_once_keep_their_own_rows():
             statistics.numpy()[row], numpy_statistics(array), rtol=1e-5, atol=1e-30
         )
         np.testing.assert_array_equal(histograms.numpy()[row], numpy_histogram(array))
+
+
+def test_large_tensors_of_one_shape_keep_their_own_rows():
+    arrays = [_large(), _large(NAN), _large(), _large(-INF)]
+
+    @tf.function
+    def kernel(tensors):
+        return summarize(tensors)[0]
+
+    statistics = kernel([tf.constant(a) for a in arrays]).numpy()
+    for row, array in enumerate(arrays):
+        np.testing.assert_allclose(statistics[row], numpy_statistics(array), rtol=1e-5, atol=1e-30)
 
 
 def test_indexed_slices_count_implicit_zeros_and_sum_duplicates():

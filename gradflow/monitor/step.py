@@ -131,17 +131,25 @@ def instrumented_train_step(plan):
         weight_gradients = gradients[: len(variables)]
         scale = _loss_scale(optimizer)
         learning_rate = _scalar(optimizer.learning_rate)
-        # Stacking by shape copies the weights (the values before the update)
-        # and lets one op reduce all weights of a shape.
-        weight_groups = ShapeGroups([v.shape for v in variables])
-        weights_before = weight_groups.stack([v.value for v in variables])
         constrained = _constrained_indices(variables)
         constraints = [variables[i].constraint for i in constrained]
+        updates = _UpdateCapture.for_step(optimizer, variables, constrained, plan.replicas)
+        weight_groups = ShapeGroups([v.shape for v in variables])
+        if updates is None:
+            # Stacking by shape copies the weights (the values before the
+            # update); the update ratio then comes from their difference.
+            weights_before = weight_groups.stack([v.value for v in variables])
+        else:
+            weights_before = None
+            before_norms = updates.norms_before()
 
         # Update weights
         def update():
-            with _constraints_deferred(variables, constrained):
-                optimizer.apply_gradients(zip(weight_gradients, variables, strict=False))
+            capture = contextlib.nullcontext() if updates is None else updates.recording()
+            waits = [] if updates is None else [before_norms]
+            with _constraints_deferred(variables, constrained), capture:
+                with tf.control_dependencies(waits):
+                    optimizer.apply_gradients(zip(weight_gradients, variables, strict=False))
                 # Keras applies constraints inside `apply`; doing it here lets
                 # the step measure the weights between update and constraint.
                 unconstrained = []
@@ -149,17 +157,20 @@ def instrumented_train_step(plan):
                     variable = variables[index]
                     unconstrained.append(tf.identity(variable.value))
                     variable.assign(constraint(variable))
-            return unconstrained
+            changes = [] if updates is None else [updates.change_norms()]
+            return unconstrained, changes
 
         finite = halted = None
         if plan.stop_on_nonfinite:
             finite = _all_finite(weight_gradients)
         if plan.stop_on_nonfinite and plan.replicas == 1:
-            unconstrained, halted = _update_unless_nonfinite(
-                plan, update, finite, [variables[i] for i in constrained]
+            (unconstrained, changes), halted = _update_unless_nonfinite(
+                plan, update, finite, [variables[i] for i in constrained], updates is not None
             )
         else:
-            unconstrained = update()
+            unconstrained, changes = update()
+        if updates is not None:
+            weights_before = UpdateNorms(changes[0], before_norms)
 
         # Record gradient statistics
         step = tf.cast(optimizer.iterations, tf.int64)
@@ -198,7 +209,7 @@ def instrumented_train_step(plan):
     return train_step
 
 
-def _update_unless_nonfinite(plan, update, finite, constrained_variables):
+def _update_unless_nonfinite(plan, update, finite, constrained_variables, captured):
     """Run `update` only while every gradient is finite and no step halted.
 
     Like `LossScaleOptimizer`, a non-finite step leaves the weights alone, so
@@ -219,7 +230,8 @@ def _update_unless_nonfinite(plan, update, finite, constrained_variables):
             plan.buffer.halted.assign(1)
 
         tf.cond(halted, lambda: None, halt)
-        return [tf.identity(v.value) for v in constrained_variables]
+        unchanged = [tf.zeros([len(plan.model.trainable_weights)])] if captured else []
+        return [tf.identity(v.value) for v in constrained_variables], unchanged
 
     go = tf.logical_and(finite, tf.logical_not(halted))
     return tf.cond(go, update, skip), halted
@@ -345,7 +357,8 @@ def _summarize_step(
     # weights, so they share one set of constant segment ids.
     segments = _WeightSegments(weights)
     columns = [segments.flat(weights)]
-    if weights_before is not None:
+    captured = isinstance(weights_before, UpdateNorms)
+    if weights_before is not None and not captured:
         before = segments.flat(weights_before)
         columns += [segments.difference(columns[0], before), before]
     if clipped_gradients is not None:
@@ -354,7 +367,10 @@ def _summarize_step(
     norms = tf.unstack(segments.norms(columns), num=len(columns), axis=1)
     weight_norm = norms[0]
     update_ratio = missing
-    if weights_before is not None:
+    if captured:
+        change, before_norm = weights_before
+        update_ratio = tf.where(before_norm > 0, change / tf.maximum(before_norm, 1e-30), _NAN)
+    elif weights_before is not None:
         change, before_norm = norms[1], norms[2]
         update_ratio = tf.where(before_norm > 0, change / tf.maximum(before_norm, 1e-30), _NAN)
     weight_norm_unconstrained = missing
@@ -392,6 +408,103 @@ def _summarize_step(
     )
     assert metrics.shape[0] == len(STEP_METRICS)
     return rows, metrics, histograms
+
+
+class UpdateNorms(tuple):
+    """`(change, before)`: per-variable `||dw||` and `||w||` before the update, `[count]` each."""
+
+    def __new__(cls, change, before):
+        return super().__new__(cls, (change, before))
+
+
+class _UpdateCapture:
+    """The size of each weight update, taken from the optimizer's own increment.
+
+    Keras's built-in optimizers change a model variable with one
+    `optimizer.assign_add(variable, increment)` or `assign_sub` per step
+    (`keras/src/optimizers/adam.py` `update_step`). While the update is
+    traced, those two methods are wrapped to take `||increment||` on the
+    way. That replaces a copy of every weight before the update and a
+    subtraction after it: for a large model, several passes over memory.
+
+    Only for optimizers known to update each variable exactly so; anything
+    else (weight decay, EMA, gradient accumulation, loss scaling, several
+    replicas, constraints, other optimizers) measures the difference of
+    the weights instead (`for_step` returns None).
+    """
+
+    # Exact classes, not subclasses: a subclass may update differently.
+    KNOWN = (
+        keras.optimizers.SGD,
+        keras.optimizers.Adam,
+        keras.optimizers.RMSprop,
+        keras.optimizers.Adagrad,
+        keras.optimizers.Nadam,
+        keras.optimizers.Adamax,
+    )
+
+    def __init__(self, optimizer, variables):
+        self.optimizer = optimizer
+        self.variables = variables
+        self._index = {optimizer._var_key(v): i for i, v in enumerate(variables)}
+        self._increments = {}
+
+    @classmethod
+    def for_step(cls, optimizer, variables, constrained, replicas):
+        eligible = (
+            type(optimizer) in cls.KNOWN
+            and replicas == 1
+            and not constrained
+            and not optimizer.weight_decay
+            and not optimizer.use_ema
+            and not getattr(optimizer, "gradient_accumulation_steps", None)
+            and all(isinstance(v, keras.Variable) for v in variables)
+        )
+        return cls(optimizer, variables) if eligible else None
+
+    def norms_before(self):
+        """`||w||` of every variable, read before the update."""
+        # One fused pass each; the update waits for them, so it never has
+        # to copy a buffer these reads still hold.
+        return tf.stack([_l2_norm(v.value) for v in self.variables])
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Wrap `assign_add`/`assign_sub` of the optimizer while `apply` is traced."""
+        optimizer = self.optimizer
+        originals = {name: getattr(optimizer, name) for name in ("assign_add", "assign_sub")}
+        self._increments = {}
+
+        def wrap(name):
+            def assign(variable, value):
+                index = self._index.get(optimizer._var_key(variable))
+                if index is not None:
+                    increment = tf.cast(tf.convert_to_tensor(value), tf.float32)
+                    self._increments.setdefault(index, []).append(increment)
+                return originals[name](variable, value)
+
+            return assign
+
+        for name in originals:
+            object.__setattr__(optimizer, name, wrap(name))
+        try:
+            yield
+        finally:
+            for name in originals:
+                optimizer.__dict__.pop(name, None)
+
+    def change_norms(self):
+        """`||dw||` of every variable; NaN for one not updated exactly once."""
+        norms = []
+        for index in range(len(self.variables)):
+            increments = self._increments.get(index, [])
+            norms.append(_l2_norm(increments[0]) if len(increments) == 1 else tf.constant(_NAN))
+        return tf.stack(norms)
+
+
+def _l2_norm(tensor):
+    # `l2_loss` is sum(x^2)/2 in one pass, with no temporary the size of x.
+    return tf.sqrt(2.0 * tf.nn.l2_loss(tf.cast(tensor, tf.float32)))
 
 
 class _WeightSegments:
