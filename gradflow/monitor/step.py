@@ -133,8 +133,10 @@ def instrumented_train_step(plan):
         learning_rate = _scalar(optimizer.learning_rate)
         constrained = _constrained_indices(variables)
         constraints = [variables[i].constraint for i in constrained]
-        updates = _UpdateCapture.for_step(optimizer, variables, constrained, plan.replicas)
         weight_groups = ShapeGroups([v.shape for v in variables])
+        updates = _UpdateCapture.for_step(
+            optimizer, variables, weight_groups, constrained, plan.replicas
+        )
         if updates is None:
             # Stacking by shape copies the weights (the values before the
             # update); the update ratio then comes from their difference.
@@ -443,14 +445,15 @@ class _UpdateCapture:
         keras.optimizers.Adamax,
     )
 
-    def __init__(self, optimizer, variables):
+    def __init__(self, optimizer, variables, groups):
         self.optimizer = optimizer
         self.variables = variables
+        self.groups = groups
         self._index = {optimizer._var_key(v): i for i, v in enumerate(variables)}
         self._increments = {}
 
     @classmethod
-    def for_step(cls, optimizer, variables, constrained, replicas):
+    def for_step(cls, optimizer, variables, groups, constrained, replicas):
         eligible = (
             type(optimizer) in cls.KNOWN
             and replicas == 1
@@ -460,13 +463,14 @@ class _UpdateCapture:
             and not getattr(optimizer, "gradient_accumulation_steps", None)
             and all(isinstance(v, keras.Variable) for v in variables)
         )
-        return cls(optimizer, variables) if eligible else None
+        return cls(optimizer, variables, groups) if eligible else None
 
     def norms_before(self):
         """`||w||` of every variable, read before the update."""
-        # One fused pass each; the update waits for them, so it never has
-        # to copy a buffer these reads still hold.
-        return tf.stack([_l2_norm(v.value) for v in self.variables])
+        # The update waits for these, so it never has to copy a buffer the
+        # reads still hold (a large tensor is reduced in place; small ones
+        # are stacked by shape, so few ops).
+        return self.groups.l2_norms(self.groups.stack([v.value for v in self.variables]))
 
     @contextlib.contextmanager
     def recording(self):
@@ -495,16 +499,13 @@ class _UpdateCapture:
 
     def change_norms(self):
         """`||dw||` of every variable; NaN for one not updated exactly once."""
-        norms = []
-        for index in range(len(self.variables)):
-            increments = self._increments.get(index, [])
-            norms.append(_l2_norm(increments[0]) if len(increments) == 1 else tf.constant(_NAN))
-        return tf.stack(norms)
-
-
-def _l2_norm(tensor):
-    # `l2_loss` is sum(x^2)/2 in one pass, with no temporary the size of x.
-    return tf.sqrt(2.0 * tf.nn.l2_loss(tf.cast(tensor, tf.float32)))
+        increments = []
+        for index, variable in enumerate(self.variables):
+            taken = self._increments.get(index, [])
+            increments.append(
+                taken[0] if len(taken) == 1 else tf.fill(variable.shape, _NAN)
+            )
+        return self.groups.l2_norms(self.groups.stack(increments))
 
 
 class _WeightSegments:
