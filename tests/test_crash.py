@@ -84,6 +84,9 @@ LAUNCHER = textwrap.dedent(
     run_id = manager.start(RunConfig(depth=2, width=8, steps=1_000_000))
     while store.layer_stats(run_id, columns=["l2_norm"]).empty:
         time.sleep(0.05)
+    # The next spare starts once the run has made its first step.
+    while len(manager.worker_pids()) < 2:
+        time.sleep(0.05)
     print(run_id, *manager.worker_pids(), flush=True)
     time.sleep(600)
     """

@@ -216,6 +216,25 @@ def test_one_training_step_matches_a_plain_tape(changes):
         )
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"optimizer": "adam", "normalization": "batch", "dropout": 0.2}, {"architecture": "cnn", "depth": 1}],
+)
+def test_the_first_fit_traces_its_train_step_once(changes):
+    # Variables first created inside a traced step make TensorFlow trace it again.
+    _, data, model = _build(width=8, **changes)
+    traced = []
+    keras_step = model.train_step
+
+    def counted(batch):
+        traced.append(1)  # Python runs only while TensorFlow traces.
+        return keras_step(batch)
+
+    model.train_step = counted
+    model.fit(data.x_train[:64], data.y_train[:64], batch_size=16, epochs=2, verbose=0)
+    assert len(traced) == 1
+
+
 def test_max_norm_constrains_kernels_after_each_update():
     _, data, model = _build(depth=2, width=8, max_norm=0.5, learning_rate=50.0)
     model.train_on_batch(data.x_train[:32], data.y_train[:32])

@@ -118,3 +118,68 @@ def test_split_backprop_page_runs_the_lesson():
     app.run()
     assert not app.exception, [e.value for e in app.exception]
     assert any("Largest difference" in s.value for s in app.success)
+
+
+def plotly_specs(app):
+    import json
+
+    return [json.loads(chart.proto.spec) for chart in app.get("plotly_chart")]
+
+
+def plotly_array(value):
+    """A numpy array from Plotly JSON: a list, or {dtype, bdata, shape} (base64)."""
+    import base64
+
+    import numpy as np
+
+    if not isinstance(value, dict):
+        return np.asarray(value)
+    array = np.frombuffer(base64.b64decode(value["bdata"]), dtype=value["dtype"])
+    shape = value.get("shape")
+    return array.reshape([int(n) for n in str(shape).split(",")]) if shape else array
+
+
+def annotations(spec):
+    return " ".join(a.get("text", "") for a in spec["layout"].get("annotations", []))
+
+
+def test_the_live_panel_is_drawn_empty_before_a_run():
+    # Nothing moves when the first step arrives, and the browser loads Plotly early.
+    app = run_page("live_training.py")
+    specs = plotly_specs(app)
+    assert len(specs) == 2 and all("appear here" in annotations(s) for s in specs)
+    assert all(not s["data"] for s in specs)
+
+
+def test_a_run_without_its_first_step_shows_empty_heatmaps(page_environment):
+    from gradflow.store import RunStore
+
+    run_id = RunStore(page_environment).create_run({"depth": 3}, name="just started", status="running")
+    app = run_page("live_training.py", run=run_id)
+    specs = plotly_specs(app)
+    assert len(specs) == 2 and all("Waiting for the first training step" in annotations(s) for s in specs)
+    assert any("just started" in m.value for m in app.markdown)
+
+
+def test_live_heatmaps_are_capped_at_the_live_column_count(page_environment):
+    # Streamlit resends whole figures: the cap bounds what a live update sends.
+    import numpy as np
+    import pandas as pd
+
+    from gradflow.store import RunStore
+    from gradflow.ui.live import LIVE_MAX_COLUMNS
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 1}, name="long run", status="running")
+    steps = np.arange(1, 3 * LIVE_MAX_COLUMNS + 2)
+    with store.writer(run_id) as writer:
+        writer.add_layer_stats(pd.DataFrame({
+            "step": steps, "layer": "dense_1", "layer_index": 0, "tensor": "kernel",
+            "max_abs": np.linspace(1e-3, 1.0, len(steps)), "l2_norm": 1.0,
+        }))
+        writer.progress(int(steps[-1]))
+    app = run_page("live_training.py", run=run_id)
+    heatmaps = [t for s in plotly_specs(app) for t in s["data"] if t["type"] == "heatmap"]
+    assert len(heatmaps) == 2
+    for trace in heatmaps:
+        assert LIVE_MAX_COLUMNS // 2 <= plotly_array(trace["z"]).shape[1] <= LIVE_MAX_COLUMNS

@@ -105,3 +105,18 @@ def test_a_killed_worker_is_reaped_and_its_run_interrupted(manager):
     assert run.wait(timeout=30) == "interrupted"
     assert "killed by signal 9" in run.message
     assert run.run_id not in manager.running() and pid not in manager.worker_pids()
+
+
+def test_the_next_spare_waits_for_the_new_runs_first_step(tmp_path):
+    # Importing TensorFlow in a new spare would compete with the run's first trace.
+    manager = RunManager(RunStore(tmp_path / "runs.db"), max_running=1, threads_per_run=1)
+    try:
+        assert manager.wait_warm(120)
+        run = Run(manager.start(LONG), manager.store, manager)
+        assert manager.worker_pids() == [manager.running()[run.run_id]]  # no spare yet
+        wait_for(lambda: last_step(run) > 0)
+        wait_for(lambda: len(manager.worker_pids()) == 2, timeout=5)  # the spare is back
+        run.stop()
+        assert run.wait(60) == "stopped"
+    finally:
+        manager.shutdown()

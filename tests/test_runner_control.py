@@ -70,3 +70,32 @@ def test_nonfinite_loss_stops_at_that_step(store_path):
 def test_bad_arguments(store_path, arguments, match):
     with pytest.raises(ValueError, match=match):
         RunControl(RunStore(store_path), "abc", **arguments)
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_first_recorded_step_is_in_the_store_when_its_batch_ends(store_path, every):
+    import keras
+
+    from gradflow.lab.control import FirstStepPublisher
+    from gradflow.monitor import GradientMonitor
+
+    store = RunStore(store_path)
+    run_id = store.create_run({})
+    monitor = GradientMonitor(every=every, store=store, run_id=run_id, close_run=False)
+    seen = {}
+
+    class Look(keras.callbacks.Callback):
+        # Runs right after the publisher, before the writer's next interval.
+        def on_train_batch_end(self, batch, logs=None):
+            step = int(self.model.optimizer.iterations.numpy())
+            if step <= every:
+                seen[step] = sorted(store.layer_stats(run_id, columns=["l2_norm"])["step"].unique())
+
+    model = tiny_model()
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])  # metrics reach the writer first
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 1)).astype("float32")
+    publisher = FirstStepPublisher(monitor)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[monitor, publisher, Look()])
+    assert publisher.published
+    assert seen[every] == [every]

@@ -125,3 +125,47 @@ class RunControl(keras.callbacks.Callback):
                 last_heartbeat = time.monotonic()
                 self.store.heartbeat(self.run_id, self.steps)
             time.sleep(self.poll_interval)
+
+
+class FirstStepPublisher(keras.callbacks.Callback):
+    """Writes a run's first recorded step to the store as soon as it exists.
+
+    The dashboard draws its first heatmap column when the first step's layer
+    statistics are in the store. The store writer sends a new run's first
+    rows at once, but in a lab run those are the compiled metrics (accuracy,
+    read from `logs`), which reach the writer a moment before the layer
+    statistics of the same step; the statistics then wait a whole flush
+    interval (0.5 s). Placed after the `GradientMonitor`, this callback makes
+    the monitor write the first recorded step (the first step whose
+    `optimizer.iterations` is a multiple of `monitor.every`) at once, then
+    does nothing: later steps keep the writer's batching, so training never
+    waits on the disk.
+
+    Example:
+
+    ```python
+    model.fit(x, y, callbacks=[monitor, FirstStepPublisher(monitor), control])
+    ```
+
+    Args:
+        monitor: the run's `gradflow.GradientMonitor`.
+
+    Attributes:
+        published: whether the first recorded step has been written.
+    """
+
+    def __init__(self, monitor):
+        super().__init__()
+        self.monitor = monitor
+        self.published = False
+
+    def on_train_begin(self, logs=None):
+        self.published = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.published:
+            return
+        if int(self.model.optimizer.iterations.numpy()) % self.monitor.every:
+            return  # not a recorded step
+        self.monitor.flush()
+        self.published = True

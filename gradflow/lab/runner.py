@@ -21,6 +21,8 @@ import time
 from gradflow.store import ACTIVE_STATUSES, RunStore
 
 _PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parent.parent.parent)
+# Longest wait for a new run's first step before the next spare is started anyway.
+_SPARE_HOLD_S = 15.0
 
 
 class RunManager:
@@ -29,9 +31,12 @@ class RunManager:
     Runs beyond the cap wait with status `queued` (the dashboard shows them)
     and start in order as slots free. One spare worker is kept warm: it has
     already imported TensorFlow and Keras and traced a tiny model, so a new
-    run records its first step within about a second or two. Workers are
-    reaped when they end; a worker whose launcher dies marks its run
-    `interrupted` and exits.
+    run records its first step within about a second or two. When a run
+    takes the spare, the next spare is started only once that run has made
+    its first step (or after 15 s): importing TensorFlow takes a whole core
+    for several seconds, and on a small machine it would slow down the very
+    trace the user is waiting for. Workers are reaped when they end; a worker
+    whose launcher dies marks its run `interrupted` and exits.
 
     Use one manager per launching process (`RunManager.for_store(store)`).
 
@@ -70,6 +75,7 @@ class RunManager:
         self._queue = collections.deque()
         self._running = {}
         self._spare = None
+        self._starting = {}  # run id -> when to stop holding the next spare back
         self._lock = threading.RLock()
         self._closed = False
         self._log_path = self.store.path.parent / "workers.log"
@@ -224,8 +230,26 @@ class RunManager:
             worker.stdin.flush()
             worker.run_id = run_id
             self._running[run_id] = worker
-        if self.prewarm and not _alive(self._spare):
+            self._starting[run_id] = time.monotonic() + _SPARE_HOLD_S
+        self._forget_started()
+        if self.prewarm and not _alive(self._spare) and not self._starting:
             self._spare = self._spawn()
+
+    def _forget_started(self):
+        """Drops the runs that no longer hold the next spare back."""
+        now = time.monotonic()
+        for run_id, deadline in list(self._starting.items()):
+            try:
+                info = self.store.run_info(run_id) if run_id in self._running else None
+            except ValueError:  # Deleted meanwhile.
+                info = None
+            if (
+                info is None
+                or now > deadline
+                or info["progress_step"] > 0
+                or info["status"] not in ("queued", "running")
+            ):
+                del self._starting[run_id]
 
     def _reap(self):
         for run_id, proc in list(self._running.items()):

@@ -67,7 +67,7 @@ def execute(store, run_id):
 
 def _train(store, run_id):
     from gradflow.lab.config import RunConfig
-    from gradflow.lab.control import RunControl
+    from gradflow.lab.control import FirstStepPublisher, RunControl
     from gradflow.lab.datasets import load_dataset
     from gradflow.lab.models import build_model
     from gradflow.monitor import GradientMonitor
@@ -99,7 +99,7 @@ def _train(store, run_id):
         epochs=epochs,
         validation_data=(data.x_val, data.y_val),
         verbose=0,
-        callbacks=[monitor, control],
+        callbacks=[monitor, FirstStepPublisher(monitor), control],
     )
     store.heartbeat(run_id, control.steps)
     nonfinite = monitor.events[monitor.events["kind"] == "nonfinite"]

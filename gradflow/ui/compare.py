@@ -6,7 +6,7 @@ from gradflow import figures
 from gradflow.ui import resources
 from gradflow.ui.charts import show_chart
 from gradflow.ui.controls import WIDGETS
-from gradflow.ui.live import ACTIVE, POLL_SECONDS, run_name
+from gradflow.ui.live import ACTIVE, LIVE_MAX_COLUMNS, POLL_SECONDS, run_name
 
 _SELECTED = "compare.run_ids"
 _PICKER = "compare.picker"
@@ -93,7 +93,9 @@ def _charts(run_ids, was_active):
     ready = {name: frame for name, frame in stats.items() if not frame.empty}
     presentation = st.session_state.get("ui.presentation", False)
     statistic = st.radio("Statistic", ["max_abs", "l2_norm"], horizontal=True, key="compare.statistic")
-    show_chart(figures.compare_heatmaps(ready, statistic, "kernel", presentation=presentation), "compare.heatmaps")
+    # Each run gets half the width, as a live-page heatmap does: the same column cap.
+    show_chart(figures.compare_heatmaps(ready, statistic, "kernel", max_columns=LIVE_MAX_COLUMNS,
+                                        presentation=presentation), "compare.heatmaps")
     left, right = st.columns(2)
     with left:
         show_chart(figures.compare_profiles(ready, statistic=statistic, tensor="kernel",

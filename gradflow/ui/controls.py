@@ -150,9 +150,8 @@ def training_form(prefix="cfg", container=None, sync_url=True):
         for spec in more:
             _render(st, prefix, *spec)
 
-    values = {field: _from_widget(field, st.session_state[_key(prefix, field)]) for field, *_ in WIDGETS}
     try:
-        config = RunConfig(**values)
+        config = config_from_widgets(prefix)
     except ValueError as error:
         container.error(str(error), icon=":material/error:")
         return None
@@ -162,6 +161,26 @@ def training_form(prefix="cfg", container=None, sync_url=True):
         others = {k: v for k, v in st.query_params.to_dict().items() if k not in _FIELD_NAMES}
         st.query_params.from_dict({**others, **config.to_query()})
     return config
+
+
+def config_from_widgets(prefix="cfg"):
+    """The `RunConfig` that the form's widgets hold right now.
+
+    Also usable in a widget callback, which runs before the form is drawn
+    again: a click that arrives together with a changed setting gets the
+    changed setting.
+
+    Args:
+        prefix: The form's session-state key prefix. Defaults to `"cfg"`.
+
+    Returns:
+        A `RunConfig`.
+
+    Raises:
+        ValueError: if a setting is invalid (the message names it).
+    """
+    values = {field: _from_widget(field, st.session_state[_key(prefix, field)]) for field, *_ in WIDGETS}
+    return RunConfig(**values)
 
 
 def _apply_preset(prefix):

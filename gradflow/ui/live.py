@@ -4,20 +4,40 @@ The panel is an `st.fragment` that reruns every second while its run is
 queued, running or paused, and stops polling once the run has ended. Each tick
 reads only the rows newer than the last step it has seen and appends them to
 a per-session cache, so a long run costs the same per tick as a short one.
+
+Streamlit sends a chart as its whole Plotly figure on every rerun (there is no
+way to append columns to a drawn chart), so each tick resends the heatmaps.
+They are decimated to `LIVE_MAX_COLUMNS` columns, about one per pixel of a
+half-width chart, which keeps a tick's payload bounded however long the run.
+
+Until a training run's first step is drawn, the panel polls four times a
+second: the first column is what the user is waiting for. Before that, and
+before any run, it shows the panel empty (disabled view controls, blank chart
+frames), so the browser has loaded Plotly (megabytes of JavaScript, seconds of
+CPU on a small machine) before the data arrive rather than after, and not
+while the worker traces the training step.
 """
 
 import dataclasses
+import functools
+import time
 
 import pandas as pd
 import streamlit as st
 
-from gradflow import diagnosis, export, figures
-from gradflow.ui import resources
+from gradflow import diagnosis, export, figures, schema
+from gradflow.figures.style import STATISTIC_LABELS, no_data_figure
+from gradflow.ui import controls, resources
 from gradflow.ui.charts import image_export_available, show_chart
 from gradflow.ui.sessions import session_ownership
 
 ACTIVE = ("queued", "running", "paused")
 POLL_SECONDS = 1.0
+# While a just-started run has drawn nothing yet, for at most FIRST_POLL_FOR_S.
+FIRST_POLL_SECONDS = 0.25
+FIRST_POLL_FOR_S = 20.0
+# Heatmap columns drawn live (exports keep the figures' default of 1,000).
+LIVE_MAX_COLUMNS = 500
 _CURRENT = "live.run_id"
 
 _STATUS_TEXT = {
@@ -62,15 +82,17 @@ def control_buttons(config):
     """Start training / Pause / Stop for this session's run.
 
     Args:
-        config: The `RunConfig` from the form, or None while it is invalid.
+        config: The `RunConfig` from the form, or None while it is invalid
+            (Start training is then disabled; the click itself reads the
+            form's widgets, see `controls.config_from_widgets`).
     """
     store = resources.run_store()
     run_id = current_run()
     status = store.status(run_id) if run_id else None
     start, pause, stop, step = st.columns([2, 1, 1, 1])
-    if start.button("Start training", type="primary", disabled=config is None, width="stretch"):
-        open_run(resources.run_manager().start(config, name=run_name(config)))
-        st.rerun()
+    # A callback runs before the script: the click costs one script run, not two.
+    start.button("Start training", type="primary", disabled=config is None, width="stretch",
+                 on_click=_start_run)
     paused = status == "paused"
     if pause.button("Resume" if paused else "Pause", disabled=status not in ("running", "paused"),
                     width="stretch"):
@@ -81,6 +103,14 @@ def control_buttons(config):
                    help="While paused: train exactly one more step."):
         store.request(run_id, "step")
     _trainer_readiness()
+
+
+def _start_run():
+    try:
+        config = controls.config_from_widgets()
+    except ValueError:  # The form shows why on this run; nothing starts.
+        return
+    open_run(resources.run_manager().start(config, name=run_name(config)))
 
 
 def _trainer_readiness():
@@ -111,6 +141,10 @@ class _Cache:
     last_step: int = 0
 
 
+_NOTHING_READ = _Cache(pd.DataFrame(columns=list(schema.LAYER_STATS_COLUMNS)),
+                       pd.DataFrame(columns=list(schema.METRICS_COLUMNS)), pd.DataFrame())
+
+
 def _appended(old, new):
     """`old` with `new` rows below it (an empty side is skipped, not concatenated)."""
     if new.empty:
@@ -120,8 +154,18 @@ def _appended(old, new):
     return pd.concat([old, new], ignore_index=True)
 
 
+def _cache_key(run_id):
+    return f"live.cache.{run_id}"
+
+
+def _drawn_steps(run_id):
+    """Whether this session has read (and drawn) statistics of `run_id`."""
+    cache = st.session_state.get(_cache_key(run_id))
+    return cache is not None and cache.last_step > 0
+
+
 def _read_new(store, run_id):
-    key = f"live.cache.{run_id}"
+    key = _cache_key(run_id)
     cache = st.session_state.get(key)
     if cache is None:
         cache = _Cache(store.layer_stats(run_id), store.metrics(run_id), store.histograms(run_id))
@@ -139,49 +183,80 @@ def _read_new(store, run_id):
 
 
 def live_panel(run_id=None, key="live"):
-    """The live charts of one run; polls once a second while the run is active."""
+    """The live charts of one run; polls once a second while the run is active.
+
+    A run just handed to a worker is polled four times a second until its
+    first step is drawn (at most `FIRST_POLL_FOR_S` after it was created).
+    """
     run_id = run_id or current_run()
     if run_id is None:
         st.info("Choose settings in the sidebar and press **Start training**. "
                 "Or load a lecture preset first.")
+        _empty_heatmaps("The heatmaps of your run appear here.")
         return
     store = resources.run_store()
     try:
-        store.run_info(run_id)
+        info = store.run_info(run_id)
     except ValueError:
         st.warning("That run no longer exists (or the link is wrong).")
         st.session_state.pop(_CURRENT, None)
         st.query_params.pop("run", None)
         return
-    active = store.status(run_id) in ACTIVE
-    st.fragment(_panel, run_every=POLL_SECONDS if active else None)(run_id, key, active)
+    active = info["status"] in ACTIVE
+    waiting = _waiting_for_first_step(run_id, info)
+    every = (FIRST_POLL_SECONDS if waiting else POLL_SECONDS) if active else None
+    st.fragment(_panel, run_every=every)(run_id, key, active, waiting)
 
 
-def _panel(run_id, key, was_active):
+def _waiting_for_first_step(run_id, info):
+    """Whether the panel should poll fast: a run just handed to a worker, with no step yet."""
+    # Not a run waiting in the queue, nor a first step that takes long (a
+    # cold worker, a download): fast ticks cost CPU that training needs.
+    return (info["status"] in ("queued", "running") and not info["progress_step"]
+            and time.time() - info["created_at"] < FIRST_POLL_FOR_S
+            and not _drawn_steps(run_id) and run_id not in resources.run_manager().queued())
+
+
+def _panel(run_id, key, was_active, waiting=False):
     store = resources.run_store()
     info = store.run_info(run_id)
     status = info["status"]
+    if waiting and status in ACTIVE:
+        paused = status == "paused"
+        slow = time.time() - info["created_at"] >= FIRST_POLL_FOR_S
+        if _drawn_steps(run_id) or paused or slow:
+            # One full rerun sets the normal polling pace. Not in the tick
+            # that draws the first step: the browser would then wait for the
+            # whole page before it shows the first column.
+            st.rerun(scope="app")
+        if not info["progress_step"]:
+            # Nothing is recorded yet: the worker writes a step's rows and
+            # its progress in one transaction. These ticks come four a
+            # second, so they read nothing more.
+            _status_line(info, _NOTHING_READ, status)
+            _empty_panel(active=True)
+            return
     cache = _read_new(store, run_id)
     _status_line(info, cache, status)
     if was_active and status not in ACTIVE:
         # The run just ended: one full rerun turns polling off and updates the buttons.
         st.rerun(scope="app")
     stats = cache.layer_stats
+    presentation = st.session_state.get("ui.presentation", False)
     if stats.empty:
-        st.caption("The first statistics appear after the first recorded step.")
+        _empty_panel(active=status in ACTIVE)
         return
     view = st.segmented_control("View", _VIEWS, default="Heatmaps", key=f"{key}.view") or "Heatmaps"
-    presentation = st.session_state.get("ui.presentation", False)
     tensors = _tensor_choices(stats)
     if view in ("Heatmaps", "Lines", "Profile", "Histograms"):
         tensor = st.radio("Gradients of", tensors, format_func=_TENSOR_LABELS.get,
                           horizontal=True, key=f"{key}.tensor")
     if view == "Heatmaps":
         left, right = st.columns(2)
-        with left:
-            show_chart(figures.heatmap(stats, "max_abs", tensor, presentation=presentation), f"{key}.max")
-        with right:
-            show_chart(figures.heatmap(stats, "l2_norm", tensor, presentation=presentation), f"{key}.norm")
+        for column, statistic, name in ((left, "max_abs", "max"), (right, "l2_norm", "norm")):
+            with column:
+                show_chart(figures.heatmap(stats, statistic, tensor, max_columns=LIVE_MAX_COLUMNS,
+                                           presentation=presentation), f"{key}.{name}")
     elif view == "Lines":
         statistic = st.radio("Statistic", ["max_abs", "l2_norm", "mean_abs"], horizontal=True,
                              key=f"{key}.line_stat")
@@ -201,6 +276,34 @@ def _panel(run_id, key, was_active):
         _alerts(store, run_id, stats)
     if status not in ACTIVE:
         _lesson_pack_button(info, cache, key)
+
+
+def _empty_panel(active):
+    st.caption("The first statistics appear after the first recorded step.")
+    if active:
+        _empty_heatmaps("Waiting for the first training step…")
+
+
+def _empty_heatmaps(message):
+    # The panel as it will look, empty and disabled, so nothing moves when the
+    # first step arrives; drawing it early also makes the browser load the
+    # code of these widgets and of Plotly before then (module docstring).
+    presentation = st.session_state.get("ui.presentation", False)
+    st.segmented_control("View", _VIEWS, default="Heatmaps", disabled=True)
+    st.radio("Gradients of", ["kernel", "bias", figures.ALL_WEIGHTS], format_func=_TENSOR_LABELS.get,
+             horizontal=True, disabled=True)
+    for column, statistic in zip(st.columns(2), ("max_abs", "l2_norm"), strict=True):
+        column.plotly_chart(_empty_heatmap(message, statistic, presentation),
+                            config=figures.PLOTLY_CONFIG, width="stretch")
+
+
+@functools.lru_cache(maxsize=8)
+def _empty_heatmap(message, statistic, presentation):
+    # Built once: a styled Plotly figure takes tens of milliseconds, and
+    # `st.plotly_chart` copies it rather than changing it.
+    figure = no_data_figure(message, presentation)
+    figure.update_layout(title=f"{STATISTIC_LABELS[statistic]} per layer", height=380)
+    return figure
 
 
 def _lesson_pack_button(info, cache, key):
