@@ -522,6 +522,10 @@ def summarize(results, wall_s, store):
         "of_those_shown_waiting": sum(bool(r.get("queued")) for r in long_waits),
         "pages_with_a_chart": sum(r.get("click_to_first_chart_s") is not None for r in results),
         "completed": sum(r.get("final") == "Completed" for r in results),
+        # What the store says, whatever the pages showed.
+        "completed_in_store": sum(
+            (r.get("run_id"), "completed") in store.first_status for r in results
+        ),
         "seen_waiting_in_queue": sum(bool(r.get("queued")) for r in results),
         "final_statuses": {
             w: sum(r.get("final") == w for r in results) for w in {r.get("final") for r in results}
