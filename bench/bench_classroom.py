@@ -186,15 +186,10 @@ def rss_mib(pid):
     return _kib(status.get("VmRSS")) / 1024 if status else 0.0
 
 
-class MemorySampler:
-    """Samples the memory of a process tree every `interval` seconds in a thread."""
+class Sampler:
+    """Calls `_sample()` every `self.interval` seconds in a thread, inside a `with` block."""
 
-    def __init__(self, root_pid, interval=0.5):
-        self.root_pid = root_pid
-        self.interval = interval
-        self.peak_total_rss_mib = 0.0
-        self.peak_processes = 0
-        self.peak_hwm_mib = {}  # pid -> (name, VmHWM MiB)
+    def __init__(self):
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -208,19 +203,41 @@ class MemorySampler:
 
     def _run(self):
         while not self._stop.is_set():
-            total, count = 0.0, 0
-            for pid in process_tree(self.root_pid):
-                status = _proc_status(pid)
-                if not status:
-                    continue
-                count += 1
-                total += _kib(status.get("VmRSS")) / 1024
-                hwm = _kib(status.get("VmHWM")) / 1024
-                if hwm > self.peak_hwm_mib.get(pid, ("", 0.0))[1]:
-                    self.peak_hwm_mib[pid] = (status.get("Name", "?"), hwm)
-            self.peak_total_rss_mib = max(self.peak_total_rss_mib, total)
-            self.peak_processes = max(self.peak_processes, count)
+            self._sample()
             self._stop.wait(self.interval)
+        self._close()
+
+    def _sample(self):
+        raise NotImplementedError
+
+    def _close(self):
+        pass
+
+
+class MemorySampler(Sampler):
+    """Samples the memory of a process tree every `interval` seconds in a thread."""
+
+    def __init__(self, root_pid, interval=0.5):
+        self.root_pid = root_pid
+        self.interval = interval
+        self.peak_total_rss_mib = 0.0
+        self.peak_processes = 0
+        self.peak_hwm_mib = {}  # pid -> (name, VmHWM MiB)
+        super().__init__()
+
+    def _sample(self):
+        total, count = 0.0, 0
+        for pid in process_tree(self.root_pid):
+            status = _proc_status(pid)
+            if not status:
+                continue
+            count += 1
+            total += _kib(status.get("VmRSS")) / 1024
+            hwm = _kib(status.get("VmHWM")) / 1024
+            if hwm > self.peak_hwm_mib.get(pid, ("", 0.0))[1]:
+                self.peak_hwm_mib[pid] = (status.get("Name", "?"), hwm)
+        self.peak_total_rss_mib = max(self.peak_total_rss_mib, total)
+        self.peak_processes = max(self.peak_processes, count)
 
     def summary(self, server_pid):
         workers = [hwm for pid, (_, hwm) in self.peak_hwm_mib.items() if pid != server_pid]
@@ -233,7 +250,7 @@ class MemorySampler:
         }
 
 
-class StoreSampler:
+class StoreSampler(Sampler):
     """Reads every run's status and progress step from the store every
     `interval` seconds (plain sqlite3, read only), remembering when each step
     and each status was first seen: the reference for the page latencies."""
@@ -243,35 +260,26 @@ class StoreSampler:
         self.interval = interval
         self.first_step = {}  # (run_id, step) -> time first seen
         self.first_status = {}  # (run_id, status) -> time first seen
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._conn = None
+        super().__init__()
 
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self):
+    def _sample(self):
         import sqlite3
 
-        conn = None
-        while not self._stop.is_set():
-            try:
-                if conn is None:
-                    conn = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=5)
-                rows = conn.execute("SELECT run_id, progress_step, status FROM runs").fetchall()
-            except sqlite3.Error:
-                rows = []  # the server has not made the file yet
-            now = time.time()
-            for run_id, step, status in rows:
-                self.first_step.setdefault((run_id, int(step or 0)), now)
-                self.first_status.setdefault((run_id, status), now)
-            self._stop.wait(self.interval)
-        if conn is not None:
-            conn.close()
+        try:
+            if self._conn is None:
+                self._conn = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=5)
+            rows = self._conn.execute("SELECT run_id, progress_step, status FROM runs").fetchall()
+        except sqlite3.Error:
+            rows = []  # the server has not made the file yet
+        now = time.time()
+        for run_id, step, status in rows:
+            self.first_step.setdefault((run_id, int(step or 0)), now)
+            self.first_status.setdefault((run_id, status), now)
+
+    def _close(self):
+        if self._conn is not None:
+            self._conn.close()
 
     def step_available_at(self, run_id, step):
         """When the store first had `progress_step >= step` for `run_id`, or None."""

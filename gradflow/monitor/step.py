@@ -144,6 +144,7 @@ def instrumented_train_step(plan):
         else:
             weights_before = None
             before_norms = updates.norms_before()
+        update_norms = None
 
         # Update weights
         def update():
@@ -172,7 +173,7 @@ def instrumented_train_step(plan):
         else:
             unconstrained, changes = update()
         if updates is not None:
-            weights_before = UpdateNorms(changes[0], before_norms)
+            update_norms = (changes[0], before_norms)
 
         # Record gradient statistics
         step = tf.cast(optimizer.iterations, tf.int64)
@@ -201,6 +202,7 @@ def instrumented_train_step(plan):
             ),
             weights=weight_groups.stack([v.value for v in variables]),
             weights_before=weights_before,
+            update_norms=update_norms,
             unconstrained=dict(zip(constrained, unconstrained, strict=False)),
             clipped_gradients=(
                 None if clipping is None else clipping._clip_gradients(weight_gradients)
@@ -300,6 +302,7 @@ def _record(
     activation_gradients,
     weights,
     weights_before=None,
+    update_norms=None,
     unconstrained=None,
     clipped_gradients=None,
 ):
@@ -329,6 +332,7 @@ def _record(
             activation_gradients,
             weights,
             weights_before,
+            update_norms,
             unconstrained or {},
             clipped_gradients,
         )
@@ -348,6 +352,7 @@ def _summarize_step(
     activation_gradients,
     weights,
     weights_before,
+    update_norms,
     unconstrained,
     clipped_gradients,
 ):
@@ -359,8 +364,7 @@ def _summarize_step(
     # weights, so they share one set of constant segment ids.
     segments = _WeightSegments(weights)
     columns = [segments.flat(weights)]
-    captured = isinstance(weights_before, UpdateNorms)
-    if weights_before is not None and not captured:
+    if weights_before is not None:
         before = segments.flat(weights_before)
         columns += [segments.difference(columns[0], before), before]
     if clipped_gradients is not None:
@@ -369,11 +373,10 @@ def _summarize_step(
     norms = tf.unstack(segments.norms(columns), num=len(columns), axis=1)
     weight_norm = norms[0]
     update_ratio = missing
-    if captured:
-        change, before_norm = weights_before
-        update_ratio = tf.where(before_norm > 0, change / tf.maximum(before_norm, 1e-30), _NAN)
-    elif weights_before is not None:
-        change, before_norm = norms[1], norms[2]
+    if weights_before is not None:
+        update_norms = (norms[1], norms[2])
+    if update_norms is not None:
+        change, before_norm = update_norms
         update_ratio = tf.where(before_norm > 0, change / tf.maximum(before_norm, 1e-30), _NAN)
     weight_norm_unconstrained = missing
     if unconstrained:
@@ -410,13 +413,6 @@ def _summarize_step(
     )
     assert metrics.shape[0] == len(STEP_METRICS)
     return rows, metrics, histograms
-
-
-class UpdateNorms(tuple):
-    """`(change, before)`: per-variable `||dw||` and `||w||` before the update, `[count]` each."""
-
-    def __new__(cls, change, before):
-        return super().__new__(cls, (change, before))
 
 
 class _UpdateCapture:
