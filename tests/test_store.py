@@ -60,6 +60,32 @@ def test_layer_stats_round_trip_with_names_and_missing_columns(store):
     assert got["update_ratio"].isna().all() and got["update_ratio"].dtype == np.float64
 
 
+def test_array_rows_store_the_same_as_a_frame(store):
+    # GradientMonitor's fast path: arrays in, the same tidy table out, also
+    # when a later call mixes known series with a new one.
+    rows = tidy_rows([1, 2, 3])
+    rows.loc[4, "max_abs"] = np.nan
+    rows.loc[7, "l2_norm"] = np.inf
+    series = list(rows[["layer", "layer_index", "tensor", "variable"]].head(4).itertuples(index=False))
+    values = rows.reindex(columns=list(tables.STAT_COLUMNS)).to_numpy(np.float64).reshape(3, 4, -1)
+    from_frame, from_arrays = store.create_run({}), store.create_run({})
+    with store.writer(from_frame) as w:
+        w.add_layer_stats(rows)
+        w.add_layer_stats(tidy_rows([4], layers=("dense_2",)))
+    with store.writer(from_arrays) as w:
+        w.add_layer_stats_array(rows["step"].unique(), values, series)
+        extra = tidy_rows([4], layers=("dense_2",))
+        w.add_layer_stats_array(
+            [4],
+            extra.reindex(columns=list(tables.STAT_COLUMNS)).to_numpy(np.float64)[np.newaxis],
+            list(extra[["layer", "layer_index", "tensor", "variable"]].itertuples(index=False)),
+        )
+    pd.testing.assert_frame_equal(store.layer_stats(from_arrays), store.layer_stats(from_frame))
+    assert np.isnan(store.layer_stats(from_arrays)["max_abs"].iloc[4])
+    with store.writer(from_arrays) as w, pytest.raises(ValueError, match=r"`values` must have the shape"):
+        w.add_layer_stats_array([5, 6], values, series)
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 0.0, 1e-300, 1.7e308])
 def test_non_finite_values_round_trip(store, value):
     run_id = store.create_run({})

@@ -353,15 +353,16 @@ class GradientMonitor(keras.callbacks.Callback):
             self._writer.add_event(step, layer, kind, message)
 
     def _publish(self, steps, stats, metrics, histograms):
-        layer_stats = layer_stats_frame(steps, stats, self._layout)
-        step_metrics = metrics_frame(steps, metrics, STEP_METRICS, self._metric_names())
         histogram_rows = self._histogram_rows([(steps, stats, metrics, histograms)])
         if self._writer is not None:
-            self._writer.add_layer_stats(layer_stats)
-            for step, group in step_metrics.groupby("step", sort=True):
-                self._writer.add_metrics(
-                    step, dict(zip(group["name"], group["value"], strict=False))
-                )
+            # Arrays straight to the writer: a DataFrame per read cost more
+            # than the statistics themselves on a small model.
+            rows = len(self._layout)
+            self._writer.add_layer_stats_array(steps, stats[:, :rows], self._layout.series)
+            names = self._metric_names()
+            kept = [(i, name) for i, name in enumerate(STEP_METRICS) if name in names]
+            for step, values in zip(steps, metrics, strict=True):
+                self._writer.add_metrics(int(step), {name: values[i] for i, name in kept})
             for step in steps:
                 rows = [r[1:] for r in histogram_rows if r[0] == step]
                 if rows:
@@ -369,8 +370,8 @@ class GradientMonitor(keras.callbacks.Callback):
             self._writer.progress(int(steps[-1]))
         if self._summaries is not None:
             self._summaries.write(
-                layer_stats,
-                step_metrics,
+                layer_stats_frame(steps, stats, self._layout),
+                metrics_frame(steps, metrics, STEP_METRICS, self._metric_names()),
                 [(s, layer, tensor, counts) for s, layer, _, tensor, counts in histogram_rows],
             )
 

@@ -28,6 +28,11 @@ class RowLayout:
     def __len__(self):
         return len(self.layers)
 
+    @property
+    def series(self):
+        """`(layer, layer_index, tensor, variable)` of each row, as the run store keys them."""
+        return list(zip(self.layers, self.layer_indices, self.tensors, self.variables, strict=True))
+
     @classmethod
     def build(cls, names, activation_paths, layer_order):
         """Lay out weight rows (from `variable_names`) then activation rows.

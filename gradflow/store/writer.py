@@ -127,6 +127,52 @@ class RunWriter:
             self._stats.append((steps, ids[combined], values))
         self._maybe_flush()
 
+    def add_layer_stats_array(self, steps, values, series):
+        """Adds the statistics of several steps of the same series, as arrays.
+
+        What `add_layer_stats` does for a DataFrame, without one: a
+        `GradientMonitor` hands over every step in the same row layout, so
+        the series ids are looked up once per call and the rest is numpy.
+
+        Example:
+
+        ```python
+        series = [("dense", 0, "kernel", "dense/kernel"), ("dense", 0, "bias", "dense/bias")]
+        values = np.zeros((3, 2, len(gradflow.store.tables.STAT_COLUMNS)))
+        writer.add_layer_stats_array([1, 2, 3], values, series)
+        ```
+
+        Args:
+            steps: ints `[n]`, the steps.
+            values: floats `[n, len(series), len(tables.STAT_COLUMNS)]`,
+                columns in the order of `tables.STAT_COLUMNS`.
+            series: one `(layer, layer_index, tensor, variable)` tuple per
+                row of a step.
+
+        Raises:
+            ValueError: if the shapes of `steps`, `values` and `series`
+                disagree.
+        """
+        steps = np.asarray(steps, dtype=np.int64)
+        values = np.asarray(values, dtype=np.float64)
+        expected = (len(steps), len(series), len(tables.STAT_COLUMNS))
+        if values.shape != expected:
+            raise ValueError(
+                f"`values` must have the shape (steps, series, statistics) = {expected}, "
+                f"got {values.shape}."
+            )
+        if not len(steps) or not len(series):
+            return
+        keys = [(str(layer), int(index), str(tensor), str(variable or ""))
+                for layer, index, tensor, variable in series]
+        with self._buffer_lock:
+            ids = np.array([self._series_id(key) for key in keys], dtype=np.int64)
+            self._stats.append(
+                (np.repeat(steps, len(keys)), np.tile(ids, len(steps)),
+                 values.reshape(len(steps) * len(keys), -1))
+            )
+        self._maybe_flush()
+
     def add_metrics(self, step, values):
         """Adds per-step scalars such as `{"loss": 0.3, "accuracy": 0.9}`.
 
