@@ -23,7 +23,9 @@ app static files (`server.enableStaticServing`): `publish_assets` copies
 them from the installed plotly package and from this package into
 `static/gradflow/` beside `app.py` when the server starts. Where static
 serving is off or the copy failed, `show_live_chart` falls back to
-`st.plotly_chart`, which works, at the old cost.
+`st.plotly_chart`, which works, at the old cost. The files' URLs start with
+`server.baseUrlPath`: a reverse proxy that serves the dashboard under a path
+prefix needs that option set to the prefix.
 """
 
 import functools
@@ -94,9 +96,14 @@ def publish_assets(app_dir):
             if path.is_file() and path.read_bytes() == content:
                 continue
             with tempfile.NamedTemporaryFile(dir=target, prefix=f".{name}.", delete=False) as tmp:
-                tmp.write(content)
-            os.chmod(tmp.name, 0o644)
-            os.replace(tmp.name, path)
+                try:
+                    tmp.write(content)
+                    tmp.close()
+                    os.chmod(tmp.name, 0o644)
+                    os.replace(tmp.name, path)
+                finally:
+                    if os.path.exists(tmp.name):
+                        os.unlink(tmp.name)
     except OSError as error:
         _LOG.warning("gradflow: live charts fall back to st.plotly_chart: cannot write %s (%s).",
                      target, error)
@@ -136,6 +143,13 @@ def show_live_chart(chart, key, exports=True):
     every second. Give a chart the same `key` on every rerun; its figure may
     change in any way (another run or tensor, a new decimation block): what
     did not change is not sent again.
+
+    Example:
+
+    ```python
+    chart = figures.heatmap(stats, "max_abs", max_columns=500, power_of_two_blocks=True)
+    show_live_chart(chart, "live.max")
+    ```
 
     Args:
         chart: A `gradflow.figures.Chart`.
