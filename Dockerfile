@@ -23,6 +23,9 @@ RUN pip install -r requirements.txt
 
 COPY --chown=gradflow:gradflow . .
 RUN pip install --no-deps . && mkdir -p /home/gradflow/data && chown -R gradflow:gradflow /home/gradflow/data
+# Plotly.js and the live-chart module as static files (static/gradflow/), in the
+# image: the app folder belongs to root, and the server only checks them at start.
+RUN python -c "import pathlib; from gradflow.ui.live_chart import publish_assets; assert publish_assets(pathlib.Path('/app'))"
 
 USER gradflow
 EXPOSE 8501

@@ -4,9 +4,11 @@ Start with `bash scripts/serve.sh`, `gradflow serve` or `streamlit run app.py`.
 Each page lives in pages/ and stays thin; shared UI code is in gradflow/ui/.
 """
 
+import pathlib
+
 import streamlit as st
 
-from gradflow.ui import resources
+from gradflow.ui import live_chart, resources
 
 st.set_page_config(page_title="gradflow", page_icon=":material/monitoring:", layout="wide")
 
@@ -22,4 +24,6 @@ navigation = st.navigation(
 # Start the run manager (and its warm worker, which imports TensorFlow in
 # its own process) with the server, not on the first click of Start training.
 resources.run_manager()
+# Plotly.js and the live-chart module, as static files beside this script (once per server).
+live_chart.publish_assets(pathlib.Path(__file__).parent)
 navigation.run()

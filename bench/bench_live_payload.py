@@ -1,20 +1,27 @@
 """What one live update of the dashboard sends to the browser, early and late in a run.
 
-    python3 bench/bench_live_payload.py [--steps 100 10000] [--window 10]
+    python3 bench/bench_live_payload.py [--steps 100 10000] [--window 10] [--rate 2]
 
-Streamlit resends a chart's whole Plotly figure on every rerun of the live
-panel (there is no way to append columns to a drawn chart), so the question
-is whether that payload stays bounded as the run grows. For each run length
-this writes a synthetic "running" run into a fresh store (a depth-8 MLP: 9
-layers, kernel and bias, every step recorded), opens it in a real browser
-(Debian Chromium through Playwright) on a `streamlit run app.py` server, and
-adds up the WebSocket bytes the page receives over `--window` seconds of
-polling (one tick a second) while the run gains `--rate` steps a second.
-It also reports the size of the two heatmaps'
-Plotly JSON, which is what `st.plotly_chart` puts on the wire, decimated to
-the live page's `LIVE_MAX_COLUMNS` and to the figures' default of 1,000
-columns (what the live page drew before). Writes
-bench/results/live_payload.json.
+The live heatmaps are drawn by gradflow's live-chart component
+(`gradflow/ui/live_chart.py`): the browser keeps each figure, and a tick
+sends only the new and changed columns. For each run length this writes a
+synthetic "running" run into a fresh store (a depth-8 MLP: 9 layers, kernel
+and bias, every step recorded), opens it in a real browser (Debian Chromium
+through Playwright) on a `streamlit run app.py` server, and, over `--window`
+seconds of polling (one tick a second) while the run gains `--rate` steps a
+second, adds up
+
+- the WebSocket bytes the page receives (every element of the panel), and
+- the bytes of the two heatmaps' own messages (the component's
+  `ForwardMsg`s, parsed from the frames), per tick.
+
+The same is measured with `server.enableStaticServing` off, where the live
+charts fall back to `st.plotly_chart` and send their whole figure every tick
+(the previous behaviour, with the same power-of-two decimation). Without a
+browser, it also reports the JSON sizes: both heatmaps as `st.plotly_chart`
+specs (what a tick sent before, decimated as before), as one whole-figure
+update (a first tick, a reload), and as the update after `--rate` new steps.
+Writes bench/results/live_payload.json.
 """
 
 import argparse
@@ -36,10 +43,13 @@ sys.path.insert(0, str(ROOT))
 
 from gradflow import figures  # noqa: E402
 from gradflow.store import RunStore  # noqa: E402
+from gradflow.ui.figure_delta import figure_update  # noqa: E402
 from gradflow.ui.live import LIVE_MAX_COLUMNS, POLL_SECONDS  # noqa: E402
 from tests.browser import CHROMIUM_ARGS, chromium_path, streamlit_server  # noqa: E402
 
 LAYERS = 9  # 8 hidden Dense layers + the output layer
+STATISTICS = ("max_abs", "l2_norm")
+HEATMAP_KEYS = ("live.max", "live.norm")
 HEATMAP_COLUMNS = """() => Math.max(0, ...[...document.querySelectorAll('.js-plotly-plot')]
   .flatMap(p => (p.data || [])).filter(t => t.type === 'heatmap' && t.z)
   .map(t => t.z.shape ? Number(String(t.z.shape).split(',').pop()) : t.z[0].length))"""
@@ -64,17 +74,42 @@ def synthetic_run(steps, seed=0):
     return stats, np.exp(-np.arange(steps) / steps) + 0.1
 
 
-def spec_bytes(stats, max_columns):
-    """Bytes of the two live heatmaps' Plotly JSON (`st.plotly_chart`'s spec)."""
-    return sum(
-        len(pio.to_json(figures.heatmap(stats, s, "kernel", max_columns=max_columns).figure,
-                        validate=False))
-        for s in ("max_abs", "l2_norm")
-    )
+def live_heatmap(stats, statistic):
+    return figures.heatmap(stats, statistic, "kernel", max_columns=LIVE_MAX_COLUMNS,
+                           power_of_two_blocks=True)
+
+
+def json_bytes(steps, new_steps):
+    """Sizes of the two heatmaps as they go over the wire, without a browser."""
+    stats, _ = synthetic_run(steps)
+    later = pd.concat([stats, _steps_after(steps, new_steps)], ignore_index=True)
+    before = whole = delta = 0
+    for statistic in STATISTICS:
+        # What st.plotly_chart sent every tick before: decimated as before (no power-of-two blocks).
+        old = figures.heatmap(stats, statistic, "kernel", max_columns=LIVE_MAX_COLUMNS)
+        before += len(pio.to_json(old.figure, validate=False))
+        first, sent = figure_update(live_heatmap(stats, statistic).figure)
+        update, _ = figure_update(live_heatmap(later, statistic).figure, sent)
+        whole += len(json.dumps(first))
+        delta += len(json.dumps(update))
+    return {
+        "heatmaps_plotly_chart_spec_bytes_before": before,
+        "heatmaps_whole_update_bytes": whole,
+        f"heatmaps_update_bytes_after_{new_steps}_new_steps": delta,
+    }
+
+
+def _steps_after(last, count):
+    rows = []
+    for step in range(last + 1, last + count + 1):
+        more, _ = synthetic_run(1, seed=step)
+        more["step"] += step - 1
+        rows.append(more)
+    return pd.concat(rows, ignore_index=True)
 
 
 def browser_bytes(url, store, stats, losses, window, rate):
-    """WebSocket bytes a live page of a running run receives per second."""
+    """Per second: WebSocket bytes of the page, and the heatmaps' share of them, per tick."""
     from playwright.sync_api import sync_playwright
 
     steps = int(stats["step"].max())
@@ -84,19 +119,17 @@ def browser_bytes(url, store, stats, losses, window, rate):
         for step, loss in enumerate(losses, start=1):
             writer.add_metrics(step, {"loss": loss})
         writer.progress(steps)
-    # The run keeps training: new steps arrive while the page polls. (A page
-    # whose figures do not change costs little: Streamlit sends a large
-    # message the browser already has as a reference to its hash.)
+    # The run keeps training: new steps arrive while the page polls.
     stop = threading.Event()
     threading.Thread(target=_train_on, args=(store, run_id, steps, rate, stop), daemon=True).start()
-    received = []
+    frames = []
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=chromium_path(), headless=True, args=CHROMIUM_ARGS
         )
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.on("websocket", lambda ws: ws.on("framereceived", lambda p: received.append(
-            (time.monotonic(), len(p)))))
+        page.on("websocket", lambda ws: ws.on("framereceived", lambda p: frames.append(
+            (time.monotonic(), p if isinstance(p, bytes) else p.encode()))))
         page.goto(f"{url}/?run={run_id}")
         page.wait_for_function(f"({HEATMAP_COLUMNS})() > 0", timeout=120_000, polling=200)
         # Playwright hands events over only while it waits (not in time.sleep).
@@ -107,9 +140,38 @@ def browser_bytes(url, store, stats, losses, window, rate):
         page.close()
         browser.close()
     stop.set()
-    total = sum(size for when, size in received if start <= when < start + window)
     store.set_status(run_id, "stopped")
-    return total / window, columns
+    in_window = [(when, payload) for when, payload in frames if start <= when < start + window]
+    heatmaps = heatmap_messages(in_window)
+    ticks = window / POLL_SECONDS
+    return {
+        "websocket_bytes_per_s": round(sum(len(p) for _, p in in_window) / window),
+        "heatmap_messages_bytes_per_tick": round(sum(size for size, _ in heatmaps) / ticks),
+        "heatmap_messages_in_window": len(heatmaps),
+        "heatmap_whole_figures_in_window": sum(whole for _, whole in heatmaps),
+        "heatmap_columns_drawn_at_end": columns,
+    }
+
+
+def heatmap_messages(frames):
+    """(bytes, whole figure?) of each heatmap element message among WebSocket frames."""
+    from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+
+    found = []
+    for _, payload in frames:
+        message = ForwardMsg()
+        message.ParseFromString(payload)
+        if message.WhichOneof("type") != "delta" or message.delta.WhichOneof("type") != "new_element":
+            continue
+        element = message.delta.new_element
+        kind = element.WhichOneof("type")
+        if kind == "bidi_component" and element.bidi_component.json:
+            update = json.loads(element.bidi_component.json)
+            if update.get("key") in HEATMAP_KEYS:
+                found.append((len(payload), update["base"] is None))
+        elif kind == "plotly_chart" and '"type":"heatmap"' in element.plotly_chart.spec:
+            found.append((len(payload), True))
+    return found
 
 
 def _train_on(store, run_id, first, rate, stop):
@@ -136,23 +198,25 @@ def main():
     args = parser.parse_args()
     if chromium_path() is None:
         sys.exit("needs a system Chromium (scripts/ensure_chromium.sh)")
-    rows = {}
+    new_steps = max(1, round(args.rate * POLL_SECONDS))
+    rows = {steps: json_bytes(steps, new_steps) for steps in args.steps}
+    servers = {
+        "live_chart": {},
+        # The fallback: st.plotly_chart, the whole figure every tick.
+        "plotly_chart_static_serving_off": {"STREAMLIT_SERVER_ENABLE_STATIC_SERVING": "false"},
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        db = pathlib.Path(tmp) / "runs.db"
-        with streamlit_server(db, extra_env={"GRADFLOW_PREWARM": "0"}) as (url, _):
-            store = RunStore(db)
-            for steps in args.steps:
-                stats, losses = synthetic_run(steps)
-                per_second, columns = browser_bytes(
-                    url, store, stats, losses, args.window, args.rate
-                )
-                rows[steps] = {
-                    "websocket_bytes_per_s": round(per_second),
-                    "heatmap_columns_drawn_at_end": columns,
-                    "heatmaps_spec_bytes_live": spec_bytes(stats, LIVE_MAX_COLUMNS),
-                    "heatmaps_spec_bytes_1000_columns": spec_bytes(stats, 1000),
-                }
-                print(f"{steps:>7} steps: {rows[steps]}", flush=True)
+        for name, env in servers.items():
+            db = pathlib.Path(tmp) / f"{name}.db"
+            with streamlit_server(db, extra_env={"GRADFLOW_PREWARM": "0", **env}) as (url, _):
+                store = RunStore(db)
+                for steps in args.steps:
+                    stats, losses = synthetic_run(steps)
+                    measured = browser_bytes(url, store, stats, losses, args.window, args.rate)
+                    rows[steps][name] = measured
+                    print(f"{steps:>7} steps, {name}: {measured}", flush=True)
+    for steps, row in rows.items():
+        print(f"{steps:>7} steps: {({k: v for k, v in row.items() if not isinstance(v, dict)})}")
     result = {
         "command": "python3 bench/bench_live_payload.py " + " ".join(sys.argv[1:]),
         "layers": LAYERS,
@@ -163,7 +227,10 @@ def main():
         "by_steps": rows,
         "python": platform.python_version(),
         "load_average_1min": round(os.getloadavg()[0], 2),
-        "note": "websocket bytes include every element of the panel (status, buttons, exports)",
+        "note": (
+            "websocket bytes include every element of the panel (status, buttons, exports); "
+            "heatmap_messages_bytes_per_tick counts only the two heatmaps' element messages"
+        ),
     }
     out = ROOT / "bench" / "results" / "live_payload.json"
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -1,7 +1,8 @@
 """End to end in a real browser: the teacher's flow on the dashboard.
 
 Open the app from a shared link, choose sigmoid and depth 8, Start training,
-wait for the heatmap, Stop; download a PNG and a CSV and check them; run the
+wait for the heatmap, Stop; download a PNG and a CSV and check them (the CSV
+against what the browser drew from the live updates); run the
 relu-vs-sigmoid comparison. Screenshots land in test-artifacts/.
 """
 
@@ -9,10 +10,12 @@ import json
 import re
 import time
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from tests.browser import streamlit_server
+from tests.test_browser_live_chart import chart_updates
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -23,6 +26,12 @@ HEATMAP_WIDTHS = """() => [...document.querySelectorAll('.js-plotly-plot')]
   .map(t => t.z.shape ? Number(String(t.z.shape).split(',').pop())
                       : Math.max(0, ...Array.from(t.z, row => row.length)))"""
 HEATMAP_COLUMNS = f"() => Math.max(0, ...({HEATMAP_WIDTHS})())"
+# The first heatmap on the page (the live max |gradient|) as the browser draws it.
+FIRST_HEATMAP = """() => {
+  const trace = [...document.querySelectorAll('.js-plotly-plot')].flatMap(p => p.data || [])
+    .find(t => t.type === 'heatmap');
+  return {x: Array.from(trace.x), customdata: Array.from(trace.customdata, row => Array.from(row))};
+}"""
 
 
 def select_option(page, label, value):
@@ -90,6 +99,9 @@ def test_teacher_flow(page_factory, tmp_path, artifacts_dir):
     timings = {}
     with streamlit_server(tmp_path / "runs.db", log_path=artifacts_dir / "e2e-server.log") as (url, _):
         page = page_factory(accept_downloads=True)
+        frames = []
+        page.on("websocket", lambda ws: ws.on("framereceived", lambda payload: frames.append(
+            (time.monotonic(), payload if isinstance(payload, bytes) else payload.encode()))))
         # A shared link restores the settings it carries: here a long run, to have time to Stop it.
         page.goto(f"{url}/?steps=10000&record_every=1")
         page.get_by_role("button", name="Start training").wait_for(timeout=90_000)
@@ -114,12 +126,23 @@ def test_teacher_flow(page_factory, tmp_path, artifacts_dir):
         page.get_by_role("button", name="Stop").click()
         wait_for_text(page, "Stopped", 60)
         no_exception(page)
+        # While it trained, each tick sent the heatmaps' new columns: the whole
+        # figure went once, with the first column.
+        updates = [u for _, _, u in chart_updates(frames) if u["key"] == "live.max"]
+        assert len(updates) >= 2 and updates[0]["base"] is None
+        assert all(u["base"] is not None for u in updates[1:]), [u["base"] for u in updates]
         page.screenshot(path=str(artifacts_dir / "e2e-stopped.png"), full_page=True)
 
         csv_path = download(page, 0, "CSV", artifacts_dir, "e2e-heatmap.csv")
-        table = pd.read_csv(csv_path)
+        table = pd.read_csv(csv_path, float_precision="round_trip")
         assert {"layer", "step"} <= set(table.columns)
         assert table["layer"].nunique() == 9  # 8 hidden layers + the output layer
+        # The browser built this heatmap from the live updates (the new columns of
+        # each tick); it draws exactly what the server exports.
+        expected = table.pivot(index="layer_index", columns="step", values="max_abs")
+        drawn = page.evaluate(FIRST_HEATMAP)
+        assert drawn["x"] == expected.columns.tolist()
+        np.testing.assert_array_equal(np.array(drawn["customdata"], dtype=float), expected.to_numpy())
         png_path = download(page, 0, "PNG", artifacts_dir, "e2e-heatmap.png")
         png = png_path.read_bytes()
         assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000

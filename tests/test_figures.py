@@ -4,6 +4,7 @@ References are computed here with plain pandas/numpy loops, never with
 gradflow code, and compared with the arrays inside the Plotly traces.
 """
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -218,14 +219,13 @@ def brute_force_block_max(values, present, block):
     return out
 
 
-@pytest.mark.parametrize("cols, max_columns", [(10, 3), (12, 4), (7, 7), (1000, 10), (999, 100)])
-def test_decimation_keeps_the_max_of_every_block(cols, max_columns):
-    rng = np.random.default_rng(cols)
+def random_grid(cols, seed=None):
+    rng = np.random.default_rng(cols if seed is None else seed)
     values = rng.lognormal(size=(4, cols))
     values[rng.random((4, cols)) < 0.05] = np.nan
     values[rng.random((4, cols)) < 0.05] = np.inf
     present = rng.random((4, cols)) > 0.1
-    grid = grid_lib.LayerGrid(
+    return grid_lib.LayerGrid(
         values=np.where(present, values, np.nan),
         present=present,
         step_first=np.arange(1, cols + 1),
@@ -235,11 +235,52 @@ def test_decimation_keeps_the_max_of_every_block(cols, max_columns):
         statistic="max_abs",
         tensor="kernel",
     )
+
+
+def first_columns(grid, cols):
+    return dataclasses.replace(
+        grid,
+        values=grid.values[:, :cols],
+        present=grid.present[:, :cols],
+        step_first=grid.step_first[:cols],
+        step_last=grid.step_last[:cols],
+    )
+
+
+@pytest.mark.parametrize("cols, max_columns", [(10, 3), (12, 4), (7, 7), (1000, 10), (999, 100)])
+def test_decimation_keeps_the_max_of_every_block(cols, max_columns):
+    grid = random_grid(cols)
     small = decimate.decimate_max(grid, max_columns)
     block = math.ceil(cols / max_columns)
     assert small.values.shape[1] <= max_columns
-    np.testing.assert_array_equal(small.values, brute_force_block_max(grid.values, present, block))
+    np.testing.assert_array_equal(small.values, brute_force_block_max(grid.values, grid.present, block))
     assert small.step_first[0] == 1 and small.step_last[-1] == cols
+
+
+@pytest.mark.parametrize(
+    "cols, max_columns", [(10, 3), (12, 4), (7, 7), (38, 1), (1000, 10), (999, 100), (1500, 500)]
+)
+def test_power_of_two_blocks_keep_earlier_columns_as_a_run_grows(cols, max_columns):
+    grid = random_grid(cols)
+    small = decimate.decimate_max(grid, max_columns, power_of_two_blocks=True)
+    block = 1
+    while math.ceil(cols / block) > max_columns:
+        block *= 2
+    assert small.values.shape[1] == math.ceil(cols / block)
+    np.testing.assert_array_equal(small.values, brute_force_block_max(grid.values, grid.present, block))
+    np.testing.assert_array_equal(small.step_first, np.arange(1, cols + 1, block))
+    # The same run, shorter: while the block is the same, every column but
+    # the last (partial) one is already the one drawn at the end.
+    for shorter in range(1, cols):
+        earlier = decimate.decimate_max(first_columns(grid, shorter), max_columns, power_of_two_blocks=True)
+        if decimate.block_size(shorter, max_columns, power_of_two=True) != block:
+            continue
+        full = earlier.values.shape[1] - 1
+        np.testing.assert_array_equal(earlier.values[:, :full], small.values[:, :full])
+    # The default is unchanged: the fewest steps per column.
+    assert decimate.decimate_max(grid, max_columns).values.shape[1] == min(
+        cols, math.ceil(cols / math.ceil(cols / max_columns))
+    )
 
 
 @pytest.mark.parametrize("spike", [1.0e3, np.nan, np.inf])

@@ -49,8 +49,27 @@ def test_streamlit_config_is_safe_for_a_shared_server():
     config = tomllib.loads((REPO / ".streamlit" / "config.toml").read_text())
     assert config["server"]["enableXsrfProtection"] is True
     assert 0 < config["server"]["maxUploadSize"] <= 50
-    assert config["server"]["enableStaticServing"] is False
     assert config["browser"]["gatherUsageStats"] is False
+    # Static serving is on for the live charts' files only (SECURITY.md): nothing
+    # else of the repository is under static/.
+    assert config["server"]["enableStaticServing"] is True
+    static = REPO / "static"
+    assert not static.exists() or [p.name for p in static.iterdir()] == ["gradflow"]
+
+
+def test_the_static_files_are_plotly_and_the_live_chart_module_copied_not_linked(tmp_path):
+    import plotly
+
+    from gradflow.ui import live_chart
+
+    assert live_chart.publish_assets(tmp_path)
+    folder = tmp_path / "static" / "gradflow"
+    assert sorted(p.name for p in folder.iterdir()) == ["live_chart.js", "plotly.min.js"]
+    plotly_js = pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    assert (folder / "plotly.min.js").read_bytes() == plotly_js.read_bytes()
+    assert (folder / "live_chart.js").read_bytes() == (REPO / "gradflow" / "ui" / "live_chart.js").read_bytes()
+    # Streamlit serves a static file only if its real path is inside static/.
+    assert not any(p.is_symlink() for p in folder.iterdir())
 
 
 def test_requirements_pin_exact_versions():

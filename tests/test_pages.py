@@ -120,35 +120,36 @@ def test_split_backprop_page_runs_the_lesson():
     assert any("Largest difference" in s.value for s in app.success)
 
 
-def plotly_specs(app):
+def live_chart_updates(app):
+    """What the page's live charts send (`gradflow/ui/figure_delta.py` has the format)."""
     import json
 
-    return [json.loads(chart.proto.spec) for chart in app.get("plotly_chart")]
+    return [json.loads(element.proto.json) for element in app.get("bidi_component")]
 
 
-def plotly_array(value):
-    """A numpy array from Plotly JSON: a list, or {dtype, bdata, shape} (base64)."""
+def decoded(change):
+    """The numpy array of an update's array change ({from, shape, dtype, bdata} or values)."""
     import base64
 
     import numpy as np
 
-    if not isinstance(value, dict):
-        return np.asarray(value)
-    array = np.frombuffer(base64.b64decode(value["bdata"]), dtype=value["dtype"])
-    shape = value.get("shape")
-    return array.reshape([int(n) for n in str(shape).split(",")]) if shape else array
+    if "bdata" not in change:
+        return np.array(change["values"], dtype=object).reshape(change["shape"])
+    flat = np.frombuffer(base64.b64decode(change["bdata"]), dtype=change["dtype"])
+    return flat.reshape(change["shape"])
 
 
-def annotations(spec):
-    return " ".join(a.get("text", "") for a in spec["layout"].get("annotations", []))
+def annotations(layout):
+    return " ".join(a.get("text", "") for a in layout.get("annotations", []))
 
 
 def test_the_live_panel_is_drawn_empty_before_a_run():
     # Nothing moves when the first step arrives, and the browser loads Plotly early.
     app = run_page("live_training.py")
-    specs = plotly_specs(app)
-    assert len(specs) == 2 and all("appear here" in annotations(s) for s in specs)
-    assert all(not s["data"] for s in specs)
+    updates = live_chart_updates(app)
+    assert len(updates) == 2 and all("appear here" in annotations(u["layout"]) for u in updates)
+    assert all(u["base"] is None and not u["traces"] for u in updates)
+    assert not app.get("plotly_chart")
 
 
 def test_a_run_without_its_first_step_shows_empty_heatmaps(page_environment):
@@ -156,30 +157,47 @@ def test_a_run_without_its_first_step_shows_empty_heatmaps(page_environment):
 
     run_id = RunStore(page_environment).create_run({"depth": 3}, name="just started", status="running")
     app = run_page("live_training.py", run=run_id)
-    specs = plotly_specs(app)
-    assert len(specs) == 2 and all("Waiting for the first training step" in annotations(s) for s in specs)
+    updates = live_chart_updates(app)
+    assert len(updates) == 2
+    assert all("Waiting for the first training step" in annotations(u["layout"]) for u in updates)
     assert any("just started" in m.value for m in app.markdown)
 
 
-def test_live_heatmaps_are_capped_at_the_live_column_count(page_environment):
-    # Streamlit resends whole figures: the cap bounds what a live update sends.
+def write_steps(store, run_id, first, last):
     import numpy as np
     import pandas as pd
 
+    steps = np.arange(first, last + 1)
+    with store.writer(run_id) as writer:
+        writer.add_layer_stats(pd.DataFrame({
+            "step": steps, "layer": "dense_1", "layer_index": 0, "tensor": "kernel",
+            "max_abs": np.linspace(1e-3, 1.0, len(steps)) * steps, "l2_norm": 1.0,
+        }))
+        writer.progress(last)
+
+
+def test_live_heatmaps_are_capped_and_a_tick_sends_only_the_new_columns(page_environment):
     from gradflow.store import RunStore
     from gradflow.ui.live import LIVE_MAX_COLUMNS
 
     store = RunStore(page_environment)
     run_id = store.create_run({"depth": 1}, name="long run", status="running")
-    steps = np.arange(1, 3 * LIVE_MAX_COLUMNS + 2)
-    with store.writer(run_id) as writer:
-        writer.add_layer_stats(pd.DataFrame({
-            "step": steps, "layer": "dense_1", "layer_index": 0, "tensor": "kernel",
-            "max_abs": np.linspace(1e-3, 1.0, len(steps)), "l2_norm": 1.0,
-        }))
-        writer.progress(int(steps[-1]))
+    last = 3 * LIVE_MAX_COLUMNS + 1
+    write_steps(store, run_id, 1, last)
     app = run_page("live_training.py", run=run_id)
-    heatmaps = [t for s in plotly_specs(app) for t in s["data"] if t["type"] == "heatmap"]
-    assert len(heatmaps) == 2
-    for trace in heatmaps:
-        assert LIVE_MAX_COLUMNS // 2 <= plotly_array(trace["z"]).shape[1] <= LIVE_MAX_COLUMNS
+    first = [u for u in live_chart_updates(app) if u.get("traces", [{}])[0].get("type") == "heatmap"]
+    assert len(first) == 2 and all(u["base"] is None for u in first)
+    widths = [decoded(u["arrays"]["0.z"]).shape[1] for u in first]
+    assert all(LIVE_MAX_COLUMNS // 2 <= w <= LIVE_MAX_COLUMNS for w in widths)
+
+    # The next tick of this session: three more steps, in the same (partial) last column
+    # or the next one; the browser holds the rest.
+    write_steps(store, run_id, last + 1, last + 3)
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    second = live_chart_updates(app)
+    max_update = next(u for u in second if u["key"] == first[0]["key"])
+    assert max_update["base"] == first[0]["revision"]
+    change = max_update["arrays"]["0.z"]
+    assert change["from"] >= widths[0] - 1 and 1 <= change["shape"][1] <= 2
+    assert "traces" not in max_update and set(max_update.get("layout", {})) <= {"xaxis"}

@@ -25,8 +25,34 @@ def check_max_columns(max_columns):
         raise ValueError(f"`max_columns` must be a positive integer, got {max_columns!r}.")
 
 
-def decimate_max(grid, max_columns=DEFAULT_MAX_COLUMNS):
+def block_size(n_columns, max_columns, power_of_two=False):
+    """Columns merged into one by `decimate_max`.
+
+    Args:
+        n_columns: columns of the grid.
+        max_columns: at most this many columns after merging.
+        power_of_two: round the block up to a power of two. Default False.
+
+    Returns:
+        `ceil(n_columns / max_columns)` (at least 1), or the smallest power
+        of two not below it.
+    """
+    block = max(1, math.ceil(n_columns / max_columns))
+    if power_of_two:
+        block = 1 << (block - 1).bit_length()
+    return block
+
+
+def decimate_max(grid, max_columns=DEFAULT_MAX_COLUMNS, *, power_of_two_blocks=False):
     """Merge blocks of consecutive steps of a `LayerGrid`, keeping each block's max.
+
+    Blocks start at the first column, so as a run grows only its last block
+    and the new ones change, as long as the block size stays the same. With
+    `power_of_two_blocks=True` the size changes only when it doubles (at
+    `max_columns`, then 2x, 4x, ... that many columns) instead of every
+    `max_columns` columns; a live chart then keeps its earlier columns
+    between those points, at the price of drawing between half and all of
+    `max_columns` columns.
 
     Example:
 
@@ -37,18 +63,22 @@ def decimate_max(grid, max_columns=DEFAULT_MAX_COLUMNS):
     Args:
         grid: a `LayerGrid`.
         max_columns: at most this many columns in the result. Default 1000.
+        power_of_two_blocks: merge a power-of-two number of columns (1, 2,
+            4, ...) per block. Default False: the fewest columns per block
+            that fit in `max_columns`.
 
     Returns:
         A new `LayerGrid` with `ceil(columns / block)` columns where
-        `block = ceil(columns / max_columns)`; `step_first`/`step_last` give
-        each column's step range. The grid itself when it is small enough.
+        `block = block_size(columns, max_columns, power_of_two_blocks)`;
+        `step_first`/`step_last` give each column's step range. The grid
+        itself when it is small enough.
 
     Raises:
         ValueError: if `max_columns` is not a positive integer.
     """
     check_max_columns(max_columns)
     n_cols = grid.values.shape[1]
-    block = math.ceil(n_cols / max_columns) if n_cols else 1
+    block = block_size(n_cols, max_columns, power_of_two_blocks)
     if block <= 1:
         return grid
     merged, merged_present = block_max(grid.values, grid.present, block)

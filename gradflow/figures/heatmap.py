@@ -137,6 +137,7 @@ def heatmap(
     zmin=None,
     zmax=None,
     max_columns=decimate.DEFAULT_MAX_COLUMNS,
+    power_of_two_blocks=False,
     title=None,
     presentation=False,
 ):
@@ -169,6 +170,9 @@ def heatmap(
             the same `zmin`/`zmax` to several heatmaps to compare them.
         zmax: top of the colour scale in real units, or None (default).
         max_columns: most columns drawn. Default 1000.
+        power_of_two_blocks: decimate by a power-of-two number of steps per
+            column (see `decimate_max`), so that a live chart of a growing
+            run keeps its earlier columns. Default False.
         title: figure title (escaped), or None (default) for an automatic one.
         presentation: large fonts for slides. Default False.
 
@@ -182,7 +186,9 @@ def heatmap(
             or `zmin`/`zmax`/`max_columns` are invalid.
     """
     layer_grid = decimate.decimate_max(
-        grid_lib.layer_grid(layer_stats, statistic, tensor), max_columns
+        grid_lib.layer_grid(layer_stats, statistic, tensor),
+        max_columns,
+        power_of_two_blocks=power_of_two_blocks,
     )
     log_min, log_max = logscale.log_range(layer_grid.values[layer_grid.present], zmin, zmax)
     plain_title = (

@@ -41,6 +41,7 @@ def layer_lines(
     *,
     layers=None,
     max_points=decimate.DEFAULT_MAX_COLUMNS,
+    power_of_two_blocks=False,
     title=None,
     presentation=False,
 ):
@@ -64,6 +65,9 @@ def layer_lines(
         layers: names or `layer_index` values to draw, or None (default) for
             all layers (coloured input dark -> output light when more than 8).
         max_points: most points per line. Default 1000.
+        power_of_two_blocks: decimate by a power-of-two number of steps per
+            point (see `decimate_max`), so that a live chart of a growing run
+            keeps its earlier points. Default False.
         title: figure title, or None (default) for an automatic one.
         presentation: large fonts for slides. Default False.
 
@@ -75,7 +79,11 @@ def layer_lines(
         TypeError, ValueError: for an invalid frame, statistic, tensor or
             layer name.
     """
-    full = decimate.decimate_max(grid_lib.layer_grid(layer_stats, statistic, tensor), max_points)
+    full = decimate.decimate_max(
+        grid_lib.layer_grid(layer_stats, statistic, tensor),
+        max_points,
+        power_of_two_blocks=power_of_two_blocks,
+    )
     rows = _select_layers(full, layers)
     layer_grid = grid_lib.LayerGrid(
         values=full.values[rows],

@@ -37,10 +37,16 @@ def show_chart(chart, key, exports=True):
     if chart.description:
         st.caption(chart.description)
     if exports:
-        _export_buttons(chart, key)
+        export_buttons(chart, key)
 
 
-def _export_buttons(chart, key):
+def export_buttons(chart, key):
+    """The Export popover of a chart: PNG, SVG, PDF (with Chromium), HTML and CSV.
+
+    Args:
+        chart: A `gradflow.figures.Chart`; files are made from it on click.
+        key: The chart's key on the page (the buttons' keys start with it).
+    """
     name = export.safe_filename(chart.title or key)
     with st.popover("Export", icon=":material/download:"):
         if image_export_available():

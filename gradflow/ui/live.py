@@ -5,17 +5,23 @@ queued, running or paused, and stops polling once the run has ended. Each tick
 reads only the rows newer than the last step it has seen and appends them to
 a per-session cache, so a long run costs the same per tick as a short one.
 
-Streamlit sends a chart as its whole Plotly figure on every rerun (there is no
-way to append columns to a drawn chart), so each tick resends the heatmaps.
-They are decimated to `LIVE_MAX_COLUMNS` columns, about one per pixel of a
-half-width chart, which keeps a tick's payload bounded however long the run.
+The heatmaps and the layer lines are drawn with `live_chart.show_live_chart`:
+the browser keeps each figure between ticks, and a tick sends only the new
+and changed columns (and the layout entries that changed), not the history.
+They are decimated to at most `LIVE_MAX_COLUMNS` columns (lines: the figures'
+default of 1,000 points) in blocks of a power-of-two number of steps, so the
+drawn columns stay put as the run grows: the last, partial column changes and
+new ones are added, and every column changes only when the block doubles.
+The other views (profile, histograms, loss) use `st.plotly_chart`, which
+resends its figure on every tick; they are small.
 
 Until a training run's first step is drawn, the panel polls four times a
 second: the first column is what the user is waiting for. Before that, and
 before any run, it shows the panel empty (disabled view controls, blank chart
-frames), so the browser has loaded Plotly (megabytes of JavaScript, seconds of
-CPU on a small machine) before the data arrive rather than after, and not
-while the worker traces the training step.
+frames drawn by the same live-chart component), so the browser has loaded
+Plotly (megabytes of JavaScript, seconds of CPU on a small machine) before the
+data arrive rather than after, and not while the worker traces the training
+step.
 """
 
 import dataclasses
@@ -29,6 +35,7 @@ from gradflow import diagnosis, export, figures, schema
 from gradflow.figures.style import STATISTIC_LABELS, no_data_figure
 from gradflow.ui import controls, resources
 from gradflow.ui.charts import image_export_available, show_chart
+from gradflow.ui.live_chart import show_live_chart
 from gradflow.ui.sessions import session_ownership
 
 ACTIVE = ("queued", "running", "paused")
@@ -255,12 +262,14 @@ def _panel(run_id, key, was_active, waiting=False):
         left, right = st.columns(2)
         for column, statistic, name in ((left, "max_abs", "max"), (right, "l2_norm", "norm")):
             with column:
-                show_chart(figures.heatmap(stats, statistic, tensor, max_columns=LIVE_MAX_COLUMNS,
-                                           presentation=presentation), f"{key}.{name}")
+                show_live_chart(figures.heatmap(stats, statistic, tensor, max_columns=LIVE_MAX_COLUMNS,
+                                                power_of_two_blocks=True, presentation=presentation),
+                                f"{key}.{name}")
     elif view == "Lines":
         statistic = st.radio("Statistic", ["max_abs", "l2_norm", "mean_abs"], horizontal=True,
                              key=f"{key}.line_stat")
-        show_chart(figures.layer_lines(stats, statistic, tensor, presentation=presentation), f"{key}.lines")
+        show_live_chart(figures.layer_lines(stats, statistic, tensor, power_of_two_blocks=True,
+                                            presentation=presentation), f"{key}.lines")
     elif view == "Profile":
         steps = sorted(stats["step"].unique())
         step = st.select_slider("Step", steps, value=steps[-1], key=f"{key}.profile_step") if len(steps) > 1 else steps[0]
@@ -293,17 +302,18 @@ def _empty_heatmaps(message):
     st.radio("Gradients of", ["kernel", "bias", figures.ALL_WEIGHTS], format_func=_TENSOR_LABELS.get,
              horizontal=True, disabled=True)
     for column, statistic in zip(st.columns(2), ("max_abs", "l2_norm"), strict=True):
-        column.plotly_chart(_empty_heatmap(message, statistic, presentation),
-                            config=figures.PLOTLY_CONFIG, width="stretch")
+        with column:
+            show_live_chart(_empty_heatmap(message, statistic, presentation), f"live.empty.{statistic}",
+                            exports=False)
 
 
 @functools.lru_cache(maxsize=8)
 def _empty_heatmap(message, statistic, presentation):
     # Built once: a styled Plotly figure takes tens of milliseconds, and
-    # `st.plotly_chart` copies it rather than changing it.
+    # drawing it copies it rather than changing it.
     figure = no_data_figure(message, presentation)
     figure.update_layout(title=f"{STATISTIC_LABELS[statistic]} per layer", height=380)
-    return figure
+    return figures.Chart(figure, pd.DataFrame())
 
 
 def _lesson_pack_button(info, cache, key):

@@ -1,0 +1,136 @@
+// The browser half of gradflow's live charts (gradflow/ui/live_chart.py).
+//
+// Streamlit calls `render` on every rerun that changes a chart's update
+// (gradflow/ui/figure_delta.py has the format). What a chart holds lives in
+// this module, keyed by the chart's key, not in the element Streamlit mounts
+// it in: another view or page and back mounts a new element, and the page
+// still holds the arrays it was sent. An update names the revision it
+// applies to; one that does not match what is held is not applied, and the
+// server is asked for the whole figure instead (the `resend` state), so a
+// chart is never drawn with columns missing.
+
+const held = new Map(); // chart key -> {revision, config, layout, traces, arrays}
+const plots = new Map(); // chart key -> the div it was last drawn in
+const asked = new Map(); // chart key -> {revision, at} of the last resend request
+const RESEND_AFTER_MS = 3000;
+let plotly; // Promise of window.Plotly, loaded once per page
+
+function loadPlotly(src) {
+  plotly ??= new Promise((resolve, reject) => {
+    const script = document.createElement("script");
+    script.src = src;
+    script.onload = () => resolve(window.Plotly);
+    script.onerror = () => {
+      plotly = undefined;
+      reject(new Error(`could not load ${src}`));
+    };
+    document.head.appendChild(script);
+  });
+  return plotly;
+}
+
+const TYPED = {
+  f8: Float64Array, f4: Float32Array, i4: Int32Array, i2: Int16Array,
+  i1: Int8Array, u4: Uint32Array, u2: Uint16Array, u1: Uint8Array,
+};
+
+// An encoded array -> a JS array (rank 1) or an array of row arrays (rank 2).
+function decode(encoded) {
+  if (!("bdata" in encoded)) return encoded.values;
+  const bytes = Uint8Array.from(atob(encoded.bdata), (c) => c.charCodeAt(0));
+  const flat = Array.from(new TYPED[encoded.dtype](bytes.buffer));
+  if (encoded.shape.length === 1) return flat;
+  const width = encoded.shape[encoded.shape.length - 1];
+  return Array.from({ length: encoded.shape[0] }, (_, row) => flat.slice(row * width, (row + 1) * width));
+}
+
+// Columns `from` on (last axis) replaced by `tail`.
+function splice(old, from, tail, rank) {
+  if (from === 0 || old === undefined) return tail;
+  if (rank === 1) return old.slice(0, from).concat(tail);
+  return tail.map((row, index) => old[index].slice(0, from).concat(row));
+}
+
+function apply(state, update) {
+  const next = update.base === null
+    ? { config: update.config, layout: {}, traces: [], arrays: {} }
+    : { ...state, layout: { ...state.layout }, arrays: { ...state.arrays } };
+  next.revision = update.revision;
+  Object.assign(next.layout, update.layout ?? {});
+  for (const key of update.layout_drop ?? []) delete next.layout[key];
+  if (update.traces) next.traces = update.traces;
+  for (const [name, change] of Object.entries(update.arrays ?? {})) {
+    next.arrays[name] = splice(next.arrays[name], change.from, decode(change), change.shape.length);
+  }
+  for (const name of update.drop ?? []) delete next.arrays[name];
+  return next;
+}
+
+function figure(state) {
+  const data = state.traces.map((trace) => ({ ...trace }));
+  for (const [name, values] of Object.entries(state.arrays)) {
+    const dot = name.indexOf(".");
+    const trace = data[Number(name.slice(0, dot))];
+    if (trace) trace[name.slice(dot + 1)] = values;
+  }
+  // New array objects every time, and datarevision: Plotly.react redraws.
+  return { data, layout: { ...state.layout, datarevision: state.revision }, config: state.config };
+}
+
+function askForWholeFigure(key, revision, setStateValue) {
+  const last = asked.get(key);
+  if (last && last.revision === revision && Date.now() - last.at < RESEND_AFTER_MS) return;
+  asked.set(key, { revision, at: Date.now() });
+  setStateValue("resend", { held: revision, at: Date.now() });
+}
+
+function draw(div, key, plotlySrc) {
+  if (div.gradflowPending) return; // the queued draw will take the newest state
+  div.gradflowPending = true;
+  div.gradflowDrawn = (div.gradflowDrawn ?? Promise.resolve())
+    .then(() => loadPlotly(plotlySrc))
+    .then((Plotly) => {
+      div.gradflowPending = false;
+      const { data, layout, config } = figure(held.get(key));
+      div.style.minHeight = "";
+      return Plotly.react(div, data, layout, config);
+    })
+    .catch((error) => {
+      div.gradflowPending = false;
+      div.textContent = `The chart could not be drawn (${error.message}). Reload the page to try again.`;
+    });
+}
+
+function chartDiv(parentElement, key, height) {
+  let div = parentElement.querySelector(":scope > div.gradflow-live-chart");
+  if (!div) {
+    const old = plots.get(key);
+    if (old && !old.isConnected) window.Plotly?.purge(old);
+    div = document.createElement("div");
+    div.className = "gradflow-live-chart";
+    div.style.width = "100%";
+    // Keep the chart's space while Plotly loads, so nothing below it moves.
+    div.style.minHeight = `${height ?? 450}px`;
+    parentElement.appendChild(div);
+  }
+  plots.set(key, div);
+  return div;
+}
+
+export function render({ data: update, parentElement, setStateValue }, plotlySrc) {
+  const { key } = update;
+  let state = held.get(key);
+  if (update.base === null || update.base === state?.revision) {
+    state = apply(state, update);
+    held.set(key, state);
+    asked.delete(key);
+  } else if (update.revision !== state?.revision) {
+    askForWholeFigure(key, state?.revision ?? null, setStateValue);
+  }
+  const div = chartDiv(parentElement, key, state?.layout.height);
+  if (state) draw(div, key, plotlySrc);
+  else loadPlotly(plotlySrc).catch(() => {});
+  return () => {
+    if (!div.isConnected) window.Plotly?.purge(div);
+  };
+}

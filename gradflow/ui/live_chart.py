@@ -1,0 +1,181 @@
+"""Charts that a rerun updates with what changed, not with the whole figure.
+
+`st.plotly_chart` puts the whole figure into the page on every rerun, so a
+live heatmap re-sends its whole history once a second (streamlit/streamlit
+#12980). `show_live_chart` draws the same `Chart` through a small Streamlit
+component (Custom Components v2: no iframe, in the page's DOM) that keeps
+the figure in the browser between reruns; each rerun sends an update from
+`gradflow.ui.figure_delta`: the new and changed columns of the arrays, and
+the layout entries and trace attributes that changed.
+
+How the server knows what the browser holds: this session's state keeps,
+per chart key, the `SentFigure` of the last update sent. The browser keeps
+its figure per chart key in the page (`live_chart.js`), so a chart mounted
+again (another view, another page and back) still holds it; a reloaded page
+is a new session, which holds nothing and gets the whole figure. Every
+update names the revision it applies to. If the browser holds another one
+(an update lost when a rerun was interrupted), it does not apply it and sets
+the component's `resend` state instead; the callback forgets the
+`SentFigure`, and the rerun that follows sends the whole figure.
+
+Plotly.js itself (4.8 MB) and the component's module are served once, as
+app static files (`server.enableStaticServing`): `publish_assets` copies
+them from the installed plotly package and from this package into
+`static/gradflow/` beside `app.py` when the server starts. Where static
+serving is off or the copy failed, `show_live_chart` falls back to
+`st.plotly_chart`, which works, at the old cost. The files' URLs start with
+`server.baseUrlPath`: a reverse proxy that serves the dashboard under a path
+prefix needs that option set to the prefix.
+"""
+
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import tempfile
+
+import plotly
+import streamlit as st
+
+from gradflow import figures
+from gradflow.ui.charts import export_buttons, show_chart
+from gradflow.ui.figure_delta import figure_update
+
+# App static files live in <app folder>/static/ and are served at
+# <baseUrlPath>/app/static/ (Streamlit's convention); ours in a folder of their own.
+STATIC_FOLDER = pathlib.Path("static") / "gradflow"
+_ASSETS = {
+    "plotly.min.js": pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js",
+    "live_chart.js": pathlib.Path(__file__).with_name("live_chart.js"),
+}
+# As `st.plotly_chart(..., width="stretch")`: the chart follows its column's width.
+_CONFIG = {**figures.PLOTLY_CONFIG, "responsive": True}
+_SENT = "live_chart.sent."
+_LOG = logging.getLogger(__name__)
+
+# Kept tiny: Streamlit sends a component's inline JavaScript with every update.
+_LOADER = """export default function (component) {
+  const url = (path) => new URL(path, window.location.origin).href;
+  return import(url(%(module)s)).then((module) => module.render(component, url(%(plotly)s)));
+}"""
+
+
+class _Assets:
+    """What `publish_assets` did in this server process."""
+
+    versions = None  # file name -> short content hash, once published
+    failed = False
+
+
+@functools.cache
+def publish_assets(app_dir):
+    """Copy Plotly.js and the live-chart module into `app_dir`/static/gradflow/.
+
+    Called by `app.py` when the server starts (once per process). Files are
+    copied, not linked: Streamlit refuses a static path whose real location
+    is outside `static/`. A file already there with the same content is left
+    alone; a changed one is replaced atomically, so a browser never reads
+    half a file.
+
+    Args:
+        app_dir: the folder of the app's main script (`app.py`).
+
+    Returns:
+        True when both files are in place, False (and a logged warning) when
+        they could not be written; live charts then use `st.plotly_chart`.
+    """
+    target = pathlib.Path(app_dir) / STATIC_FOLDER
+    versions = {}
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        for name, source in _ASSETS.items():
+            content = source.read_bytes()
+            versions[name] = hashlib.sha256(content).hexdigest()[:12]
+            path = target / name
+            if path.is_file() and path.read_bytes() == content:
+                continue
+            with tempfile.NamedTemporaryFile(dir=target, prefix=f".{name}.", delete=False) as tmp:
+                try:
+                    tmp.write(content)
+                    tmp.close()
+                    os.chmod(tmp.name, 0o644)
+                    os.replace(tmp.name, path)
+                finally:
+                    if os.path.exists(tmp.name):
+                        os.unlink(tmp.name)
+    except OSError as error:
+        _LOG.warning("gradflow: live charts fall back to st.plotly_chart: cannot write %s (%s).",
+                     target, error)
+        _Assets.failed = True
+        return False
+    _Assets.versions = versions
+    return True
+
+
+def available():
+    """Whether live charts can use the component (else `st.plotly_chart`)."""
+    return bool(st.get_option("server.enableStaticServing")) and not _Assets.failed
+
+
+@functools.cache
+def _component(base_url_path, versions):
+    def url(name):
+        # Without a publish_assets call (a page run on its own, as in AppTest)
+        # the URL has no version; nothing is fetched there anyway.
+        version = dict(versions).get(name)
+        path = "/".join(p for p in (base_url_path.strip("/"), "app", STATIC_FOLDER.as_posix(), name) if p)
+        return repr(f"/{path}" + (f"?v={version}" if version else ""))
+
+    return st.components.v2.component(
+        "gradflow.live_chart",
+        js=_LOADER % {"module": url("live_chart.js"), "plotly": url("plotly.min.js")},
+        # In the page's DOM, not a shadow root: Plotly puts its CSS in the
+        # document's head, and tests find the chart as `.js-plotly-plot`.
+        isolate_styles=False,
+    )
+
+
+def show_live_chart(chart, key, exports=True):
+    """Draw a chart that later reruns update with only what changed.
+
+    A drop-in for `charts.show_chart` on pages that redraw a growing figure
+    every second. Give a chart the same `key` on every rerun; its figure may
+    change in any way (another run or tensor, a new decimation block): what
+    did not change is not sent again.
+
+    Example:
+
+    ```python
+    chart = figures.heatmap(stats, "max_abs", max_columns=500, power_of_two_blocks=True)
+    show_live_chart(chart, "live.max")
+    ```
+
+    Args:
+        chart: A `gradflow.figures.Chart`.
+        key: A key unique on the page (widget identity; also names what the
+            browser holds).
+        exports: Whether to offer downloads. Defaults to `True`.
+    """
+    if not available():
+        show_chart(chart, key, exports)
+        return
+    sent_key = _SENT + key
+    update, sent = figure_update(chart.figure, st.session_state.get(sent_key), config=_CONFIG)
+    update["key"] = key
+    versions = tuple(sorted((_Assets.versions or {}).items()))
+    _component(st.get_option("server.baseUrlPath"), versions)(
+        key=f"{key}.plot", data=update, on_resend_change=functools.partial(forget, key),
+    )
+    # After the call: a rerun that stops inside it leaves the old record, and
+    # the browser then asks for the whole figure.
+    st.session_state[sent_key] = sent
+    if chart.description:
+        st.caption(chart.description)
+    if exports:
+        export_buttons(chart, key)
+
+
+def forget(key):
+    """Forget what the browser holds of chart `key`: the next rerun sends it whole."""
+    st.session_state.pop(_SENT + key, None)

@@ -1,0 +1,229 @@
+"""Live charts in a real browser: the JavaScript applies updates exactly, and a tick is small.
+
+The first test runs `gradflow/ui/live_chart.js` alone in Chromium (Plotly
+replaced by a stub that keeps what it is asked to draw) on the updates the
+server makes for a growing run. The second opens the dashboard on a run that
+keeps growing and reads the WebSocket frames: each tick sends the heatmaps'
+new columns, not their history.
+"""
+
+import json
+import math
+import pathlib
+import threading
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from gradflow.ui.figure_delta import figure_update
+from tests.browser import streamlit_server
+from tests.test_figure_delta import live_heatmap, plotly_array, run_rows
+
+pytestmark = pytest.mark.browser
+
+MODULE = pathlib.Path(__file__).resolve().parent.parent / "gradflow" / "ui" / "live_chart.js"
+# Keeps what it is asked to draw on the div, as Plotly does (`gd.data`, `gd.layout`).
+PLOTLY_STUB = (
+    "data:text/javascript,window.Plotly={react:(gd,data,layout,config)=>{gd.data=data;"
+    "gd.layout=layout;gd.config=config;gd.draws=(gd.draws||0)+1;return Promise.resolve(gd)},"
+    "purge:(gd)=>{gd.purged=true}}"
+)
+SETUP = """async (source) => {
+  const url = URL.createObjectURL(new Blob([source], {type: "text/javascript"}));
+  window.liveChart = await import(url);
+  window.asked = [];
+}"""
+# Renders one update in the host element `host` and waits for its draw.
+RENDER = """async ([update, host, plotly]) => {
+  let element = document.getElementById(host);
+  if (!element) {
+    element = document.createElement("div");
+    element.id = host;
+    document.body.appendChild(element);
+  }
+  window.liveChart.render(
+    {data: update, parentElement: element, setStateValue: (name, value) => window.asked.push([name, value])},
+    plotly);
+  const div = element.querySelector(".gradflow-live-chart");
+  await div.gradflowDrawn;
+  return div.data ? {draws: div.draws, revision: div.layout.datarevision} : null;
+}"""
+DRAWN = """(host) => document.querySelector(`#${host} .gradflow-live-chart`).data.map(t => ({
+  x: t.x, y: t.y, z: t.z, customdata: t.customdata, type: t.type, name: t.name ?? null}))"""
+
+
+def assert_drawn(page, host, chart):
+    drawn = page.evaluate(DRAWN, host)
+    expected = json.loads(chart.figure.to_json())["data"]
+    assert len(drawn) == len(expected)
+    for got, trace in zip(drawn, expected, strict=True):
+        assert got["type"] == trace["type"] and got["name"] == trace.get("name")
+        for attribute in ("x", "y", "z", "customdata"):
+            if attribute not in trace:
+                assert got.get(attribute) is None, attribute
+                continue
+            want = plotly_array(trace[attribute])
+            if want.dtype.kind == "O":
+                assert got[attribute] == want.tolist(), attribute
+            else:
+                np.testing.assert_array_equal(np.asarray(got[attribute], dtype=float), want.astype(float))
+
+
+def test_the_javascript_applies_updates_exactly_and_asks_again_when_it_holds_another_base(chromium):
+    page = chromium.new_page()
+    try:
+        page.set_content("<html><body></body></html>")
+        page.evaluate(SETUP, MODULE.read_text())
+        sent = None
+        stats = run_rows(1, 5)
+        for more in (1, 3, 20, 1, 90, 2, 300):  # NaN, Inf and zeros; blocks 1 -> 32
+            last = int(stats["step"].max())
+            stats = pd.concat([stats, run_rows(last + 1, last + more)], ignore_index=True)
+            chart = live_heatmap(stats)
+            update, sent = figure_update(chart.figure, sent)
+            update["key"] = "live.max"
+            drawn = page.evaluate(RENDER, [update, "first", PLOTLY_STUB])
+            assert drawn["revision"] == update["revision"]
+            assert_drawn(page, "first", chart)
+        assert page.evaluate("window.asked") == []
+
+        # Mounted again elsewhere (another view and back): the page still holds the chart.
+        chart = live_heatmap(pd.concat([stats, run_rows(432, 433)], ignore_index=True))
+        update, sent = figure_update(chart.figure, sent)
+        update["key"] = "live.max"
+        page.evaluate(RENDER, [update, "second", PLOTLY_STUB])
+        assert_drawn(page, "second", chart)
+
+        # An update for a revision the page does not hold is not applied; it asks for the figure.
+        held = update["revision"]
+        lost, sent = figure_update(live_heatmap(run_rows(1, 500)).figure, sent)
+        newer_chart = live_heatmap(run_rows(1, 501))
+        newer, _ = figure_update(newer_chart.figure, sent)
+        newer["key"] = "live.max"
+        drawn = page.evaluate(RENDER, [newer, "second", PLOTLY_STUB])
+        assert drawn["revision"] == held
+        assert_drawn(page, "second", chart)
+        assert [name for name, _ in page.evaluate("window.asked")] == ["resend"]
+        assert page.evaluate("window.asked")[0][1]["held"] == held
+        whole, _ = figure_update(newer_chart.figure)
+        whole["key"] = "live.max"
+        page.evaluate(RENDER, [whole, "second", PLOTLY_STUB])
+        assert_drawn(page, "second", newer_chart)
+    finally:
+        page.close()
+
+
+LAYERS = 9
+
+
+def synthetic_steps(first, last, seed=0):
+    """Tidy rows of a depth-8 MLP (9 layers, kernel and bias) for steps first..last."""
+    rng = np.random.default_rng(seed + first)
+    steps = np.arange(first, last + 1)
+    index = np.tile(np.repeat(np.arange(LAYERS), 2), len(steps))
+    n = len(index)
+    return pd.DataFrame({
+        "step": np.repeat(steps, LAYERS * 2),
+        "layer": [f"dense_{i}" for i in index],
+        "layer_index": index,
+        "tensor": np.tile(["kernel", "bias"], len(steps) * LAYERS),
+        "max_abs": rng.lognormal(-5, 2, n),
+        "l2_norm": rng.lognormal(-3, 2, n),
+    })
+
+
+TRACE_TYPES = """() => [...document.querySelectorAll('.js-plotly-plot')]
+  .flatMap(p => (p.data || []).map(t => t.type))"""
+HEATMAP_WIDTHS = """() => [...document.querySelectorAll('.js-plotly-plot')]
+  .flatMap(p => p.data || []).filter(t => t.type === 'heatmap').map(t => t.z[0].length)"""
+FONT_SIZE_20 = """() => [...document.querySelectorAll('.js-plotly-plot')]
+  .some(p => p.layout && p.layout.font && p.layout.font.size === 20)"""
+
+
+def chart_updates(frames):
+    """(time, frame bytes, update) of each live-chart update among WebSocket frames."""
+    from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+
+    found = []
+    for when, payload in frames:
+        message = ForwardMsg()
+        message.ParseFromString(payload)
+        if message.WhichOneof("type") != "delta" or message.delta.WhichOneof("type") != "new_element":
+            continue
+        element = message.delta.new_element
+        if element.WhichOneof("type") == "bidi_component" and element.bidi_component.json:
+            found.append((when, len(payload), json.loads(element.bidi_component.json)))
+    return found
+
+
+def test_a_live_tick_sends_the_new_columns_not_the_history(chromium, tmp_path, artifacts_dir):
+    from gradflow.store import RunStore
+    from gradflow.ui.live import LIVE_MAX_COLUMNS
+
+    steps, window_s = 3000, 6.0
+    with streamlit_server(tmp_path / "runs.db", extra_env={"GRADFLOW_PREWARM": "0"},
+                          log_path=artifacts_dir / "live-chart-server.log") as (url, _):
+        store = RunStore(tmp_path / "runs.db")
+        run_id = store.create_run({"depth": 8}, name="growing", status="running")
+        with store.writer(run_id) as writer:
+            writer.add_layer_stats(synthetic_steps(1, steps))
+            writer.progress(steps)
+        stop = threading.Event()
+
+        def train_on():  # two steps a second, as a slow training run
+            step = steps
+            with store.writer(run_id) as writer:
+                while not stop.wait(0.5):
+                    step += 1
+                    writer.add_layer_stats(synthetic_steps(step, step))
+                    writer.progress(step)
+
+        threading.Thread(target=train_on, daemon=True).start()
+        frames = []
+        page = chromium.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.on("websocket", lambda ws: ws.on("framereceived", lambda payload: frames.append(
+                (time.monotonic(), payload if isinstance(payload, bytes) else payload.encode()))))
+            page.goto(f"{url}/?run={run_id}")
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => (p.data || [])"
+                ".some(t => t.type === 'heatmap' && t.z && t.z[0] && t.z[0].length > 0))",
+                timeout=120_000, polling=200)
+            page.wait_for_timeout(2000)  # past the first full page
+            start = time.monotonic()
+            page.wait_for_timeout(window_s * 1000)
+            end = time.monotonic()
+            page.screenshot(path=str(artifacts_dir / "live-chart-growing.png"), full_page=True)
+
+            # The other live chart, and back: the page still holds the heatmaps.
+            page.get_by_text("Lines", exact=True).click()
+            page.wait_for_function(f"({TRACE_TYPES})().includes('scatter')", timeout=60_000)
+            page.get_by_text("Heatmaps", exact=True).click()
+            page.wait_for_function(f"({TRACE_TYPES})().includes('heatmap')", timeout=60_000)
+            # Slide fonts (a whole-page rerun): the layout changes, the columns stay.
+            page.get_by_text("Presentation style").click()
+            page.wait_for_function(FONT_SIZE_20, timeout=60_000)
+            assert page.locator("[data-testid='stException']").count() == 0
+            assert page.evaluate(HEATMAP_WIDTHS) >= [math.ceil(steps / 8)] * 2
+        finally:
+            stop.set()
+            page.close()
+
+    in_window = [u for u in chart_updates(frames) if start <= u[0] < end]
+    heatmaps = [(size, u) for _, size, u in in_window if u["key"] in ("live.max", "live.norm")]
+    assert len(heatmaps) >= 4, "the run grew by a step every half second: the heatmaps must update"
+    for _, update in heatmaps:
+        assert update["base"] is not None, "a tick re-sent a whole figure"
+        for name, change in update.get("arrays", {}).items():
+            assert change["shape"][-1] <= 3, (name, change["from"], change["shape"])
+    # What st.plotly_chart sent per tick before: both whole figures. At 3,000 steps
+    # (blocks of 8, 375 columns) each has z and customdata of 9 x 375 float64, in base64.
+    columns = math.ceil(steps / 8)
+    assert columns <= LIVE_MAX_COLUMNS
+    whole_figures = 2 * 2 * LAYERS * columns * 8 * 4 / 3
+    sent_per_tick = sum(size for size, _ in heatmaps) / (len(heatmaps) / 2)
+    assert sent_per_tick < whole_figures / 50, (sent_per_tick, whole_figures)
+    received_per_s = sum(len(p) for when, p in frames if start <= when < end) / window_s
+    assert received_per_s < whole_figures / 5, (received_per_s, whole_figures)
