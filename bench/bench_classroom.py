@@ -13,6 +13,9 @@ look for leaked processes and threads in the server.
 
 Measured (reported, never asserted here):
 - every run completed; statuses each page showed; `stException` blocks seen;
+  pages whose frontend closed its WebSocket (it does so for good after an
+  error handling a message: the frozen page of issue #7) and their console
+  errors;
 - click -> first status line, click -> first heatmap column, click -> Completed;
 - page update latency (target p95 <= 2 s): for every new step a page shows,
   the time since the store first had that step (the store is read every
@@ -296,9 +299,14 @@ async def student(browser, url, number, deadline, stagger_s=2.0, linger_s=10.0):
     Returns a dict of what the page showed and when (seconds, bench clock).
     """
     result = {"student": number, "error": None, "statuses": [], "final": None}
+    # A page whose frontend hit an error handling a message closes its
+    # WebSocket for good and freezes (issue #7): record both.
+    result["console_errors"], result["websocket_closed_at"] = [], []
     context = await browser.new_context(viewport={"width": 1280, "height": 900})
     try:
         page = await context.new_page()
+        page.on("console", lambda m: _console_error(result, m))
+        page.on("websocket", lambda ws: ws.on("close", lambda _: result["websocket_closed_at"].append(time.time())))
         await page.add_init_script(PAGE_RECORDER)
         opened = time.time()
         await page.goto(url + SHARED_LINK, timeout=remaining_ms(deadline))
@@ -338,8 +346,16 @@ async def student(browser, url, number, deadline, stagger_s=2.0, linger_s=10.0):
         except Exception:  # noqa: BLE001
             pass
     finally:
+        result["disconnected"] = bool(result["websocket_closed_at"])
         await context.close()
     return result
+
+
+def _console_error(result, message):
+    # Fonts from the internet fail to load here (no network); not the app's errors.
+    if message.type == "error" and "ERR_NAME_NOT_RESOLVED" not in message.text:
+        if len(result["console_errors"]) < 5:
+            result["console_errors"].append(message.text[:300])
 
 
 def _timeline(record, clicked):
@@ -539,6 +555,9 @@ def summarize(results, wall_s, store):
             w: sum(r.get("final") == w for r in results) for w in {r.get("final") for r in results}
         },
         "pages_with_exceptions": sum(r.get("exceptions", 0) > 0 for r in results),
+        # The frontend closed its WebSocket before the bench closed the page.
+        "pages_disconnected": sum(bool(r.get("disconnected")) for r in results),
+        "pages_with_console_errors": sum(bool(r.get("console_errors")) for r in results),
         "errors": [f"student {r['student']}: {r['error']}" for r in results if r.get("error")],
         "open_to_button_s": stats("open_to_button_s"),
         "click_to_status_s": stats("click_to_status_s"),
@@ -664,6 +683,8 @@ def main(argv=None):
         ("students", c["students"]),
         ("runs completed", c["completed"]),
         ("pages with an exception", c["pages_with_exceptions"]),
+        ("pages whose WebSocket closed / with console errors",
+         f"{c['pages_disconnected']} / {c['pages_with_console_errors']}"),
         ("page errors (timeouts ...)", len(c["errors"])),
         ("open -> Start button, median / p95 s", _pair(c["open_to_button_s"])),
         ("click -> status line, median / p95 s", _pair(c["click_to_status_s"])),

@@ -58,15 +58,15 @@ def wait_healthy(url, timeout=90.0, process=None):
 
 
 @contextlib.contextmanager
-def streamlit_server(db_path, extra_env=None, log_path=None):
-    """Run `streamlit run app.py` on a free loopback port; yield its URL."""
+def streamlit_server(db_path, extra_env=None, log_path=None, script=None):
+    """Run `streamlit run app.py` (or `script`) on a free loopback port; yield its URL."""
     port = free_port()
     env = dict(os.environ, GRADFLOW_DB=str(db_path), PYTHONUNBUFFERED="1")
     env.update(extra_env or {})
     log = open(log_path or os.devnull, "wb")
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "streamlit", "run", str(REPO / "app.py"),
+            sys.executable, "-m", "streamlit", "run", str(script or REPO / "app.py"),
             "--server.port", str(port), "--server.address", "127.0.0.1",
             "--server.headless", "true", "--browser.gatherUsageStats", "false",
             "--server.fileWatcherType", "none",

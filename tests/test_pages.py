@@ -201,3 +201,63 @@ def test_live_heatmaps_are_capped_and_a_tick_sends_only_the_new_columns(page_env
     change = max_update["arrays"]["0.z"]
     assert change["from"] >= widths[0] - 1 and 1 <= change["shape"][1] <= 2
     assert "traces" not in max_update and set(max_update.get("layout", {})) <= {"xaxis"}
+
+
+def full_run_messages(monkeypatch):
+    """Record the ForwardMsgs of every AppTest run (the element tree drops delta paths)."""
+    from streamlit.testing.v1 import local_script_runner
+
+    recorded = []
+    parse = local_script_runner.parse_tree_from_messages
+
+    def recording(messages):
+        recorded[:] = list(messages)
+        return parse(messages)
+
+    monkeypatch.setattr(local_script_runner, "parse_tree_from_messages", recording)
+    return recorded
+
+
+def fragments_sharing_or_not_last_in_their_block(messages):
+    """Fragments a queued fragment run could re-add past the end of their block.
+
+    When a fragment run starts before the full run's messages went out,
+    Streamlit drops that run's deltas of the fragment and the browser removes
+    its container as stale (gradflow/ui/fragments.py). Re-adding it is safe
+    only if it is the last element of its block and the only fragment there.
+    """
+    deltas = [(tuple(m.metadata.delta_path), m.delta.fragment_id) for m in messages
+              if m.WhichOneof("type") == "delta"]
+    containers = {}
+    for path, fragment_id in deltas:
+        if fragment_id and (fragment_id not in containers or len(path) < len(containers[fragment_id])):
+            containers[fragment_id] = path
+    problems = []
+    for fragment_id, path in containers.items():
+        parent = path[:-1]
+        siblings = {p[len(parent)] for p, _ in deltas if len(p) > len(parent) and p[:len(parent)] == parent}
+        others = [f for f, p in containers.items() if f != fragment_id and p[:-1] == parent]
+        if path[-1] != max(siblings) or others:
+            problems.append({"fragment": fragment_id[:8], "path": path, "block_children": sorted(siblings),
+                             "other_fragments_in_block": others})
+    return problems
+
+
+def test_live_page_fragments_are_each_last_and_alone_in_their_block(page_environment, monkeypatch):
+    # Issue #7: two fragments (the trainer-readiness line while the spare
+    # worker warms up, and the live panel of a run) in the page's main block
+    # froze pages under load. tests/test_fragment_race.py shows the race.
+    import types
+
+    from gradflow.store import RunStore
+    from gradflow.ui import resources
+
+    warming = types.SimpleNamespace(prewarm=True, wait_warm=lambda timeout=None: False, queued=lambda: [])
+    monkeypatch.setattr(resources, "run_manager", lambda: warming)
+    messages = full_run_messages(monkeypatch)
+    run_id = RunStore(page_environment).create_run({"depth": 3}, name="polled", status="running")
+    app = run_page("live_training.py", run=run_id)
+    assert any("Warming up the trainer" in c.value for c in app.caption)
+    fragment_ids = {m.delta.fragment_id for m in messages if m.WhichOneof("type") == "delta"} - {""}
+    assert len(fragment_ids) == 2, "the readiness line and the live panel are both fragments here"
+    assert fragments_sharing_or_not_last_in_their_block(messages) == []

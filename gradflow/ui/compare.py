@@ -6,6 +6,7 @@ from gradflow import figures
 from gradflow.ui import resources
 from gradflow.ui.charts import show_chart
 from gradflow.ui.controls import WIDGETS
+from gradflow.ui.fragments import isolated_fragment
 from gradflow.ui.live import ACTIVE, LIVE_MAX_COLUMNS, POLL_SECONDS, run_name
 
 _SELECTED = "compare.run_ids"
@@ -71,7 +72,8 @@ def comparison(run_ids):
         return
     store = resources.run_store()
     active = any(store.status(run_id) in ACTIVE for run_id in run_ids)
-    st.fragment(_charts, run_every=POLL_SECONDS if active else None)(tuple(run_ids), active)
+    # A container of its own: see gradflow/ui/fragments.py (issue #7).
+    isolated_fragment(_charts, run_every=POLL_SECONDS if active else None)(tuple(run_ids), active)
 
 
 def _charts(run_ids, was_active):

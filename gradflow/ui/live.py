@@ -35,6 +35,7 @@ from gradflow import diagnosis, export, figures, schema
 from gradflow.figures.style import STATISTIC_LABELS, no_data_figure
 from gradflow.ui import controls, resources
 from gradflow.ui.charts import image_export_available, show_chart
+from gradflow.ui.fragments import isolated_fragment
 from gradflow.ui.live_chart import show_live_chart
 from gradflow.ui.sessions import session_ownership
 
@@ -129,7 +130,8 @@ def _trainer_readiness():
     if manager.wait_warm(0):
         st.caption(":material/bolt: Trainer ready", help="A worker process is warm and waiting.")
     else:
-        st.fragment(_warming, run_every=1.0)()
+        # Each polling fragment alone in a container of its own (issue #7).
+        isolated_fragment(_warming, run_every=1.0)()
 
 
 def _warming():
@@ -212,7 +214,7 @@ def live_panel(run_id=None, key="live"):
     active = info["status"] in ACTIVE
     waiting = _waiting_for_first_step(run_id, info)
     every = (FIRST_POLL_SECONDS if waiting else POLL_SECONDS) if active else None
-    st.fragment(_panel, run_every=every)(run_id, key, active, waiting)
+    isolated_fragment(_panel, run_every=every)(run_id, key, active, waiting)
 
 
 def _waiting_for_first_step(run_id, info):

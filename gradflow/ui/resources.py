@@ -29,6 +29,8 @@ def run_manager():
 
     # GRADFLOW_PREWARM=0 skips the warm spare worker (page smoke tests, tiny servers).
     prewarm = os.environ.get("GRADFLOW_PREWARM", "1") != "0"
-    manager = RunManager(store=run_store(), prewarm=prewarm)
+    # GRADFLOW_MAX_RUNNING caps concurrent runs (default: one per CPU core).
+    max_running = int(os.environ.get("GRADFLOW_MAX_RUNNING") or 0) or None
+    manager = RunManager(store=run_store(), prewarm=prewarm, max_running=max_running)
     atexit.register(manager.shutdown)
     return manager
