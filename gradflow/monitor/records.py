@@ -1,8 +1,9 @@
 """Turn the ring buffer's numpy blocks into gradflow's tidy tables.
 
 The callback keeps what it reads as numpy blocks and builds DataFrames only
-when asked (or when the run store wants rows), so a fast training loop pays
-for a memory copy per read, not for pandas per step.
+when asked (`.history`, TensorBoard); the run store takes the blocks as
+arrays (`RunWriter.add_layer_stats_array`), so a fast training loop pays for
+a memory copy per read, not for pandas.
 """
 
 import dataclasses
