@@ -55,6 +55,8 @@ def test_streamlit_config_is_safe_for_a_shared_server():
     assert config["server"]["enableStaticServing"] is True
     static = REPO / "static"
     assert not static.exists() or [p.name for p in static.iterdir()] == ["gradflow"]
+    # A full gc.collect() after every fragment tick stalled a classroom's pages (issue #7).
+    assert config["runner"]["postScriptGC"] is False
 
 
 def test_the_static_files_are_plotly_and_the_live_chart_module_copied_not_linked(tmp_path):
