@@ -45,7 +45,7 @@ from gradflow import figures  # noqa: E402
 from gradflow.store import RunStore  # noqa: E402
 from gradflow.ui.figure_delta import figure_update  # noqa: E402
 from gradflow.ui.live import LIVE_MAX_COLUMNS, POLL_SECONDS  # noqa: E402
-from tests.browser import CHROMIUM_ARGS, chromium_path, streamlit_server  # noqa: E402
+from tests.browser import CHROMIUM_ARGS, chromium_path, new_elements, streamlit_server  # noqa: E402
 
 LAYERS = 9  # 8 hidden Dense layers + the output layer
 STATISTICS = ("max_abs", "l2_norm")
@@ -155,22 +155,15 @@ def browser_bytes(url, store, stats, losses, window, rate):
 
 def heatmap_messages(frames):
     """(bytes, whole figure?) of each heatmap element message among WebSocket frames."""
-    from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
-
     found = []
-    for _, payload in frames:
-        message = ForwardMsg()
-        message.ParseFromString(payload)
-        if message.WhichOneof("type") != "delta" or message.delta.WhichOneof("type") != "new_element":
-            continue
-        element = message.delta.new_element
+    for _, size, element in new_elements(frames):
         kind = element.WhichOneof("type")
         if kind == "bidi_component" and element.bidi_component.json:
             update = json.loads(element.bidi_component.json)
             if update.get("key") in HEATMAP_KEYS:
-                found.append((len(payload), update["base"] is None))
+                found.append((size, update["base"] is None))
         elif kind == "plotly_chart" and '"type":"heatmap"' in element.plotly_chart.spec:
-            found.append((len(payload), True))
+            found.append((size, True))
     return found
 
 

@@ -88,3 +88,18 @@ def streamlit_server(db_path, extra_env=None, log_path=None, script=None):
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         log.close()
+
+
+def new_elements(frames):
+    """`(time, frame bytes, element)` of each new element among recorded WebSocket frames.
+
+    Args:
+        frames: `(time, payload bytes)` pairs of the frames a page received.
+    """
+    from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+
+    for when, payload in frames:
+        message = ForwardMsg()
+        message.ParseFromString(payload)
+        if message.WhichOneof("type") == "delta" and message.delta.WhichOneof("type") == "new_element":
+            yield when, len(payload), message.delta.new_element

@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 
 from gradflow.ui.figure_delta import figure_update
-from tests.browser import streamlit_server
+from tests.browser import new_elements, streamlit_server
 from tests.test_figure_delta import live_heatmap, plotly_array, run_rows
 
 pytestmark = pytest.mark.browser
@@ -144,18 +144,11 @@ FONT_SIZE_20 = """() => [...document.querySelectorAll('.js-plotly-plot')]
 
 def chart_updates(frames):
     """(time, frame bytes, update) of each live-chart update among WebSocket frames."""
-    from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
-
-    found = []
-    for when, payload in frames:
-        message = ForwardMsg()
-        message.ParseFromString(payload)
-        if message.WhichOneof("type") != "delta" or message.delta.WhichOneof("type") != "new_element":
-            continue
-        element = message.delta.new_element
-        if element.WhichOneof("type") == "bidi_component" and element.bidi_component.json:
-            found.append((when, len(payload), json.loads(element.bidi_component.json)))
-    return found
+    return [
+        (when, size, json.loads(element.bidi_component.json))
+        for when, size, element in new_elements(frames)
+        if element.WhichOneof("type") == "bidi_component" and element.bidi_component.json
+    ]
 
 
 def test_a_live_tick_sends_the_new_columns_not_the_history(chromium, tmp_path, artifacts_dir):
