@@ -193,6 +193,12 @@ def test_a_live_tick_sends_the_new_columns_not_the_history(chromium, tmp_path, a
             # The other live chart, and back: the page still holds the heatmaps.
             page.get_by_text("Lines", exact=True).click()
             page.wait_for_function(f"({TRACE_TYPES})().includes('scatter')", timeout=60_000)
+            # The profile view goes through the same component (one step's values per layer).
+            page.get_by_text("Profile", exact=True).click()
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => p.layout && "
+                "String(p.layout.title && p.layout.title.text).startsWith('Gradient flow at step'))",
+                timeout=60_000)
             page.get_by_text("Heatmaps", exact=True).click()
             page.wait_for_function(f"({TRACE_TYPES})().includes('heatmap')", timeout=60_000)
             # Slide fonts (a whole-page rerun): the layout changes, the columns stay.

@@ -12,8 +12,10 @@ They are decimated to at most `LIVE_MAX_COLUMNS` columns (lines: the figures'
 default of 1,000 points) in blocks of a power-of-two number of steps, so the
 drawn columns stay put as the run grows: the last, partial column changes and
 new ones are added, and every column changes only when the block doubles.
-The other views (profile, histograms, loss) use `st.plotly_chart`, which
-resends its figure on every tick; they are small.
+The other views (profile, histograms, loss) go through the same component:
+their figures are not built for appending (the loss curve's envelope
+decimation moves its points as the run grows), but the update still carries
+only the arrays' columns from the first one that changed.
 
 Until a training run's first step is drawn, the panel polls four times a
 second: the first column is what the user is waiting for. Before that, and
@@ -34,7 +36,7 @@ import streamlit as st
 from gradflow import diagnosis, export, figures, schema
 from gradflow.figures.style import STATISTIC_LABELS, no_data_figure
 from gradflow.ui import controls, resources
-from gradflow.ui.charts import image_export_available, show_chart
+from gradflow.ui.charts import image_export_available
 from gradflow.ui.fragments import isolated_fragment
 from gradflow.ui.live_chart import show_live_chart
 from gradflow.ui.sessions import session_ownership
@@ -275,14 +277,15 @@ def _panel(run_id, key, was_active, waiting=False):
     elif view == "Profile":
         steps = sorted(stats["step"].unique())
         step = st.select_slider("Step", steps, value=steps[-1], key=f"{key}.profile_step") if len(steps) > 1 else steps[0]
-        show_chart(figures.profile(stats, step=step, tensor=tensor, presentation=presentation), f"{key}.profile")
+        show_live_chart(figures.profile(stats, step=step, tensor=tensor, presentation=presentation),
+                        f"{key}.profile")
     elif view == "Histograms":
         _histograms(cache.histograms, stats, tensor, key, presentation)
     elif view == "Loss":
         if cache.metrics.empty:
             st.caption("No metrics recorded yet.")
         else:
-            show_chart(figures.metrics_chart(cache.metrics, presentation=presentation), f"{key}.metrics")
+            show_live_chart(figures.metrics_chart(cache.metrics, presentation=presentation), f"{key}.metrics")
     else:
         _alerts(store, run_id, stats)
     if status not in ACTIVE:
@@ -375,8 +378,8 @@ def _histograms(histograms, stats, tensor, key, presentation):
     with_hist = [layer for layer in layers if layer in set(histograms["layer"])]
     layer = st.selectbox("Layer", with_hist, key=f"{key}.hist_layer")
     hist_tensor = "kernel" if tensor == figures.ALL_WEIGHTS else tensor
-    show_chart(figures.histogram_heatmap(histograms, layer, hist_tensor, presentation=presentation),
-               f"{key}.hist")
+    show_live_chart(figures.histogram_heatmap(histograms, layer, hist_tensor, presentation=presentation),
+                    f"{key}.hist")
 
 
 def _alerts(store, run_id, stats):
