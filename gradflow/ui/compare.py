@@ -4,10 +4,10 @@ import streamlit as st
 
 from gradflow import figures
 from gradflow.ui import resources
-from gradflow.ui.charts import show_chart
 from gradflow.ui.controls import WIDGETS
 from gradflow.ui.fragments import isolated_fragment
 from gradflow.ui.live import ACTIVE, LIVE_MAX_COLUMNS, POLL_SECONDS, run_name
+from gradflow.ui.live_chart import show_live_chart
 
 _SELECTED = "compare.run_ids"
 _PICKER = "compare.picker"
@@ -96,13 +96,13 @@ def _charts(run_ids, was_active):
     presentation = st.session_state.get("ui.presentation", False)
     statistic = st.radio("Statistic", ["max_abs", "l2_norm"], horizontal=True, key="compare.statistic")
     # Each run gets half the width, as a live-page heatmap does: the same column cap.
-    show_chart(figures.compare_heatmaps(ready, statistic, "kernel", max_columns=LIVE_MAX_COLUMNS,
-                                        presentation=presentation), "compare.heatmaps")
+    show_live_chart(figures.compare_heatmaps(ready, statistic, "kernel", max_columns=LIVE_MAX_COLUMNS,
+                                             presentation=presentation), "compare.heatmaps")
     left, right = st.columns(2)
     with left:
-        show_chart(figures.compare_profiles(ready, statistic=statistic, tensor="kernel",
-                                            presentation=presentation), "compare.profiles")
+        show_live_chart(figures.compare_profiles(ready, statistic=statistic, tensor="kernel",
+                                                 presentation=presentation), "compare.profiles")
     with right:
         ready_metrics = {name: frame for name, frame in metrics.items() if not frame.empty}
         if ready_metrics:
-            show_chart(figures.compare_metrics(ready_metrics, "loss", presentation=presentation), "compare.loss")
+            show_live_chart(figures.compare_metrics(ready_metrics, "loss", presentation=presentation), "compare.loss")
