@@ -90,8 +90,9 @@ def figure_update(figure, sent=None, config=None):
         revision the browser already holds, and `sent` is returned as is.
     """
     arrays, traces, layout = split_figure(figure)
-    traces_json = _to_json(traces)
-    layout_json = {key: _to_json(value) for key, value in layout.items()}
+    # Already plain JSON values (split_figure went through Plotly's encoder once).
+    traces_json = json.dumps(traces)
+    layout_json = {key: json.dumps(value) for key, value in layout.items()}
     if sent is None:
         revision = next(_revisions)
         update = {
@@ -213,9 +214,17 @@ def encode_array(array):
 def decode_array(encoded):
     """The numpy array of `encode_array`'s JSON (for tests and benches)."""
     if "bdata" in encoded:
-        flat = np.frombuffer(base64.b64decode(encoded["bdata"]), dtype="<" + encoded["dtype"])
-        return flat.reshape(encoded["shape"])
+        return _from_bdata(encoded)
     return np.array(encoded["values"], dtype=object).reshape(encoded["shape"])
+
+
+def _from_bdata(encoded):
+    """The numpy array of a `{dtype, bdata, shape}` typed array (ours or Plotly 6's)."""
+    flat = np.frombuffer(base64.b64decode(encoded["bdata"]), dtype="<" + encoded["dtype"])
+    shape = encoded.get("shape")
+    if isinstance(shape, str):  # Plotly writes "9,500"
+        shape = [int(n) for n in shape.split(",")]
+    return flat.reshape(shape) if shape else flat
 
 
 def _column_change(array, start):
@@ -224,14 +233,8 @@ def _column_change(array, start):
 
 def _as_array(value):
     if isinstance(value, dict):
-        if "bdata" not in value:
-            return None
         # Plotly 6 keeps numeric arrays as base64 typed arrays ({dtype, bdata, shape}).
-        flat = np.frombuffer(base64.b64decode(value["bdata"]), dtype="<" + value["dtype"])
-        shape = value.get("shape")
-        if isinstance(shape, str):
-            shape = [int(n) for n in shape.split(",")]
-        return flat.reshape(shape) if shape else flat
+        return _from_bdata(value) if "bdata" in value else None
     if isinstance(value, (list, tuple, np.ndarray)):
         array = np.asarray(value)
         return array.astype(object) if array.dtype.kind in "USO" else array
