@@ -24,6 +24,6 @@ navigation = st.navigation(
 # Start the run manager (and its warm worker, which imports TensorFlow in
 # its own process) with the server, not on the first click of Start training.
 resources.run_manager()
-# Plotly.js and the live-chart module, as static files beside this script (once per server).
+# Plotly.js (also gzipped) and the live-chart module, as static files beside this script (once per server).
 live_chart.publish_assets(pathlib.Path(__file__).parent)
 navigation.run()

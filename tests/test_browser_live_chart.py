@@ -4,14 +4,17 @@ The first test runs `gradflow/ui/live_chart.js` alone in Chromium (Plotly
 replaced by a stub that keeps what it is asked to draw) on the updates the
 server makes for a growing run. The second opens the dashboard on a run that
 keeps growing and reads the WebSocket frames: each tick sends the heatmaps'
-new columns, not their history.
+new columns, not their history. The third checks how the server sends
+Plotly.js: gzipped once on disk, not compressed again for every page.
 """
 
+import gzip
 import json
 import math
 import pathlib
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pandas as pd
@@ -226,3 +229,60 @@ def test_a_live_tick_sends_the_new_columns_not_the_history(chromium, tmp_path, a
     assert sent_per_tick < whole_figures / 50, (sent_per_tick, whole_figures)
     received_per_s = sum(len(p) for when, p in frames if start <= when < end) / window_s
     assert received_per_s < whole_figures / 5, (received_per_s, whole_figures)
+
+
+STATIC = "/app/static/gradflow/"
+# The live page without a run draws its empty heatmap panels ("... per layer").
+PLOTLY_DRAWN = """() => window.Plotly !== undefined && [...document.querySelectorAll('.js-plotly-plot')]
+  .some(p => p._fullLayout && String(p.layout.title && p.layout.title.text).includes('per layer'))"""
+
+
+def test_plotly_js_is_served_as_gzipped_on_disk_and_still_draws(chromium, tmp_path, artifacts_dir):
+    """Streamlit 1.67 gzips app static files anew per request (0.12 s of server CPU for
+    plotly.min.js, issue #7) but leaves `application/gzip` alone: the page fetches
+    `plotly.min.js.gz` as it is on disk and unpacks it. If Streamlit or Starlette starts
+    compressing it again (or stops serving .gz files as application/gzip), this fails."""
+    static = pathlib.Path(__file__).resolve().parent.parent / "static" / "gradflow"
+    with streamlit_server(tmp_path / "runs.db", extra_env={"GRADFLOW_PREWARM": "0"},
+                          log_path=artifacts_dir / "live-chart-static-server.log") as (url, _):
+        on_disk = (static / "plotly.min.js.gz").read_bytes()
+        assert gzip.decompress(on_disk) == (static / "plotly.min.js").read_bytes()
+        # As a browser asks: the server must send the file's bytes, not compress them again.
+        request = urllib.request.Request(f"{url}{STATIC}plotly.min.js.gz",
+                                         headers={"Accept-Encoding": "gzip, deflate, br, zstd"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.headers.get("Content-Type") == "application/gzip"
+            assert response.headers.get("Content-Encoding") is None
+            assert response.read() == on_disk
+
+        # The live page draws its (empty) heatmaps with the Plotly it unpacked.
+        context = chromium.new_context(viewport={"width": 1400, "height": 1000})
+        page = context.new_page()
+        fetched = []
+        page.on("response", lambda r: fetched.append(r) if STATIC in r.url else None)
+        try:
+            page.goto(url)
+            page.wait_for_function(PLOTLY_DRAWN, timeout=120_000, polling=200)
+            plotly_responses = [r for r in fetched if "/plotly.min.js" in r.url]
+            assert [r.url.split("?")[0].rsplit("/", 1)[1] for r in plotly_responses] == ["plotly.min.js.gz"]
+            gz = plotly_responses[0]
+            assert gz.status == 200
+            assert gz.all_headers().get("content-encoding") is None
+            assert gz.request.sizes()["responseBodySize"] == len(on_disk)
+            assert page.locator("[data-testid='stException']").count() == 0
+        finally:
+            context.close()
+
+        # A browser without DecompressionStream loads plotly.min.js instead, and draws.
+        context = chromium.new_context(viewport={"width": 1400, "height": 1000})
+        context.add_init_script("delete window.DecompressionStream;")
+        page = context.new_page()
+        fetched = []
+        page.on("response", lambda r: fetched.append(r) if STATIC in r.url else None)
+        try:
+            page.goto(url)
+            page.wait_for_function(PLOTLY_DRAWN, timeout=120_000, polling=200)
+            names = [r.url.split("?")[0].rsplit("/", 1)[1] for r in fetched if "/plotly.min.js" in r.url]
+            assert names == ["plotly.min.js"]
+        finally:
+            context.close()

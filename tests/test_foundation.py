@@ -60,15 +60,18 @@ def test_streamlit_config_is_safe_for_a_shared_server():
 
 
 def test_the_static_files_are_plotly_and_the_live_chart_module_copied_not_linked(tmp_path):
+    import gzip
+
     import plotly
 
     from gradflow.ui import live_chart
 
     assert live_chart.publish_assets(tmp_path)
     folder = tmp_path / "static" / "gradflow"
-    assert sorted(p.name for p in folder.iterdir()) == ["live_chart.js", "plotly.min.js"]
+    assert sorted(p.name for p in folder.iterdir()) == ["live_chart.js", "plotly.min.js", "plotly.min.js.gz"]
     plotly_js = pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
     assert (folder / "plotly.min.js").read_bytes() == plotly_js.read_bytes()
+    assert gzip.decompress((folder / "plotly.min.js.gz").read_bytes()) == plotly_js.read_bytes()
     assert (folder / "live_chart.js").read_bytes() == (REPO / "gradflow" / "ui" / "live_chart.js").read_bytes()
     # Streamlit serves a static file only if its real path is inside static/.
     assert not any(p.is_symlink() for p in folder.iterdir())

@@ -15,17 +15,39 @@ const asked = new Map(); // chart key -> {revision, at} of the last resend reque
 const RESEND_AFTER_MS = 3000;
 let plotly; // Promise of window.Plotly, loaded once per page
 
-function loadPlotly(src) {
-  plotly ??= new Promise((resolve, reject) => {
+function runScript(src, name = src) {
+  return new Promise((resolve, reject) => {
     const script = document.createElement("script");
     script.src = src;
     script.onload = () => resolve(window.Plotly);
-    script.onerror = () => {
-      plotly = undefined;
-      reject(new Error(`could not load ${src}`));
-    };
+    script.onerror = () => reject(new Error(`could not load ${name}`));
     document.head.appendChild(script);
   });
+}
+
+// Plotly.js gzipped as a file (`plotly.min.js.gz`, application/gzip): the
+// server sends it as it is on disk instead of compressing 4.8 MB for every
+// page (gradflow/ui/live_chart.py says why), and the page unpacks it here.
+async function runGzippedScript(gzipSrc) {
+  const response = await fetch(gzipSrc);
+  if (!response.ok) throw new Error(`could not load ${gzipSrc} (${response.status})`);
+  const text = await new Response(response.body.pipeThrough(new DecompressionStream("gzip"))).text();
+  const url = URL.createObjectURL(new Blob([text], { type: "text/javascript" }));
+  try {
+    return await runScript(url, gzipSrc);
+  } finally {
+    URL.revokeObjectURL(url);
+  }
+}
+
+// `src`: plotly.min.js; `gzipSrc` (optional): the same, gzipped, tried first.
+function loadPlotly(src, gzipSrc) {
+  const gzipped = gzipSrc && typeof DecompressionStream === "function";
+  plotly ??= (gzipped ? runGzippedScript(gzipSrc).catch(() => runScript(src)) : runScript(src))
+    .catch((error) => {
+      plotly = undefined;
+      throw error;
+    });
   return plotly;
 }
 
@@ -84,11 +106,11 @@ function askForWholeFigure(key, revision, setStateValue) {
   setStateValue("resend", { held: revision, at: Date.now() });
 }
 
-function draw(div, key, plotlySrc) {
+function draw(div, key, plotlySrc, plotlyGzipSrc) {
   if (div.gradflowPending) return; // the queued draw will take the newest state
   div.gradflowPending = true;
   div.gradflowDrawn = (div.gradflowDrawn ?? Promise.resolve())
-    .then(() => loadPlotly(plotlySrc))
+    .then(() => loadPlotly(plotlySrc, plotlyGzipSrc))
     .then((Plotly) => {
       div.gradflowPending = false;
       const { data, layout, config } = figure(held.get(key));
@@ -117,7 +139,7 @@ function chartDiv(parentElement, key, height) {
   return div;
 }
 
-export function render({ data: update, parentElement, setStateValue }, plotlySrc) {
+export function render({ data: update, parentElement, setStateValue }, plotlySrc, plotlyGzipSrc) {
   const { key } = update;
   let state = held.get(key);
   if (update.base === null || update.base === state?.revision) {
@@ -128,8 +150,8 @@ export function render({ data: update, parentElement, setStateValue }, plotlySrc
     askForWholeFigure(key, state?.revision ?? null, setStateValue);
   }
   const div = chartDiv(parentElement, key, state?.layout.height);
-  if (state) draw(div, key, plotlySrc);
-  else loadPlotly(plotlySrc).catch(() => {});
+  if (state) draw(div, key, plotlySrc, plotlyGzipSrc);
+  else loadPlotly(plotlySrc, plotlyGzipSrc).catch(() => {});
   return () => {
     if (!div.isConnected) window.Plotly?.purge(div);
   };

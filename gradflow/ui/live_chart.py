@@ -18,17 +18,29 @@ update names the revision it applies to. If the browser holds another one
 the component's `resend` state instead; the callback forgets the
 `SentFigure`, and the rerun that follows sends the whole figure.
 
-Plotly.js itself (4.8 MB) and the component's module are served once, as
-app static files (`server.enableStaticServing`): `publish_assets` copies
-them from the installed plotly package and from this package into
-`static/gradflow/` beside `app.py` when the server starts. Where static
-serving is off or the copy failed, `show_live_chart` falls back to
+Plotly.js itself (4.8 MB) and the component's module are served as app
+static files (`server.enableStaticServing`): `publish_assets` copies them
+from the installed plotly package and from this package into
+`static/gradflow/` beside `app.py` when the server starts, with Plotly.js
+also gzipped once there (`plotly.min.js.gz`, 1.5 MB). Where static serving
+is off or the copy failed, `show_live_chart` falls back to
 `st.plotly_chart`, which works, at the old cost. The files' URLs start with
 `server.baseUrlPath`: a reverse proxy that serves the dashboard under a path
 prefix needs that option set to the prefix.
+
+Why the `.gz` (issue #7): Streamlit 1.67 (Starlette) gzips every app static
+response anew, in the event loop, 64 KiB at a time; `plotly.min.js` cost the
+server 0.12 s of CPU per page load, 30 times when a class opens the page.
+Its middleware leaves `application/gzip` responses alone (the type Streamlit
+gives a `.gz` file), so the browser fetches `plotly.min.js.gz` as it is on
+disk and unpacks it itself (`DecompressionStream`, `live_chart.js`); a
+browser without it loads `plotly.min.js` as before.
+`tests/test_browser_live_chart.py` checks the headers, so a Streamlit or
+Starlette that starts compressing it again fails a test.
 """
 
 import functools
+import gzip
 import hashlib
 import logging
 import os
@@ -45,9 +57,13 @@ from gradflow.ui.figure_delta import figure_update
 # App static files live in <app folder>/static/ and are served at
 # <baseUrlPath>/app/static/ (Streamlit's convention); ours in a folder of their own.
 STATIC_FOLDER = pathlib.Path("static") / "gradflow"
+_PLOTLY_JS = pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+# File name -> a function that returns its content.
 _ASSETS = {
-    "plotly.min.js": pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js",
-    "live_chart.js": pathlib.Path(__file__).with_name("live_chart.js"),
+    "plotly.min.js": _PLOTLY_JS.read_bytes,
+    # Fixed header time, so the same Plotly gives the same bytes (and the file is left alone).
+    "plotly.min.js.gz": lambda: gzip.compress(_PLOTLY_JS.read_bytes(), compresslevel=9, mtime=0),
+    "live_chart.js": pathlib.Path(__file__).with_name("live_chart.js").read_bytes,
 }
 # As `st.plotly_chart(..., width="stretch")`: the chart follows its column's width.
 _CONFIG = {**figures.PLOTLY_CONFIG, "responsive": True}
@@ -57,7 +73,8 @@ _LOG = logging.getLogger(__name__)
 # Kept tiny: Streamlit sends a component's inline JavaScript with every update.
 _LOADER = """export default function (component) {
   const url = (path) => new URL(path, window.location.origin).href;
-  return import(url(%(module)s)).then((module) => module.render(component, url(%(plotly)s)));
+  return import(url(%(module)s))
+    .then((module) => module.render(component, url(%(plotly)s), url(%(plotly_gz)s)));
 }"""
 
 
@@ -70,9 +87,10 @@ class _Assets:
 
 @functools.cache
 def publish_assets(app_dir):
-    """Copy Plotly.js and the live-chart module into `app_dir`/static/gradflow/.
+    """Copy Plotly.js (also gzipped) and the live-chart module into `app_dir`/static/gradflow/.
 
-    Called by `app.py` when the server starts (once per process). Files are
+    Called by `app.py` when the server starts (once per process; gzipping
+    Plotly.js takes 0.2 s of CPU, once, instead of per page). Files are
     copied, not linked: Streamlit refuses a static path whose real location
     is outside `static/`. A file already there with the same content is left
     alone; a changed one is replaced atomically, so a browser never reads
@@ -82,15 +100,15 @@ def publish_assets(app_dir):
         app_dir: the folder of the app's main script (`app.py`).
 
     Returns:
-        True when both files are in place, False (and a logged warning) when
+        True when all files are in place, False (and a logged warning) when
         they could not be written; live charts then use `st.plotly_chart`.
     """
     target = pathlib.Path(app_dir) / STATIC_FOLDER
     versions = {}
     try:
         target.mkdir(parents=True, exist_ok=True)
-        for name, source in _ASSETS.items():
-            content = source.read_bytes()
+        for name, read in _ASSETS.items():
+            content = read()
             versions[name] = hashlib.sha256(content).hexdigest()[:12]
             path = target / name
             if path.is_file() and path.read_bytes() == content:
@@ -129,7 +147,8 @@ def _component(base_url_path, versions):
 
     return st.components.v2.component(
         "gradflow.live_chart",
-        js=_LOADER % {"module": url("live_chart.js"), "plotly": url("plotly.min.js")},
+        js=_LOADER % {"module": url("live_chart.js"), "plotly": url("plotly.min.js"),
+                      "plotly_gz": url("plotly.min.js.gz")},
         # In the page's DOM, not a shadow root: Plotly puts its CSS in the
         # document's head, and tests find the chart as `.js-plotly-plot`.
         isolate_styles=False,

@@ -1,0 +1,188 @@
+"""What serving Plotly.js and the live-chart module costs the server, per page load.
+
+    python3 bench/bench_static_assets.py [--loads 8] [--fetches 20] [--out FILE]
+
+One `streamlit run app.py` server on loopback (tests/browser.py, no warm
+worker), one headless Chromium. The live page draws its (empty) heatmaps
+through the live-chart component even without a run, so opening `/` loads
+Plotly.js and `live_chart.js` from `/app/static/gradflow/` (see
+`gradflow/ui/live_chart.py`). Measured, never asserted:
+
+- page loads: `--loads` fresh browser contexts (empty HTTP cache, as a new
+  student's browser) open `/` one after another and wait until Plotly has
+  drawn a chart; for each, the server process's CPU seconds (utime + stime
+  from /proc, its threads included, no workers), the wall time until drawn,
+  and every response under `/app/static/gradflow/`: status, encoded body
+  bytes, `Content-Encoding`, `Content-Type`, `Cache-Control`. A first page
+  load, before the measured ones, warms the server (imports, first script
+  run) and is not counted.
+- plain HTTP: `--fetches` sequential GETs of each published file with the
+  `Accept-Encoding` a browser sends, and the server's CPU seconds per GET:
+  the cost of the files alone, without the page's script runs.
+
+Writes bench/results/static_assets.json (or --out).
+"""
+
+import argparse
+import http.client
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import urllib.parse
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.browser import CHROMIUM_ARGS, chromium_path, streamlit_server  # noqa: E402
+
+ASSET_PREFIX = "/app/static/gradflow/"
+# What Chromium sends for a script; the server picks gzip from it.
+ACCEPT_ENCODING = "gzip, deflate, br, zstd"
+DRAWN = "() => window.Plotly && document.querySelector('.js-plotly-plot') !== null"
+HEADERS = ("content-type", "content-encoding", "content-length", "cache-control", "etag", "vary")
+
+
+def server_cpu_seconds(pid):
+    """CPU seconds of one process so far (all its threads; children not)."""
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    # utime and stime: fields 14 and 15 of proc(5), counted from after the name.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_quiet(pid, window_s=0.5, limit_s=30.0):
+    """Wait until the server uses (almost) no CPU over `window_s`."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        before = server_cpu_seconds(pid)
+        time.sleep(window_s)
+        if server_cpu_seconds(pid) - before < 0.02:
+            return
+    print(f"warning: the server did not go quiet within {limit_s} s", file=sys.stderr)
+
+
+def page_load(browser, url, pid):
+    """Open `url` in a fresh context, wait until Plotly drew; CPU, wall time and assets."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    responses = []
+    page.on("response", lambda r: responses.append(r) if ASSET_PREFIX in r.url else None)
+    wait_quiet(pid)
+    cpu = server_cpu_seconds(pid)
+    start = time.monotonic()
+    page.goto(url)
+    page.wait_for_function(DRAWN, timeout=120_000, polling=100)
+    drawn_s = time.monotonic() - start
+    page.wait_for_load_state("networkidle")
+    wait_quiet(pid)
+    cpu = server_cpu_seconds(pid) - cpu
+    assets = []
+    for response in responses:
+        headers = response.all_headers()
+        assets.append(
+            {
+                "path": urllib.parse.urlsplit(response.url).path,
+                "status": response.status,
+                "encoded_body_bytes": response.request.sizes()["responseBodySize"],
+                **{name: headers.get(name) for name in HEADERS},
+            }
+        )
+    context.close()
+    return {"server_cpu_s": round(cpu, 3), "drawn_s": round(drawn_s, 2), "assets": assets}
+
+
+def fetch(url, path, count, pid):
+    """`count` sequential GETs of `path`; server CPU per GET, bytes and headers."""
+    parts = urllib.parse.urlsplit(url)
+    wait_quiet(pid)
+    cpu = server_cpu_seconds(pid)
+    start = time.monotonic()
+    for _ in range(count):
+        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+        connection.request("GET", path, headers={"Accept-Encoding": ACCEPT_ENCODING})
+        response = connection.getresponse()
+        body = response.read()
+        headers = {name: response.getheader(name) for name in HEADERS}
+        status = response.status
+        connection.close()
+    wall = time.monotonic() - start
+    cpu = server_cpu_seconds(pid) - cpu
+    return {
+        "path": path,
+        "status": status,
+        "bytes_on_wire": len(body),
+        **headers,
+        "server_cpu_s_per_get": round(cpu / count, 4),
+        "wall_s_per_get": round(wall / count, 4),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--loads", type=int, default=8)
+    parser.add_argument("--fetches", type=int, default=20)
+    parser.add_argument(
+        "--out", type=pathlib.Path, default=ROOT / "bench" / "results" / "static_assets.json"
+    )
+    args = parser.parse_args()
+
+    from playwright.sync_api import sync_playwright
+
+    executable = chromium_path()
+    if executable is None:
+        sys.exit("no Chromium found (set GRADFLOW_CHROMIUM)")
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        streamlit_server(pathlib.Path(tmp) / "runs.db", extra_env={"GRADFLOW_PREWARM": "0"}) as (
+            url,
+            process,
+        ),
+        sync_playwright() as playwright,
+    ):
+        browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        warm = page_load(browser, url, process.pid)
+        loads = [page_load(browser, url, process.pid) for _ in range(args.loads)]
+        browser.close()
+        paths = sorted(
+            {asset["path"] for asset in warm["assets"]}
+            | {
+                ASSET_PREFIX + name
+                for name in ("plotly.min.js", "plotly.min.js.gz", "live_chart.js")
+            }
+        )
+        fetches = [fetch(url, path, args.fetches, process.pid) for path in paths]
+
+    cpu = [load["server_cpu_s"] for load in loads]
+    result = {
+        "command": " ".join(["python3", "bench/bench_static_assets.py", *sys.argv[1:]]),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "loadavg_at_end": os.getloadavg(),
+        },
+        "page_loads": {
+            "count": len(loads),
+            "server_cpu_s_median": round(statistics.median(cpu), 3),
+            "server_cpu_s_min": min(cpu),
+            "server_cpu_s_max": max(cpu),
+            "drawn_s_median": round(statistics.median(load["drawn_s"] for load in loads), 2),
+            "asset_bytes_per_load": sum(a["encoded_body_bytes"] for a in loads[0]["assets"]),
+            "assets_of_first_measured_load": loads[0]["assets"],
+            "each": [{k: v for k, v in load.items() if k != "assets"} for load in loads],
+        },
+        "warm_up_load": {k: v for k, v in warm.items() if k != "assets"},
+        "http_fetches": fetches,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("page_loads", "http_fetches")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
