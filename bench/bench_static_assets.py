@@ -19,6 +19,10 @@ Plotly.js and `live_chart.js` from `/app/static/gradflow/` (see
 - plain HTTP: `--fetches` sequential GETs of each published file with the
   `Accept-Encoding` a browser sends, and the server's CPU seconds per GET:
   the cost of the files alone, without the page's script runs.
+- a class opening the page: `--concurrent` GETs of each Plotly file at once,
+  while another thread asks `/_stcore/health` every 20 ms; the health
+  answers' latency shows how long the server's event loop (which also
+  carries every page's WebSocket) was kept from other work.
 
 Writes bench/results/static_assets.json (or --out).
 """
@@ -32,6 +36,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 
@@ -122,10 +127,63 @@ def fetch(url, path, count, pid):
     }
 
 
+def get(url, path):
+    """One GET of `path` as a browser asks; the body's bytes and headers."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    try:
+        connection.request("GET", path, headers={"Accept-Encoding": ACCEPT_ENCODING})
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def concurrent_fetch(url, path, count, pid):
+    """`count` GETs of `path` at once; the event loop's responsiveness meanwhile."""
+    wait_quiet(pid)
+    latencies, done = [], threading.Event()
+
+    def probe():
+        while not done.is_set():
+            start = time.monotonic()
+            get(url, "/_stcore/health")
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.02)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    time.sleep(0.2)
+    cpu = server_cpu_seconds(pid)
+    start = time.monotonic()
+    fetchers = [threading.Thread(target=get, args=(url, path)) for _ in range(count)]
+    for thread in fetchers:
+        thread.start()
+    for thread in fetchers:
+        thread.join()
+    wall = time.monotonic() - start
+    cpu = server_cpu_seconds(pid) - cpu
+    time.sleep(0.2)
+    done.set()
+    prober.join()
+    ordered = sorted(latencies)
+    return {
+        "path": path,
+        "concurrent_gets": count,
+        "wall_s": round(wall, 2),
+        "server_cpu_s": round(cpu, 2),
+        "health_probes": len(ordered),
+        "health_latency_s_median": round(statistics.median(ordered), 4),
+        "health_latency_s_p95": round(ordered[int(0.95 * (len(ordered) - 1))], 4),
+        "health_latency_s_max": round(ordered[-1], 4),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--loads", type=int, default=8)
     parser.add_argument("--fetches", type=int, default=20)
+    parser.add_argument("--concurrent", type=int, default=10)
     parser.add_argument(
         "--out", type=pathlib.Path, default=ROOT / "bench" / "results" / "static_assets.json"
     )
@@ -156,6 +214,10 @@ def main():
             }
         )
         fetches = [fetch(url, path, args.fetches, process.pid) for path in paths]
+        at_once = [
+            concurrent_fetch(url, ASSET_PREFIX + name, args.concurrent, process.pid)
+            for name in ("plotly.min.js", "plotly.min.js.gz")
+        ]
 
     cpu = [load["server_cpu_s"] for load in loads]
     result = {
@@ -178,10 +240,12 @@ def main():
         },
         "warm_up_load": {k: v for k, v in warm.items() if k != "assets"},
         "http_fetches": fetches,
+        "concurrent_fetches": at_once,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("page_loads", "http_fetches")}, indent=2))
+    keys = ("page_loads", "http_fetches", "concurrent_fetches")
+    print(json.dumps({k: result[k] for k in keys}, indent=2))
 
 
 if __name__ == "__main__":
