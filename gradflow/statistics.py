@@ -5,8 +5,10 @@ Every per-tensor statistic in gradflow (snapshot, monitor, runner) comes from
 
 Tensors of the same shape are stacked and reduced together, over every axis
 but the first: a 20-layer MLP has forty weight tensors but only a handful of
-shapes, so the kernel adds a few dozen ops to a train step instead of
-hundreds. On CPU that matters more than anything else, since each small op
+shapes. Each shape group takes only the reductions that need a pass over its
+entries (`_raw_sums`); the arithmetic that turns sums into statistics runs
+once, on the rows of every group joined (`_finish`). So the kernel adds about
+fifteen ops per distinct shape to a train step, not dozens per tensor. On CPU that matters more than anything else, since each small op
 costs microseconds to dispatch. An earlier version flattened everything into
 one vector and used segment operations; those kernels are single-threaded on
 CPU and the concatenation copies every entry, which made it slower still.
@@ -34,61 +36,91 @@ def _dense_float(tensor):
 
 def _rows(stacked):
     """View a `[k, ...]` stack as `[k, entries]` (a scalar gets one entry)."""
-    return tf.reshape(stacked, [tf.shape(stacked)[0], -1])
+    if stacked.shape.rank == 2:
+        return stacked
+    entries = stacked.shape[1:].num_elements()
+    if entries is None:
+        return tf.reshape(stacked, [tf.shape(stacked)[0], -1])
+    return tf.reshape(stacked, [stacked.shape[0], entries])
 
 
-def _stacked_statistics(stacked):
-    """The six statistics of each tensor of a `[k, ...]` stack: `[k, 6]`.
+def _entries(rows):
+    """Entries per row of `[k, entries]`, as float32 `[k, 1]` (a constant when known)."""
+    if rows.shape[1] is not None and rows.shape[0] is not None:
+        return tf.constant(float(rows.shape[1]), shape=[rows.shape[0], 1])
+    return tf.fill([tf.shape(rows)[0], 1], tf.cast(tf.shape(rows)[1], tf.float32))
 
-    Written for few passes over the entries and few full-size temporaries,
-    which is what a large tensor costs: one `|g|`, one `(g - mean)^2` and one
-    zero mask. Everything else comes from reductions of those and of `g`.
+
+# The columns of `_raw_sums`, reduced per group and finished once for all.
+_RAW = ("entries", "total", "sum_abs", "deviations", "max_abs", "zeros", "nonfinite")
+
+
+def _raw_sums(stacked):
+    """The reductions behind the statistics of each tensor of a `[k, ...]` stack: `[k, 7]`.
+
+    Only what needs a pass over the entries happens here, per shape group;
+    `_finish` turns the rows of every group into statistics at once, so the
+    per-group op count stays small (every reduction keeps its axis, so the
+    columns join without reshapes). Written for few passes and few
+    full-size temporaries, which is what a large tensor costs: one `|g|`,
+    one `(g - mean)^2` and one zero mask.
     """
     values = _rows(stacked)
-    size = tf.cast(tf.shape(values)[1], tf.float32)
-    count = tf.maximum(size, 1.0)
-    total = tf.reduce_sum(values, axis=1)
-    mean = total / count
+    entries = _entries(values)
+    total = tf.reduce_sum(values, axis=1, keepdims=True)
+    mean = total / tf.maximum(entries, 1.0)
     magnitude = tf.abs(values)
-    sum_abs = tf.reduce_sum(magnitude, axis=1)
+    sum_abs = tf.reduce_sum(magnitude, axis=1, keepdims=True)
     # Two-pass variance around the (rounded) mean: E[g^2] - E[g]^2 cancels
     # badly in float32 when entries share a large offset (2e3 +- 1e-2).
-    deviations = tf.reduce_sum(tf.math.squared_difference(values, mean[:, tf.newaxis]), axis=1)
+    deviations = tf.reduce_sum(tf.math.squared_difference(values, mean), axis=1, keepdims=True)
+    # reduce_max does not promise to propagate NaN; `_finish` uses sum |g|.
+    max_abs = tf.reduce_max(magnitude, axis=1, keepdims=True)
+    zeros = tf.reduce_sum(tf.cast(tf.equal(values, 0.0), tf.float32), axis=1, keepdims=True)
+    nonfinite = _nonfinite_counts(values, sum_abs)
+    return tf.concat([entries, total, sum_abs, deviations, max_abs, zeros, nonfinite], axis=1)
+
+
+def _finish(raw):
+    """`[n, 7]` rows of `_raw_sums` -> `[n, 6]` statistics (`schema.STATISTICS`)."""
+    entries, total, sum_abs, deviations, max_abs, zeros, nonfinite = tf.unstack(
+        raw, num=len(_RAW), axis=1
+    )
+    count = tf.maximum(entries, 1.0)
+    mean = total / count
     # sum |g| is NaN exactly when an entry is NaN, and finite exactly when
     # every entry is finite (an overflowing sum overflows sum g^2 too).
     has_nan = tf.math.is_nan(sum_abs)
     all_finite = tf.math.is_finite(sum_abs)
     # sum g^2 = sum (g - mean)^2 + n mean^2: both terms are >= 0, so no
     # cancellation, and no pass of its own.
-    l2_norm = tf.sqrt(deviations + size * tf.square(mean))
+    l2_norm = tf.sqrt(deviations + entries * tf.square(mean))
     l2_norm = tf.where(all_finite, l2_norm, tf.where(has_nan, _NAN, float("inf")))
     # An empty tensor's max is -inf; entries are >= 0, so clamping at 0 reports
     # 0 for it and changes nothing else (no branch: a cond is slow).
-    # reduce_max does not promise to propagate NaN; sum |g| does.
-    max_abs = tf.where(has_nan, _NAN, tf.maximum(tf.reduce_max(magnitude, axis=1), 0.0))
+    max_abs = tf.where(has_nan, _NAN, tf.maximum(max_abs, 0.0))
     std = tf.sqrt(deviations / count)  # keeps NaN
-    zeros = tf.cast(tf.reduce_sum(tf.cast(tf.equal(values, 0.0), tf.int32), axis=1), tf.float32)
-    nonfinite = _nonfinite_counts(values, all_finite)
-    mean_abs = sum_abs / count
-    return tf.stack([max_abs, l2_norm, mean_abs, std, zeros / count, nonfinite], axis=1)
+    return tf.stack([max_abs, l2_norm, sum_abs / count, std, zeros / count, nonfinite], axis=1)
 
 
-def _nonfinite_counts(values, all_finite):
-    """NaN/Inf entries per row; counted only when some row has one.
+def _nonfinite_counts(values, sum_abs):
+    """NaN/Inf entries per row; for a large group, counted only when some row has one.
 
     A healthy step skips the count (one cheap branch instead of a pass over
     every entry): a finite sum of |g| already proves every entry finite.
     """
 
     def count():
-        finite = tf.reduce_sum(tf.cast(tf.math.is_finite(values), tf.int32), axis=1)
-        return tf.cast(tf.shape(values)[1] - finite, tf.float32)
+        infinite = tf.logical_not(tf.math.is_finite(values))
+        return tf.reduce_sum(tf.cast(infinite, tf.float32), axis=1, keepdims=True)
 
-    rows = tf.shape(values)[0]
-    if values.shape.num_elements() is not None and values.shape.num_elements() <= _BRANCH_ABOVE:
+    size = values.shape.num_elements()
+    if size is not None and size <= _BRANCH_ABOVE:
         return count()  # small: counting costs less than a branch
     return tf.cond(
-        tf.reduce_all(all_finite), lambda: tf.zeros([rows], tf.float32), count
+        tf.reduce_all(tf.math.is_finite(sum_abs)),
+        lambda: tf.zeros_like(sum_abs),
+        count,
     )
 
 
@@ -117,36 +149,45 @@ class ShapeGroups:
             groups.setdefault(key, []).append(index)
         self.groups = list(groups.values())
         self.count = len(shapes)
+        self._shapes = [tf.TensorShape(shape) for shape in shapes]
         order = [index for group in self.groups for index in group]
         # Where each tensor's row lands in the concatenated group results.
         self._position = None if order == sorted(order) else sorted(range(len(order)), key=order.__getitem__)
 
     def stack(self, tensors):
-        """One `[k, ...]` stack per group (a copy of the values, except for a group of one)."""
-        return Stacked([_stack([tensors[i] for i in group]) for group in self.groups], self)
+        """One `[k, entries]` stack per group (a copy for several tensors, a view for one)."""
+        return Stacked([stack_rows([tensors[i] for i in group]) for group in self.groups], self)
 
-    def rows(self, per_group):
-        """Concatenate one result per group back into the tensors' order."""
-        joined = tf.concat(per_group, axis=0) if len(per_group) > 1 else per_group[0]
-        return joined if self._position is None else tf.gather(joined, self._position)
+    def is_large(self, group):
+        """Whether a group holds a tensor reduced on its own for its size."""
+        size = self._shapes[group[0]].num_elements()
+        return size is None or size >= _ALONE_FROM
+
+    def rows(self, per_group, axis=0):
+        """Concatenate one result per group back into the tensors' order (along `axis`)."""
+        joined = tf.concat(per_group, axis=axis) if len(per_group) > 1 else per_group[0]
+        return joined if self._position is None else tf.gather(joined, self._position, axis=axis)
 
     def l2_norms(self, stacks):
-        return self.rows([_stacked_l2_norms(s) for s in stacks])
+        return tf.sqrt(self.rows([sum_of_squares(s) for s in stacks]))
 
     def max_abs(self, stacks):
         return self.rows([_stacked_max_abs(s) for s in stacks])
 
 
-def _stack(tensors):
-    # A group of one needs no copy: add the leading axis instead.
-    return tensors[0][tf.newaxis] if len(tensors) == 1 else tf.stack(tensors)
+def stack_rows(tensors):
+    """Tensors of one shape as `[k, entries]` rows (a copy for several, a view for one)."""
+    if len(tensors) == 1:
+        return tf.reshape(tensors[0], [1, -1])  # no copy
+    return _rows(tf.stack(tensors))
 
 
-def _stacked_l2_norms(stacked):
-    if stacked.shape[0] == 1:
+def sum_of_squares(stacked):
+    """`sum g^2` of each row of a `[k, ...]` stack: `[k]`."""
+    if stacked.shape[0] == 1 and (stacked.shape.num_elements() or _ALONE_FROM) >= _ALONE_FROM:
         # One fused pass, no temporary the size of the tensor.
-        return tf.sqrt(2.0 * tf.nn.l2_loss(stacked))[tf.newaxis]
-    return tf.sqrt(tf.reduce_sum(tf.square(_rows(stacked)), axis=1))
+        return tf.reshape(2.0 * tf.nn.l2_loss(stacked), [1])
+    return tf.reduce_sum(tf.square(_rows(stacked)), axis=1)
 
 
 def _stacked_max_abs(stacked):
@@ -199,7 +240,7 @@ def summarize(tensors, histogram=False):
     if not tensors:
         raise ValueError("`tensors` must hold at least one tensor, got an empty list.")
     dense = [_dense_float(tensor) for tensor in tensors]
-    statistics = by_shape(dense, _stacked_statistics)
+    statistics = _finish(by_shape(dense, _raw_sums))
     histograms = tf.stack([_log_histogram(values) for values in dense]) if histogram else None
     return statistics, histograms
 

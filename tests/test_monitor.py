@@ -206,6 +206,28 @@ def test_statistics_equal_a_hand_written_tape_loop(name, optimizer_class, clip, 
         np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6)
 
 
+@pytest.mark.parametrize("optimizer_class", [keras.optimizers.SGD, keras.optimizers.Adam])
+def test_repeated_shapes_and_a_large_kernel_match_the_reference(optimizer_class):
+    # Same-shaped kernels and biases are reduced together and their norms
+    # after the update come from the copy before it plus the increment; a
+    # kernel of 300 x 300 entries is reduced on its own and read again.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((3,))]
+        + [keras.layers.Dense(8, activation="tanh", name=f"d{i}") for i in range(3)]
+        + [keras.layers.Dense(300, activation="relu", name=f"w{i}") for i in range(2)]
+        + [keras.layers.Dense(1, name="out")],
+        name="shapes",
+    )
+    reference = copy_of(model)
+    x, y = make_data()
+    model.compile(optimizer=optimizer_class(learning_rate=0.01), loss="mse")
+    monitor = GradientMonitor(activations=True)
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[monitor])
+    rows, metrics = reference_run(reference, optimizer_class(learning_rate=0.01), x, y, epochs=2)
+    assert_matches_reference(monitor, rows, metrics, rtol=1e-4)
+
+
 def test_sample_weights_validation_data_and_compiled_metrics():
     x, y = make_data()
     weights = np.linspace(0.5, 2.0, N).astype("float32")

@@ -76,8 +76,11 @@ def test_nonfinite_origin_is_the_layer_nearest_the_loss(activations):
     assert monitor.history.query("step < 3")["nonfinite"].sum() == 0
 
 
+# every=1 reads finiteness off the statistics computed before the update;
+# every=5 checks the gradients on their own (the step may not be recorded).
+@pytest.mark.parametrize("every", [1, 5])
 @pytest.mark.parametrize("steps_per_execution", [1, 2])
-def test_stop_on_nonfinite_stops_at_that_step_with_finite_weights(steps_per_execution):
+def test_stop_on_nonfinite_stops_at_that_step_with_finite_weights(steps_per_execution, every):
     x, y = blow_up_data(bad_step=3)
     model = blow_up_model()
     model.compile(
@@ -90,11 +93,11 @@ def test_stop_on_nonfinite_stops_at_that_step_with_finite_weights(steps_per_exec
             if int(self.model.optimizer.iterations) == 2:
                 before_bad_step["weights"] = self.model.get_weights()
 
-    monitor = GradientMonitor(stop_on_nonfinite=True, every=5)
+    monitor = GradientMonitor(stop_on_nonfinite=True, every=every)
     history = model.fit(
         x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[Keep(), monitor]
     )
-    # The non-finite step is recorded although it is not a multiple of `every`.
+    # The non-finite step is recorded, also when it is not a multiple of `every`.
     assert monitor.history["step"].max() == 3
     assert monitor.events.query("kind == 'nonfinite'")["step"].tolist() == [3]
     assert int(model.optimizer.iterations) == 3

@@ -25,7 +25,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from gradflow.monitor.buffer import STEP_METRICS, RingBuffer
 from gradflow.probe.capture import leaf_layers, record_layer_outputs
 from gradflow.probe.naming import variable_names
-from gradflow.statistics import ShapeGroups, Stacked, summarize
+from gradflow.statistics import ShapeGroups, Stacked, stack_rows, sum_of_squares, summarize
 
 _NAN = float("nan")
 
@@ -149,7 +149,7 @@ def instrumented_train_step(plan):
         # Update weights
         def update():
             capture = contextlib.nullcontext() if updates is None else updates.recording()
-            waits = [] if updates is None else [before_norms]
+            waits = [] if updates is None else updates.waits
             with _constraints_deferred(variables, constrained), capture:
                 with tf.control_dependencies(waits):
                     optimizer.apply_gradients(zip(weight_gradients, variables, strict=False))
@@ -160,20 +160,32 @@ def instrumented_train_step(plan):
                     variable = variables[index]
                     unconstrained.append(tf.identity(variable.value))
                     variable.assign(constraint(variable))
-            changes = [] if updates is None else [updates.change_norms()]
+            changes = [] if updates is None else list(updates.change_and_after_norms())
             return unconstrained, changes
 
-        finite = halted = None
-        if plan.stop_on_nonfinite:
+        recorded_gradients = _unscaled(_filled(weight_gradients, variables), scale)
+        activation_gradients = _unscaled(_filled(gradients[len(variables) :], activations), scale)
+        finite = halted = summary = None
+        if plan.stop_on_nonfinite and plan.every == 1 and plan.replicas == 1:
+            # Every step is summarized anyway: do it before the update and
+            # read finiteness off the statistics (no pass of its own; the
+            # kernel's L2 norm is finite exactly when every entry is).
+            summary = summarize(recorded_gradients + activation_gradients, plan.histograms)
+            finite = tf.reduce_all(tf.math.is_finite(summary[0][: len(variables), 1]))
+        elif plan.stop_on_nonfinite:
             finite = _all_finite(weight_gradients)
         if plan.stop_on_nonfinite and plan.replicas == 1:
+            # A skipped update changes nothing: no change, the weights as before.
+            unchanged = [] if updates is None else [tf.zeros_like(before_norms), before_norms]
             (unconstrained, changes), halted = _update_unless_nonfinite(
-                plan, update, finite, [variables[i] for i in constrained], updates is not None
+                plan, update, finite, [variables[i] for i in constrained], unchanged
             )
         else:
             unconstrained, changes = update()
+        weight_norms = None
         if updates is not None:
             update_norms = (changes[0], before_norms)
+            weight_norms = changes[1]
 
         # Record gradient statistics
         step = tf.cast(optimizer.iterations, tf.int64)
@@ -188,7 +200,6 @@ def instrumented_train_step(plan):
                 if when is None
                 else tf.logical_and(when, tf.logical_not(halted))
             )
-        weight_gradients = _unscaled(_filled(weight_gradients, variables), scale)
         clipping = _clipping_optimizer(optimizer)
         _record(
             plan,
@@ -196,16 +207,19 @@ def instrumented_train_step(plan):
             step=step,
             loss=loss,
             learning_rate=learning_rate,
-            weight_gradients=weight_gradients,
-            activation_gradients=_unscaled(
-                _filled(gradients[len(variables) :], activations), scale
+            weight_gradients=recorded_gradients,
+            activation_gradients=activation_gradients,
+            summary=summary,
+            weights=(
+                weight_norms
+                if weight_norms is not None
+                else weight_groups.stack([v.value for v in variables])
             ),
-            weights=weight_groups.stack([v.value for v in variables]),
             weights_before=weights_before,
             update_norms=update_norms,
             unconstrained=dict(zip(constrained, unconstrained, strict=False)),
             clipped_gradients=(
-                None if clipping is None else clipping._clip_gradients(weight_gradients)
+                None if clipping is None else clipping._clip_gradients(recorded_gradients)
             ),
         )
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -213,7 +227,7 @@ def instrumented_train_step(plan):
     return train_step
 
 
-def _update_unless_nonfinite(plan, update, finite, constrained_variables, captured):
+def _update_unless_nonfinite(plan, update, finite, constrained_variables, unchanged):
     """Run `update` only while every gradient is finite and no step halted.
 
     Like `LossScaleOptimizer`, a non-finite step leaves the weights alone, so
@@ -234,8 +248,7 @@ def _update_unless_nonfinite(plan, update, finite, constrained_variables, captur
             plan.buffer.halted.assign(1)
 
         tf.cond(halted, lambda: None, halt)
-        unchanged = [tf.zeros([len(plan.model.trainable_weights)])] if captured else []
-        return [tf.identity(v.value) for v in constrained_variables], unchanged
+        return [tf.identity(v.value) for v in constrained_variables], list(unchanged)
 
     go = tf.logical_and(finite, tf.logical_not(halted))
     return tf.cond(go, update, skip), halted
@@ -305,8 +318,13 @@ def _record(
     update_norms=None,
     unconstrained=None,
     clipped_gradients=None,
+    summary=None,
 ):
-    """Summarize one step and write it to the ring: when `when` holds, or always if it is None."""
+    """Summarize one step and write it to the ring: when `when` holds, or always if it is None.
+
+    `summary` is `summarize`'s result for these gradients when the step has
+    it already (one replica only: it is not all-reduced here).
+    """
     if plan.replicas > 1:
         # Each replica holds the gradient of its share of the batch; Keras
         # sums them inside `optimizer.apply`. Sum them here too (and put the
@@ -335,6 +353,7 @@ def _record(
             update_norms,
             unconstrained or {},
             clipped_gradients,
+            summary,
         )
         plan.buffer.write(step, stats, metrics, histograms)
 
@@ -355,23 +374,28 @@ def _summarize_step(
     update_norms,
     unconstrained,
     clipped_gradients,
+    summary,
 ):
     count = len(weight_gradients)
-    stats, histograms = summarize(weight_gradients + activation_gradients, plan.histograms)
+    if summary is None:
+        summary = summarize(weight_gradients + activation_gradients, plan.histograms)
+    stats, histograms = summary
     missing = tf.fill([count], _NAN)
 
     # Weights, their change and the clipped gradients share the shapes of the
-    # weights, so they share one set of constant segment ids.
-    segments = _WeightSegments(weights)
-    columns = [segments.flat(weights)]
+    # weights, so they share one grouping by shape.
+    segments = _WeightSegments(weights if isinstance(weights, Stacked) else weight_gradients)
+    # `weights` is either the weights after the update (stacked) or, when the
+    # step took them from the optimizer's increments, their norms already.
+    columns = [] if isinstance(weights, tf.Tensor) else [segments.flat(weights)]
     if weights_before is not None:
         before = segments.flat(weights_before)
         columns += [segments.difference(columns[0], before), before]
     if clipped_gradients is not None:
         clipped_values = segments.flat(clipped_gradients)
         columns.append(clipped_values)
-    norms = tf.unstack(segments.norms(columns), num=len(columns), axis=1)
-    weight_norm = norms[0]
+    norms = tf.unstack(segments.norms(columns), num=len(columns), axis=1) if columns else []
+    weight_norm = weights if isinstance(weights, tf.Tensor) else norms[0]
     update_ratio = missing
     if weights_before is not None:
         update_norms = (norms[1], norms[2])
@@ -462,11 +486,20 @@ class _UpdateCapture:
         return cls(optimizer, variables, groups) if eligible else None
 
     def norms_before(self):
-        """`||w||` of every variable, read before the update."""
-        # The update waits for these, so it never has to copy a buffer the
-        # reads still hold (a large tensor is reduced in place; small ones
-        # are stacked by shape, so few ops).
-        return self.groups.l2_norms(self.groups.stack([v.value for v in self.variables]))
+        """`||w||` of every variable, read before the update.
+
+        Small tensors are stacked by shape (a copy, kept for the norms after
+        the update), so the update need not wait for their norms. A large
+        tensor is reduced where it lies, and the update waits for that:
+        holding its buffer across the update would make the update copy it.
+        """
+        groups = self.groups
+        self._before = groups.stack([v.value for v in self.variables])
+        squares = [sum_of_squares(stack) for stack in self._before]
+        self.waits = [
+            s for group, s in zip(groups.groups, squares, strict=True) if groups.is_large(group)
+        ]
+        return tf.sqrt(groups.rows(squares))
 
     @contextlib.contextmanager
     def recording(self):
@@ -475,33 +508,53 @@ class _UpdateCapture:
         originals = {name: getattr(optimizer, name) for name in ("assign_add", "assign_sub")}
         self._increments = {}
 
-        def wrap(name):
+        def wrap(name, sign):
             def assign(variable, value):
                 index = self._index.get(optimizer._var_key(variable))
                 if index is not None:
                     increment = tf.cast(tf.convert_to_tensor(value), tf.float32)
-                    self._increments.setdefault(index, []).append(increment)
+                    self._increments.setdefault(index, []).append((sign, increment))
                 return originals[name](variable, value)
 
             return assign
 
-        for name in originals:
-            object.__setattr__(optimizer, name, wrap(name))
+        for name, sign in (("assign_add", 1.0), ("assign_sub", -1.0)):
+            object.__setattr__(optimizer, name, wrap(name, sign))
         try:
             yield
         finally:
             for name in originals:
                 optimizer.__dict__.pop(name, None)
 
-    def change_norms(self):
-        """`||dw||` of every variable; NaN for one not updated exactly once."""
-        increments = []
-        for index, variable in enumerate(self.variables):
-            taken = self._increments.get(index, [])
-            increments.append(
-                taken[0] if len(taken) == 1 else tf.fill(variable.shape, _NAN)
+    def change_and_after_norms(self):
+        """`||dw||` and `||w + dw||` of every variable, once the update is traced.
+
+        For small tensors both come from the stacked copy before the update
+        and the increments, in one reduction per shape group: nothing waits
+        for the update to finish, so these ops run beside the optimizer's.
+        A large tensor is read again after the update instead; a variable not
+        updated exactly once gets a NaN change and is read again too.
+        """
+        groups = self.groups
+        squares = []
+        for group, before in zip(groups.groups, self._before, strict=True):
+            taken = [self._increments.get(i, []) for i in group]
+            exact = all(len(t) == 1 for t in taken)
+            increments = stack_rows(
+                [
+                    t[0][1] if len(t) == 1 else tf.fill(self.variables[i].shape, _NAN)
+                    for i, t in zip(group, taken, strict=True)
+                ]
             )
-        return self.groups.l2_norms(self.groups.stack(increments))
+            if exact and not groups.is_large(group):
+                signs = tf.constant([[t[0][0]] for t in taken], tf.float32)
+                both = tf.stack([increments, before + signs * increments])
+                squares.append(tf.reduce_sum(tf.square(both), axis=2))
+            else:
+                after = stack_rows([self.variables[i].value for i in group])
+                squares.append(tf.stack([sum_of_squares(increments), sum_of_squares(after)]))
+        change, after = tf.unstack(tf.sqrt(groups.rows(squares, axis=1)), num=2)
+        return change, after
 
 
 class _WeightSegments:
