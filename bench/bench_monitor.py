@@ -1,7 +1,7 @@
 """GradientMonitor overhead: steps/s of `model.fit` with and without the monitor.
 
     python3 bench/bench_monitor.py [--steps 200] [--repeats 3] [--models mlp5,mlp20,cnn]
-                                   [--size small|large] [--out FILE]
+                                   [--size small|large] [--threads N] [--out FILE]
 
 For each model, three variants train side by side, interleaved repetition by
 repetition: plain `fit`, `fit` with `GradientMonitor()` (weights, every step)
@@ -121,7 +121,18 @@ def main():
     parser.add_argument("--models", default="mlp5,mlp20,cnn")
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="TensorFlow intra- and inter-op threads (0: TensorFlow's default, all cores). "
+        "On this 2-core VM a plain small step flips between two speeds from one fit to the "
+        "next with the default; one thread gives repeatable ratios.",
+    )
     args = parser.parse_args()
+    if args.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     global SIZE, BATCH
     SIZE = SIZES[args.size]
     BATCH = SIZE["batch"]
@@ -139,6 +150,12 @@ def main():
             "steps_per_second": medians,
             "all_steps_per_second": rates,
             "ratio": {v: medians[v] / medians["plain"] for v in ("weights", "activations")},
+            # Each repetition's ratio to the plain fit run just before it: slow drifts of
+            # the machine's speed cancel out.
+            "paired_ratio_median": {
+                v: statistics.median(m / p for m, p in zip(rates[v], rates["plain"], strict=True))
+                for v in ("weights", "activations")
+            },
             "monitor_ms_per_step": {
                 v: 1e3 * (1 / medians[v] - 1 / medians["plain"]) for v in ("weights", "activations")
             },
@@ -146,16 +163,20 @@ def main():
 
     print(f"size {args.size}: {SIZE}")
     print(
-        f"{'model':<8}{'plain/s':>10}{'weights/s':>11}{'ratio':>8}{'ms':>7}"
-        f"{'activ./s':>10}{'ratio':>8}{'ms':>7}"
+        f"{'model':<8}{'plain/s':>10}{'weights/s':>11}{'ratio':>8}{'paired':>8}{'ms':>7}"
+        f"{'activ./s':>10}{'ratio':>8}{'paired':>8}{'ms':>7}"
     )
     for name, r in results.items():
         s, q, c = r["steps_per_second"], r["ratio"], r["monitor_ms_per_step"]
+        p = r["paired_ratio_median"]
         print(
-            f"{name:<8}{s['plain']:>10.1f}{s['weights']:>11.1f}{q['weights']:>7.2f}x{c['weights']:>7.2f}"
-            f"{s['activations']:>10.1f}{q['activations']:>7.2f}x{c['activations']:>7.2f}"
+            f"{name:<8}{s['plain']:>10.1f}{s['weights']:>11.1f}{q['weights']:>7.2f}x"
+            f"{p['weights']:>7.2f}x{c['weights']:>7.2f}"
+            f"{s['activations']:>10.1f}{q['activations']:>7.2f}x"
+            f"{p['activations']:>7.2f}x{c['activations']:>7.2f}"
         )
-    default = "monitor.json" if args.size == "small" else f"monitor-{args.size}.json"
+    default = "monitor" + ("" if args.size == "small" else f"-{args.size}")
+    default += (f"-{args.threads}-thread" if args.threads else "") + ".json"
     out = pathlib.Path(args.out or pathlib.Path(__file__).resolve().parent / "results" / default)
     out.parent.mkdir(exist_ok=True)
     out.write_text(
@@ -168,6 +189,7 @@ def main():
                 "model_sizes": SIZE,
                 "batch_size": BATCH,
                 "load_average_1min": os.getloadavg()[0],
+                "threads": args.threads or "default",
                 "targets": TARGETS,
                 "devices": [d.device_type for d in tf.config.list_logical_devices()],
                 "machine": platform.machine(),
