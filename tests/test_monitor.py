@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from gradflow import schema
 from gradflow.monitor import GradientMonitor
+from gradflow.monitor import step as step_module
 
 N, BATCH = 24, 8  # 3 steps per epoch
 
@@ -206,11 +207,17 @@ def test_statistics_equal_a_hand_written_tape_loop(name, optimizer_class, clip, 
         np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6)
 
 
+@pytest.mark.parametrize("one_op_at_a_time", [False, True], ids=["parallel", "sequential"])
 @pytest.mark.parametrize("optimizer_class", [keras.optimizers.SGD, keras.optimizers.Adam])
-def test_repeated_shapes_and_a_large_kernel_match_the_reference(optimizer_class):
+def test_repeated_shapes_and_a_large_kernel_match_the_reference(
+    optimizer_class, one_op_at_a_time, monkeypatch
+):
     # Same-shaped kernels and biases are reduced together and their norms
     # after the update come from the copy before it plus the increment; a
     # kernel of 300 x 300 entries is reduced on its own and read again.
+    # "sequential": the order the step takes with one inter-op thread (the
+    # lab's workers), statistics before the update.
+    monkeypatch.setattr(step_module, "_one_op_at_a_time", lambda: one_op_at_a_time)
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [keras.Input((3,))]

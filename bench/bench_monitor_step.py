@@ -1,0 +1,147 @@
+"""The monitor's cost inside the compiled train step, without `fit` around it.
+
+    python3 bench/bench_monitor_step.py [--models lab,mlp5,mlp20,cnn] [--threads 1]
+                                        [--steps 200] [--rounds 15] [--out FILE]
+
+`bench_monitor.py` measures what a user sees (steps/s of `model.fit`); on this
+2-core VM one plain `fit` of a small model can run at half the speed of the
+next, so its ratios move by +-0.1 between runs. This bench isolates the part
+gradflow adds: Keras's own `train_step` and gradflow's instrumented one, each
+in a `tf.function`, called on one fixed batch. Every round times `--steps`
+calls of each variant back to back, and the cost of a variant is the median
+over rounds of (its time - the plain step's time in the same round), so drifts
+of the machine's speed cancel out.
+
+Variants: `plain` (Keras), `weights` (the monitor's default), `activations`
+(`activations=True`) and `stop_on_nonfinite` (the lab runner's setting: the
+update is skipped on a non-finite step). Models: those of `bench_monitor.py`
+(small size) and `lab`, the lab's default 4x32 MLP on digits with SGD.
+Writes bench/results/monitor-step.json (or --out).
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import tensorflow as tf  # noqa: E402
+
+VARIANTS = {
+    "plain": None,
+    "weights": {},
+    "activations": {"activations": True},
+    "stop_on_nonfinite": {"stop_on_nonfinite": True},
+}
+
+
+def build(name):
+    if name != "lab":
+        import bench_monitor
+
+        x, y = bench_monitor.data(name, 1)
+        return bench_monitor.build(name), x, y
+    from gradflow.lab.config import RunConfig
+    from gradflow.lab.datasets import load_dataset
+    from gradflow.lab.models import build_model
+
+    config = RunConfig()
+    dataset = load_dataset(config)
+    return build_model(config, dataset), dataset.x_train[:32], dataset.y_train[:32]
+
+
+def compiled_step(name, options):
+    from gradflow.monitor.step import StepPlan, instrumented_train_step
+
+    model, x, y = build(name)
+    batch = (tf.constant(x), tf.constant(y))
+    model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)  # builds the optimizer
+    if options is None:
+        step = tf.function(model.train_step)
+    else:
+        plan = StepPlan(
+            model,
+            capacity=16,
+            activations=options.get("activations", False),
+            every=1,
+            histograms=False,
+            stop_on_nonfinite=options.get("stop_on_nonfinite", False),
+        )
+        plan.prepare(model.trainable_weights)
+        step = tf.function(instrumented_train_step(plan))
+    for _ in range(20):  # trace and warm up
+        step(batch)
+    return step, batch
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="lab,mlp5,mlp20,cnn")
+    parser.add_argument("--threads", type=int, default=1, help="TensorFlow threads (0: default)")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+
+    results = {}
+    for name in args.models.split(","):
+        steps = {v: compiled_step(name, options) for v, options in VARIANTS.items()}
+        times = {v: [] for v in VARIANTS}
+        for _ in range(args.rounds):
+            for variant, (step, batch) in steps.items():
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    logs = step(batch)
+                float(logs["loss"])  # wait for the last step
+                times[variant].append((time.perf_counter() - start) / args.steps)
+        plain = statistics.median(times["plain"])
+        extra = {
+            v: statistics.median(t - p for t, p in zip(times[v], times["plain"], strict=True))
+            for v in VARIANTS
+            if v != "plain"
+        }
+        results[name] = {
+            "plain_ms": 1e3 * plain,
+            "extra_ms": {v: 1e3 * e for v, e in extra.items()},
+            "ratio": {v: plain / (plain + e) for v, e in extra.items()},
+        }
+        row = " ".join(
+            f"{v} +{1e3 * e:.3f} ms ({plain / (plain + e):.2f}x)" for v, e in extra.items()
+        )
+        print(f"{name:<6} plain {1e3 * plain:.3f} ms  {row}", flush=True)
+
+    out = pathlib.Path(
+        args.out or pathlib.Path(__file__).resolve().parent / "results" / "monitor-step.json"
+    )
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python3 bench/bench_monitor_step.py " + " ".join(sys.argv[1:]),
+                "threads": args.threads or "default",
+                "steps": args.steps,
+                "rounds": args.rounds,
+                "load_average_1min": os.getloadavg()[0],
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "results": results,
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
