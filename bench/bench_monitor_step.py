@@ -16,6 +16,11 @@ Variants: `plain` (Keras), `weights` (the monitor's default), `activations`
 (`activations=True`) and `stop_on_nonfinite` (the lab runner's setting: the
 update is skipped on a non-finite step). Models: those of `bench_monitor.py`
 (small size) and `lab`, the lab's default 4x32 MLP on digits with SGD.
+
+`--baseline DIR` adds `baseline weights` and `baseline stop_on_nonfinite`:
+the same steps built by the statistics kernel and train step of another
+checkout (e.g. `git worktree add /tmp/base <commit>`), timed in the same
+rounds, so a change is measured side by side in one process.
 Writes bench/results/monitor-step.json (or --out).
 """
 
@@ -27,6 +32,7 @@ import platform
 import statistics
 import sys
 import time
+import types
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -58,8 +64,32 @@ def build(name):
     return build_model(config, dataset), dataset.x_train[:32], dataset.y_train[:32]
 
 
-def compiled_step(name, options):
-    from gradflow.monitor.step import StepPlan, instrumented_train_step
+def load_baseline(checkout):
+    """The train-step module of another checkout, on top of its own statistics kernel."""
+    root = pathlib.Path(checkout)
+
+    def load(name, path, replace=()):
+        source = path.read_text()
+        for old, new in replace:
+            source = source.replace(old, new)
+        module = types.ModuleType(name)
+        module.__file__ = str(path)
+        sys.modules[name] = module
+        exec(compile(source, str(path), "exec"), module.__dict__)
+        return module
+
+    load("baseline_statistics", root / "gradflow" / "statistics.py")
+    return load(
+        "baseline_step",
+        root / "gradflow" / "monitor" / "step.py",
+        [("from gradflow.statistics import", "from baseline_statistics import")],
+    )
+
+
+def compiled_step(name, options, step_module=None):
+    if step_module is None:
+        from gradflow.monitor import step as step_module
+    StepPlan, instrumented_train_step = step_module.StepPlan, step_module.instrumented_train_step
 
     model, x, y = build(name)
     batch = (tf.constant(x), tf.constant(y))
@@ -89,15 +119,20 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--baseline", default=None, help="another checkout to compare with")
     args = parser.parse_args()
     if args.threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
 
+    baseline = load_baseline(args.baseline) if args.baseline else None
     results = {}
     for name in args.models.split(","):
         steps = {v: compiled_step(name, options) for v, options in VARIANTS.items()}
-        times = {v: [] for v in VARIANTS}
+        if baseline is not None:
+            for variant in ("weights", "stop_on_nonfinite"):
+                steps[f"baseline {variant}"] = compiled_step(name, VARIANTS[variant], baseline)
+        times = {v: [] for v in steps}
         for _ in range(args.rounds):
             for variant, (step, batch) in steps.items():
                 start = time.perf_counter()
@@ -108,7 +143,7 @@ def main():
         plain = statistics.median(times["plain"])
         extra = {
             v: statistics.median(t - p for t, p in zip(times[v], times["plain"], strict=True))
-            for v in VARIANTS
+            for v in steps
             if v != "plain"
         }
         results[name] = {
@@ -130,6 +165,7 @@ def main():
             {
                 "command": "python3 bench/bench_monitor_step.py " + " ".join(sys.argv[1:]),
                 "threads": args.threads or "default",
+                "baseline": args.baseline,
                 "steps": args.steps,
                 "rounds": args.rounds,
                 "load_average_1min": os.getloadavg()[0],
