@@ -114,6 +114,15 @@ def measure(model, x, y, steps, variant):
     return steps / timer.seconds
 
 
+def machine_facts():
+    """What a result file says about the machine it was measured on."""
+    return {
+        "load_average_1min": os.getloadavg()[0],
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -188,12 +197,10 @@ def main():
                 "size": args.size,
                 "model_sizes": SIZE,
                 "batch_size": BATCH,
-                "load_average_1min": os.getloadavg()[0],
                 "threads": args.threads or "default",
                 "targets": TARGETS,
                 "devices": [d.device_type for d in tf.config.list_logical_devices()],
-                "machine": platform.machine(),
-                "cpus": os.cpu_count(),
+                **machine_facts(),
                 "results": results,
             },
             indent=2,

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -39,6 +38,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+import bench_monitor  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 VARIANTS = {
@@ -51,8 +51,6 @@ VARIANTS = {
 
 def build(name):
     if name != "lab":
-        import bench_monitor
-
         x, y = bench_monitor.data(name, 1)
         return bench_monitor.build(name), x, y
     from gradflow.lab.config import RunConfig
@@ -152,7 +150,7 @@ def main():
             "ratio": {v: plain / (plain + e) for v, e in extra.items()},
         }
         row = " ".join(
-            f"{v} +{1e3 * e:.3f} ms ({plain / (plain + e):.2f}x)" for v, e in extra.items()
+            f"{v} {1e3 * e:+.3f} ms ({plain / (plain + e):.2f}x)" for v, e in extra.items()
         )
         print(f"{name:<6} plain {1e3 * plain:.3f} ms  {row}", flush=True)
 
@@ -168,9 +166,7 @@ def main():
                 "baseline": args.baseline,
                 "steps": args.steps,
                 "rounds": args.rounds,
-                "load_average_1min": os.getloadavg()[0],
-                "machine": platform.machine(),
-                "cpus": os.cpu_count(),
+                **bench_monitor.machine_facts(),
                 "results": results,
             },
             indent=2,

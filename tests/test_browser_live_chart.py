@@ -256,13 +256,8 @@ def test_plotly_js_is_served_as_gzipped_on_disk_and_still_draws(chromium, tmp_pa
             assert response.read() == on_disk
 
         # The live page draws its (empty) heatmaps with the Plotly it unpacked.
-        context = chromium.new_context(viewport={"width": 1400, "height": 1000})
-        page = context.new_page()
-        fetched = []
-        page.on("response", lambda r: fetched.append(r) if STATIC in r.url else None)
+        context, page, fetched = _open_drawn_page(chromium, url)
         try:
-            page.goto(url)
-            page.wait_for_function(PLOTLY_DRAWN, timeout=120_000, polling=200)
             plotly_responses = [r for r in fetched if "/plotly.min.js" in r.url]
             assert [r.url.split("?")[0].rsplit("/", 1)[1] for r in plotly_responses] == ["plotly.min.js.gz"]
             gz = plotly_responses[0]
@@ -274,15 +269,28 @@ def test_plotly_js_is_served_as_gzipped_on_disk_and_still_draws(chromium, tmp_pa
             context.close()
 
         # A browser without DecompressionStream loads plotly.min.js instead, and draws.
-        context = chromium.new_context(viewport={"width": 1400, "height": 1000})
-        context.add_init_script("delete window.DecompressionStream;")
-        page = context.new_page()
-        fetched = []
-        page.on("response", lambda r: fetched.append(r) if STATIC in r.url else None)
+        context, page, fetched = _open_drawn_page(
+            chromium, url, init_script="delete window.DecompressionStream;"
+        )
         try:
-            page.goto(url)
-            page.wait_for_function(PLOTLY_DRAWN, timeout=120_000, polling=200)
             names = [r.url.split("?")[0].rsplit("/", 1)[1] for r in fetched if "/plotly.min.js" in r.url]
             assert names == ["plotly.min.js"]
         finally:
             context.close()
+
+
+def _open_drawn_page(chromium, url, init_script=None):
+    """Open the live page in a new context; return it once Plotly has drawn, with its static responses."""
+    context = chromium.new_context(viewport={"width": 1400, "height": 1000})
+    if init_script:
+        context.add_init_script(init_script)
+    page = context.new_page()
+    fetched = []
+    page.on("response", lambda r: fetched.append(r) if STATIC in r.url else None)
+    try:
+        page.goto(url)
+        page.wait_for_function(PLOTLY_DRAWN, timeout=120_000, polling=200)
+    except BaseException:
+        context.close()
+        raise
+    return context, page, fetched
