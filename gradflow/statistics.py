@@ -142,14 +142,15 @@ class ShapeGroups:
 
     def __init__(self, shapes):
         groups = {}
+        self._alone = set()
         for index, shape in enumerate(shapes):
             shape = tf.TensorShape(shape)
-            alone = not shape.is_fully_defined() or shape.num_elements() >= _ALONE_FROM
-            key = ("alone", index) if alone else tuple(shape.as_list())
-            groups.setdefault(key, []).append(index)
+            if _alone(shape):
+                self._alone.add(index)
+                groups[("alone", index)] = [index]
+            else:
+                groups.setdefault(tuple(shape.as_list()), []).append(index)
         self.groups = list(groups.values())
-        self.count = len(shapes)
-        self._shapes = [tf.TensorShape(shape) for shape in shapes]
         order = [index for group in self.groups for index in group]
         # Where each tensor's row lands in the concatenated group results.
         self._position = None if order == sorted(order) else sorted(range(len(order)), key=order.__getitem__)
@@ -160,8 +161,7 @@ class ShapeGroups:
 
     def is_large(self, group):
         """Whether a group holds a tensor reduced on its own for its size."""
-        size = self._shapes[group[0]].num_elements()
-        return size is None or size >= _ALONE_FROM
+        return group[0] in self._alone
 
     def rows(self, per_group, axis=0):
         """Concatenate one result per group back into the tensors' order (along `axis`)."""
@@ -182,9 +182,14 @@ def stack_rows(tensors):
     return _rows(tf.stack(tensors))
 
 
+def _alone(shape):
+    """Whether a tensor of `shape` is reduced on its own: large (a stack would copy it) or unknown."""
+    return not shape.is_fully_defined() or shape.num_elements() >= _ALONE_FROM
+
+
 def sum_of_squares(stacked):
     """`sum g^2` of each row of a `[k, ...]` stack: `[k]`."""
-    if stacked.shape[0] == 1 and (stacked.shape.num_elements() or _ALONE_FROM) >= _ALONE_FROM:
+    if stacked.shape[0] == 1 and _alone(stacked.shape[1:]):
         # One fused pass, no temporary the size of the tensor.
         return tf.reshape(2.0 * tf.nn.l2_loss(stacked), [1])
     return tf.reduce_sum(tf.square(_rows(stacked)), axis=1)

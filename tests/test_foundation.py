@@ -77,6 +77,28 @@ def test_the_static_files_are_plotly_and_the_live_chart_module_copied_not_linked
     assert not any(p.is_symlink() for p in folder.iterdir())
 
 
+def test_published_gzip_is_kept_when_current_and_rewritten_when_not(tmp_path):
+    # A later server start keeps the .gz it finds when it unpacks to this
+    # Plotly (no 4.8 MB gzip at every start), and replaces a broken one.
+    import gzip
+
+    import plotly
+
+    from gradflow.ui import live_chart
+
+    folder = tmp_path / "static" / "gradflow"
+    plotly_js = pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    current = gzip.compress(plotly_js.read_bytes(), compresslevel=1)  # not the bytes we would write
+    folder.mkdir(parents=True)
+    (folder / "plotly.min.js.gz").write_bytes(current)
+    assert live_chart.publish_assets(tmp_path / ".")
+    assert (folder / "plotly.min.js.gz").read_bytes() == current
+
+    (folder / "plotly.min.js.gz").write_bytes(current[: len(current) // 2])  # truncated
+    assert live_chart.publish_assets(tmp_path / "static" / "..")  # another cache key, same folder
+    assert gzip.decompress((folder / "plotly.min.js.gz").read_bytes()) == plotly_js.read_bytes()
+
+
 def test_requirements_pin_exact_versions():
     pins = {}
     for line in (REPO / "requirements.txt").read_text().splitlines():

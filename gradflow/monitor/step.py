@@ -23,6 +23,7 @@ from keras.src import tree
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from gradflow import schema
 from gradflow.monitor.buffer import STEP_METRICS, RingBuffer
 from gradflow.probe.capture import leaf_layers, record_layer_outputs
 from gradflow.probe.naming import variable_names
@@ -181,7 +182,8 @@ def instrumented_train_step(plan):
             summary = summarize(recorded_gradients + activation_gradients, plan.histograms)
             before_update.append(summary[0])
             if plan.stop_on_nonfinite:
-                finite = tf.reduce_all(tf.math.is_finite(summary[0][: len(variables), 1]))
+                norms = summary[0][: len(variables), schema.STATISTICS.index("l2_norm")]
+                finite = tf.reduce_all(tf.math.is_finite(norms))
         elif plan.stop_on_nonfinite:
             finite = _all_finite(weight_gradients)
         if plan.stop_on_nonfinite and plan.replicas == 1:
