@@ -1,7 +1,7 @@
 """The monitor's cost inside the compiled train step, without `fit` around it.
 
     python3 bench/bench_monitor_step.py [--models lab,mlp5,mlp20,cnn] [--threads 1]
-                                        [--steps 200] [--rounds 15] [--out FILE]
+                                        [--steps 200] [--rounds 15] [--baseline DIR] [--out FILE]
 
 `bench_monitor.py` measures what a user sees (steps/s of `model.fit`); on this
 2-core VM one plain `fit` of a small model can run at half the speed of the
@@ -21,6 +21,8 @@ update is skipped on a non-finite step). Models: those of `bench_monitor.py`
 the same steps built by the statistics kernel and train step of another
 checkout (e.g. `git worktree add /tmp/base <commit>`), timed in the same
 rounds, so a change is measured side by side in one process.
+Each variant also reports the graph ops it adds to the step (constants and
+identities not counted): a count that does not depend on the machine's load.
 Writes bench/results/monitor-step.json (or --out).
 """
 
@@ -110,6 +112,13 @@ def compiled_step(name, options, step_module=None):
     return step, batch
 
 
+def graph_ops(step, batch):
+    """Ops in the traced step and the functions it calls, constants and identities not counted."""
+    graph = step.get_concrete_function(batch).graph.as_graph_def()
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    return sum(n.op not in ("Const", "Identity", "NoOp") for n in nodes)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="lab,mlp5,mlp20,cnn")
@@ -144,13 +153,16 @@ def main():
             for v in steps
             if v != "plain"
         }
+        ops = {v: graph_ops(step, batch) for v, (step, batch) in steps.items()}
         results[name] = {
             "plain_ms": 1e3 * plain,
             "extra_ms": {v: 1e3 * e for v, e in extra.items()},
             "ratio": {v: plain / (plain + e) for v, e in extra.items()},
+            "extra_graph_ops": {v: ops[v] - ops["plain"] for v in extra},
         }
         row = " ".join(
-            f"{v} {1e3 * e:+.3f} ms ({plain / (plain + e):.2f}x)" for v, e in extra.items()
+            f"{v} {1e3 * e:+.3f} ms ({plain / (plain + e):.2f}x, +{ops[v] - ops['plain']} ops)"
+            for v, e in extra.items()
         )
         print(f"{name:<6} plain {1e3 * plain:.3f} ms  {row}", flush=True)
 
