@@ -36,6 +36,7 @@ worker), as before a class. Writes bench/results/classroom.json (or --out).
 
 import argparse
 import asyncio
+import collections
 import itertools
 import json
 import os
@@ -43,7 +44,9 @@ import pathlib
 import platform
 import random
 import re
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -182,6 +185,21 @@ def _kib(value):
 def threads_of(pid):
     status = _proc_status(pid)
     return int(status["Threads"]) if status else None
+
+
+def thread_census(pid):
+    """The server's Python threads by name, numbers dropped ("AnyIO worker thread": 12),
+    from `py-spy dump` when it is installed (None otherwise): tells a pool that
+    grew to its size from threads that pile up."""
+    if not shutil.which("py-spy"):
+        return None
+    try:
+        dump = subprocess.run(["py-spy", "dump", "--pid", str(pid), "--json"], capture_output=True,
+                              text=True, timeout=60, check=True).stdout
+        names = [thread.get("thread_name") or "?" for thread in json.loads(dump)]
+    except (subprocess.SubprocessError, OSError, ValueError):
+        return None
+    return dict(collections.Counter(re.sub(r"[-_]?\d+", "", name) for name in names).most_common())
 
 
 def rss_mib(pid):
@@ -644,11 +662,13 @@ def run(
                     asyncio.run(open_close_cycles(url, warmup_cycles))
                 time.sleep(5)
                 before_threads = threads_of(pid)
+                report["server_thread_names_before_cycles"] = thread_census(pid)
                 before_processes = len(process_tree(pid))
                 before_rss = rss_mib(pid)
                 report["open_close"] = asyncio.run(open_close_cycles(url, cycles))
                 after_processes = wait_idle_workers(pid, timeout_s=30)
                 after_threads = settle(pid, before_threads, timeout_s=60)
+                report["server_thread_names_after_cycles"] = thread_census(pid)
                 report["leaks"] = {
                     "processes_before": before_processes,
                     "processes_after": after_processes,
@@ -658,6 +678,9 @@ def run(
                     "server_rss_mib_after": round(rss_mib(pid), 1),
                 }
         report["memory"] = memory.summary(pid)
+    # Pages that had stopped polling and were restarted (gradflow/ui/fragments.py).
+    report["fragment_watchdog_restarts"] = pathlib.Path(log_path).read_text(errors="replace").count(
+        "had not been redrawn")
     return report
 
 
@@ -700,6 +723,7 @@ def main(argv=None):
             f"{c['runs_queued_over_2s']} / {c['of_those_shown_waiting']}",
         ),
         ("pages that drew a heatmap", c["pages_with_a_chart"]),
+        ("stopped pages restarted by the fragment watchdog", report["fragment_watchdog_restarts"]),
         ("peak RSS server + workers, MiB", report["memory"]["peak_total_rss_mib"]),
         (
             "server VmHWM / largest worker VmHWM, MiB",
@@ -730,6 +754,10 @@ def main(argv=None):
             (
                 "server RSS MiB before / after",
                 f"{leaks['server_rss_mib_before']} / {leaks['server_rss_mib_after']}",
+            ),
+            (
+                "server threads by name before / after (py-spy)",
+                f"{report['server_thread_names_before_cycles']} / {report['server_thread_names_after_cycles']}",
             ),
         ]
     width = max(len(name) for name, _ in rows)

@@ -150,7 +150,8 @@ def chart_updates(frames):
     return [
         (when, size, json.loads(element.bidi_component.json))
         for when, size, element in new_elements(frames)
-        if element.WhichOneof("type") == "bidi_component" and element.bidi_component.json
+        if element.WhichOneof("type") == "bidi_component"
+        and element.bidi_component.component_name.endswith("gradflow.live_chart")
     ]
 
 

@@ -1,4 +1,4 @@
-"""The Streamlit race behind the frozen live page (issue #7), forced in a real browser.
+"""The Streamlit races behind frozen live pages (issue #7), forced in a real browser.
 
 `tests/apps/fragment_race.py` makes it happen on purpose: a full rerun asked
 for by a polling fragment, ticks of two fragments queued behind it, and an
@@ -7,6 +7,13 @@ messages went out (see gradflow/ui/fragments.py). With each fragment alone at
 the end of a container of its own (what gradflow does) the page keeps
 following; with both fragments in one block the browser's page crashes and
 closes its WebSocket: the frozen page of the classroom test.
+
+`tests/apps/lost_interval.py` forces the second race: a full run whose "new
+session" reached the browser (which then clears its fragment timers) loses
+the rest of its messages, the `auto_rerun` among them, to a tick that started
+a new script runner. A plain `st.fragment` page stops polling for good; the
+watchdog that `isolated_fragment` draws asks for a full rerun, which sets the
+timer again.
 """
 
 import re
@@ -16,6 +23,19 @@ import pytest
 from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
 
 pytestmark = [pytest.mark.browser]
+
+
+@pytest.fixture(scope="module")
+def lost_interval_app(tmp_path_factory):
+    from tests.browser import REPO, streamlit_server
+
+    folder = tmp_path_factory.mktemp("lost_interval")
+    with streamlit_server(
+        folder / "runs.db",
+        script=REPO / "tests" / "apps" / "lost_interval.py",
+        log_path=folder / "server.log",
+    ) as (url, _):
+        yield url, folder / "server.log"
 
 
 @pytest.fixture(scope="module")
@@ -119,5 +139,69 @@ def test_control_sibling_fragments_crash_on_the_same_race(chromium, race_app):
         # Frozen: the ticks stop where the race was.
         watched.page.wait_for_timeout(3000)
         assert not watched.page.get_by_text(re.compile(r"^tick ([5-9]|\d\d+)$")).count()
+    finally:
+        watched.page.close()
+
+
+def lost_tails(messages):
+    """Full runs whose "new session" reached the browser but not their end nor any
+    `auto_rerun`: the browser cleared its fragment timers and got none back."""
+    lost = 0
+    for start, message in enumerate(messages):
+        if message.WhichOneof("type") != "new_session" or message.metadata.run.fragment_ids:
+            continue
+        for later in messages[start + 1 :]:
+            kind = later.WhichOneof("type")
+            if kind in ("auto_rerun", "script_finished"):
+                break
+            if kind == "new_session":
+                lost += 1
+                break
+    return lost
+
+
+TICK = re.compile(r"^tick (\d+)$")
+
+
+def _tick(page):
+    texts = page.get_by_text(TICK).all_inner_texts()
+    return max((int(TICK.match(t).group(1)) for t in texts), default=0)
+
+
+def test_a_polling_fragment_that_lost_its_timer_is_restarted_by_its_watchdog(
+    chromium, lost_interval_app
+):
+    url, log = lost_interval_app
+    watched = Watched(chromium, url + "/?mode=gradflow")
+    try:
+        # The race is at tick 4; the app's watchdog answers after 2 s without a redraw.
+        watched.page.get_by_text(re.compile(r"^tick (1[2-9]|[2-9]\d|\d{3,})$")).wait_for(
+            timeout=30_000
+        )
+        assert lost_tails(watched.messages()) >= 1, "the race did not happen as designed"
+        # The run that lost its tail, then the watchdog's full run.
+        assert watched.page.get_by_text(re.compile(r"^full runs: ([3-9]|\d\d+)$")).count()
+        assert "had not been redrawn" in log.read_text()
+        assert not watched.crashed(), watched.errors
+    finally:
+        watched.page.close()
+
+
+def test_control_a_plain_fragment_stops_polling_after_the_same_race(chromium, lost_interval_app):
+    # Control on Streamlit 1.67: without the watchdog the page never asks again.
+    # If this starts failing after a Streamlit upgrade, the upstream race may
+    # be fixed (gradflow/ui/fragments.py says what to look for).
+    url, _ = lost_interval_app
+    watched = Watched(chromium, url + "/?mode=plain")
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not lost_tails(watched.messages()):
+            watched.page.wait_for_timeout(200)
+        assert lost_tails(watched.messages()) >= 1, "the race did not happen as designed"
+        watched.page.wait_for_timeout(1000)
+        frozen_at = _tick(watched.page)
+        watched.page.wait_for_timeout(4000)  # 16 ticks' time
+        assert _tick(watched.page) == frozen_at
+        assert not watched.crashed(), watched.errors  # open WebSocket, no error: just silent
     finally:
         watched.page.close()

@@ -1,5 +1,6 @@
 """Every dashboard page runs without an exception and shows its widgets (Streamlit AppTest)."""
 
+import json
 import os
 import pathlib
 
@@ -124,7 +125,8 @@ def live_chart_updates(app):
     """What the page's live charts send (`gradflow/ui/figure_delta.py` has the format)."""
     import json
 
-    return [json.loads(element.proto.json) for element in app.get("bidi_component")]
+    return [json.loads(element.proto.json) for element in app.get("bidi_component")
+            if element.proto.component_name.endswith("gradflow.live_chart")]
 
 
 def decoded(change):
@@ -261,3 +263,36 @@ def test_live_page_fragments_are_each_last_and_alone_in_their_block(page_environ
     fragment_ids = {m.delta.fragment_id for m in messages if m.WhichOneof("type") == "delta"} - {""}
     assert len(fragment_ids) == 2, "the readiness line and the live panel are both fragments here"
     assert fragments_sharing_or_not_last_in_their_block(messages) == []
+
+
+def test_every_polling_fragment_draws_a_watchdog_first_and_an_ended_run_none(page_environment, monkeypatch):
+    # Issue #7: a full run that loses its tail leaves the browser without the
+    # fragment's timer; the watchdog (gradflow/ui/fragments.py) restarts it.
+    # tests/test_fragment_race.py shows the race and the recovery in a browser.
+    import types
+
+    from gradflow.store import RunStore
+    from gradflow.ui import resources
+    from gradflow.ui.fragments import STALL_AFTER_S
+
+    warming = types.SimpleNamespace(prewarm=True, wait_warm=lambda timeout=None: False, queued=lambda: [])
+    monkeypatch.setattr(resources, "run_manager", lambda: warming)
+    messages = full_run_messages(monkeypatch)
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 3}, name="watched", status="running")
+    run_page("live_training.py", run=run_id)
+    polling = {m.auto_rerun.fragment_id for m in messages if m.WhichOneof("type") == "auto_rerun"}
+    first_of_each = {}
+    for message in messages:
+        fragment = message.delta.fragment_id if message.WhichOneof("type") == "delta" else ""
+        if fragment and message.delta.WhichOneof("type") == "new_element":
+            first_of_each.setdefault(fragment, message.delta.new_element)
+    assert len(polling) == 2 and set(first_of_each) == polling
+    for element in first_of_each.values():
+        assert element.bidi_component.component_name.endswith("gradflow.fragment_watchdog")
+        assert json.loads(element.bidi_component.json)["after_ms"] >= 1000 * STALL_AFTER_S
+
+    store.set_status(run_id, "completed")
+    app = run_page("live_training.py", run=run_id)
+    watchdogs = [e for e in app.get("bidi_component") if e.proto.component_name.endswith("fragment_watchdog")]
+    assert len(watchdogs) == 1, "only the readiness line still polls"

@@ -1,7 +1,10 @@
-"""Polling fragments laid out so that a Streamlit race cannot crash the page (issue #7).
+"""Polling fragments that neither crash nor stop on Streamlit's races (issue #7).
 
-The race, in Streamlit 1.67 (seen on the live page under classroom load,
-reproduced on purpose by `tests/apps/fragment_race.py`):
+Two Streamlit 1.67 races hit a page whose fragments poll (`run_every`) on a
+loaded server; both were seen on the live page in classroom benches and are
+forced on purpose by small apps in `tests/apps/`.
+
+**A crashed page** (`fragment_race.py`):
 
 1. A fragment asks for a full rerun (`st.rerun(scope="app")`), or a student
    changes a setting; auto-rerun ticks of the page's fragments that the
@@ -25,22 +28,135 @@ A fragment that is the last element of its block, with no other fragment in
 that block, is re-added at the block's end whatever the order: the message
 sequence above becomes harmless. `isolated_fragment` gives a fragment a
 container of its own, so that holds wherever it is called.
+
+**A page that stops polling** (`lost_interval.py`): a rerun request that
+reaches the server just after a script run ended, but before the event loop
+sent that run's last messages, starts a new script runner, and Streamlit drops
+the old runner's unsent messages ("Ignoring event from non-current
+ScriptRunner", debug log only; the comment in `AppSession.request_rerun`
+describes it). When that run was a full run whose "new session" message
+already reached the browser, the browser has cleared its fragment timers, as
+it does for every full run, and the `auto_rerun` messages that would set them
+again are among the dropped ones: the page shows its last state, with its
+WebSocket open, and never asks again. A reload recovers it.
+
+`isolated_fragment` therefore also draws, in every polling fragment, a
+watchdog: a hidden component whose timer restarts each time the fragment is
+drawn. When the fragment has not been drawn for `stall_after` seconds, the
+browser asks for a rerun of it, and the fragment answers with a full rerun,
+the only kind that sends the `auto_rerun` interval again (Streamlit sends it
+from the run that declares the fragment, `streamlit/runtime/fragment.py`,
+`wrap`, not from the fragment's own reruns). While no answer comes, it asks
+again at doubling intervals, so an overloaded server is not flooded; a page
+in a background tab does not ask.
 """
+
+import functools
+import logging
+import re
+import time
 
 import streamlit as st
 
+# A polling fragment is "stalled" after max(STALL_AFTER_S, STALL_TICKS ticks)
+# without a redraw: longer than the slow ticks of a busy classroom server,
+# so that the watchdog answers a stopped page and not a slow one.
+STALL_AFTER_S = 8.0
+STALL_TICKS = 4
+# The watchdog asks again at doubling intervals, up to this.
+STALL_RETRY_MAX_S = 60.0
+_LOG = logging.getLogger(__name__)
 
-def isolated_fragment(function, run_every=None):
+# Inline, so it needs no static file; kept small (sent with every redraw).
+# The timer lives on the element Streamlit mounts the component in, which
+# stays the same while the fragment redraws it. The component's element
+# takes no space: the watchdog is invisible.
+_WATCHDOG_JS = """export default function ({ data, parentElement, setTriggerValue }) {
+  const box = parentElement.host ?? parentElement;
+  box.closest?.('[data-testid="stElementContainer"]')?.style.setProperty("display", "none");
+  const drawn = Date.now();
+  const arm = (wait) => {
+    clearTimeout(box.gradflowWatchdog);
+    box.gradflowWatchdog = setTimeout(() => {
+      if (document.hidden) return arm(wait);
+      setTriggerValue("stalled", (Date.now() - drawn) / 1000);
+      arm(Math.min(2 * wait, data.retry_max_ms));
+    }, wait);
+  };
+  arm(data.after_ms);
+  return () => clearTimeout(box.gradflowWatchdog);
+}"""
+
+
+@functools.cache
+def _watchdog():
+    return st.components.v2.component("gradflow.fragment_watchdog", js=_WATCHDOG_JS)
+
+
+def _stalled_after(run_every, stall_after):
+    return stall_after if stall_after is not None else max(STALL_AFTER_S, STALL_TICKS * run_every)
+
+
+def _restart_if_stalled(name, run_every, stall_after):
+    """Draw the watchdog of fragment `name`; answer its alarm with a full rerun."""
+    after = _stalled_after(run_every, stall_after)
+    alarm = _watchdog()(
+        # Streamlit reserves "__" in a component's key.
+        key="gradflow.watchdog." + re.sub("_{2,}", "_", name),
+        # `drawn` changes on every redraw, so the browser restarts the timer.
+        data={"after_ms": round(after * 1000), "retry_max_ms": round(STALL_RETRY_MAX_S * 1000),
+              "drawn": time.time()},
+        on_stalled_change=_ignore,
+    )
+    if alarm.stalled is not None:
+        _LOG.warning("gradflow: %s had not been redrawn for %.0f s although it polls every %g s; "
+                     "redrawing the whole page to restart its polling (issue #7).",
+                     name, alarm.stalled, run_every)
+        st.rerun(scope="app")
+
+
+def _ignore():
+    # A trigger needs a callback to be declared; the fragment reads the value itself.
+    pass
+
+
+def isolated_fragment(function, run_every=None, stall_after=None):
     """`st.fragment(function, run_every=run_every)`, drawn alone in a new container.
+
+    A fragment that polls (`run_every` set) also gets the watchdog described
+    in this module's docstring. Draw one fragment of a given `function` per
+    page: the watchdog's widget key is made from its name.
+
+    Example:
+
+    ```python
+    def status():
+        st.write(store.status(run_id))
+
+    isolated_fragment(status, run_every=1.0)()
+    ```
 
     Args:
         function: The fragment's body.
         run_every: Seconds between automatic reruns, or None.
+        stall_after: Seconds without a redraw after which a polling fragment
+            counts as stopped. Defaults to the larger of `STALL_AFTER_S` and
+            `STALL_TICKS` ticks.
 
     Returns:
         A callable that takes `function`'s arguments and draws the fragment.
     """
-    fragment = st.fragment(function, run_every=run_every)
+    body = function
+    if run_every:
+        name = f"{function.__module__}.{function.__qualname__}"
+
+        # Same name as `function`, so the fragment's id is the same as without the watchdog.
+        @functools.wraps(function)
+        def body(*args, **kwargs):
+            _restart_if_stalled(name, run_every, stall_after)
+            return function(*args, **kwargs)
+
+    fragment = st.fragment(body, run_every=run_every)
 
     def draw(*args, **kwargs):
         with st.container():
