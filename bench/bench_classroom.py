@@ -679,8 +679,9 @@ def run(
                 }
         report["memory"] = memory.summary(pid)
     # Pages that had stopped polling and were restarted (gradflow/ui/fragments.py).
-    report["fragment_watchdog_restarts"] = pathlib.Path(log_path).read_text(errors="replace").count(
-        "had not been redrawn")
+    log = pathlib.Path(log_path).read_text(errors="replace")
+    report["fragment_watchdog_restarts"] = log.count("had not been redrawn")
+    report["fragment_watchdog_alarms_left_alone"] = log.count("slow, not stopped")
     return report
 
 
@@ -723,7 +724,10 @@ def main(argv=None):
             f"{c['runs_queued_over_2s']} / {c['of_those_shown_waiting']}",
         ),
         ("pages that drew a heatmap", c["pages_with_a_chart"]),
-        ("stopped pages restarted by the fragment watchdog", report["fragment_watchdog_restarts"]),
+        (
+            "fragment watchdog: pages restarted / slow pages left alone",
+            f"{report['fragment_watchdog_restarts']} / {report['fragment_watchdog_alarms_left_alone']}",
+        ),
         ("peak RSS server + workers, MiB", report["memory"]["peak_total_rss_mib"]),
         (
             "server VmHWM / largest worker VmHWM, MiB",

@@ -205,3 +205,19 @@ def test_control_a_plain_fragment_stops_polling_after_the_same_race(chromium, lo
         assert not watched.crashed(), watched.errors  # open WebSocket, no error: just silent
     finally:
         watched.page.close()
+
+
+def test_the_watchdog_leaves_a_slow_page_alone(chromium, lost_interval_app):
+    # The server's event loop stalls for longer than the watchdog's 2 s, but
+    # the page's timer lives: its ticks reach the server before the alarm does.
+    url, log = lost_interval_app
+    watched = Watched(chromium, url + "/?mode=slow")
+    try:
+        watched.page.get_by_text(re.compile(r"^tick (1[2-9]|[2-9]\d|\d{3,})$")).wait_for(
+            timeout=30_000
+        )
+        assert "slow, not stopped" in log.read_text()
+        assert watched.page.get_by_text("full runs: 1", exact=True).count(), "a slow page was restarted"
+        assert not watched.crashed(), watched.errors
+    finally:
+        watched.page.close()

@@ -43,12 +43,16 @@ WebSocket open, and never asks again. A reload recovers it.
 `isolated_fragment` therefore also draws, in every polling fragment, a
 watchdog: a hidden component whose timer restarts each time the fragment is
 drawn. When the fragment has not been drawn for `stall_after` seconds, the
-browser asks for a rerun of it, and the fragment answers with a full rerun,
-the only kind that sends the `auto_rerun` interval again (Streamlit sends it
-from the run that declares the fragment, `streamlit/runtime/fragment.py`,
-`wrap`, not from the fragment's own reruns). While no answer comes, it asks
-again at doubling intervals, so an overloaded server is not flooded; a page
-in a background tab does not ask.
+browser asks for a rerun of it. If the server has not drawn the fragment for
+as long either (no tick came: the browser's timer is gone), the fragment
+answers with a full rerun, the only kind that sends the `auto_rerun` interval
+again (Streamlit sends it from the run that declares the fragment,
+`streamlit/runtime/fragment.py`, `wrap`, not from the fragment's own
+reruns). If the server drew it recently, ticks still come and the page is
+only slow: a full rerun would add load, so the alarm is logged and left
+alone. The browser asks again at doubling intervals, and the server restarts
+a fragment at most once a minute, so an overloaded server is not flooded; a
+page in a background tab does not ask.
 """
 
 import functools
@@ -63,7 +67,8 @@ import streamlit as st
 # so that the watchdog answers a stopped page and not a slow one.
 STALL_AFTER_S = 8.0
 STALL_TICKS = 4
-# The watchdog asks again at doubling intervals, up to this.
+# The watchdog asks again at doubling intervals, up to this; the server
+# restarts one fragment of a page at most once in this time.
 STALL_RETRY_MAX_S = 60.0
 _LOG = logging.getLogger(__name__)
 
@@ -79,7 +84,7 @@ _WATCHDOG_JS = """export default function ({ data, parentElement, setTriggerValu
     clearTimeout(box.gradflowWatchdog);
     box.gradflowWatchdog = setTimeout(() => {
       if (document.hidden) return arm(wait);
-      setTriggerValue("stalled", (Date.now() - drawn) / 1000);
+      setTriggerValue("stalled", { at: Date.now(), silent_s: (Date.now() - drawn) / 1000 });
       arm(Math.min(2 * wait, data.retry_max_ms));
     }, wait);
   };
@@ -98,21 +103,44 @@ def _stalled_after(run_every, stall_after):
 
 
 def _restart_if_stalled(name, run_every, stall_after):
-    """Draw the watchdog of fragment `name`; answer its alarm with a full rerun."""
+    """Draw the watchdog of fragment `name`; answer its alarm with a full rerun.
+
+    Only when the server has not drawn the fragment either for as long: a
+    page whose ticks still arrive (its timer lives; the server or the browser
+    is only slow) is left alone, since a full rerun would cost the server
+    more than the tick it waits for.
+    """
     after = _stalled_after(run_every, stall_after)
+    # Streamlit reserves "__" in a component's key.
+    key = "gradflow.watchdog." + re.sub("_{2,}", "_", name)
+    now = time.monotonic()
+    seen = st.session_state.get(key + ".seen", {})
+    last_drawn = seen.get("drawn", float("-inf"))
+    seen["drawn"] = now
+    st.session_state[key + ".seen"] = seen
     alarm = _watchdog()(
-        # Streamlit reserves "__" in a component's key.
-        key="gradflow.watchdog." + re.sub("_{2,}", "_", name),
+        key=key,
         # `drawn` changes on every redraw, so the browser restarts the timer.
         data={"after_ms": round(after * 1000), "retry_max_ms": round(STALL_RETRY_MAX_S * 1000),
               "drawn": time.time()},
         on_stalled_change=_ignore,
     )
-    if alarm.stalled is not None:
-        _LOG.warning("gradflow: %s had not been redrawn for %.0f s although it polls every %g s; "
-                     "redrawing the whole page to restart its polling (issue #7).",
-                     name, alarm.stalled, run_every)
-        st.rerun(scope="app")
+    if not alarm.stalled or alarm.stalled.get("at") == seen.get("alarm"):
+        return  # no alarm, or one already answered (a trigger can outlive the rerun it asked for)
+    seen["alarm"] = alarm.stalled.get("at")
+    server_silent_s = now - last_drawn
+    if server_silent_s < 0.9 * after:
+        _LOG.warning("gradflow: %s: the page saw no redraw for %.0f s, the server drew it %.1f s ago; "
+                     "slow, not stopped: left alone (issue #7).", name, alarm.stalled.get("silent_s", 0),
+                     server_silent_s)
+        return
+    if now - seen.get("restarted", float("-inf")) < STALL_RETRY_MAX_S:
+        return  # restarted less than a minute ago; the browser asks again later
+    seen["restarted"] = now
+    _LOG.warning("gradflow: %s had not been redrawn for %.0f s although it polls every %g s; "
+                 "redrawing the whole page to restart its polling (issue #7).",
+                 name, alarm.stalled.get("silent_s", 0), run_every)
+    st.rerun(scope="app")
 
 
 def _ignore():

@@ -19,6 +19,12 @@ asks again. With `?mode=plain` (`st.fragment`) it stays frozen at the tick
 after the race; with `?mode=gradflow` (`isolated_fragment`, which draws a
 watchdog in the fragment) it resumes after `STALL_AFTER_S`.
 
+With `?mode=slow` there is no race: at tick `RACE_AT_TICK` the server's event
+loop is held for `SLOW_S` (longer than `STALL_AFTER_S`), as a loaded server
+does, so the page sees nothing for a while although its timer lives. The
+watchdog's alarm reaches the server behind the ticks the browser sent
+meanwhile, finds the fragment just drawn, and is left alone (no full run).
+
 The caption "full runs: N" counts the full runs that reached the browser's
 page (the one that loses its tail does not).
 """
@@ -37,6 +43,7 @@ from gradflow.ui.fragments import isolated_fragment
 TICK_S = 0.25
 RACE_AT_TICK = 4
 STALL_AFTER_S = 2.0
+SLOW_S = 3.5
 
 
 def _session():
@@ -77,6 +84,9 @@ def ticker():
     st.session_state["ticks"] = st.session_state.get("ticks", 0) + 1
     st.markdown(f"tick {st.session_state['ticks']}")
     if st.session_state["ticks"] == RACE_AT_TICK:
+        if st.query_params.get("mode") == "slow":
+            _session()[1]._event_loop.call_soon_threadsafe(time.sleep, SLOW_S)
+            return
         st.session_state["race"] = True
         st.rerun(scope="app")
 
