@@ -163,6 +163,10 @@ def lost_tails(messages):
 TICK = re.compile(r"^tick (\d+)$")
 
 
+def _follows_past_tick_12(page):
+    page.get_by_text(re.compile(r"^tick (1[2-9]|[2-9]\d|\d{3,})$")).wait_for(timeout=30_000)
+
+
 def _tick(page):
     texts = page.get_by_text(TICK).all_inner_texts()
     return max((int(TICK.match(t).group(1)) for t in texts), default=0)
@@ -175,9 +179,7 @@ def test_a_polling_fragment_that_lost_its_timer_is_restarted_by_its_watchdog(
     watched = Watched(chromium, url + "/?mode=gradflow")
     try:
         # The race is at tick 4; the app's watchdog answers after 2 s without a redraw.
-        watched.page.get_by_text(re.compile(r"^tick (1[2-9]|[2-9]\d|\d{3,})$")).wait_for(
-            timeout=30_000
-        )
+        _follows_past_tick_12(watched.page)
         assert lost_tails(watched.messages()) >= 1, "the race did not happen as designed"
         # The run that lost its tail, then the watchdog's full run.
         assert watched.page.get_by_text(re.compile(r"^full runs: ([3-9]|\d\d+)$")).count()
@@ -213,9 +215,7 @@ def test_the_watchdog_leaves_a_slow_page_alone(chromium, lost_interval_app):
     url, log = lost_interval_app
     watched = Watched(chromium, url + "/?mode=slow")
     try:
-        watched.page.get_by_text(re.compile(r"^tick (1[2-9]|[2-9]\d|\d{3,})$")).wait_for(
-            timeout=30_000
-        )
+        _follows_past_tick_12(watched.page)
         assert "slow, not stopped" in log.read_text()
         assert watched.page.get_by_text("full runs: 1", exact=True).count(), "a slow page was restarted"
         assert not watched.crashed(), watched.errors

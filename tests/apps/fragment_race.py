@@ -30,9 +30,7 @@ import threading
 import time
 
 import streamlit as st
-from streamlit.proto.ClientState_pb2 import ClientState
-from streamlit.runtime import Runtime
-from streamlit.runtime.scriptrunner import get_script_run_ctx
+from race_tools import this_session, tick
 from streamlit.runtime.scriptrunner_utils.script_requests import ScriptRequestType
 from streamlit.runtime.scriptrunner_utils.script_run_context import ThreadState
 
@@ -42,11 +40,6 @@ TICK_S = 0.25
 FIRST_TICK_S = 60
 RACE_AT_TICK = 4
 HOLD_LOOP_S = 1.5
-
-
-def _session():
-    ctx = get_script_run_ctx()
-    return ctx, Runtime.instance()._session_mgr.get_active_session_info(ctx.session_id).session
 
 
 def _pending_fragments(ctx):
@@ -59,16 +52,10 @@ def _pending_fragments(ctx):
 
 def _race_setup():
     """Queue ticks of [second, first] behind this full run, then stall the event loop."""
-    ctx, session = _session()
+    ctx, session = this_session()
     ids = st.session_state["ids"]
     for name in ("second", "first"):
-        tick = ClientState(
-            fragment_id=ids[name],
-            is_auto_rerun=True,
-            query_string=ctx.query_string,
-            page_script_hash=ctx.page_script_hash,
-        )
-        session._event_loop.call_soon_threadsafe(session.request_rerun, tick)
+        session._event_loop.call_soon_threadsafe(session.request_rerun, tick(ctx, ids[name]))
     # Wait until both ticks are queued and this run's new-session message has
     # left for the browser (which then stops its fragment timers), and a
     # little more for ticks the browser had already sent.

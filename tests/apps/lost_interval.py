@@ -32,9 +32,7 @@ page (the one that loses its tail does not).
 import time
 
 import streamlit as st
-from streamlit.proto.ClientState_pb2 import ClientState
-from streamlit.runtime import Runtime
-from streamlit.runtime.scriptrunner import get_script_run_ctx
+from race_tools import this_session, tick
 from streamlit.runtime.scriptrunner_utils.script_requests import ScriptRequestType
 from streamlit.runtime.scriptrunner_utils.script_run_context import ThreadState
 
@@ -46,25 +44,15 @@ STALL_AFTER_S = 2.0
 SLOW_S = 3.5
 
 
-def _session():
-    ctx = get_script_run_ctx()
-    return ctx, Runtime.instance()._session_mgr.get_active_session_info(ctx.session_id).session
-
-
 def _lose_this_runs_tail():
     """Hold the event loop until this run has ended, then hand it a tick of `ticker` first."""
-    ctx, session = _session()
+    ctx, session = this_session()
     # Wait until this run's "new session" has left for the browser.
     deadline = time.monotonic() + 10
     time.sleep(0.3)
     while time.monotonic() < deadline and not session._browser_queue.is_empty():
         time.sleep(0.01)
-    tick = ClientState(
-        fragment_id=st.session_state["ticker_id"],
-        is_auto_rerun=True,
-        query_string=ctx.query_string,
-        page_script_hash=ctx.page_script_hash,
-    )
+    request = tick(ctx, st.session_state["ticker_id"])
     requests = ctx.script_requests
 
     def hold_then_tick():
@@ -73,7 +61,7 @@ def _lose_this_runs_tail():
         until = time.monotonic() + 10
         while time.monotonic() < until and requests._state != ScriptRequestType.STOP:
             time.sleep(0.01)
-        session.request_rerun(tick)
+        session.request_rerun(request)
 
     session._event_loop.call_soon_threadsafe(hold_then_tick)
     return "race: this run's tail is lost"
@@ -85,7 +73,7 @@ def ticker():
     st.markdown(f"tick {st.session_state['ticks']}")
     if st.session_state["ticks"] == RACE_AT_TICK:
         if st.query_params.get("mode") == "slow":
-            _session()[1]._event_loop.call_soon_threadsafe(time.sleep, SLOW_S)
+            this_session()[1]._event_loop.call_soon_threadsafe(time.sleep, SLOW_S)
             return
         st.session_state["race"] = True
         st.rerun(scope="app")
