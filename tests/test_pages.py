@@ -257,7 +257,8 @@ def test_live_page_fragments_are_each_last_and_alone_in_their_block(page_environ
     warming = types.SimpleNamespace(prewarm=True, wait_warm=lambda timeout=None: False, queued=lambda: [])
     monkeypatch.setattr(resources, "run_manager", lambda: warming)
     messages = full_run_messages(monkeypatch)
-    run_id = RunStore(page_environment).create_run({"depth": 3}, name="polled", status="running")
+    # An ended run: its panel is a fragment that no longer polls, the readiness line polls.
+    run_id = RunStore(page_environment).create_run({"depth": 3}, name="polled", status="completed")
     app = run_page("live_training.py", run=run_id)
     assert any("Warming up the trainer" in c.value for c in app.caption)
     fragment_ids = {m.delta.fragment_id for m in messages if m.WhichOneof("type") == "delta"} - {""}
@@ -265,10 +266,12 @@ def test_live_page_fragments_are_each_last_and_alone_in_their_block(page_environ
     assert fragments_sharing_or_not_last_in_their_block(messages) == []
 
 
-def test_every_polling_fragment_draws_a_watchdog_first_and_an_ended_run_none(page_environment, monkeypatch):
+def test_one_poller_per_page_and_each_draws_a_watchdog_first(page_environment, monkeypatch):
     # Issue #7: a full run that loses its tail leaves the browser without the
     # fragment's timer; the watchdog (gradflow/ui/fragments.py) restarts it.
     # tests/test_fragment_race.py shows the race and the recovery in a browser.
+    # And two fragments polling at the same pace on one page lose whole runs
+    # (docs/reliability.md): while a run's panel polls, the readiness line does not.
     import types
 
     from gradflow.store import RunStore
@@ -287,7 +290,9 @@ def test_every_polling_fragment_draws_a_watchdog_first_and_an_ended_run_none(pag
         fragment = message.delta.fragment_id if message.WhichOneof("type") == "delta" else ""
         if fragment and message.delta.WhichOneof("type") == "new_element":
             first_of_each.setdefault(fragment, message.delta.new_element)
-    assert len(polling) == 2 and set(first_of_each) == polling
+    assert len(polling) == 1 and set(first_of_each) == polling, "only the live panel polls"
+    assert any("Warming up the trainer" in m.delta.new_element.markdown.body for m in messages
+               if m.WhichOneof("type") == "delta" and not m.delta.fragment_id)
     for element in first_of_each.values():
         assert element.bidi_component.component_name.endswith("gradflow.fragment_watchdog")
         assert json.loads(element.bidi_component.json)["after_ms"] >= 1000 * STALL_AFTER_S
@@ -295,4 +300,5 @@ def test_every_polling_fragment_draws_a_watchdog_first_and_an_ended_run_none(pag
     store.set_status(run_id, "completed")
     app = run_page("live_training.py", run=run_id)
     watchdogs = [e for e in app.get("bidi_component") if e.proto.component_name.endswith("fragment_watchdog")]
-    assert len(watchdogs) == 1, "only the readiness line still polls"
+    assert len(watchdogs) == 1, "the panel of an ended run no longer polls; the readiness line does"
+    assert any(m.WhichOneof("type") == "auto_rerun" for m in messages)

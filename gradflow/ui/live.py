@@ -112,7 +112,7 @@ def control_buttons(config):
     if step.button("Step once", disabled=not paused, width="stretch",
                    help="While paused: train exactly one more step."):
         store.request(run_id, "step")
-    _trainer_readiness()
+    _trainer_readiness(polls=status not in ACTIVE)
 
 
 def _start_run():
@@ -123,7 +123,7 @@ def _start_run():
     open_run(resources.run_manager().start(config, name=run_name(config)))
 
 
-def _trainer_readiness():
+def _trainer_readiness(polls=True):
     # A fresh server spends a few seconds importing TensorFlow in its spare
     # worker; say so, so that a slow first start does not look like a hang.
     manager = resources.run_manager()
@@ -131,14 +131,26 @@ def _trainer_readiness():
         return
     if manager.wait_warm(0):
         st.caption(":material/bolt: Trainer ready", help="A worker process is warm and waiting.")
-    else:
+    elif polls:
         # Each polling fragment alone in a container of its own (issue #7).
         isolated_fragment(_warming, run_every=1.0)()
+    else:
+        # This page's live panel polls (its run is active): one poller per
+        # page. Two fragments polling at the same pace send their ticks
+        # together, and Streamlit 1.67 then often drops the first one's run
+        # whole (docs/reliability.md, issue #7): in a class, panels stood
+        # still while the server drew them. The line is drawn again at the
+        # panel's full reruns (first step, end of the run).
+        _warming_caption()
 
 
 def _warming():
     if resources.run_manager().wait_warm(0):
         st.rerun(scope="app")  # ends the polling
+    _warming_caption()
+
+
+def _warming_caption():
     st.caption(":material/hourglass_top: Warming up the trainer (loading TensorFlow)…")
 
 
