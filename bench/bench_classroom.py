@@ -30,6 +30,11 @@ Measured (reported, never asserted here):
 - processes in the server's tree and the server's threads before and after the
   open/close cycles.
 
+With `--count-dropped-events` the server's Streamlit is patched by
+`bench/streamlit_drops/sitecustomize.py` to log each script-run message it
+drops (the runs that a rerun request overtook, issue #7); the report counts
+them.
+
 A teacher's page opens first and waits for "Trainer ready" (the warm spare
 worker), as before a class. Writes bench/results/classroom.json (or --out).
 """
@@ -200,6 +205,20 @@ def thread_census(pid):
     except (subprocess.SubprocessError, OSError, ValueError):
         return None
     return dict(collections.Counter(re.sub(r"[-_]?\d+", "", name) for name in names).most_common())
+
+
+def dropped_events(log):
+    """What `bench/streamlit_drops` logged: dropped script runs and messages, and the sessions hit."""
+    lines = [line.split() for line in log.splitlines() if line.startswith("DROP ")]
+    return {
+        "whole_runs (their start dropped)": sum(line[3] == "SCRIPT_STARTED" for line in lines),
+        "run_ends": sum(line[3].endswith(("STOPPED_WITH_SUCCESS", "STOPPED_WITH_COMPILE_ERROR",
+                                          "STOPPED_FOR_RERUN")) for line in lines),
+        "fragment_deltas": sum(line[4:] == ["delta:fragment"] for line in lines),
+        "main_deltas": sum(line[4:] == ["delta:main"] for line in lines),
+        "auto_rerun_messages": sum(line[4:] == ["auto_rerun"] for line in lines),
+        "sessions": len({line[2] for line in lines}),
+    }
 
 
 def rss_mib(pid):
@@ -611,7 +630,8 @@ async def teacher_opens(url, timeout_s=300):
 
 
 def run(
-    students, cycles, timeout_s, log_path=None, db_dir=None, warmup_cycles=8, teacher_first=True
+    students, cycles, timeout_s, log_path=None, db_dir=None, warmup_cycles=8, teacher_first=True,
+    count_dropped_events=False,
 ):
     """The whole bench on one fresh server; returns the results dict.
 
@@ -624,6 +644,8 @@ def run(
         warmup_cycles: open/close cycles before the leak baseline is taken.
         teacher_first: open the app once and wait for "Trainer ready" before
             the students arrive (as a teacher would before class).
+        count_dropped_events: count the script-run messages Streamlit drops
+            (`bench/streamlit_drops/sitecustomize.py`, on the server only).
     """
     db_dir = pathlib.Path(db_dir or tempfile.mkdtemp(prefix="classroom-"))
     report = {
@@ -635,7 +657,11 @@ def run(
     }
     log_path = log_path or db_dir / "server.log"
     report["server_log"] = str(log_path)
-    with streamlit_server(db_dir / "runs.db", log_path=log_path) as (url, server):
+    extra_env = {}
+    if count_dropped_events:
+        drops = pathlib.Path(__file__).resolve().parent / "streamlit_drops"
+        extra_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(drops), os.environ.get("PYTHONPATH")]))
+    with streamlit_server(db_dir / "runs.db", log_path=log_path, extra_env=extra_env) as (url, server):
         pid = server.pid
         # The teacher opens the dashboard before class: the spare worker is warm.
         if teacher_first:
@@ -682,6 +708,8 @@ def run(
     log = pathlib.Path(log_path).read_text(errors="replace")
     report["fragment_watchdog_restarts"] = log.count("had not been redrawn")
     report["fragment_watchdog_alarms_left_alone"] = log.count("slow, not stopped")
+    if count_dropped_events:
+        report["dropped_by_streamlit"] = dropped_events(log)
     return report
 
 
@@ -693,12 +721,18 @@ def main(argv=None):
         "--timeout", type=float, default=540.0, help="hard limit of the classroom phase, s"
     )
     parser.add_argument("--out", default=None, help="default bench/results/classroom.json")
+    parser.add_argument(
+        "--count-dropped-events",
+        action="store_true",
+        help="count the script-run messages Streamlit drops (patches the server's Streamlit)",
+    )
     args = parser.parse_args(argv)
     if chromium_path() is None:
         sys.exit("bench_classroom needs Chromium (scripts/ensure_chromium.sh)")
     results_dir = ROOT / "bench" / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
-    report = run(args.students, args.cycles, args.timeout)
+    report = run(args.students, args.cycles, args.timeout,
+                 count_dropped_events=args.count_dropped_events)
     out = pathlib.Path(args.out) if args.out else results_dir / "classroom.json"
     out.write_text(json.dumps(report, indent=2, default=str))
 
@@ -728,6 +762,7 @@ def main(argv=None):
             "fragment watchdog: pages restarted / slow pages left alone",
             f"{report['fragment_watchdog_restarts']} / {report['fragment_watchdog_alarms_left_alone']}",
         ),
+        ("Streamlit dropped (--count-dropped-events)", report.get("dropped_by_streamlit", "not counted")),
         ("peak RSS server + workers, MiB", report["memory"]["peak_total_rss_mib"]),
         (
             "server VmHWM / largest worker VmHWM, MiB",
