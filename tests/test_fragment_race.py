@@ -16,6 +16,7 @@ watchdog that `isolated_fragment` draws asks for a full rerun, which sets the
 timer again.
 """
 
+import contextlib
 import re
 import time
 
@@ -74,6 +75,17 @@ class Watched:
                 message.ParseFromString(payload)
                 decoded.append(message)
         return decoded
+
+
+@contextlib.contextmanager
+def watching(browser, url):
+    """A `Watched` page, closed afterwards; on a normal exit it must not have crashed."""
+    watched = Watched(browser, url)
+    try:
+        yield watched
+        assert not watched.crashed(), watched.errors
+    finally:
+        watched.page.close()
 
 
 def race_sequences(messages):
@@ -176,26 +188,22 @@ def test_a_polling_fragment_that_lost_its_timer_is_restarted_by_its_watchdog(
     chromium, lost_interval_app
 ):
     url, log = lost_interval_app
-    watched = Watched(chromium, url + "/?mode=gradflow")
-    try:
+    with watching(chromium, url + "/?mode=gradflow") as watched:
         # The race is at tick 4; the app's watchdog answers after 2 s without a redraw.
         _follows_past_tick_12(watched.page)
         assert lost_tails(watched.messages()) >= 1, "the race did not happen as designed"
         # The run that lost its tail, then the watchdog's full run.
         assert watched.page.get_by_text(re.compile(r"^full runs: ([3-9]|\d\d+)$")).count()
         assert "had not been redrawn" in log.read_text()
-        assert not watched.crashed(), watched.errors
-    finally:
-        watched.page.close()
 
 
 def test_control_a_plain_fragment_stops_polling_after_the_same_race(chromium, lost_interval_app):
-    # Control on Streamlit 1.67: without the watchdog the page never asks again.
-    # If this starts failing after a Streamlit upgrade, the upstream race may
-    # be fixed (gradflow/ui/fragments.py says what to look for).
+    # Control on Streamlit 1.67: without the watchdog the page never asks again
+    # (open WebSocket, no error: just silent). If this starts failing after a
+    # Streamlit upgrade, the upstream race may be fixed (gradflow/ui/fragments.py
+    # says what to look for).
     url, _ = lost_interval_app
-    watched = Watched(chromium, url + "/?mode=plain")
-    try:
+    with watching(chromium, url + "/?mode=plain") as watched:
         deadline = time.time() + 60
         while time.time() < deadline and not lost_tails(watched.messages()):
             watched.page.wait_for_timeout(200)
@@ -204,20 +212,13 @@ def test_control_a_plain_fragment_stops_polling_after_the_same_race(chromium, lo
         frozen_at = _tick(watched.page)
         watched.page.wait_for_timeout(4000)  # 16 ticks' time
         assert _tick(watched.page) == frozen_at
-        assert not watched.crashed(), watched.errors  # open WebSocket, no error: just silent
-    finally:
-        watched.page.close()
 
 
 def test_the_watchdog_leaves_a_slow_page_alone(chromium, lost_interval_app):
     # The server's event loop stalls for longer than the watchdog's 2 s, but
     # the page's timer lives: its ticks reach the server before the alarm does.
     url, log = lost_interval_app
-    watched = Watched(chromium, url + "/?mode=slow")
-    try:
+    with watching(chromium, url + "/?mode=slow") as watched:
         _follows_past_tick_12(watched.page)
         assert "slow, not stopped" in log.read_text()
         assert watched.page.get_by_text("full runs: 1", exact=True).count(), "a slow page was restarted"
-        assert not watched.crashed(), watched.errors
-    finally:
-        watched.page.close()
