@@ -95,13 +95,34 @@ def page_factory(chromium, artifacts_dir, request):
             page.close()
 
 
+def resend_requests(sent_frames, chart_key):
+    """The distinct requests of the page's live chart `chart_key` for its whole figure."""
+    from streamlit.proto.BackMsg_pb2 import BackMsg
+
+    requests = set()
+    for payload in sent_frames:
+        message = BackMsg()
+        message.ParseFromString(payload)
+        if message.WhichOneof("type") != "rerun_script":
+            continue
+        for widget in message.rerun_script.widget_states.widgets:
+            if f"{chart_key}.plot" in widget.id and "resend" in widget.json_value:
+                requests.add(json.loads(widget.json_value)["resend"]["at"])
+    return requests
+
+
 def test_teacher_flow(page_factory, tmp_path, artifacts_dir):
     timings = {}
     with streamlit_server(tmp_path / "runs.db", log_path=artifacts_dir / "e2e-server.log") as (url, _):
         page = page_factory(accept_downloads=True)
-        frames = []
-        page.on("websocket", lambda ws: ws.on("framereceived", lambda payload: frames.append(
-            (time.monotonic(), payload if isinstance(payload, bytes) else payload.encode()))))
+        frames, sent = [], []
+
+        def watch(ws):
+            ws.on("framereceived", lambda payload: frames.append(
+                (time.monotonic(), payload if isinstance(payload, bytes) else payload.encode())))
+            ws.on("framesent", lambda payload: sent.append(payload) if isinstance(payload, bytes) else None)
+
+        page.on("websocket", watch)
         # A shared link restores the settings it carries: here a long run, to have time to Stop it.
         page.goto(f"{url}/?steps=10000&record_every=1")
         page.get_by_role("button", name="Start training").wait_for(timeout=90_000)
@@ -128,9 +149,12 @@ def test_teacher_flow(page_factory, tmp_path, artifacts_dir):
         no_exception(page)
         # While it trained, each tick sent the heatmaps' new columns: the whole
         # figure went once, with the first column.
+        # Except after the page asked for it again, having lost an update (a
+        # Streamlit rerun race can drop one under load; gradflow/ui/live_chart.py).
         updates = [u for _, _, u in chart_updates(frames) if u["key"] == "live.max"]
         assert len(updates) >= 2 and updates[0]["base"] is None
-        assert all(u["base"] is not None for u in updates[1:]), [u["base"] for u in updates]
+        wholes_again = sum(u["base"] is None for u in updates[1:])
+        assert wholes_again <= len(resend_requests(sent, "live.max")), [u["base"] for u in updates]
         page.screenshot(path=str(artifacts_dir / "e2e-stopped.png"), full_page=True)
 
         csv_path = download(page, 0, "CSV", artifacts_dir, "e2e-heatmap.csv")
