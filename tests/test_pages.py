@@ -245,17 +245,23 @@ def fragments_sharing_or_not_last_in_their_block(messages):
     return problems
 
 
-def test_live_page_fragments_are_each_last_and_alone_in_their_block(page_environment, monkeypatch):
-    # Issue #7: two fragments (the trainer-readiness line while the spare
-    # worker warms up, and the live panel of a run) in the page's main block
-    # froze pages under load. tests/test_fragment_race.py shows the race.
+def warming_trainer(monkeypatch):
+    """The pages' run manager: its spare worker is still warming up, nothing is queued."""
     import types
 
-    from gradflow.store import RunStore
     from gradflow.ui import resources
 
     warming = types.SimpleNamespace(prewarm=True, wait_warm=lambda timeout=None: False, queued=lambda: [])
     monkeypatch.setattr(resources, "run_manager", lambda: warming)
+
+
+def test_live_page_fragments_are_each_last_and_alone_in_their_block(page_environment, monkeypatch):
+    # Issue #7: two fragments (the trainer-readiness line while the spare
+    # worker warms up, and the live panel of a run) in the page's main block
+    # froze pages under load. tests/test_fragment_race.py shows the race.
+    from gradflow.store import RunStore
+
+    warming_trainer(monkeypatch)
     messages = full_run_messages(monkeypatch)
     # An ended run: its panel is a fragment that no longer polls, the readiness line polls.
     run_id = RunStore(page_environment).create_run({"depth": 3}, name="polled", status="completed")
@@ -272,14 +278,10 @@ def test_one_poller_per_page_and_each_draws_a_watchdog_first(page_environment, m
     # tests/test_fragment_race.py shows the race and the recovery in a browser.
     # And two fragments polling at the same pace on one page lose whole runs
     # (docs/reliability.md): while a run's panel polls, the readiness line does not.
-    import types
-
     from gradflow.store import RunStore
-    from gradflow.ui import resources
     from gradflow.ui.fragments import STALL_AFTER_S
 
-    warming = types.SimpleNamespace(prewarm=True, wait_warm=lambda timeout=None: False, queued=lambda: [])
-    monkeypatch.setattr(resources, "run_manager", lambda: warming)
+    warming_trainer(monkeypatch)
     messages = full_run_messages(monkeypatch)
     store = RunStore(page_environment)
     run_id = store.create_run({"depth": 3}, name="watched", status="running")

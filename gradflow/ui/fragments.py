@@ -98,10 +98,6 @@ def _watchdog():
     return st.components.v2.component("gradflow.fragment_watchdog", js=_WATCHDOG_JS)
 
 
-def _stalled_after(run_every, stall_after):
-    return stall_after if stall_after is not None else max(STALL_AFTER_S, STALL_TICKS * run_every)
-
-
 def _restart_if_stalled(name, run_every, stall_after):
     """Draw the watchdog of fragment `name`; answer its alarm with a full rerun.
 
@@ -110,7 +106,7 @@ def _restart_if_stalled(name, run_every, stall_after):
     is only slow) is left alone, since a full rerun would cost the server
     more than the tick it waits for.
     """
-    after = _stalled_after(run_every, stall_after)
+    after = stall_after if stall_after is not None else max(STALL_AFTER_S, STALL_TICKS * run_every)
     # Streamlit reserves "__" in a component's key.
     key = "gradflow.watchdog." + re.sub("_{2,}", "_", name)
     now = time.monotonic()
