@@ -262,7 +262,13 @@ def _log_histogram(values):
     )
     position = tf.floor((log_magnitude - schema.HISTOGRAM_LOW) / schema.HISTOGRAM_BIN_WIDTH) + 1.0
     position = tf.cast(tf.clip_by_value(position, 0.0, bins - 1.0), tf.int32)
-    # Non-finite entries are counted in `nonfinite`, not binned.
-    return tf.math.bincount(
-        position, weights=tf.cast(finite, tf.float32), minlength=bins, maxlength=bins, dtype=tf.float32
+    # Non-finite entries are counted in `nonfinite`, not binned. The op under
+    # `tf.math.bincount`, with the number of bins as a constant: bincount
+    # computes its length from the data, which XLA cannot compile, and Keras
+    # compiles the train step with XLA by default when a GPU is present.
+    return tf.raw_ops.DenseBincount(
+        input=position,
+        size=tf.constant(bins, tf.int32),
+        weights=tf.cast(finite, tf.float32),
+        binary_output=False,
     )

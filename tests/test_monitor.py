@@ -207,6 +207,45 @@ def test_statistics_equal_a_hand_written_tape_loop(name, optimizer_class, clip, 
         np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6)
 
 
+# Keras compiles the train step with XLA by default when a GPU is present
+# (`jit_compile="auto"`), and the instrumented step is compiled with it: it
+# must compile and record the same numbers. Forced here on the CPU, with every
+# option on (histograms once failed to compile: bincount's length came from
+# the data).
+XLA_CASES = [c for c in CASES if c[0] in ("sgd", "adam", "adam_clipvalue", "sgd_global_clipnorm", "sgd_max_norm")]
+
+
+@pytest.mark.parametrize(
+    "name,optimizer_class,clip,max_norm,rtol", XLA_CASES, ids=[c[0] for c in XLA_CASES]
+)
+def test_under_xla_statistics_equal_a_hand_written_tape_loop(
+    name, optimizer_class, clip, max_norm, rtol
+):
+    x, y = make_data()
+    model = make_model(max_norm=max_norm)
+    reference = copy_of(model)
+    clip_kwargs = {clip[0]: clip[1]} if clip else {}
+    model.compile(
+        optimizer=optimizer_class(learning_rate=0.05, **clip_kwargs),
+        loss="mse",
+        jit_compile=True,
+        steps_per_execution=2,
+    )
+    monitor = GradientMonitor(activations=True, histograms=True, stop_on_nonfinite=True)
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[monitor])
+    assert model.jit_compile is True
+
+    rows, metrics = reference_run(
+        reference, optimizer_class(learning_rate=0.05), x, y, epochs=2, clip=clip, max_norm=max_norm
+    )
+    assert sorted(monitor.history["step"].unique()) == [1, 2, 3, 4, 5, 6]
+    assert_matches_reference(monitor, rows, metrics, rtol)
+    counts = monitor.histogram_rows.query("layer == 'd0' and tensor == 'kernel'")["counts"]
+    assert [int(c.sum()) for c in counts] == [15] * 6  # a 3x5 kernel, every entry finite
+    for a, b in zip(model.get_weights(), reference.get_weights(), strict=False):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6)
+
+
 @pytest.mark.parametrize("one_op_at_a_time", [False, True], ids=["parallel", "sequential"])
 @pytest.mark.parametrize("optimizer_class", [keras.optimizers.SGD, keras.optimizers.Adam])
 def test_repeated_shapes_and_a_large_kernel_match_the_reference(

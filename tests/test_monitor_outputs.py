@@ -78,13 +78,21 @@ def test_nonfinite_origin_is_the_layer_nearest_the_loss(activations):
 
 # every=1 reads finiteness off the statistics computed before the update;
 # every=5 checks the gradients on their own (the step may not be recorded).
-@pytest.mark.parametrize("every", [1, 5])
-@pytest.mark.parametrize("steps_per_execution", [1, 2])
-def test_stop_on_nonfinite_stops_at_that_step_with_finite_weights(steps_per_execution, every):
+# jit_compile: Keras's default when a GPU is present.
+@pytest.mark.parametrize(
+    "every,steps_per_execution,jit_compile",
+    [(1, 1, False), (1, 2, False), (5, 1, False), (5, 2, False), (1, 2, True), (5, 1, True)],
+)
+def test_stop_on_nonfinite_stops_at_that_step_with_finite_weights(
+    every, steps_per_execution, jit_compile
+):
     x, y = blow_up_data(bad_step=3)
     model = blow_up_model()
     model.compile(
-        optimizer=keras.optimizers.SGD(0.01), loss="mse", steps_per_execution=steps_per_execution
+        optimizer=keras.optimizers.SGD(0.01),
+        loss="mse",
+        steps_per_execution=steps_per_execution,
+        jit_compile=jit_compile,
     )
     before_bad_step = {}
 
