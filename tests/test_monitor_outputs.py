@@ -115,6 +115,49 @@ def test_stop_on_nonfinite_stops_at_that_step_with_finite_weights(
         np.testing.assert_array_equal(a, b)
 
 
+def test_stop_on_nonfinite_in_a_long_epoch_stops_within_a_read_of_the_ring():
+    # The callback finds the halted step when it reads the ring (every 64
+    # executions or 0.2 s), not after every batch; the batches in between
+    # change nothing. The loss stays finite here: only the gradient is not.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200 * BATCH, 3)).astype("float32")  # 200 steps per epoch
+    x[2 * BATCH : 3 * BATCH] *= 1e4  # step 3
+    y = rng.normal(size=(200 * BATCH, 1)).astype("float32")
+    model = blow_up_model()
+    seen = {"batches": 0}
+
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen["batches"] += 1
+            seen["loss"] = logs["loss"]
+            if seen["batches"] == 2:
+                seen["weights"] = self.model.get_weights()
+
+    monitor = GradientMonitor(stop_on_nonfinite=True)
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[Watch(), monitor]
+    )
+    assert np.isfinite(seen["loss"])
+    assert 3 <= seen["batches"] <= 3 + 64  # stopped long before the epoch's 200 batches
+    assert len(history.history["loss"]) == 1
+    assert int(model.optimizer.iterations) == 3
+    assert monitor.events.query("kind == 'nonfinite'")["step"].tolist() == [3]
+    for a, b in zip(model.get_weights(), seen["weights"], strict=False):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_stop_on_nonfinite_loss_stops_after_that_very_batch():
+    x, y = blow_up_data(bad_step=3)
+    x[2 * BATCH : 3 * BATCH] = np.inf  # the loss of step 3 is non-finite too
+    model = blow_up_model()
+    batches = []
+    stopper = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: batches.append(b))
+    monitor = GradientMonitor(stop_on_nonfinite=True)
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[monitor, stopper])
+    assert batches == [0, 1, 2]
+    assert monitor.events.query("kind == 'nonfinite'")["step"].tolist() == [3]
+
+
 def test_writes_every_recorded_step_to_the_run_store(store_path):
     x, y = blow_up_data(bad_step=5)
     store = RunStore(store_path)

@@ -101,7 +101,9 @@ def _train(store, run_id):
         verbose=0,
         callbacks=[monitor, FirstStepPublisher(monitor), control],
     )
-    store.heartbeat(run_id, control.steps)
+    # Optimizer steps taken: after a non-finite halt, fit's last few batches
+    # changed nothing and do not count.
+    store.heartbeat(run_id, int(model.optimizer.iterations.numpy()))
     nonfinite = monitor.events[monitor.events["kind"] == "nonfinite"]
     if len(nonfinite):
         return "diverged", nonfinite["message"].iloc[0]
