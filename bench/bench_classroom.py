@@ -343,7 +343,7 @@ async def student(browser, url, number, deadline, stagger_s=2.0, linger_s=10.0):
     try:
         page = await context.new_page()
         page.on("console", lambda m: _console_error(result, m))
-        page.on("websocket", lambda ws: ws.on("close", lambda _: result["websocket_closed_at"].append(time.time())))
+        page.on("websocket", lambda ws: _watch_socket(ws, result))
         await page.add_init_script(PAGE_RECORDER)
         opened = time.time()
         await page.goto(url + SHARED_LINK, timeout=remaining_ms(deadline))
@@ -386,6 +386,25 @@ async def student(browser, url, number, deadline, stagger_s=2.0, linger_s=10.0):
         result["disconnected"] = bool(result["websocket_closed_at"])
         await context.close()
     return result
+
+
+# A status line in a WebSocket frame: "... — step 120 of 300" (UTF-8 em dash).
+_STEP_IN_FRAME = re.compile(rb"\xe2\x80\x94 step (\d+)")
+
+
+def _watch_socket(socket, result):
+    """Note when the page's WebSocket closes, and when each step first reached the
+    browser: the time between that and the page showing it is the page's own."""
+    result.setdefault("frame_steps", {})
+    socket.on("close", lambda _: result["websocket_closed_at"].append(time.time()))
+
+    def received(payload):
+        if isinstance(payload, (bytes, bytearray)):
+            arrived = time.time()
+            for match in _STEP_IN_FRAME.finditer(payload):
+                result["frame_steps"].setdefault(int(match.group(1)), arrived)
+
+    socket.on("framereceived", received)
 
 
 def _console_error(result, message):
@@ -561,6 +580,40 @@ def store_to_page_latencies(results, store):
     return latencies
 
 
+def latency_split(results, store):
+    """Store -> page latency in two parts, for every new step a page showed:
+    store -> the WebSocket frame carrying it reaching the browser (the server's
+    share: its poll interval, script run and send), and that frame -> the page
+    showing it (the page's share: a busy renderer, or the frame's handling).
+
+    Frame times are taken when this process handles Playwright's event, so the
+    split is only as sharp as this process is idle; its share is in the
+    browser's part."""
+    server, browser = [], []
+    for result in results:
+        run_id, frames, shown = result.get("run_id"), result.get("frame_steps", {}), 0
+        for t, step, status in result.get("step_changes", []):
+            if run_id is None or step is None or step <= shown or status not in ("Training", "Completed"):
+                continue
+            shown = step
+            available, arrived = store.step_available_at(run_id, step), frames.get(step)
+            if available is not None and arrived is not None:
+                server.append(max(0.0, arrived - available))
+                browser.append(max(0.0, t - arrived))
+
+    def summary(values):
+        if not values:
+            return None
+        return {
+            "median": round(statistics.median(values), 2),
+            "p95": round(percentile(values, 95), 2),
+            "max": round(max(values), 2),
+            "n": len(values),
+        }
+
+    return {"store_to_frame_s": summary(server), "frame_to_page_s": summary(browser)}
+
+
 def _queued_after_shown(result, store):
     run_id, clicked, shown = (
         result.get("run_id"),
@@ -600,6 +653,7 @@ def summarize(results, wall_s, store):
             "n": len(latencies),
             "target_p95": 2.0,
         },
+        "store_to_page_split": latency_split(results, store),
         "runs_queued_over_2s": len(long_waits),
         "of_those_shown_waiting": sum(bool(r.get("queued")) for r in long_waits),
         "pages_with_a_chart": sum(r.get("click_to_first_chart_s") is not None for r in results),
@@ -700,6 +754,8 @@ def run(
                 "bench_and_chromium": round(cpu_seconds(os.getpid()) - browser_cpu, 1),
                 "server_process_alone": round(own_cpu_seconds(pid) - server_alone, 1),
             }
+            for result in results:  # summarized above; thousands of entries
+                result.pop("frame_steps", None)
             report["pages"] = results
             report["processes_after_runs"] = wait_idle_workers(pid)
             if cycles:
@@ -773,6 +829,14 @@ def main(argv=None):
         (
             "store -> page latency of a new step, median / p95 s (target p95 <= 2)",
             _pair(c["store_to_page_latency_s"]),
+        ),
+        (
+            "  of which store -> its frame reaching the browser, median / p95 s",
+            _pair(c["store_to_page_split"]["store_to_frame_s"]),
+        ),
+        (
+            "  and that frame -> the page showing it, median / p95 s",
+            _pair(c["store_to_page_split"]["frame_to_page_s"]),
         ),
         ("step counter update interval, median / p95 s", _pair(c["update_interval_s"])),
         (
