@@ -388,8 +388,8 @@ async def student(browser, url, number, deadline, stagger_s=2.0, linger_s=10.0):
     return result
 
 
-# A status line in a WebSocket frame: "... — step 120 of 300" (UTF-8 em dash).
-_STEP_IN_FRAME = re.compile(rb"\xe2\x80\x94 step (\d+)")
+# A status line in a WebSocket frame: "... Training · step 120 / 300" (UTF-8 middle dot).
+_STEP_IN_FRAME = re.compile(rb"\xc2\xb7 step (\d+) / ")
 
 
 def _watch_socket(socket, result):
@@ -600,18 +600,19 @@ def latency_split(results, store):
             if available is not None and arrived is not None:
                 server.append(max(0.0, arrived - available))
                 browser.append(max(0.0, t - arrived))
+    return {"store_to_frame_s": distribution(server), "frame_to_page_s": distribution(browser)}
 
-    def summary(values):
-        if not values:
-            return None
-        return {
-            "median": round(statistics.median(values), 2),
-            "p95": round(percentile(values, 95), 2),
-            "max": round(max(values), 2),
-            "n": len(values),
-        }
 
-    return {"store_to_frame_s": summary(server), "frame_to_page_s": summary(browser)}
+def distribution(values):
+    """Median, p95, max and count of `values` (seconds), or None when empty."""
+    if not values:
+        return None
+    return {
+        "median": round(statistics.median(values), 2),
+        "p95": round(percentile(values, 95), 2),
+        "max": round(max(values), 2),
+        "n": len(values),
+    }
 
 
 def _queued_after_shown(result, store):
@@ -630,15 +631,7 @@ def summarize(results, wall_s, store):
     intervals = [i for r in results for i in r.get("update_intervals_s", [])]
 
     def stats(key):
-        values = [r[key] for r in results if r.get(key) is not None]
-        if not values:
-            return None
-        return {
-            "median": round(statistics.median(values), 2),
-            "p95": round(percentile(values, 95), 2),
-            "max": round(max(values), 2),
-            "n": len(values),
-        }
+        return distribution([r[key] for r in results if r.get(key) is not None])
 
     latencies = store_to_page_latencies(results, store)
     # Runs still queued in the store more than 2 s after their page first
