@@ -560,24 +560,24 @@ def wait_idle_workers(server_pid, timeout_s=120):
     return len(process_tree(server_pid))
 
 
+def shown_steps(result, store):
+    """Each new step the page showed while training or once completed:
+    `(shown_at, step, available_at)`, the last when the store first had it."""
+    run_id, shown = result.get("run_id"), 0
+    if run_id is None:
+        return
+    for t, step, status in result.get("step_changes", []):
+        if step is None or step <= shown or status not in ("Training", "Completed"):
+            continue
+        shown = step
+        available = store.step_available_at(run_id, step)
+        if available is not None:
+            yield t, step, available
+
+
 def store_to_page_latencies(results, store):
     """For every new step a page showed: seconds since the store first had it."""
-    latencies = []
-    for result in results:
-        run_id, shown = result.get("run_id"), 0
-        for t, step, status in result.get("step_changes", []):
-            if (
-                run_id is None
-                or step is None
-                or step <= shown
-                or status not in ("Training", "Completed")
-            ):
-                continue
-            shown = step
-            available = store.step_available_at(run_id, step)
-            if available is not None:
-                latencies.append(max(0.0, t - available))
-    return latencies
+    return [max(0.0, t - available) for r in results for t, _, available in shown_steps(r, store)]
 
 
 def latency_split(results, store):
@@ -591,16 +591,18 @@ def latency_split(results, store):
     browser's part."""
     server, browser = [], []
     for result in results:
-        run_id, frames, shown = result.get("run_id"), result.get("frame_steps", {}), 0
-        for t, step, status in result.get("step_changes", []):
-            if run_id is None or step is None or step <= shown or status not in ("Training", "Completed"):
-                continue
-            shown = step
-            available, arrived = store.step_available_at(run_id, step), frames.get(step)
-            if available is not None and arrived is not None:
+        frames = result.get("frame_steps", {})
+        for t, step, available in shown_steps(result, store):
+            arrived = frames.get(step)
+            if arrived is not None:
                 server.append(max(0.0, arrived - available))
                 browser.append(max(0.0, t - arrived))
     return {"store_to_frame_s": distribution(server), "frame_to_page_s": distribution(browser)}
+
+
+def _with_target(values):
+    empty = {"median": None, "p95": None, "max": None, "n": 0}
+    return {**(distribution(values) or empty), "target_p95": 2.0}
 
 
 def distribution(values):
@@ -639,13 +641,7 @@ def summarize(results, wall_s, store):
     long_waits = [r for r in results if _queued_after_shown(r, store) > 2.0]
     return {
         "students": len(results),
-        "store_to_page_latency_s": {
-            "median": round(statistics.median(latencies), 2) if latencies else None,
-            "p95": round(percentile(latencies, 95), 2) if latencies else None,
-            "max": round(max(latencies), 2) if latencies else None,
-            "n": len(latencies),
-            "target_p95": 2.0,
-        },
+        "store_to_page_latency_s": _with_target(latencies),
         "store_to_page_split": latency_split(results, store),
         "runs_queued_over_2s": len(long_waits),
         "of_those_shown_waiting": sum(bool(r.get("queued")) for r in long_waits),
@@ -668,13 +664,7 @@ def summarize(results, wall_s, store):
         "click_to_status_s": stats("click_to_status_s"),
         "click_to_first_chart_s": stats("click_to_first_chart_s"),
         "click_to_final_s": stats("click_to_final_s"),
-        "update_interval_s": {
-            "median": round(statistics.median(intervals), 2) if intervals else None,
-            "p95": round(percentile(intervals, 95), 2) if intervals else None,
-            "max": round(max(intervals), 2) if intervals else None,
-            "n": len(intervals),
-            "target_p95": 2.0,
-        },
+        "update_interval_s": _with_target(intervals),
         "wall_s": round(wall_s, 1),
     }
 

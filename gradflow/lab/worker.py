@@ -90,7 +90,8 @@ def _train(store, run_id):
         store,
         run_id,
         max_steps=None if config.epochs else config.steps,
-        on_pause=_publisher(monitor),
+        # A paused run must show every step it made before it says "paused".
+        on_pause=monitor.flush,
     )
     model.fit(
         data.x_train,
@@ -112,21 +113,6 @@ def _train(store, run_id):
     if control.stop_reason == "stop":
         return "stopped", f"Stopped on request after {control.steps} steps."
     return "completed", None
-
-
-def _publisher(monitor):
-    """What makes the monitor write the steps it still holds (shown while paused)."""
-    # GradientMonitor reads its statistics every few steps; a paused run must
-    # show every step it made, before it says "paused".
-    if hasattr(monitor, "flush"):
-        return monitor.flush
-
-    def publish():  # Until GradientMonitor has a public flush().
-        monitor._collect()
-        if monitor._writer is not None:
-            monitor._writer.flush()
-
-    return publish
 
 
 def _failure_message(error):
