@@ -396,7 +396,16 @@ def _watch_socket(socket, result):
     """Note when the page's WebSocket closes, and when each step first reached the
     browser: the time between that and the page showing it is the page's own."""
     result.setdefault("frame_steps", {})
+    requests = result.setdefault("rerun_requests", [])
     socket.on("close", lambda _: result["websocket_closed_at"].append(time.time()))
+
+    def sent(payload):
+        # The live panel's 1 s tick is a timer in the browser (Streamlit's
+        # `run_every`): each tick is a rerun request the page sends.
+        if isinstance(payload, (bytes, bytearray)) and _is_rerun_request(payload):
+            requests.append(time.time())
+
+    socket.on("framesent", sent)
 
     def received(payload):
         if isinstance(payload, (bytes, bytearray)):
@@ -405,6 +414,17 @@ def _watch_socket(socket, result):
                 result["frame_steps"].setdefault(int(match.group(1)), arrived)
 
     socket.on("framereceived", received)
+
+
+def _is_rerun_request(payload):
+    from streamlit.proto.BackMsg_pb2 import BackMsg
+
+    message = BackMsg()
+    try:
+        message.ParseFromString(bytes(payload))
+    except Exception:  # noqa: BLE001  (not a BackMsg: count nothing)
+        return False
+    return message.WhichOneof("type") == "rerun_script"
 
 
 def _console_error(result, message):
@@ -581,23 +601,44 @@ def store_to_page_latencies(results, store):
 
 
 def latency_split(results, store):
-    """Store -> page latency in two parts, for every new step a page showed:
-    store -> the WebSocket frame carrying it reaching the browser (the server's
-    share: its poll interval, script run and send), and that frame -> the page
-    showing it (the page's share: a busy renderer, or the frame's handling).
+    """Store -> page latency in three parts, for every new step a page showed:
 
-    Frame times are taken when this process handles Playwright's event, so the
-    split is only as sharp as this process is idle; its share is in the
-    browser's part."""
-    server, browser = [], []
+    - store -> the page's next rerun request (the browser's share: the live
+      panel's tick is a timer in the page, so this is the wait for the next
+      tick, up to 1 s, plus how late a busy page fires it);
+    - that request -> the WebSocket frame carrying the step (the server's
+      share: its queue, the fragment run and the send; an upper bound, see
+      below);
+    - that frame -> the page showing it (the page's renderer again).
+
+    Times are taken when this process handles Playwright's events, so the
+    split is only as sharp as this process is idle. `store_to_frame_s` is the
+    first two parts together (as reported before the requests were noted).
+    """
+    tick, server, both, page = [], [], [], []
     for result in results:
         frames = result.get("frame_steps", {})
+        requests = result.get("rerun_requests", [])
         for t, step, available in shown_steps(result, store):
             arrived = frames.get(step)
-            if arrived is not None:
-                server.append(max(0.0, arrived - available))
-                browser.append(max(0.0, t - arrived))
-    return {"store_to_frame_s": distribution(server), "frame_to_page_s": distribution(browser)}
+            if arrived is None:
+                continue
+            both.append(max(0.0, arrived - available))
+            page.append(max(0.0, t - arrived))
+            # The first request once the step was stored; with none before
+            # the frame, a run asked for earlier read it. Requests that pile
+            # up behind a slow run are not told apart, so the server's share
+            # is an upper bound.
+            asked = [r for r in requests if available <= r <= arrived]
+            started = asked[0] if asked else available
+            tick.append(started - available)
+            server.append(max(0.0, arrived - started))
+    return {
+        "store_to_frame_s": distribution(both),
+        "store_to_rerun_request_s": distribution(tick),
+        "rerun_request_to_frame_s": distribution(server),
+        "frame_to_page_s": distribution(page),
+    }
 
 
 def _with_target(values):
@@ -689,7 +730,7 @@ async def teacher_opens(url, timeout_s=300):
 
 def run(
     students, cycles, timeout_s, log_path=None, db_dir=None, warmup_cycles=8, teacher_first=True,
-    count_dropped_events=False,
+    count_dropped_events=False, worker_niceness=None, server_niceness=0,
 ):
     """The whole bench on one fresh server; returns the results dict.
 
@@ -704,6 +745,12 @@ def run(
             the students arrive (as a teacher would before class).
         count_dropped_events: count the script-run messages Streamlit drops
             (`bench/streamlit_drops/sitecustomize.py`, on the server only).
+        worker_niceness: `GRADFLOW_WORKER_NICENESS` for the server, default
+            the dashboard's own (10).
+        server_niceness: run the server under `nice -n server_niceness`.
+            Below 0 (root only) it goes ahead of this bench's Chromium, as
+            when every browser runs on its student's own machine; the
+            workers start from the server's niceness.
     """
     db_dir = pathlib.Path(db_dir or tempfile.mkdtemp(prefix="classroom-"))
     report = {
@@ -716,10 +763,16 @@ def run(
     log_path = log_path or db_dir / "server.log"
     report["server_log"] = str(log_path)
     extra_env = {}
+    if worker_niceness is not None:
+        extra_env["GRADFLOW_WORKER_NICENESS"] = str(worker_niceness)
+    report["worker_niceness"] = worker_niceness if worker_niceness is not None else "default (10)"
+    report["server_niceness"] = server_niceness
     if count_dropped_events:
         drops = pathlib.Path(__file__).resolve().parent / "streamlit_drops"
         extra_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(drops), os.environ.get("PYTHONPATH")]))
-    with streamlit_server(db_dir / "runs.db", log_path=log_path, extra_env=extra_env) as (url, server):
+    with streamlit_server(
+        db_dir / "runs.db", log_path=log_path, extra_env=extra_env, niceness=server_niceness
+    ) as (url, server):
         pid = server.pid
         # The teacher opens the dashboard before class: the spare worker is warm.
         if teacher_first:
@@ -739,6 +792,7 @@ def run(
             }
             for result in results:  # summarized above; thousands of entries
                 result.pop("frame_steps", None)
+                result.pop("rerun_requests", None)
             report["pages"] = results
             report["processes_after_runs"] = wait_idle_workers(pid)
             if cycles:
@@ -787,13 +841,23 @@ def main(argv=None):
         action="store_true",
         help="count the script-run messages Streamlit drops (patches the server's Streamlit)",
     )
+    parser.add_argument(
+        "--worker-niceness", type=int, default=None,
+        help="the server's GRADFLOW_WORKER_NICENESS, default the dashboard's (10)",
+    )
+    parser.add_argument(
+        "--server-niceness", type=int, default=0,
+        help="run the server under nice -n K; K < 0 (root only) puts it ahead of the browsers, "
+        "as when they run on the students' own machines",
+    )
     args = parser.parse_args(argv)
     if chromium_path() is None:
         sys.exit("bench_classroom needs Chromium (scripts/ensure_chromium.sh)")
     results_dir = ROOT / "bench" / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
     report = run(args.students, args.cycles, args.timeout,
-                 count_dropped_events=args.count_dropped_events)
+                 count_dropped_events=args.count_dropped_events,
+                 worker_niceness=args.worker_niceness, server_niceness=args.server_niceness)
     out = pathlib.Path(args.out) if args.out else results_dir / "classroom.json"
     out.write_text(json.dumps(report, indent=2, default=str))
 
@@ -816,6 +880,14 @@ def main(argv=None):
         (
             "  of which store -> its frame reaching the browser, median / p95 s",
             _pair(c["store_to_page_split"]["store_to_frame_s"]),
+        ),
+        (
+            "    = store -> the page's next rerun request (its tick), median / p95 s",
+            _pair(c["store_to_page_split"]["store_to_rerun_request_s"]),
+        ),
+        (
+            "    + that request -> the frame (the server, upper bound), median / p95 s",
+            _pair(c["store_to_page_split"]["rerun_request_to_frame_s"]),
         ),
         (
             "  and that frame -> the page showing it, median / p95 s",

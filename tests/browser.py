@@ -58,14 +58,17 @@ def wait_healthy(url, timeout=90.0, process=None):
 
 
 @contextlib.contextmanager
-def streamlit_server(db_path, extra_env=None, log_path=None, script=None):
-    """Run `streamlit run app.py` (or `script`) on a free loopback port; yield its URL."""
+def streamlit_server(db_path, extra_env=None, log_path=None, script=None, niceness=0):
+    """Run `streamlit run app.py` (or `script`) on a free loopback port; yield its URL.
+
+    `niceness` runs the server under `nice -n niceness` (below 0 needs root).
+    """
     port = free_port()
     env = dict(os.environ, GRADFLOW_DB=str(db_path), PYTHONUNBUFFERED="1")
     env.update(extra_env or {})
     log = open(log_path or os.devnull, "wb")
     process = subprocess.Popen(
-        [
+        (["nice", "-n", str(niceness)] if niceness else []) + [
             sys.executable, "-m", "streamlit", "run", str(script or REPO / "app.py"),
             "--server.port", str(port), "--server.address", "127.0.0.1",
             "--server.headless", "true", "--browser.gatherUsageStats", "false",

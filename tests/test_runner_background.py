@@ -120,3 +120,37 @@ def test_the_next_spare_waits_for_the_new_runs_first_step(tmp_path):
         assert run.wait(60) == "stopped"
     finally:
         manager.shutdown()
+
+
+def thread_niceness(pid):
+    """The niceness of every thread of process `pid` (Linux: /proc/PID/task/*/stat)."""
+    import pathlib
+
+    values = []
+    for stat in pathlib.Path(f"/proc/{pid}/task").glob("*/stat"):
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        values.append(int(fields[16]))  # Field 19 of stat(5); fields[0] is field 3.
+    return values
+
+
+def test_workers_train_at_the_niceness_asked_for(tmp_path):
+    import os
+
+    manager = RunManager(RunStore(tmp_path / "runs.db"), max_running=1, worker_niceness=7)
+    try:
+        assert manager.wait_warm(120)
+        expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 7)
+        # Every thread, TensorFlow's pools included, since they start after the nice.
+        (spare,) = manager.worker_pids()
+        niceness = thread_niceness(spare)
+        assert len(niceness) > 3 and set(niceness) == {expected}
+        run = Run(manager.start(RunConfig(depth=1, width=4, steps=5)), manager.store, manager)
+        assert run.wait(60) == "completed"
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.parametrize("value", [-1, 20, 2.5, True, "10"])
+def test_a_bad_worker_niceness_names_the_argument(tmp_path, value):
+    with pytest.raises(ValueError, match=r"`worker_niceness` must be an integer from 0 .* to 19 .*got"):
+        RunManager(RunStore(tmp_path / "runs.db"), prewarm=False, worker_niceness=value)

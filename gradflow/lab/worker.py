@@ -4,7 +4,7 @@
 foreground `gradflow.train(config)` calls it directly, and a worker process
 calls it for background runs. A worker is started by `RunManager` as
 
-    python -m gradflow.lab.worker --db PATH --threads N
+    python -m gradflow.lab.worker --db PATH --threads N --niceness K
 
 It imports TensorFlow and Keras, then waits on stdin for a run id (this is
 the pre-warmed state), trains that run and exits. Its stdin is also its
@@ -128,6 +128,25 @@ def _limit_threads(threads):
     tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
 
 
+def _lower_priority(niceness):
+    """Adds `niceness` to the niceness of this process's threads.
+
+    On Linux niceness belongs to each thread, and the imports that ran before
+    `main` already started some (OpenBLAS's pool, for one): each is lowered by
+    its thread id. Threads started later inherit the main thread's.
+    """
+    tasks = f"/proc/{os.getpid()}/task"
+    if not os.path.isdir(tasks):
+        os.nice(niceness)
+        return
+    for tid in os.listdir(tasks):
+        try:
+            now = os.getpriority(os.PRIO_PROCESS, int(tid))
+            os.setpriority(os.PRIO_PROCESS, int(tid), min(19, now + niceness))
+        except ProcessLookupError:  # A thread that has just ended.
+            pass
+
+
 def _warm_up():
     """Imports and traces once what every run needs, so a run starts fast."""
     import keras
@@ -178,8 +197,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="gradflow lab worker (started by RunManager)")
     parser.add_argument("--db", required=True, help="run store path")
     parser.add_argument("--threads", type=int, default=1, help="TensorFlow threads")
+    parser.add_argument("--niceness", type=int, default=0, help="added to the CPU niceness")
     parser.add_argument("--no-warm-up", action="store_true", help="skip the warm-up fit")
     args = parser.parse_args(argv)
+    # First, so that every thread started below (TensorFlow's pools too) inherits it.
+    if args.niceness > 0:
+        _lower_priority(args.niceness)
     handoff = queue.Queue()
     threading.Thread(
         target=_lifeline, args=(args.db, handoff), name="gradflow-lifeline", daemon=True

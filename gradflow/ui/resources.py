@@ -12,6 +12,8 @@ import streamlit as st
 
 from gradflow.store import RunStore
 
+DEFAULT_WORKER_NICENESS = 10
+
 
 @st.cache_resource(show_spinner=False)
 def run_store():
@@ -31,6 +33,13 @@ def run_manager():
     prewarm = os.environ.get("GRADFLOW_PREWARM", "1") != "0"
     # GRADFLOW_MAX_RUNNING caps concurrent runs (default: one per CPU core).
     max_running = int(os.environ.get("GRADFLOW_MAX_RUNNING") or 0) or None
-    manager = RunManager(store=run_store(), prewarm=prewarm, max_running=max_running)
+    # The workers train at a lower CPU priority than the server (nice +10 by
+    # default, GRADFLOW_WORKER_NICENESS to change): when runs fill the cores,
+    # the server still answers every page at once, and the runs use what the
+    # pages leave (bench_classroom.py measures the difference).
+    niceness = int(os.environ.get("GRADFLOW_WORKER_NICENESS") or DEFAULT_WORKER_NICENESS)
+    manager = RunManager(
+        store=run_store(), prewarm=prewarm, max_running=max_running, worker_niceness=niceness
+    )
     atexit.register(manager.shutdown)
     return manager
