@@ -1,9 +1,12 @@
 """Run-store speed: ingest rows/s, bulk read into pandas, live poll of the newest rows.
 
-    python3 bench/bench_store.py [--rows 1000000] [--repeats 3]
+    python3 bench/bench_store.py [--rows 1000000] [--repeats 3] [--checkout DIR] [--out FILE]
 
 Targets: ingest >= 100,000 layer-step rows/s; 1,000,000 rows into pandas
-<= 1 s; a live poll of the newest step <= 50 ms. Writes bench/results/store.json.
+<= 1 s; a live poll of the newest step <= 50 ms. Also a poll that finds
+nothing new (most ticks of a live page), timed over 500 calls. Writes
+bench/results/store.json (or --out). `--checkout DIR` runs the gradflow of
+another checkout (e.g. `git worktree add /tmp/base <commit>`) for comparisons.
 
 Every read goes through the public `RunStore.layer_stats` with the default
 (`sqlite3`) reader the dashboard uses, and is checked to return every row.
@@ -21,7 +24,18 @@ import time
 import numpy as np
 import pandas as pd
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+def _checkout():
+    # Before the gradflow imports: the checkout to measure (default this one).
+    for i, arg in enumerate(sys.argv):
+        if arg == "--checkout" and i + 1 < len(sys.argv):
+            return pathlib.Path(sys.argv[i + 1]).resolve()
+        if arg.startswith("--checkout="):
+            return pathlib.Path(arg.split("=", 1)[1]).resolve()
+    return pathlib.Path(__file__).resolve().parent.parent
+
+
+sys.path.insert(0, str(_checkout()))
 
 from gradflow import schema  # noqa: E402
 from gradflow.store import RunStore  # noqa: E402
@@ -67,6 +81,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--checkout", default=None, help="the gradflow checkout to measure")
+    parser.add_argument("--out", default=None, help="default bench/results/store.json")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     eight = list(schema.STATISTICS + schema.EXTRA_COLUMNS[:2])
@@ -98,6 +114,11 @@ def main():
                 newest = store.layer_stats(run_id, after_step=last_step - 1)
                 times["poll"].append(time.perf_counter() - t)
             assert len(newest) == SERIES, len(newest)
+        nothing_new = []
+        for _ in range(500):
+            t = time.perf_counter()
+            assert store.layer_stats(run_id, after_step=last_step).empty
+            nothing_new.append(time.perf_counter() - t)
         database_bytes = path.stat().st_size
     result = {
         "command": "python3 bench/bench_store.py " + " ".join(sys.argv[1:]),
@@ -107,6 +128,8 @@ def main():
         "ingest_rows_per_s": statistics.median(ingest_rates),
         **{name: statistics.median(times[name]) for name in reads},
         "poll_newest_step_ms": 1000 * statistics.median(times["poll"]),
+        "poll_nothing_new_ms": 1000 * statistics.median(nothing_new),
+        "gradflow": str(pathlib.Path(sys.modules["gradflow"].__file__).parent),
         # The file holds one run per ingest repeat.
         "database_mb_per_million_rows": database_bytes / (args.repeats * args.rows),
         "targets": {"ingest_rows_per_s": 100_000, "read_s": 1.0, "poll_ms": 50},
@@ -119,7 +142,7 @@ def main():
                 if isinstance(value, float)
                 else f"{name:<{width}}  {value}"
             )
-    out = pathlib.Path(__file__).resolve().parent / "results" / "store.json"
+    out = pathlib.Path(args.out or pathlib.Path(__file__).resolve().parent / "results" / "store.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
 

@@ -182,6 +182,83 @@ def test_events_and_histograms(store):
     ]
 
 
+def test_progress_is_never_behind_the_newest_statistics(store):
+    # The live page skips reading statistics while a run's progress stands
+    # still, so a writer that is never told the progress must still keep it.
+    run_id = store.create_run({})
+    with store.writer(run_id) as w:
+        w.add_layer_stats(tidy_rows([1, 2, 5]))
+    assert store.run_info(run_id)["progress_step"] == 5
+    with store.writer(run_id) as w:
+        w.add_layer_stats_array([7, 8], np.zeros((2, 1, len(tables.STAT_COLUMNS))),
+                                [("dense", 0, "kernel", "")])
+        w.progress(6)  # behind the statistics: ignored
+    assert store.run_info(run_id)["progress_step"] == 8
+    with store.writer(run_id) as w:
+        w.progress(20)  # trained past the last recorded step: kept
+    assert store.run_info(run_id)["progress_step"] == 20
+
+
+def test_a_batch_reaches_readers_in_one_transaction(store_path):
+    writer_store, reader = RunStore(store_path), RunStore(store_path)
+    run_id = writer_store.create_run({})
+    writer = writer_store.writer(run_id, flush_interval=0.05)
+    try:
+        with writer.batch():
+            # A run's first rows wake the flush thread at once; inside a
+            # batch it must wait for the loss of the same step.
+            writer.add_layer_stats(tidy_rows([1]))
+            time.sleep(0.5)
+            assert reader.layer_stats(run_id).empty
+            writer.add_metrics(1, {"loss": 0.25})
+        deadline = time.monotonic() + 10
+        while reader.layer_stats(run_id).empty:
+            assert time.monotonic() < deadline, "the batch never reached the store"
+            time.sleep(0.02)
+        assert reader.metrics(run_id)["value"].tolist() == [0.25]
+        assert reader.run_info(run_id)["progress_step"] == 1
+    finally:
+        writer.close()
+
+
+def test_a_reader_sees_series_added_after_it_first_read(store_path):
+    writer_store, reader = RunStore(store_path), RunStore(store_path)
+    run_id = writer_store.create_run({})
+    counts = np.arange(schema.HISTOGRAM_BINS)
+    with writer_store.writer(run_id) as w:
+        w.add_layer_stats(tidy_rows([1], layers=("dense",)))
+        w.add_histograms(1, [("dense", 0, "kernel", counts)])
+    assert set(reader.layer_stats(run_id)["layer"].astype(str)) == {"dense"}
+    assert len(reader.histograms(run_id)) == 1
+    # Activation rows, say, start later with new series.
+    with writer_store.writer(run_id) as w:
+        w.add_layer_stats(tidy_rows([2], layers=("dense", "out"), tensors=("kernel", "activation")))
+        w.add_histograms(2, [("out", 1, "activation", counts * 3)])
+    new = reader.layer_stats(run_id, after_step=1, tensors=["activation"])
+    assert new["layer"].astype(str).tolist() == ["dense", "out"]
+    assert new["tensor"].astype(str).tolist() == ["activation", "activation"]
+    hist = reader.histograms(run_id, after_step=1)
+    assert hist["layer"].astype(str).tolist() == ["out"]
+    np.testing.assert_array_equal(hist[[f"b{i}" for i in range(schema.HISTOGRAM_BINS)]]
+                                  .to_numpy()[0], counts * 3)
+
+
+def test_a_new_run_in_a_deleted_runs_place_gets_its_own_names(store):
+    old = store.create_run({})
+    with store.writer(old) as w:
+        w.add_layer_stats(tidy_rows([1], layers=("conv", "pool")))
+    assert set(store.layer_stats(old)["layer"].astype(str)) == {"conv", "pool"}
+    old_key = store._key(old)
+    store.delete(old)
+    new = store.create_run({})
+    # SQLite hands the freed row id to the next run: the cached series of
+    # the deleted run must not name the new run's rows.
+    assert store._key(new) == old_key
+    with store.writer(new) as w:
+        w.add_layer_stats(tidy_rows([1], layers=("dense", "dense_1")))
+    assert set(store.layer_stats(new)["layer"].astype(str)) == {"dense", "dense_1"}
+
+
 def test_runs_listing_rename_tag_delete(store):
     first = store.create_run({"a": 1}, name="relu", total_steps=10, tags=["demo"])
     second = store.create_run({"a": 2}, source="monitor")

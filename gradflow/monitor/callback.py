@@ -384,25 +384,31 @@ class GradientMonitor(keras.callbacks.Callback):
     def _publish(self, steps, stats, metrics, histograms):
         histogram_rows = self._histogram_rows([(steps, stats, metrics, histograms)])
         if self._writer is not None:
-            # Arrays straight to the writer: a DataFrame per read cost more
-            # than the statistics themselves on a small model.
-            rows = len(self._layout)
-            self._writer.add_layer_stats_array(steps, stats[:, :rows], self._layout.series)
-            names = self._metric_names()
-            kept = [(i, name) for i, name in enumerate(STEP_METRICS) if name in names]
-            for step, values in zip(steps, metrics, strict=True):
-                self._writer.add_metrics(int(step), {name: values[i] for i, name in kept})
-            for step in steps:
-                rows = [r[1:] for r in histogram_rows if r[0] == step]
-                if rows:
-                    self._writer.add_histograms(int(step), rows)
-            self._writer.progress(int(steps[-1]))
+            self._write(steps, stats, metrics, histogram_rows)
         if self._summaries is not None:
             self._summaries.write(
                 layer_stats_frame(steps, stats, self._layout),
                 metrics_frame(steps, metrics, STEP_METRICS, self._metric_names()),
                 [(s, layer, tensor, counts) for s, layer, _, tensor, counts in histogram_rows],
             )
+
+    def _write(self, steps, stats, metrics, histogram_rows):
+        # Arrays straight to the writer: a DataFrame per read cost more than
+        # the statistics themselves on a small model. One batch, so a live
+        # page never reads a step's statistics without its loss.
+        writer = self._writer
+        with writer.batch():
+            rows = len(self._layout)
+            writer.add_layer_stats_array(steps, stats[:, :rows], self._layout.series)
+            names = self._metric_names()
+            kept = [(i, name) for i, name in enumerate(STEP_METRICS) if name in names]
+            for step, values in zip(steps, metrics, strict=True):
+                writer.add_metrics(int(step), {name: values[i] for i, name in kept})
+            for step in steps:
+                rows = [r[1:] for r in histogram_rows if r[0] == step]
+                if rows:
+                    writer.add_histograms(int(step), rows)
+            writer.progress(int(steps[-1]))
 
     def _metric_names(self):
         names = {"loss", "learning_rate", "global_norm"}

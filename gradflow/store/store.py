@@ -16,6 +16,7 @@ from gradflow import schema
 from gradflow.store import blocks, migrate, tables
 from gradflow.store.writer import RunWriter
 
+_SERIES_CACHE_SIZE = 256
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 _RUNS_COLUMNS = (
@@ -82,6 +83,7 @@ class RunStore:
         self.path = pathlib.Path(path) if path is not None else tables.default_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
+        self._series_cache = {}  # run key -> _SeriesTable
         migrate.upgrade(self._conn(), self.path)
 
     def __repr__(self):
@@ -413,19 +415,20 @@ class RunStore:
             .fetchall()
         )
         data = blocks.unpack(rows, columns)
+        if len(data["series"]) and data["series"].max() >= series.size:
+            # A writer committed new series between our two reads.
+            series = self._series(key)
         keep = None
         if after_step is not None:
             keep = data["step"] > int(after_step)
         if tensors is not None:
             tensors = [tensors] if isinstance(tensors, str) else list(tensors)
-            ids = series.loc[series["tensor"].isin(tensors), "series"].to_numpy(dtype=np.int64)
+            frame = series.frame
+            ids = frame.loc[frame["tensor"].isin(tensors), "series"].to_numpy(dtype=np.int64)
             chosen = np.isin(data["series"], ids)
             keep = chosen if keep is None else keep & chosen
         if keep is not None and not keep.all():
             data = {name: array[keep] for name, array in data.items()}
-        if len(data["series"]) and data["series"].max() >= len(series):
-            # A writer committed new series between our two reads.
-            series = self._series(key)
         return _name_series(data, series, columns)
 
     def metrics(self, run_id, after_step=None, names=None):
@@ -496,12 +499,13 @@ class RunStore:
         """
         key = self._key(run_id)
         series = self._series(key)
-        keep = pd.Series(True, index=series.index)
+        frame = series.frame
+        keep = pd.Series(True, index=frame.index)
         if layer is not None:
-            keep &= series["layer"] == layer
+            keep &= frame["layer"] == layer
         if tensor is not None:
-            keep &= series["tensor"] == tensor
-        ids = series.loc[keep, "series"].tolist()
+            keep &= frame["tensor"] == tensor
+        ids = frame.loc[keep, "series"].tolist()
         where, params = f"run = ? AND series IN ({', '.join('?' * len(ids))})", [key] + ids
         where, params = _newer_than(where, params, after_step)
         rows = (
@@ -514,7 +518,7 @@ class RunStore:
             if ids
             else []
         )
-        if rows and max(r[1] for r in rows) >= len(series):
+        if rows and max(r[1] for r in rows) >= series.size:
             series = self._series(key)
         bins = [f"b{i}" for i in range(schema.HISTOGRAM_BINS)]
         counts = (
@@ -585,16 +589,52 @@ class RunStore:
         )
 
     def _series(self, key):
-        rows = (
-            self._conn()
-            .execute(
-                "SELECT series, layer, layer_index, tensor, variable FROM series WHERE run = ? "
-                "ORDER BY series",
-                (key,),
-            )
-            .fetchall()
+        """The run's `series` table as a `_SeriesTable`, cached per process.
+
+        Series are only ever added to a run, so a cached table is current
+        while the run's count of series is the same; the run's creation time
+        tells a new run from a deleted one that had the same key. Live pages
+        read every second, and building the table was a third of a poll.
+        """
+        conn = self._conn()
+        created, count = conn.execute(
+            "SELECT (SELECT created_at FROM runs WHERE id = ?), "
+            "(SELECT COUNT(*) FROM series WHERE run = ?)",
+            (key, key),
+        ).fetchone()
+        cached = self._series_cache.get(key)
+        if cached is not None and cached.created == created and len(cached) == count:
+            return cached
+        rows = conn.execute(
+            "SELECT series, layer, layer_index, tensor, variable FROM series WHERE run = ? "
+            "ORDER BY series",
+            (key,),
+        ).fetchall()
+        table = _SeriesTable(
+            pd.DataFrame(rows, columns=["series", "layer", "layer_index", "tensor", "variable"]),
+            created,
         )
-        return pd.DataFrame(rows, columns=["series", "layer", "layer_index", "tensor", "variable"])
+        if len(self._series_cache) >= _SERIES_CACHE_SIZE:
+            self._series_cache.clear()
+        self._series_cache[key] = table
+        return table
+
+
+class _SeriesTable:
+    """A run's series (`frame`) with what naming rows needs, computed once."""
+
+    def __init__(self, frame, created):
+        self.frame = frame
+        self.created = created
+        ids = frame["series"].to_numpy(dtype=np.int64)
+        self.size = int(ids.max()) + 1 if len(ids) else 0
+        self.position = np.zeros(self.size, dtype=np.int64)
+        self.position[ids] = np.arange(len(ids))
+        self.codes = {name: _codes(frame[name]) for name in ("layer", "tensor", "variable")}
+        self.layer_index = frame["layer_index"].to_numpy(dtype=np.int64)
+
+    def __len__(self):
+        return len(self.frame)
 
 
 def _newer_than(where, params, after_step, column="step"):
@@ -609,21 +649,18 @@ def _name_series(data, series, columns):
 
     Args:
         data: a dict (or DataFrame) with `step`, `series` and `columns`.
-        series: the run's `series` table as a DataFrame.
+        series: the run's `_SeriesTable`.
         columns: the statistic columns to keep from `data`.
     """
     ids = np.asarray(data["series"])
-    size = int(series["series"].max()) + 1 if len(series) else 0
-    if len(ids) and (ids.max() >= size):
+    if len(ids) and (ids.max() >= series.size):
         raise RuntimeError("The run store has rows for an unknown series; is the file damaged?")
     out = {"step": np.asarray(data["step"], dtype=np.int64)}
-    position = np.zeros(size, dtype=np.int64)
-    position[series["series"].to_numpy(dtype=np.int64)] = np.arange(len(series))
-    rows = position[ids]
+    rows = series.position[ids]
     for name in ("layer", "tensor", "variable"):
-        categories, codes = _codes(series[name])
+        categories, codes = series.codes[name]
         out[name] = pd.Categorical.from_codes(codes[rows], categories=categories)
-    out["layer_index"] = series["layer_index"].to_numpy(dtype=np.int64)[rows]
+    out["layer_index"] = series.layer_index[rows]
     for c in columns:
         out[c] = np.asarray(data[c], dtype=np.float64)
     return pd.DataFrame(out, columns=[*schema.KEY_COLUMNS, *columns])

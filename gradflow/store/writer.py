@@ -1,5 +1,6 @@
 """Batched writer of one run's statistics into the run store."""
 
+import contextlib
 import threading
 import time
 
@@ -54,7 +55,9 @@ class RunWriter:
         self.flush_interval = float(flush_interval)
         self._run = run_key
         self._conn = tables.connect(path)
-        self._buffer_lock = threading.Lock()
+        # Re-entrant: `batch()` holds it around the add calls it contains.
+        self._buffer_lock = threading.RLock()
+        self._batch_depth = 0
         self._write_lock = threading.Lock()
         self._series = {}
         self._series_by_tensor = {}
@@ -125,6 +128,7 @@ class RunWriter:
                 dtype=np.int64,
             )
             self._stats.append((steps, ids[combined], values))
+            self._note_progress(steps)
         self._maybe_flush()
 
     def add_layer_stats_array(self, steps, values, series):
@@ -171,6 +175,7 @@ class RunWriter:
                 (np.repeat(steps, len(keys)), np.tile(ids, len(steps)),
                  values.reshape(len(steps) * len(keys), -1))
             )
+            self._note_progress(steps)
         self._maybe_flush()
 
     def add_metrics(self, step, values):
@@ -223,6 +228,35 @@ class RunWriter:
                     sid = self._series_id((str(layer), int(layer_index), str(tensor), ""))
                 blob = counts.astype("<i8").tobytes()
                 self._histograms.append((self._run, step, sid, blob))
+        self._maybe_flush()
+
+    def _note_progress(self, steps):
+        # A run's progress is never behind its newest stored statistics, so a
+        # live reader can skip the statistics while the progress stands still.
+        self._progress = max(int(steps.max()), self._progress or 0)
+
+    @contextlib.contextmanager
+    def batch(self):
+        """Everything added inside reaches the store in the same transaction.
+
+        A reader never sees a step's statistics without the metrics and
+        histograms added with them (a live page reads only rows newer than
+        what it has, so a step split over two flushes could lose its loss).
+
+        Example:
+
+        ```python
+        with writer.batch():
+            writer.add_layer_stats_array(steps, values, series)
+            writer.add_metrics(steps[-1], {"loss": 0.3})
+        ```
+        """
+        with self._buffer_lock:
+            self._batch_depth += 1
+            try:
+                yield self
+            finally:
+                self._batch_depth -= 1
         self._maybe_flush()
 
     def progress(self, step=None):
@@ -388,6 +422,8 @@ class RunWriter:
             raise
 
     def _maybe_flush(self):
+        if self._batch_depth:
+            return  # batch() flushes when it ends.
         if self._thread is not None:
             if not self._wrote_rows:
                 # A new run's first rows go out at once: the dashboard shows

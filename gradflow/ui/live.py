@@ -187,11 +187,16 @@ def _drawn_steps(run_id):
     return cache is not None and cache.last_step > 0
 
 
-def _read_new(store, run_id):
+def _read_new(store, run_id, progress_step=0):
     key = _cache_key(run_id)
     cache = st.session_state.get(key)
     if cache is None:
         cache = _Cache(store.layer_stats(run_id), store.metrics(run_id), store.histograms(run_id))
+    elif 0 < progress_step <= cache.last_step:
+        # The store's writer keeps a run's progress at or past its newest
+        # statistics: nothing new to read (a paused run, a slow one, the
+        # full reruns of a page whose run has ended).
+        pass
     else:
         after = cache.last_step
         new_stats = store.layer_stats(run_id, after_step=after)
@@ -252,14 +257,15 @@ def _panel(run_id, key, was_active, waiting=False):
             # that draws the first step: the browser would then wait for the
             # whole page before it shows the first column.
             st.rerun(scope="app")
-        if not info["progress_step"]:
-            # Nothing is recorded yet: the worker writes a step's rows and
-            # its progress in one transaction. These ticks come four a
-            # second, so they read nothing more.
-            _status_line(info, _NOTHING_READ, status)
-            _empty_panel(active=True)
-            return
-    cache = _read_new(store, run_id)
+    if status in ACTIVE and not info["progress_step"]:
+        # Nothing is recorded yet: the store's writer keeps a run's progress
+        # at or past its newest statistics. These ticks (four a second for a
+        # run just started, one for each of a classroom's queued runs) read
+        # nothing more.
+        _status_line(info, _NOTHING_READ, status)
+        _empty_panel(active=True)
+        return
+    cache = _read_new(store, run_id, int(info["progress_step"] or 0))
     _status_line(info, cache, status)
     if was_active and status not in ACTIVE:
         # The run just ended: one full rerun turns polling off and updates the buttons.
