@@ -24,18 +24,10 @@ import time
 import numpy as np
 import pandas as pd
 
-
-def _checkout():
-    # Before the gradflow imports: the checkout to measure (default this one).
-    for i, arg in enumerate(sys.argv):
-        if arg == "--checkout" and i + 1 < len(sys.argv):
-            return pathlib.Path(sys.argv[i + 1]).resolve()
-        if arg.startswith("--checkout="):
-            return pathlib.Path(arg.split("=", 1)[1]).resolve()
-    return pathlib.Path(__file__).resolve().parent.parent
-
-
-sys.path.insert(0, str(_checkout()))
+# --checkout is read before the gradflow imports below; main() parses it again.
+_early = argparse.ArgumentParser(add_help=False)
+_early.add_argument("--checkout", default=str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(_early.parse_known_args()[0].checkout).resolve()))
 
 from gradflow import schema  # noqa: E402
 from gradflow.store import RunStore  # noqa: E402

@@ -304,3 +304,15 @@ def test_one_poller_per_page_and_each_draws_a_watchdog_first(page_environment, m
     watchdogs = [e for e in app.get("bidi_component") if e.proto.component_name.endswith("fragment_watchdog")]
     assert len(watchdogs) == 1, "the panel of an ended run no longer polls; the readiness line does"
     assert any(m.WhichOneof("type") == "auto_rerun" for m in messages)
+
+
+def test_server_settings_from_the_environment_name_a_bad_value(monkeypatch):
+    from gradflow.ui.resources import DEFAULT_WORKER_NICENESS, _setting
+
+    monkeypatch.delenv("GRADFLOW_WORKER_NICENESS", raising=False)
+    assert _setting("GRADFLOW_WORKER_NICENESS", DEFAULT_WORKER_NICENESS) == 10
+    monkeypatch.setenv("GRADFLOW_WORKER_NICENESS", " 0 ")
+    assert _setting("GRADFLOW_WORKER_NICENESS", DEFAULT_WORKER_NICENESS) == 0
+    monkeypatch.setenv("GRADFLOW_MAX_RUNNING", "two")
+    with pytest.raises(ValueError, match=r"GRADFLOW_MAX_RUNNING must be a whole number, got 'two'"):
+        _setting("GRADFLOW_MAX_RUNNING", 0)

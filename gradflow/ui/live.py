@@ -192,12 +192,10 @@ def _read_new(store, run_id, progress_step=0):
     cache = st.session_state.get(key)
     if cache is None:
         cache = _Cache(store.layer_stats(run_id), store.metrics(run_id), store.histograms(run_id))
-    elif 0 < progress_step <= cache.last_step:
-        # The store's writer keeps a run's progress at or past its newest
-        # statistics: nothing new to read (a paused run, a slow one, the
-        # full reruns of a page whose run has ended).
-        pass
-    else:
+    elif not 0 < progress_step <= cache.last_step:
+        # (Otherwise nothing is new: the store's writer keeps a run's progress
+        # at or past its newest statistics. A paused run, a slow one, the full
+        # reruns of a page whose run has ended.)
         after = cache.last_step
         new_stats = store.layer_stats(run_id, after_step=after)
         if len(new_stats):

@@ -32,14 +32,27 @@ def run_manager():
     # GRADFLOW_PREWARM=0 skips the warm spare worker (page smoke tests, tiny servers).
     prewarm = os.environ.get("GRADFLOW_PREWARM", "1") != "0"
     # GRADFLOW_MAX_RUNNING caps concurrent runs (default: one per CPU core).
-    max_running = int(os.environ.get("GRADFLOW_MAX_RUNNING") or 0) or None
+    max_running = _setting("GRADFLOW_MAX_RUNNING", 0) or None
     # The workers train at a lower CPU priority than the server (nice +10 by
     # default, GRADFLOW_WORKER_NICENESS to change): when runs fill the cores,
     # the server still answers every page at once, and the runs use what the
     # pages leave (bench_classroom.py measures the difference).
-    niceness = int(os.environ.get("GRADFLOW_WORKER_NICENESS") or DEFAULT_WORKER_NICENESS)
+    niceness = _setting("GRADFLOW_WORKER_NICENESS", DEFAULT_WORKER_NICENESS)
     manager = RunManager(
         store=run_store(), prewarm=prewarm, max_running=max_running, worker_niceness=niceness
     )
     atexit.register(manager.shutdown)
     return manager
+
+
+def _setting(name, default):
+    """An integer from environment variable `name`, or `default` when unset."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"The environment variable {name} must be a whole number, got {value!r}."
+        ) from None
