@@ -306,6 +306,55 @@ def test_one_poller_per_page_and_each_draws_a_watchdog_first(page_environment, m
     assert any(m.WhichOneof("type") == "auto_rerun" for m in messages)
 
 
+def test_a_queued_run_polls_slower_and_its_page_speeds_up_when_it_starts(page_environment, monkeypatch):
+    # Issue #7: in a class most runs wait in the queue at first, and each of
+    # their ticks costs the shared server a script run; a queued page ticks
+    # every QUEUED_POLL_SECONDS, and its first tick after the run left the
+    # queue reruns the page to set a running run's pace.
+    import types
+
+    import streamlit as st
+
+    from gradflow.store import RunStore
+    from gradflow.ui import live, resources
+
+    store = RunStore(page_environment)
+    queued = store.create_run({"depth": 3}, name="in line", status="queued")
+    running = store.create_run({"depth": 3}, name="on its way", status="running")
+    write_steps(store, running, 1, 3)
+    manager = types.SimpleNamespace(prewarm=False, queued=lambda: [queued])
+    monkeypatch.setattr(resources, "run_manager", lambda: manager)
+    messages = full_run_messages(monkeypatch)
+
+    def intervals():
+        return [m.auto_rerun.interval for m in messages if m.WhichOneof("type") == "auto_rerun"]
+
+    app = run_page("live_training.py", run=queued)
+    assert intervals() == [live.QUEUED_POLL_SECONDS]
+    assert any("this run starts when a slot frees (0 ahead of it)" in i.value for i in app.info)
+    # Its empty charts are drawn once by the page, not again at every tick.
+    charts = [m.delta for m in messages if m.WhichOneof("type") == "delta"
+              and m.delta.new_element.bidi_component.component_name.endswith("gradflow.live_chart")]
+    assert len(charts) == 2 and all(not delta.fragment_id for delta in charts)
+    assert len(live_chart_updates(app)) == 2
+    run_page("live_training.py", run=running)
+    assert intervals() == [live.POLL_SECONDS]
+
+    # The queued page's next tick, once its run has left the queue.
+    store.set_status(queued, "running")
+    reruns = []
+    monkeypatch.setattr(st, "rerun", lambda scope="app": reruns.append(scope))
+    from streamlit.testing.v1 import AppTest
+
+    def tick(run_id):
+        from gradflow.ui import live
+
+        live._panel(run_id, "live", was_active=True, waiting=False, was_queued=True)
+
+    AppTest.from_function(tick, default_timeout=60, kwargs={"run_id": queued}).run()
+    assert reruns == ["app"]
+
+
 def test_server_settings_from_the_environment_name_a_bad_value(monkeypatch):
     from gradflow.ui.resources import DEFAULT_WORKER_NICENESS, _setting
 

@@ -46,6 +46,9 @@ POLL_SECONDS = 1.0
 # While a just-started run has drawn nothing yet, for at most FIRST_POLL_FOR_S.
 FIRST_POLL_SECONDS = 0.25
 FIRST_POLL_FOR_S = 20.0
+# While a run waits in the queue only its place changes; a class puts most of
+# its runs there at once, and every tick costs the shared server a script run.
+QUEUED_POLL_SECONDS = 2.0
 # Heatmap columns drawn live (exports keep the figures' default of 1,000).
 LIVE_MAX_COLUMNS = 500
 _CURRENT = "live.run_id"
@@ -230,8 +233,17 @@ def live_panel(run_id=None, key="live"):
         return
     active = info["status"] in ACTIVE
     waiting = _waiting_for_first_step(run_id, info)
-    every = (FIRST_POLL_SECONDS if waiting else POLL_SECONDS) if active else None
-    isolated_fragment(_panel, run_every=every)(run_id, key, active, waiting)
+    queued = info["status"] == "queued" and not waiting
+    every = None
+    if active:
+        every = FIRST_POLL_SECONDS if waiting else QUEUED_POLL_SECONDS if queued else POLL_SECONDS
+    isolated_fragment(_panel, run_every=every)(run_id, key, active, waiting, queued)
+    if queued:
+        # Drawn once, below the fragment: a queued page's ticks redraw only
+        # its status and its place in the queue. In a class most pages wait
+        # there at first, and a tick that redraws the empty charts and
+        # controls costs each browser about twice as much.
+        _empty_panel(active=True)
 
 
 def _waiting_for_first_step(run_id, info):
@@ -243,10 +255,14 @@ def _waiting_for_first_step(run_id, info):
             and not _drawn_steps(run_id) and run_id not in resources.run_manager().queued())
 
 
-def _panel(run_id, key, was_active, waiting=False):
+def _panel(run_id, key, was_active, waiting=False, was_queued=False):
     store = resources.run_store()
     info = store.run_info(run_id)
     status = info["status"]
+    if was_queued and status != "queued":
+        # The run left the queue: one full rerun sets the pace of a running
+        # run (and the fast one until its first step is drawn).
+        st.rerun(scope="app")
     if waiting and status in ACTIVE:
         paused = status == "paused"
         slow = time.time() - info["created_at"] >= FIRST_POLL_FOR_S
@@ -258,10 +274,11 @@ def _panel(run_id, key, was_active, waiting=False):
     if status in ACTIVE and not info["progress_step"]:
         # Nothing is recorded yet: the store's writer keeps a run's progress
         # at or past its newest statistics. These ticks (four a second for a
-        # run just started, one for each of a classroom's queued runs) read
-        # nothing more.
+        # run just started, one every two seconds for each of a classroom's
+        # queued runs) read nothing more.
         _status_line(info, _NOTHING_READ, status)
-        _empty_panel(active=True)
+        if not was_queued:  # a queued page draws its empty panel outside the fragment
+            _empty_panel(active=True)
         return
     cache = _read_new(store, run_id, int(info["progress_step"] or 0))
     _status_line(info, cache, status)
