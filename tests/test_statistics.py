@@ -66,10 +66,11 @@ CASES = [
 ]
 
 
-def _large(fill=None):
+def _large(fill=None, side=300):
     # 300 x 300 entries: above the size where the kernel reduces a tensor on
-    # its own and counts NaN/Inf only when the cheap check finds one.
-    array = RNG.normal(size=(300, 300)).astype(np.float32)
+    # its own (statistics._ALONE_FROM); 600 x 600 also above the size where it
+    # counts NaN/Inf only when the cheap check finds one (_BRANCH_ABOVE).
+    array = RNG.normal(size=(side, side)).astype(np.float32)
     array[::7, ::3] = 0.0
     if fill is not None:
         array[123, 45] = fill
@@ -81,7 +82,18 @@ CASES += [
     ("large_with_nan", _large(NAN)),
     ("large_with_inf", _large(INF)),
     ("large_offset", (5e2 + _large() * 1e-3).astype(np.float32)),
+    ("huge_finite", _large(side=600)),
+    ("huge_with_nan", _large(NAN, side=600)),
+    ("huge_with_inf", _large(INF, side=600)),
 ]
+
+
+def test_the_large_cases_take_each_path_of_the_kernel():
+    # If a threshold moves, the cases above must still reach both paths.
+    from gradflow import statistics
+
+    assert 300 * 300 >= statistics._ALONE_FROM
+    assert 300 * 300 <= statistics._BRANCH_ABOVE < 600 * 600
 
 
 @pytest.mark.parametrize("array", [c[1] for c in CASES], ids=[c[0] for c in CASES])

@@ -559,9 +559,15 @@ class _UpdateCapture:
                 ]
             )
             if exact and not groups.is_large(group):
-                signs = tf.constant([[t[0][0]] for t in taken], tf.float32)
-                both = tf.stack([increments, before + signs * increments])
-                squares.append(tf.reduce_sum(tf.square(both), axis=2))
+                signs = {t[0][0] for t in taken}
+                if signs == {-1.0}:  # one sign for all: no broadcast multiply
+                    after = before - increments
+                elif signs == {1.0}:
+                    after = before + increments
+                else:
+                    after = before + tf.constant([[t[0][0]] for t in taken], tf.float32) * increments
+                # Two reductions, not one over a stack of both: stacking copies them.
+                squares.append(tf.stack([sum_of_squares(increments), sum_of_squares(after)]))
             else:
                 after = stack_rows([self.variables[i].value for i in group])
                 squares.append(tf.stack([sum_of_squares(increments), sum_of_squares(after)]))
