@@ -542,7 +542,7 @@ class _UpdateCapture:
         """`||dw||` and `||w + dw||` of every variable, once the update is traced.
 
         For small tensors both come from the stacked copy before the update
-        and the increments, in one reduction per shape group: nothing waits
+        and the increments, two reductions per shape group: nothing waits
         for the update to finish, so these ops run beside the optimizer's.
         A large tensor is read again after the update instead; a variable not
         updated exactly once gets a NaN change and is read again too.
@@ -566,11 +566,10 @@ class _UpdateCapture:
                     after = before + increments
                 else:
                     after = before + tf.constant([[t[0][0]] for t in taken], tf.float32) * increments
-                # Two reductions, not one over a stack of both: stacking copies them.
-                squares.append(tf.stack([sum_of_squares(increments), sum_of_squares(after)]))
             else:
                 after = stack_rows([self.variables[i].value for i in group])
-                squares.append(tf.stack([sum_of_squares(increments), sum_of_squares(after)]))
+            # Two reductions, not one over a stack of both: stacking copies them.
+            squares.append(tf.stack([sum_of_squares(increments), sum_of_squares(after)]))
         change, after = tf.unstack(tf.sqrt(groups.rows(squares, axis=1)), num=2)
         return change, after
 
