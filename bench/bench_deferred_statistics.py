@@ -109,19 +109,9 @@ def main():
             "weights": bench_monitor_step.compiled_step(name, {}),
             "ring copy": ring_copy_step(name, args.ring),
         }
-        times = {variant: [] for variant in steps}
-        for _ in range(args.rounds):
-            for variant, (step, batch) in steps.items():
-                start = time.perf_counter()
-                for _ in range(args.steps):
-                    logs = step(batch)
-                float(logs["loss"])
-                times[variant].append((time.perf_counter() - start) / args.steps)
+        times = bench_monitor_step.paired_times(steps, args.rounds, args.steps)
         plain = statistics.median(times["plain"])
-        extra = {
-            v: 1e3 * statistics.median(t - p for t, p in zip(times[v], times["plain"], strict=True))
-            for v in ("weights", "ring copy")
-        }
+        extra = {v: 1e3 * bench_monitor_step.extra_over_plain(times, v) for v in ("weights", "ring copy")}
         ring_ms, parameters = deferred_ms(name, args.ring)
         results[name] = {
             "plain_ms": 1e3 * plain,

@@ -112,6 +112,28 @@ def compiled_step(name, options, step_module=None):
     return step, batch
 
 
+def paired_times(steps, rounds, calls):
+    """Seconds per call of each `(step, batch)`, round by round: `{variant: [one per round]}`.
+
+    Every round times `calls` calls of each variant back to back, so a drift
+    of the machine's speed hits all variants of a round alike.
+    """
+    times = {variant: [] for variant in steps}
+    for _ in range(rounds):
+        for variant, (step, batch) in steps.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                logs = step(batch)
+            float(logs["loss"])  # wait for the last step
+            times[variant].append((time.perf_counter() - start) / calls)
+    return times
+
+
+def extra_over_plain(times, variant):
+    """Median over rounds of the variant's time less the plain step's in the same round."""
+    return statistics.median(t - p for t, p in zip(times[variant], times["plain"], strict=True))
+
+
 def graph_ops(step, batch):
     """Ops in the traced step and the functions it calls, constants and identities not counted."""
     graph = step.get_concrete_function(batch).graph.as_graph_def()
@@ -139,20 +161,9 @@ def main():
         if baseline is not None:
             for variant in ("weights", "stop_on_nonfinite"):
                 steps[f"baseline {variant}"] = compiled_step(name, VARIANTS[variant], baseline)
-        times = {v: [] for v in steps}
-        for _ in range(args.rounds):
-            for variant, (step, batch) in steps.items():
-                start = time.perf_counter()
-                for _ in range(args.steps):
-                    logs = step(batch)
-                float(logs["loss"])  # wait for the last step
-                times[variant].append((time.perf_counter() - start) / args.steps)
+        times = paired_times(steps, args.rounds, args.steps)
         plain = statistics.median(times["plain"])
-        extra = {
-            v: statistics.median(t - p for t, p in zip(times[v], times["plain"], strict=True))
-            for v in steps
-            if v != "plain"
-        }
+        extra = {v: extra_over_plain(times, v) for v in steps if v != "plain"}
         ops = {v: graph_ops(step, batch) for v, (step, batch) in steps.items()}
         results[name] = {
             "plain_ms": 1e3 * plain,
