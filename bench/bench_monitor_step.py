@@ -12,9 +12,13 @@ calls of each variant back to back, and the cost of a variant is the median
 over rounds of (its time - the plain step's time in the same round), so drifts
 of the machine's speed cancel out.
 
-Variants: `plain` (Keras), `weights` (the monitor's default), `activations`
+Variants: `plain` (Keras), `weights` (the monitor's default), `weights
+in-step` and `weights deferred` (the same with the path forced: statistics in
+the step, or a copy into a ring summarized when read, which the monitor picks
+for models of at most `deferred.MAX_PARAMETERS` parameters), `activations`
 (`activations=True`) and `stop_on_nonfinite` (the lab runner's setting: the
-update is skipped on a non-finite step). Models: those of `bench_monitor.py`
+update is skipped on a non-finite step). The monitored steps read their ring
+every 64 calls, as `fit` does, so the deferred path pays its read here too. Models: those of `bench_monitor.py`
 (small size) and `lab`, the lab's default 4x32 MLP on digits with SGD.
 
 `--baseline DIR` adds `baseline weights` and `baseline stop_on_nonfinite`:
@@ -46,6 +50,8 @@ import tensorflow as tf  # noqa: E402
 VARIANTS = {
     "plain": None,
     "weights": {},
+    "weights in-step": {"path": "in-step"},
+    "weights deferred": {"path": "deferred"},
     "activations": {"activations": True},
     "stop_on_nonfinite": {"stop_on_nonfinite": True},
 }
@@ -86,6 +92,37 @@ def load_baseline(checkout):
     )
 
 
+class MonitoredStep:
+    """The instrumented step, called like a `tf.function`, with the monitor's ring reads.
+
+    It reads the ring when `GradientMonitor` does in `fit`: once the ring is
+    full or 0.2 s after the last read. So a path that leaves work for the
+    read (the deferred statistics of small models) pays it here too.
+    """
+
+    def __init__(self, function, plan):
+        self.function, self.plan = function, plan
+        self.since_read, self.last_step = 0, 0
+        self.last_read = time.monotonic()
+
+    def __call__(self, batch):
+        logs = self.function(batch)
+        self.since_read += 1
+        if self.since_read >= self.plan.capacity or time.monotonic() - self.last_read >= 0.2:
+            self.read()
+        return logs
+
+    def read(self):
+        steps = self.plan.buffer.read(self.last_step)[0]
+        if len(steps):
+            self.last_step = int(steps[-1])
+        self.since_read, self.last_read = 0, time.monotonic()
+
+    @property
+    def path(self):
+        return "deferred" if getattr(self.plan, "deferred", False) else "in-step"
+
+
 def compiled_step(name, options, step_module=None):
     if step_module is None:
         from gradflow.monitor import step as step_module
@@ -99,16 +136,26 @@ def compiled_step(name, options, step_module=None):
     else:
         plan = StepPlan(
             model,
-            capacity=16,
+            capacity=64,  # the callback's ring, one step per execution
             activations=options.get("activations", False),
             every=1,
             histograms=False,
             stop_on_nonfinite=options.get("stop_on_nonfinite", False),
         )
-        plan.prepare(model.trainable_weights)
-        step = tf.function(instrumented_train_step(plan))
+        # Which path the step takes: the monitor's own choice, or one forced.
+        from gradflow.monitor import deferred
+
+        limit = {"in-step": 0, "deferred": 2**62}.get(options.get("path"), deferred.MAX_PARAMETERS)
+        saved, deferred.MAX_PARAMETERS = deferred.MAX_PARAMETERS, limit
+        try:
+            plan.prepare(model.trainable_weights)
+        finally:
+            deferred.MAX_PARAMETERS = saved
+        step = MonitoredStep(tf.function(instrumented_train_step(plan)), plan)
     for _ in range(20):  # trace and warm up
         step(batch)
+    if options is not None:
+        step.read()  # trace the read too
     return step, batch
 
 
@@ -136,6 +183,7 @@ def extra_over_plain(times, variant):
 
 def graph_ops(step, batch):
     """Ops in the traced step and the functions it calls, constants and identities not counted."""
+    step = getattr(step, "function", step)
     graph = step.get_concrete_function(batch).graph.as_graph_def()
     nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
     return sum(n.op not in ("Const", "Identity", "NoOp") for n in nodes)
@@ -170,9 +218,11 @@ def main():
             "extra_ms": {v: 1e3 * e for v, e in extra.items()},
             "ratio": {v: plain / (plain + e) for v, e in extra.items()},
             "extra_graph_ops": {v: ops[v] - ops["plain"] for v in extra},
+            "path": {v: steps[v][0].path for v in extra},
         }
         row = " ".join(
-            f"{v} {1e3 * e:+.3f} ms ({plain / (plain + e):.2f}x, +{ops[v] - ops['plain']} ops)"
+            f"{v} {1e3 * e:+.3f} ms ({plain / (plain + e):.2f}x, +{ops[v] - ops['plain']} ops,"
+            f" {steps[v][0].path})"
             for v, e in extra.items()
         )
         print(f"{name:<6} plain {1e3 * plain:.3f} ms  {row}", flush=True)

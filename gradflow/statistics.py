@@ -253,9 +253,50 @@ def summarize(tensors, histogram=False):
     return statistics, histograms
 
 
+def summarize_rows(rows, histogram=False):
+    """`summarize` for the rows of one `[k, entries]` matrix: each row is one flattened tensor.
+
+    The monitor's deferred path keeps many steps of one variable as rows of
+    a matrix and summarizes them in one call, long after the step.
+
+    Args:
+        rows: A float32 tensor of shape `[k, entries]`.
+        histogram: Whether to also count log10|g| per row. Defaults to `False`.
+
+    Returns:
+        A tuple `(statistics, histograms)`: `[k, len(schema.STATISTICS)]` and
+        `[k, schema.HISTOGRAM_BINS]` (or `None`).
+    """
+    statistics = _finish(_raw_sums(rows))
+    if not histogram:
+        return statistics, None
+    position, weights = _histogram_positions(rows)
+    counts = tf.raw_ops.DenseBincount(
+        input=position,
+        size=tf.constant(schema.HISTOGRAM_BINS, tf.int32),
+        weights=weights,
+        binary_output=False,
+    )
+    return statistics, counts
+
+
 def _log_histogram(values):
+    position, weights = _histogram_positions(tf.reshape(values, [-1]))
+    # The op under `tf.math.bincount`, with the number of bins as a constant:
+    # bincount computes its length from the data, which XLA cannot compile,
+    # and Keras compiles the train step with XLA by default when a GPU is
+    # present.
+    return tf.raw_ops.DenseBincount(
+        input=position,
+        size=tf.constant(schema.HISTOGRAM_BINS, tf.int32),
+        weights=weights,
+        binary_output=False,
+    )
+
+
+def _histogram_positions(values):
+    """The bin of every entry of `values` (any shape) and a weight that leaves out NaN/Inf."""
     bins = schema.HISTOGRAM_BINS
-    values = tf.reshape(values, [-1])
     finite = tf.math.is_finite(values)
     magnitude = tf.abs(tf.where(finite, values, 0.0))
     log_magnitude = tf.math.log(magnitude) / tf.math.log(10.0)
@@ -265,13 +306,5 @@ def _log_histogram(values):
     )
     position = tf.floor((log_magnitude - schema.HISTOGRAM_LOW) / schema.HISTOGRAM_BIN_WIDTH) + 1.0
     position = tf.cast(tf.clip_by_value(position, 0.0, bins - 1.0), tf.int32)
-    # Non-finite entries are counted in `nonfinite`, not binned. The op under
-    # `tf.math.bincount`, with the number of bins as a constant: bincount
-    # computes its length from the data, which XLA cannot compile, and Keras
-    # compiles the train step with XLA by default when a GPU is present.
-    return tf.raw_ops.DenseBincount(
-        input=position,
-        size=tf.constant(bins, tf.int32),
-        weights=tf.cast(finite, tf.float32),
-        binary_output=False,
-    )
+    # Non-finite entries are counted in `nonfinite`, not binned.
+    return position, tf.cast(finite, tf.float32)

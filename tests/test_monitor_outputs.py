@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from gradflow import schema
-from gradflow.monitor import GradientMonitor
+from gradflow.monitor import GradientMonitor, deferred
 from gradflow.monitor import callback as monitor_callback
 from gradflow.store import RunStore
 
@@ -76,16 +76,29 @@ def test_nonfinite_origin_is_the_layer_nearest_the_loss(activations):
     assert monitor.history.query("step < 3")["nonfinite"].sum() == 0
 
 
-# every=1 reads finiteness off the statistics computed before the update;
-# every=5 checks the gradients on their own (the step may not be recorded).
-# jit_compile: Keras's default when a GPU is present.
+# every=1 takes the deferred path of small models (a finiteness check of the
+# copied gradients), or with `in_step` reads finiteness off the statistics
+# computed before the update; every=5 checks the gradients on their own (the
+# step may not be recorded). jit_compile: Keras's default when a GPU is present.
 @pytest.mark.parametrize(
-    "every,steps_per_execution,jit_compile",
-    [(1, 1, False), (1, 2, False), (5, 1, False), (5, 2, False), (1, 2, True), (5, 1, True)],
+    "every,steps_per_execution,jit_compile,in_step",
+    [
+        (1, 1, False, False),
+        (1, 2, False, False),
+        (1, 1, False, True),
+        (1, 2, False, True),
+        (5, 1, False, True),
+        (5, 2, False, True),
+        (1, 2, True, False),
+        (1, 2, True, True),
+        (5, 1, True, True),
+    ],
 )
 def test_stop_on_nonfinite_stops_at_that_step_with_finite_weights(
-    every, steps_per_execution, jit_compile
+    every, steps_per_execution, jit_compile, in_step, monkeypatch
 ):
+    if in_step:
+        monkeypatch.setattr(deferred, "MAX_PARAMETERS", 0)
     x, y = blow_up_data(bad_step=3)
     model = blow_up_model()
     model.compile(
@@ -105,6 +118,7 @@ def test_stop_on_nonfinite_stops_at_that_step_with_finite_weights(
     history = model.fit(
         x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[Keep(), monitor]
     )
+    assert monitor._plan.deferred is not in_step
     # The non-finite step is recorded, also when it is not a multiple of `every`.
     assert monitor.history["step"].max() == 3
     assert monitor.events.query("kind == 'nonfinite'")["step"].tolist() == [3]
@@ -116,13 +130,14 @@ def test_stop_on_nonfinite_stops_at_that_step_with_finite_weights(
 
 
 def test_stop_on_nonfinite_in_a_long_epoch_stops_within_a_read_of_the_ring():
-    # The callback finds the halted step when it reads the ring (every 64
-    # executions or 0.2 s), not after every batch; the batches in between
-    # change nothing. The loss stays finite here: only the gradient is not.
+    # The callback finds the halted step when it reads the ring (when it is
+    # full or 0.2 s after the last read), not after every batch; the batches
+    # in between change nothing. The loss stays finite here: only the
+    # gradient is not.
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(200 * BATCH, 3)).astype("float32")  # 200 steps per epoch
+    x = rng.normal(size=(1000 * BATCH, 3)).astype("float32")  # 1000 steps per epoch
     x[2 * BATCH : 3 * BATCH] *= 1e4  # step 3
-    y = rng.normal(size=(200 * BATCH, 1)).astype("float32")
+    y = rng.normal(size=(1000 * BATCH, 1)).astype("float32")
     model = blow_up_model()
     seen = {"batches": 0}
 
@@ -138,7 +153,8 @@ def test_stop_on_nonfinite_in_a_long_epoch_stops_within_a_read_of_the_ring():
         x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[Watch(), monitor]
     )
     assert np.isfinite(seen["loss"])
-    assert 3 <= seen["batches"] <= 3 + 64  # stopped long before the epoch's 200 batches
+    # Stopped within one ring, long before the epoch's 1000 batches.
+    assert 3 <= seen["batches"] <= 3 + monitor._plan.capacity < 1000
     assert len(history.history["loss"]) == 1
     assert int(model.optimizer.iterations) == 3
     assert monitor.events.query("kind == 'nonfinite'")["step"].tolist() == [3]

@@ -84,8 +84,9 @@ class GradientMonitor(keras.callbacks.Callback):
             holds a NaN or Inf. That step's update is skipped, like
             `keras.optimizers.LossScaleOptimizer` does, so the weights stay
             finite, and so are the updates of the few batches `fit` still
-            runs before the callback reads the step (at most 64 executions or
-            0.2 s; none when the loss is non-finite too): the weights and
+            runs before the callback reads the step (at most 0.2 s or one ring:
+            64 executions, up to 256 for the ring of a small model; none when
+            the loss is non-finite too): the weights and
             `optimizer.iterations` stay those of the last finite step. Under
             `tf.distribute` the update is applied: a cond around the
             optimizer's cross-replica update is not allowed there. Defaults
@@ -200,22 +201,20 @@ class GradientMonitor(keras.callbacks.Callback):
             )
         strategy = model.distribute_strategy
         self._is_chief = bool(getattr(strategy.extended, "should_checkpoint", True))
-        self._executions_per_read = (
+        executions_per_read = (
             _EXECUTIONS_PER_READ
             if strategy.num_replicas_in_sync == 1
             else _EXECUTIONS_PER_READ_DISTRIBUTED
         )
+        self._steps_per_execution = max(1, int(model.steps_per_execution))
         self._plan = StepPlan(
             model,
-            max(1, int(model.steps_per_execution)) * self._executions_per_read,
+            self._steps_per_execution * executions_per_read,
             self.activations,
             self.every,
             self.histograms,
             self.stop_on_nonfinite,
         )
-        if all(layer.built for layer in model._flatten_layers()):
-            # Otherwise the first trace builds the model and then the ring.
-            self._plan.prepare(model.trainable_weights)
         self._saved_train_step = model.__dict__.get("train_step")
         if type(model).train_step is TensorFlowTrainer.train_step:
             step = instrumented_train_step(self._plan)
@@ -230,6 +229,9 @@ class GradientMonitor(keras.callbacks.Callback):
             )
             step = probed_train_step(self._plan, model.train_step, self.probe_every)
             self._probing = True
+        if all(layer.built for layer in model._flatten_layers()):
+            # Otherwise the first trace builds the model and then the ring.
+            self._plan.prepare(model.trainable_weights)
         # Keras builds its train function from `model.train_step`; an instance
         # attribute shadows the class's method until `on_train_end`.
         object.__setattr__(model, "train_step", step)
@@ -266,7 +268,8 @@ class GradientMonitor(keras.callbacks.Callback):
         # batch instead cost 60-100 us a step (a variable read), 2-3% of a
         # lab step; a non-finite loss, the usual sign, is read at once.
         if (
-            self._batches_since_read >= self._executions_per_read
+            # The plan's capacity may grow when it prepares (a deferred ring).
+            self._batches_since_read * self._steps_per_execution >= self._plan.capacity
             or time.monotonic() - self._last_read >= _READ_INTERVAL_S
             or (self.stop_on_nonfinite and not _is_finite(logs.get("loss", 0.0)))
         ):

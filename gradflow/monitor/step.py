@@ -24,6 +24,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from gradflow import schema
+from gradflow.monitor import deferred
 from gradflow.monitor.buffer import STEP_METRICS, RingBuffer
 from gradflow.probe.capture import leaf_layers, record_layer_outputs
 from gradflow.probe.naming import variable_names
@@ -57,6 +58,11 @@ class StepPlan:
         self.activation_slots = 2 * len(self.layer_order) + 4 if activations else 0
         self.names = None
         self.buffer = None
+        # Whether the step only copies its gradients and weights and the read
+        # summarizes them (`gradflow.monitor.deferred`); decided by `prepare`.
+        self.deferred = False
+        # Set by `probed_train_step`: a probe records through the in-step path.
+        self.probing = False
         # Filled while the step is traced: the path of each recorded layer
         # output, in call order (`path#2` for a second call of a shared layer).
         self.activation_paths = []
@@ -84,12 +90,35 @@ class StepPlan:
             return
         with tf.init_scope():
             self.names = variable_names(self.model, variables)
-            self.buffer = RingBuffer(
-                self.model.distribute_strategy,
-                self.capacity,
-                len(variables) + self.activation_slots,
-                self.histograms,
-            )
+            self.deferred = self._can_defer(variables)
+            if self.deferred:
+                self.capacity = deferred.ring_capacity(variables, self.capacity)
+                self.buffer = deferred.DeferredRing(variables, self.capacity, self.histograms)
+            else:
+                self.buffer = RingBuffer(
+                    self.model.distribute_strategy,
+                    self.capacity,
+                    len(variables) + self.activation_slots,
+                    self.histograms,
+                )
+
+    def _can_defer(self, variables):
+        """Whether every recorded column can be computed from the gradients and weights later.
+
+        See `gradflow.monitor.deferred` for why each case keeps the in-step path.
+        """
+        optimizer = self.optimizer
+        return (
+            self.every == 1
+            and not self.activation_slots
+            and not self.probing
+            and self.replicas == 1
+            and _clipping_optimizer(optimizer) is None
+            and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+            and optimizer.loss_scale_factor is None
+            and not _constrained_indices(variables)
+            and deferred.fits(variables, self.capacity)
+        )
 
 
 def instrumented_train_step(plan):
@@ -135,6 +164,9 @@ def instrumented_train_step(plan):
         learning_rate = _scalar(optimizer.learning_rate)
         constrained = _constrained_indices(variables)
         constraints = [variables[i].constraint for i in constrained]
+        if plan.deferred:
+            return _deferred_tail(plan, x, y, y_pred, sample_weight, loss, learning_rate,
+                                  weight_gradients, variables)
         weight_groups = ShapeGroups([v.shape for v in variables])
         updates = _UpdateCapture.for_step(
             optimizer, variables, weight_groups, constrained, plan.replicas
@@ -239,6 +271,30 @@ def instrumented_train_step(plan):
     return train_step
 
 
+def _deferred_tail(plan, x, y, y_pred, sample_weight, loss, learning_rate, gradients, variables):
+    """Update and record the step for `gradflow.monitor.deferred`: one copy, no statistics.
+
+    The gradients are never scaled here (no loss scaling on this path).
+    """
+    model, optimizer = plan.model, plan.optimizer
+    packed = plan.buffer.pack(_filled(gradients, variables), loss, learning_rate)
+
+    def update():
+        # The copy reads the weights before the update; waiting for it lets
+        # the optimizer write them in place instead of copying them first.
+        with tf.control_dependencies([packed]):
+            optimizer.apply_gradients(zip(gradients, variables, strict=False))
+        return [], []
+
+    halted = None
+    if plan.stop_on_nonfinite:
+        _, halted = _update_unless_nonfinite(plan, update, plan.buffer.all_finite(packed), [], [])
+    else:
+        update()
+    plan.buffer.write(tf.cast(optimizer.iterations, tf.int64), packed, halted)
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
 def _update_unless_nonfinite(plan, update, finite, constrained_variables, unchanged):
     """Run `update` only while every gradient is finite and no step halted.
 
@@ -279,6 +335,7 @@ def probed_train_step(plan, original_train_step, probe_every):
     """
     model = plan.model
     optimizer = plan.optimizer
+    plan.probing = True
 
     def probe(x, y, sample_weight, upcoming, when):
         with tf.GradientTape() as tape, _layer_outputs(plan) as outputs:

@@ -1,0 +1,211 @@
+"""The deferred path: the step copies its gradients and weights, the read summarizes them.
+
+On a small model the cost of recording is not arithmetic but the dispatch of
+about two hundred small ops in every step. So for small models the step does
+only this: one concat of the gradients it applies and the weights before the
+update, with the loss and the learning rate, written into one slot of a
+`[capacity, 2 x parameters + 2]` ring (an in-place scatter). When the
+callback reads the ring (when it is full or 0.2 s after the last read), one
+compiled call computes the statistics of every new slot at once with the
+same kernel as the in-step path (`gradflow.statistics.summarize_rows`), so
+those ops are paid once per read, not once per step.
+
+The weights after step t are the weights before step t + 1, the next slot;
+for the newest step they are the model's weights as they are at the read,
+since the callback reads between executions. That holds only when every step
+is recorded (`every=1`) and nothing else changes the weights: constraints,
+clipping (whose columns need the clipped gradient), activation gradients,
+loss scaling and several replicas keep the in-step path, as do models too
+large for the ring (`fits`).
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from gradflow import schema
+from gradflow.monitor.buffer import ROW_COLUMNS, STEP_METRICS, _local_variable, _write_slot
+from gradflow.statistics import ShapeGroups, sum_of_squares, summarize_rows
+
+_NAN = float("nan")
+
+# Above this many trainable parameters the copy into the ring costs more than
+# the in-step statistics save (bench/bench_deferred_statistics.py and
+# bench/bench_monitor_step.py: a 15k-parameter MLP gained, a 78k one lost).
+MAX_PARAMETERS = 16_384
+
+
+# The ring may hold up to four times the steps of the in-step ring (so a read,
+# whose cost is mostly its op count, comes four times less often) while it
+# stays under this size.
+RING_BYTES = 16 * 2**20
+_MAX_GROWTH = 4
+
+
+def ring_capacity(variables, capacity):
+    """Steps a deferred ring holds: `capacity`, or more while the ring stays under `RING_BYTES`."""
+    slot_bytes = 4 * (2 * _parameters(variables) + 2)
+    return max(capacity, min(_MAX_GROWTH * capacity, RING_BYTES // slot_bytes))
+
+
+def _parameters(variables):
+    return sum(tf.TensorShape(v.shape).num_elements() for v in variables)
+
+
+def fits(variables, capacity):
+    """Whether a model with these trainable variables is small enough for the deferred path."""
+    shapes = [tf.TensorShape(v.shape) for v in variables]
+    if not all(s.is_fully_defined() for s in shapes):
+        return False
+    return _parameters(variables) <= MAX_PARAMETERS and capacity > 1
+
+
+class DeferredRing:
+    """Raw gradients and weights of each recorded step, summarized when read.
+
+    It reads like `gradflow.monitor.buffer.RingBuffer`: `read` returns the
+    same arrays, and `halted` is the same flag.
+
+    Args:
+        variables: The model's trainable variables, in gradient order.
+        capacity: How many steps the ring holds between two reads.
+        histograms: Whether `read` also counts log10|g| histograms.
+    """
+
+    def __init__(self, variables, capacity, histograms=False):
+        self.capacity = int(capacity)
+        self.variables = list(variables)
+        self.rows = len(self.variables)
+        self.histograms = histograms
+        self.groups = ShapeGroups([v.shape for v in self.variables])
+        # Slot layout: each shape group's tensors side by side, so that a
+        # group's columns of the ring are a `[capacity, k, entries]` block.
+        self._order = [i for group in self.groups.groups for i in group]
+        self.parameters = _parameters(self.variables)
+        # One more slot than the ring holds: the steps `stop_on_nonfinite`
+        # halted write there, which costs less than a branch around the write.
+        self.steps = _local_variable(np.zeros([capacity + 1], np.int64), tf.int64)
+        # Per slot: the gradients, the weights, then the loss and the learning rate.
+        self.raw = _local_variable(
+            np.zeros([capacity + 1, 2 * self.parameters + 2], np.float32), tf.float32
+        )
+        self.halted = _local_variable(0, tf.int32)
+        self._summarize = tf.function(
+            self._summarize_slots,
+            input_signature=[tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int32)],
+            autograph=False,
+        )
+
+    # In the step ----------------------------------------------------------------
+
+    def pack(self, gradients, loss, learning_rate):
+        """One vector: the gradients, the weights as they are now (before the update), loss, learning rate."""
+        return tf.concat(
+            [tf.reshape(tf.cast(gradients[i], tf.float32), [-1]) for i in self._order]
+            + self._weight_pieces()
+            + [tf.reshape(tf.cast(loss, tf.float32), [1]), tf.reshape(learning_rate, [1])],
+            axis=0,
+        )
+
+    def all_finite(self, packed):
+        """Whether every gradient entry of `pack`'s vector is finite."""
+        return tf.reduce_all(tf.math.is_finite(packed[: self.parameters]))
+
+    def write(self, step, packed, halted=None):
+        """Store one step (graph code, inside the train step); after a halt, into the spare slot."""
+        slot = tf.math.floormod(step - 1, self.capacity)
+        if halted is not None:
+            slot = tf.where(halted, tf.constant(self.capacity, tf.int64), slot)
+        slot = tf.reshape(slot, [1, 1])
+        _write_slot(self.raw, slot, packed)
+        # Written last: a slot's step says its other values are complete.
+        _write_slot(self.steps, slot, step)
+
+    # When read ------------------------------------------------------------------
+
+    def read(self, after_step):
+        """Return the records newer than `after_step`, oldest first (eager).
+
+        Only those slots are summarized: a read every 0.2 s of a slow model
+        costs what its new steps cost, not what the whole ring would.
+
+        Returns:
+            `(steps, stats, metrics, histograms)` as `RingBuffer.read` does.
+        """
+        all_steps = self.steps.numpy()
+        steps = all_steps[: self.capacity]  # not the spare slot
+        fresh = np.flatnonzero(steps > after_step)
+        if fresh.size == 0:
+            return steps[:0], None, None, None
+        fresh = fresh[np.argsort(steps[fresh])]
+        # The weights after a step are the weights before the next one, when
+        # the ring holds it; otherwise (the newest step, or one after which
+        # `stop_on_nonfinite` halted) the weights as they are now. Fresh
+        # steps are consecutive, so the next step is the next fresh row.
+        has_next = steps[(fresh + 1) % self.capacity] == steps[fresh] + 1
+        after_rows = np.where(has_next, np.arange(1, fresh.size + 1), fresh.size)
+        stats, metrics, histograms = self._summarize(
+            tf.constant(fresh, tf.int32), tf.constant(after_rows, tf.int32)
+        )
+        histograms = None if histograms is None else histograms.numpy()
+        return steps[fresh], stats.numpy(), metrics.numpy(), histograms
+
+    def _weight_pieces(self):
+        return [tf.reshape(tf.cast(self.variables[i].value, tf.float32), [-1]) for i in self._order]
+
+    def _summarize_slots(self, slots, after_rows):
+        parameters = self.parameters
+        count = tf.shape(slots)[0]
+        # Gathers from the variable itself: only the chosen slots are copied.
+        chosen = tf.gather(self.raw, slots)
+        gradients, before = chosen[:, :parameters], chosen[:, parameters : 2 * parameters]
+        now = tf.concat(self._weight_pieces(), axis=0)
+        after = tf.gather(tf.concat([before, now[tf.newaxis]], axis=0), after_rows)
+        change = after - before
+
+        stats, histograms, squares = [], [], []
+        offset = 0
+        for group in self.groups.groups:
+            tensors = len(group)
+            entries = int(np.prod(self.variables[group[0]].shape))
+            width = tensors * entries
+
+            def block(matrix, offset=offset, width=width, entries=entries):
+                return tf.reshape(matrix[:, offset : offset + width], [-1, entries])
+
+            group_stats, group_histograms = summarize_rows(block(gradients), self.histograms)
+            stats.append(tf.reshape(group_stats, [count, tensors, len(schema.STATISTICS)]))
+            if group_histograms is not None:
+                histograms.append(
+                    tf.reshape(group_histograms, [count, tensors, schema.HISTOGRAM_BINS])
+                )
+            squares.append(
+                tf.stack(
+                    [
+                        tf.reshape(sum_of_squares(block(m)), [count, tensors])
+                        for m in (before, after, change)
+                    ],
+                    axis=-1,
+                )
+            )
+            offset += width
+
+        stats = self.groups.rows(stats, axis=1)  # [count, variables, statistics]
+        norm_before, norm_after, norm_change = tf.unstack(
+            tf.sqrt(self.groups.rows(squares, axis=1)), num=3, axis=-1
+        )
+        update_ratio = tf.where(norm_before > 0, norm_change / tf.maximum(norm_before, 1e-30), _NAN)
+        missing = tf.fill([count, self.rows], _NAN)
+        # In `schema.EXTRA_COLUMNS` order; no constraint and no clipping here.
+        extras = tf.stack([norm_after, missing, update_ratio, missing, missing], axis=-1)
+        rows = tf.concat([stats, extras], axis=-1)
+        assert rows.shape[-1] == len(ROW_COLUMNS)
+
+        gradient_norm = stats[:, :, schema.STATISTICS.index("l2_norm")]
+        global_norm = tf.sqrt(tf.reduce_sum(tf.square(gradient_norm), axis=1))
+        metrics = tf.concat(
+            [chosen[:, 2 * parameters :], global_norm[:, tf.newaxis], tf.fill([count, 2], _NAN)],
+            axis=1,
+        )
+        assert metrics.shape[1] == len(STEP_METRICS)
+        histograms = self.groups.rows(histograms, axis=1) if histograms else None
+        return rows, metrics, histograms

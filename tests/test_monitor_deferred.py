@@ -1,0 +1,160 @@
+"""The deferred path of small models (`gradflow.monitor.deferred`).
+
+The step of a small model only copies its gradients and weights into a ring,
+and the statistics are computed when the callback reads it. These tests hold
+that path to the same hand-written tape reference as the in-step path
+(`tests/test_monitor.py`), to the in-step path itself over many ring wraps,
+and check which models take it.
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+import pytest
+
+from gradflow import schema
+from gradflow.monitor import GradientMonitor, deferred
+from tests.test_monitor import (
+    BATCH,
+    CASES,
+    assert_matches_reference,
+    copy_of,
+    make_data,
+    make_model,
+    reference_run,
+)
+
+PLAIN_CASES = [c for c in CASES if c[2] is None and c[3] is None]  # no clipping, no max-norm
+
+
+@pytest.mark.parametrize(
+    "name,optimizer_class,clip,max_norm,rtol", PLAIN_CASES, ids=[c[0] for c in PLAIN_CASES]
+)
+def test_deferred_statistics_equal_a_hand_written_tape_loop(
+    name, optimizer_class, clip, max_norm, rtol
+):
+    x, y = make_data()
+    model = make_model()
+    reference = copy_of(model)
+    model.compile(optimizer=optimizer_class(learning_rate=0.05), loss="mse")
+    monitor = GradientMonitor()
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[monitor])
+    assert monitor._plan.deferred
+
+    rows, metrics = reference_run(reference, optimizer_class(learning_rate=0.05), x, y, epochs=2)
+    rows = {key: row for key, row in rows.items() if key[2] != "activation"}
+    assert sorted(monitor.history["step"].unique()) == [1, 2, 3, 4, 5, 6]
+    assert_matches_reference(monitor, rows, metrics, rtol)
+    np.testing.assert_allclose(
+        monitor.metrics.query("name == 'learning_rate'")["value"], 0.05, rtol=1e-6
+    )
+    assert not monitor.metrics["name"].isin(["global_norm_clipped", "clipped"]).any()
+    for a, b in zip(model.get_weights(), reference.get_weights(), strict=False):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6)
+
+
+def shared_shapes_model():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential(
+        [keras.Input((3,))]
+        + [keras.layers.Dense(8, activation="relu", name=f"d{i}") for i in range(4)]
+        + [keras.layers.Dense(1, name="out")]
+    )
+
+
+def train(model, steps_per_execution, monkeypatch, in_step):
+    if in_step:
+        monkeypatch.setattr(deferred, "MAX_PARAMETERS", 0)
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(150 * 4, 3)).astype("float32")
+    y = (x[:, :1] * 2.0 + 1.0).astype("float32")
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01), loss="mse", steps_per_execution=steps_per_execution
+    )
+    monitor = GradientMonitor(histograms=True)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
+    monkeypatch.undo()
+    assert monitor._plan.deferred is not in_step
+    return monitor
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_deferred_and_in_step_paths_record_the_same_numbers(steps_per_execution, monkeypatch):
+    # 150 steps: the ring (64 executions) wraps twice, and reads come both
+    # every 64 executions and every 0.2 s, so the weights after a step come
+    # from the next slot and, for the newest step of each read, from the
+    # model itself.
+    model = shared_shapes_model()
+    twin = keras.models.clone_model(model)
+    twin.set_weights(model.get_weights())
+    fast = train(model, steps_per_execution, monkeypatch, in_step=False)
+    slow = train(twin, steps_per_execution, monkeypatch, in_step=True)
+
+    assert sorted(fast.history["step"].unique()) == list(range(1, 151))
+    columns = list(schema.STATISTICS + schema.EXTRA_COLUMNS)
+    np.testing.assert_allclose(
+        fast.history[columns].to_numpy(dtype=float),
+        slow.history[columns].to_numpy(dtype=float),
+        rtol=1e-5,
+        atol=1e-7,
+    )
+    assert fast.history[["step", "layer", "tensor"]].equals(
+        slow.history[["step", "layer", "tensor"]]
+    )
+    metrics_fast, metrics_slow = fast.metrics, slow.metrics
+    assert metrics_fast[["step", "name"]].equals(metrics_slow[["step", "name"]])
+    np.testing.assert_allclose(metrics_fast["value"], metrics_slow["value"], rtol=1e-5)
+    counts_fast = np.stack(fast.histogram_rows["counts"])
+    counts_slow = np.stack(slow.histogram_rows["counts"])
+    np.testing.assert_array_equal(counts_fast, counts_slow)
+    assert counts_fast.sum() > 0
+    for a, b in zip(model.get_weights(), twin.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+class OwnStep(keras.Sequential):
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def wide_model():
+    # 3*200 + 200 + 200*200 + 200 + 201 parameters: more than the ring takes.
+    return keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(200), keras.layers.Dense(200), keras.layers.Dense(1)]
+    )
+
+
+@pytest.mark.parametrize(
+    "case,monitor_kwargs,optimizer_kwargs,expected",
+    [
+        ("default", {}, {}, True),
+        ("stop_on_nonfinite", {"stop_on_nonfinite": True}, {}, True),
+        ("every_2", {"every": 2}, {}, False),
+        ("activations", {"activations": True}, {}, False),
+        ("clipnorm", {}, {"clipnorm": 1.0}, False),
+        ("global_clipnorm", {}, {"global_clipnorm": 1.0}, False),
+        ("max_norm", {}, {}, False),
+        ("too_many_parameters", {}, {}, False),
+        ("own_train_step", {}, {}, False),
+    ],
+)
+def test_which_models_take_the_deferred_path(case, monitor_kwargs, optimizer_kwargs, expected):
+    x, y = make_data()
+    if case == "max_norm":
+        model = make_model(max_norm=1.0)
+    elif case == "too_many_parameters":
+        model = wide_model()
+        assert model.count_params() > deferred.MAX_PARAMETERS
+    elif case == "own_train_step":
+        model = OwnStep([keras.Input((3,)), keras.layers.Dense(1)])
+    else:
+        model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.01, **optimizer_kwargs), loss="mse")
+    monitor = GradientMonitor(**monitor_kwargs)
+    with pytest.warns(UserWarning) if case == "own_train_step" else contextlib.nullcontext():
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
+    assert monitor._plan.deferred is expected
+    # Either way every recorded step is there.
+    every = monitor_kwargs.get("every", 1)
+    assert sorted(monitor.history["step"].unique()) == [s for s in (1, 2, 3) if s % every == 0]
