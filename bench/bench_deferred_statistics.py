@@ -1,8 +1,12 @@
-"""Would deferring the statistics pay? A feasibility measurement for issue #4, not a feature.
+"""Would deferring the statistics pay? The eighth session's feasibility measurement for issue #4.
+
+The design is built since the ninth session (`gradflow/monitor/deferred.py`,
+measured as it is with `bench_monitor_step.py`'s `weights deferred`); this
+bench keeps the prototype's figures reproducible.
 
     python3 bench/bench_deferred_statistics.py [--models lab,mlp5,mlp20] [--rounds 9] [--ring 64] [--out FILE]
 
-Today the compiled train step computes every statistic of every step
+Before, the compiled train step computed every statistic of every step
 (`gradflow/monitor/step.py`): on small models most of its cost is the
 dispatch of about 200 small ops a step. The alternative measured here: the
 step only copies its weight gradients into a ring (`[ring, parameters]`, one

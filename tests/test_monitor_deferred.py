@@ -12,9 +12,11 @@ import contextlib
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from gradflow import schema
 from gradflow.monitor import GradientMonitor, deferred
+from gradflow.monitor.buffer import ROW_COLUMNS
 from tests.test_monitor import (
     BATCH,
     CASES,
@@ -158,3 +160,31 @@ def test_which_models_take_the_deferred_path(case, monitor_kwargs, optimizer_kwa
     # Either way every recorded step is there.
     every = monitor_kwargs.get("every", 1)
     assert sorted(monitor.history["step"].unique()) == [s for s in (1, 2, 3) if s % every == 0]
+
+
+def test_a_missing_step_leaves_the_weight_columns_of_the_step_before_it_empty():
+    # Recorded steps always follow one another; should one ever be missing,
+    # the weights after the step before the gap are unknown, not guessed.
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    ring = deferred.DeferredRing(layer.trainable_variables, capacity=8)
+    gradients = [tf.ones_like(v) for v in layer.trainable_variables]
+    for step in (1, 2, 4):
+        packed = ring.pack(gradients, loss=1.0, learning_rate=tf.constant(0.1))
+        ring.write(tf.constant(step, tf.int64), packed)
+    steps, stats, metrics, _ = ring.read(0)
+    assert steps.tolist() == [1, 2, 4]
+    columns = list(ROW_COLUMNS)
+    weight_norm = stats[:, :, columns.index("weight_norm")]
+    update_ratio = stats[:, :, columns.index("update_ratio")]
+    assert np.isnan(weight_norm[1]).all() and np.isnan(update_ratio[1]).all()  # step 2
+    # Step 1: the weights did not change between the copies of steps 1 and 2
+    # (the kernel's ratio is 0; the zero bias has none).
+    assert update_ratio[0, 0] == 0.0 and np.isnan(update_ratio[0, 1])
+    # Step 4, the newest: its weights after are the layer's weights now.
+    now = [np.linalg.norm(v.numpy()) for v in layer.trainable_variables]
+    np.testing.assert_allclose(weight_norm[2], now, rtol=1e-6)
+    np.testing.assert_allclose(
+        stats[:, :, columns.index("l2_norm")], [[np.sqrt(6), np.sqrt(2)]] * 3
+    )
+    np.testing.assert_allclose(metrics[:, 0], 1.0)

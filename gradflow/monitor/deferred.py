@@ -24,14 +24,15 @@ import tensorflow as tf
 
 from gradflow import schema
 from gradflow.monitor.buffer import ROW_COLUMNS, STEP_METRICS, _local_variable, _write_slot
-from gradflow.statistics import ShapeGroups, sum_of_squares, summarize_rows
+from gradflow.statistics import ShapeGroups, summarize_rows
 
 _NAN = float("nan")
 
-# Above this many trainable parameters the copy into the ring costs more than
-# the in-step statistics save (bench/bench_deferred_statistics.py and
-# bench/bench_monitor_step.py: a 15k-parameter MLP gained, a 78k one lost).
-MAX_PARAMETERS = 16_384
+# Above this many trainable parameters the copy into the ring and the read
+# cost about what the in-step statistics do (`bench/bench_monitor_step.py`,
+# `weights deferred` against `weights in-step`: the lab's 5.6k-parameter MLP
+# and a 20k-parameter CNN gained, a 78k-parameter MLP did not).
+MAX_PARAMETERS = 32_768
 
 
 # The ring may hold up to four times the steps of the in-step ring (so a read,
@@ -91,7 +92,7 @@ class DeferredRing:
         self.halted = _local_variable(0, tf.int32)
         self._summarize = tf.function(
             self._summarize_slots,
-            input_signature=[tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int32)],
+            input_signature=[tf.TensorSpec([None], tf.int32)],
             autograph=False,
         )
 
@@ -137,30 +138,34 @@ class DeferredRing:
         if fresh.size == 0:
             return steps[:0], None, None, None
         fresh = fresh[np.argsort(steps[fresh])]
-        # The weights after a step are the weights before the next one, when
-        # the ring holds it; otherwise (the newest step, or one after which
-        # `stop_on_nonfinite` halted) the weights as they are now. Fresh
-        # steps are consecutive, so the next step is the next fresh row.
-        has_next = steps[(fresh + 1) % self.capacity] == steps[fresh] + 1
-        after_rows = np.where(has_next, np.arange(1, fresh.size + 1), fresh.size)
-        stats, metrics, histograms = self._summarize(
-            tf.constant(fresh, tf.int32), tf.constant(after_rows, tf.int32)
-        )
+        stats, metrics, histograms = self._summarize(tf.constant(fresh, tf.int32))
+        stats = stats.numpy()
+        # Fresh steps follow one another (every step is recorded, and the
+        # ring is read before it wraps), so the weights after a step are the
+        # next row's weights before it, and after the newest step, or the one
+        # `stop_on_nonfinite` halted at, the model's weights now. Should a
+        # step ever be missing, the rows before the gap get no weight columns.
+        steps = steps[fresh]
+        gaps = np.flatnonzero(np.diff(steps) != 1)
+        stats[gaps, :, len(schema.STATISTICS) :] = np.nan
         histograms = None if histograms is None else histograms.numpy()
-        return steps[fresh], stats.numpy(), metrics.numpy(), histograms
+        return steps, stats, metrics.numpy(), histograms
 
     def _weight_pieces(self):
         return [tf.reshape(tf.cast(self.variables[i].value, tf.float32), [-1]) for i in self._order]
 
-    def _summarize_slots(self, slots, after_rows):
+    def _summarize_slots(self, slots):
         parameters = self.parameters
         count = tf.shape(slots)[0]
         # Gathers from the variable itself: only the chosen slots are copied.
         chosen = tf.gather(self.raw, slots)
-        gradients, before = chosen[:, :parameters], chosen[:, parameters : 2 * parameters]
-        now = tf.concat(self._weight_pieces(), axis=0)
-        after = tf.gather(tf.concat([before, now[tf.newaxis]], axis=0), after_rows)
-        change = after - before
+        gradients = chosen[:, :parameters]
+        # The weights before each step, then the weights now: row i + 1 holds
+        # the weights after step i (see `read`).
+        weights = tf.concat(
+            [chosen[:, parameters : 2 * parameters], tf.concat(self._weight_pieces(), 0)[None]],
+            axis=0,
+        )
 
         stats, histograms, squares = [], [], []
         offset = 0
@@ -169,23 +174,25 @@ class DeferredRing:
             entries = int(np.prod(self.variables[group[0]].shape))
             width = tensors * entries
 
-            def block(matrix, offset=offset, width=width, entries=entries):
-                return tf.reshape(matrix[:, offset : offset + width], [-1, entries])
+            def block(matrix, offset=offset, width=width, tensors=tensors, entries=entries):
+                return tf.reshape(matrix[:, offset : offset + width], [-1, tensors, entries])
 
-            group_stats, group_histograms = summarize_rows(block(gradients), self.histograms)
+            group_stats, group_histograms = summarize_rows(
+                tf.reshape(block(gradients), [-1, entries]), self.histograms
+            )
             stats.append(tf.reshape(group_stats, [count, tensors, len(schema.STATISTICS)]))
             if group_histograms is not None:
                 histograms.append(
                     tf.reshape(group_histograms, [count, tensors, schema.HISTOGRAM_BINS])
                 )
+            # Slices along the first axis: no copies.
+            group_weights = block(weights)
+            weight_squares = tf.reduce_sum(tf.square(group_weights), axis=-1)
+            change_squares = tf.reduce_sum(
+                tf.math.squared_difference(group_weights[1:], group_weights[:-1]), axis=-1
+            )
             squares.append(
-                tf.stack(
-                    [
-                        tf.reshape(sum_of_squares(block(m)), [count, tensors])
-                        for m in (before, after, change)
-                    ],
-                    axis=-1,
-                )
+                tf.stack([weight_squares[:-1], weight_squares[1:], change_squares], axis=-1)
             )
             offset += width
 
