@@ -154,8 +154,10 @@ def compiled_step(name, options, step_module=None):
         step = MonitoredStep(tf.function(instrumented_train_step(plan)), plan)
     for _ in range(20):  # trace and warm up
         step(batch)
-    if options is not None:
-        step.read()  # trace the read too
+    if options is not None:  # the first read runs eagerly, the second traces the compiled one
+        step.read()
+        step(batch)
+        step.read()
     return step, batch
 
 

@@ -188,3 +188,8 @@ def test_a_missing_step_leaves_the_weight_columns_of_the_step_before_it_empty():
         stats[:, :, columns.index("l2_norm")], [[np.sqrt(6), np.sqrt(2)]] * 3
     )
     np.testing.assert_allclose(metrics[:, 0], 1.0)
+    # The first read ran op by op; later ones run the compiled call: the same numbers.
+    again = ring.read(0)
+    np.testing.assert_array_equal(again[0], steps)
+    np.testing.assert_allclose(again[1], stats, rtol=1e-6)
+    np.testing.assert_allclose(again[2], metrics, rtol=1e-6)
