@@ -270,22 +270,16 @@ def summarize_rows(rows, histogram=False):
     statistics = _finish(_raw_sums(rows))
     if not histogram:
         return statistics, None
-    position, weights = _histogram_positions(rows)
-    counts = tf.raw_ops.DenseBincount(
-        input=position,
-        size=tf.constant(schema.HISTOGRAM_BINS, tf.int32),
-        weights=weights,
-        binary_output=False,
-    )
-    return statistics, counts
+    return statistics, _log_histogram(rows, per_row=True)
 
 
-def _log_histogram(values):
-    position, weights = _histogram_positions(tf.reshape(values, [-1]))
+def _log_histogram(values, per_row=False):
+    """log10|g| counts of a tensor (`[bins]`), or per row of a `[k, entries]` matrix (`[k, bins]`)."""
+    position, weights = _histogram_positions(values if per_row else tf.reshape(values, [-1]))
     # The op under `tf.math.bincount`, with the number of bins as a constant:
     # bincount computes its length from the data, which XLA cannot compile,
     # and Keras compiles the train step with XLA by default when a GPU is
-    # present.
+    # present. A 2-D input is counted row by row.
     return tf.raw_ops.DenseBincount(
         input=position,
         size=tf.constant(schema.HISTOGRAM_BINS, tf.int32),
@@ -295,7 +289,7 @@ def _log_histogram(values):
 
 
 def _histogram_positions(values):
-    """The bin of every entry of `values` (any shape) and a weight that leaves out NaN/Inf."""
+    """The bin of every entry of `values` and a weight that leaves out NaN/Inf."""
     bins = schema.HISTOGRAM_BINS
     finite = tf.math.is_finite(values)
     magnitude = tf.abs(tf.where(finite, values, 0.0))

@@ -138,6 +138,7 @@ def wide_model():
         ("global_clipnorm", {}, {"global_clipnorm": 1.0}, False),
         ("max_norm", {}, {}, False),
         ("too_many_parameters", {}, {}, False),
+        ("ring_too_large", {}, {}, False),
         ("own_train_step", {}, {}, False),
     ],
 )
@@ -148,11 +149,27 @@ def test_which_models_take_the_deferred_path(case, monitor_kwargs, optimizer_kwa
     elif case == "too_many_parameters":
         model = wide_model()
         assert model.count_params() > deferred.MAX_PARAMETERS
+    elif case == "ring_too_large":
+        # 20,441 parameters, but 8 steps per execution: a ring of 8 x 64
+        # steps would take 84 MB.
+        model = keras.Sequential(
+            [
+                keras.Input((3,)),
+                keras.layers.Dense(140),
+                keras.layers.Dense(140),
+                keras.layers.Dense(1),
+            ]
+        )
+        assert model.count_params() <= deferred.MAX_PARAMETERS
     elif case == "own_train_step":
         model = OwnStep([keras.Input((3,)), keras.layers.Dense(1)])
     else:
         model = make_model()
-    model.compile(optimizer=keras.optimizers.SGD(0.01, **optimizer_kwargs), loss="mse")
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01, **optimizer_kwargs),
+        loss="mse",
+        steps_per_execution=8 if case == "ring_too_large" else 1,
+    )
     monitor = GradientMonitor(**monitor_kwargs)
     with pytest.warns(UserWarning) if case == "own_train_step" else contextlib.nullcontext():
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])

@@ -43,8 +43,8 @@ class GradientMonitor(keras.callbacks.Callback):
     clipping or constraint) the step only copies the gradients and weights
     into a ring and the statistics are computed when the monitor reads it,
     every few hundred steps or 0.2 s, which costs the step less; otherwise
-    they are computed inside the compiled step. Per trainable variable and recorded step it keeps the
-    statistics of `gradflow.schema.STATISTICS` plus the weight norm, the
+    they are computed inside the compiled step. Per trainable variable and
+    recorded step it keeps the statistics of `gradflow.schema.STATISTICS` plus the weight norm, the
     update ratio ||dw|| / ||w||, the gradient after optimizer clipping
     (`clipnorm`, `clipvalue`, `global_clipnorm`) and the weight norm before a
     constraint such as `keras.constraints.MaxNorm`. Per step it keeps the

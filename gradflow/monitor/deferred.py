@@ -42,22 +42,39 @@ RING_BYTES = 16 * 2**20
 _MAX_GROWTH = 4
 
 
+# A ring the callback's own capacity would make larger than this (many steps
+# per execution) keeps the in-step path.
+MAX_RING_BYTES = 64 * 2**20
+
+
 def ring_capacity(variables, capacity):
     """Steps a deferred ring holds: `capacity`, or more while the ring stays under `RING_BYTES`."""
-    slot_bytes = 4 * (2 * _parameters(variables) + 2)
-    return max(capacity, min(_MAX_GROWTH * capacity, RING_BYTES // slot_bytes))
+    return max(capacity, min(_MAX_GROWTH * capacity, RING_BYTES // _slot_bytes(variables)))
 
 
 def _parameters(variables):
     return sum(tf.TensorShape(v.shape).num_elements() for v in variables)
 
 
+def _slot_bytes(variables):
+    return 4 * (2 * _parameters(variables) + 2)
+
+
 def fits(variables, capacity):
-    """Whether a model with these trainable variables is small enough for the deferred path."""
+    """Whether a model with these trainable variables is small enough for the deferred path.
+
+    Args:
+        variables: The model's trainable variables.
+        capacity: The steps the callback reads at most at once.
+    """
     shapes = [tf.TensorShape(v.shape) for v in variables]
     if not all(s.is_fully_defined() for s in shapes):
         return False
-    return _parameters(variables) <= MAX_PARAMETERS and capacity > 1
+    return (
+        _parameters(variables) <= MAX_PARAMETERS
+        and capacity > 1
+        and capacity * _slot_bytes(variables) <= MAX_RING_BYTES
+    )
 
 
 class DeferredRing:

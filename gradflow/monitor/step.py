@@ -165,8 +165,9 @@ def instrumented_train_step(plan):
         constrained = _constrained_indices(variables)
         constraints = [variables[i].constraint for i in constrained]
         if plan.deferred:
-            return _deferred_tail(plan, x, y, y_pred, sample_weight, loss, learning_rate,
-                                  weight_gradients, variables)
+            return _deferred_tail(
+                plan, x, y, y_pred, sample_weight, loss, learning_rate, weight_gradients, variables
+            )
         weight_groups = ShapeGroups([v.shape for v in variables])
         updates = _UpdateCapture.for_step(
             optimizer, variables, weight_groups, constrained, plan.replicas
