@@ -1,7 +1,8 @@
 """The monitor's cost inside the compiled train step, without `fit` around it.
 
     python3 bench/bench_monitor_step.py [--models lab,mlp5,mlp20,cnn] [--threads 1]
-                                        [--steps 200] [--rounds 15] [--baseline DIR] [--out FILE]
+                                        [--steps 200] [--rounds 15] [--baseline DIR] [--detail]
+                                        [--out FILE]
 
 `bench_monitor.py` measures what a user sees (steps/s of `model.fit`); on this
 2-core VM one plain `fit` of a small model can run at half the speed of the
@@ -18,7 +19,8 @@ the step, or a copy into a ring summarized when read, which the monitor picks
 for models of at most `deferred.MAX_PARAMETERS` parameters), `activations`
 (`activations=True`) and `stop_on_nonfinite` (the lab runner's setting: the
 update is skipped on a non-finite step). The monitored steps read their ring
-every 64 calls, as `fit` does, so the deferred path pays its read here too. Models: those of `bench_monitor.py`
+as `fit` does, so the deferred path pays its read here too. `--detail`
+adds the deferred path without its reads and with 2 and 4 MiB rings. Models: those of `bench_monitor.py`
 (small size) and `lab`, the lab's default 4x32 MLP on digits with SGD.
 
 `--baseline DIR` adds `baseline weights` and `baseline stop_on_nonfinite`:
@@ -54,6 +56,13 @@ VARIANTS = {
     "weights deferred": {"path": "deferred"},
     "activations": {"activations": True},
     "stop_on_nonfinite": {"stop_on_nonfinite": True},
+}
+# `--detail`: where the deferred path's time goes (the step's copy against the
+# read) and what a smaller ring would cost.
+DETAIL_VARIANTS = {
+    "deferred without reads": {"path": "deferred", "reads": False},
+    "deferred, 2 MiB ring": {"path": "deferred", "ring_mib": 2},
+    "deferred, 4 MiB ring": {"path": "deferred", "ring_mib": 4},
 }
 
 
@@ -100,15 +109,16 @@ class MonitoredStep:
     read (the deferred statistics of small models) pays it here too.
     """
 
-    def __init__(self, function, plan):
-        self.function, self.plan = function, plan
+    def __init__(self, function, plan, reads=True):
+        self.function, self.plan, self.reads = function, plan, reads
         self.since_read, self.last_step = 0, 0
         self.last_read = time.monotonic()
 
     def __call__(self, batch):
         logs = self.function(batch)
         self.since_read += 1
-        if self.since_read >= self.plan.capacity or time.monotonic() - self.last_read >= 0.2:
+        due = self.since_read >= self.plan.capacity or time.monotonic() - self.last_read >= 0.2
+        if self.reads and due:
             self.read()
         return logs
 
@@ -146,12 +156,15 @@ def compiled_step(name, options, step_module=None):
         from gradflow.monitor import deferred
 
         limit = {"in-step": 0, "deferred": 2**62}.get(options.get("path"), deferred.MAX_PARAMETERS)
-        saved, deferred.MAX_PARAMETERS = deferred.MAX_PARAMETERS, limit
+        ring_bytes = options.get("ring_mib", deferred.RING_BYTES / 2**20) * 2**20
+        saved = deferred.MAX_PARAMETERS, deferred.RING_BYTES
+        deferred.MAX_PARAMETERS, deferred.RING_BYTES = limit, int(ring_bytes)
         try:
             plan.prepare(model.trainable_weights)
         finally:
-            deferred.MAX_PARAMETERS = saved
-        step = MonitoredStep(tf.function(instrumented_train_step(plan)), plan)
+            deferred.MAX_PARAMETERS, deferred.RING_BYTES = saved
+        function = tf.function(instrumented_train_step(plan))
+        step = MonitoredStep(function, plan, reads=options.get("reads", True))
     for _ in range(20):  # trace and warm up
         step(batch)
     if options is not None:  # the first read runs eagerly, the second traces the compiled one
@@ -199,6 +212,11 @@ def main():
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--out", default=None)
     parser.add_argument("--baseline", default=None, help="another checkout to compare with")
+    parser.add_argument(
+        "--detail",
+        action="store_true",
+        help="also the deferred path without its reads, and with 2 and 4 MiB rings",
+    )
     args = parser.parse_args()
     if args.threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
@@ -207,7 +225,8 @@ def main():
     baseline = load_baseline(args.baseline) if args.baseline else None
     results = {}
     for name in args.models.split(","):
-        steps = {v: compiled_step(name, options) for v, options in VARIANTS.items()}
+        variants = {**VARIANTS, **(DETAIL_VARIANTS if args.detail else {})}
+        steps = {v: compiled_step(name, options) for v, options in variants.items()}
         if baseline is not None:
             for variant in ("weights", "stop_on_nonfinite"):
                 steps[f"baseline {variant}"] = compiled_step(name, VARIANTS[variant], baseline)

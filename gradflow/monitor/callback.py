@@ -222,7 +222,6 @@ class GradientMonitor(keras.callbacks.Callback):
         self._saved_train_step = model.__dict__.get("train_step")
         if type(model).train_step is TensorFlowTrainer.train_step:
             step = instrumented_train_step(self._plan)
-            self._probing = False
         else:
             warnings.warn(
                 f"Model {model.name!r} overrides `train_step`, so GradientMonitor cannot "
@@ -232,7 +231,6 @@ class GradientMonitor(keras.callbacks.Callback):
                 stacklevel=2,
             )
             step = probed_train_step(self._plan, model.train_step, self.probe_every)
-            self._probing = True
         if all(layer.built for layer in model._flatten_layers()):
             # Otherwise the first trace builds the model and then the ring.
             self._plan.prepare(model.trainable_weights)
@@ -241,7 +239,7 @@ class GradientMonitor(keras.callbacks.Callback):
         object.__setattr__(model, "train_step", step)
         model.make_train_function(force=True)
 
-        self._clipping = self._probing is False and _has_clipping(model.optimizer)
+        self._clipping = not self._plan.probing and _has_clipping(model.optimizer)
         self._last_step = int(model.optimizer.iterations.numpy())
         self._last_read = time.monotonic()
         self._batches_since_read = 0
@@ -336,7 +334,7 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def _halted_step(self):
         """The step where `stop_on_nonfinite` halted training, or None."""
-        halts = self.stop_on_nonfinite and not self._probing and self._plan.replicas == 1
+        halts = self.stop_on_nonfinite and not self._plan.probing and self._plan.replicas == 1
         return self._nonfinite_step if halts else None
 
     def _read_ring(self):

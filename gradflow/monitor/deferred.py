@@ -156,9 +156,10 @@ class DeferredRing:
         if fresh.size == 0:
             return steps[:0], None, None, None
         fresh = fresh[np.argsort(steps[fresh])]
-        # The first read runs op by op: tracing the compiled call takes about
-        # 0.5 s, eager ops 0.02-0.1 s, and a lab run's first step is waited
-        # for (it is published at once). Later reads use the compiled call.
+        # The first read runs op by op: a lab run's first step is published
+        # at once and waited for, and tracing the compiled call there took
+        # the warm start to 0.9-2.4 s instead of 0.5 s (`bench/bench_runner.py`).
+        # Later reads use the compiled call.
         summarize = self._summarize if self._read_before else self._summarize_slots
         self._read_before = True
         stats, metrics, histograms = summarize(tf.constant(fresh, tf.int32))
