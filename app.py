@@ -26,4 +26,6 @@ navigation = st.navigation(
 resources.run_manager()
 # Plotly.js (also gzipped) and the live-chart module, as static files beside this script (once per server).
 live_chart.publish_assets(pathlib.Path(__file__).parent)
+# The queue and the warm spare as a static file that waiting pages watch (gradflow/ui/board.py).
+resources.run_board()
 navigation.run()

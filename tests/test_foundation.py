@@ -59,7 +59,17 @@ def test_streamlit_config_is_safe_for_a_shared_server():
     assert config["runner"]["postScriptGC"] is False
 
 
-def test_the_static_files_are_plotly_and_the_live_chart_module_copied_not_linked(tmp_path):
+@pytest.fixture
+def published_here(monkeypatch):
+    # publish_assets records what it published for this process; a temporary
+    # folder must not outlive the test as the pages' static folder.
+    from gradflow.ui import live_chart
+
+    for name in ("versions", "folder", "failed"):
+        monkeypatch.setattr(live_chart._Assets, name, getattr(live_chart._Assets, name))
+
+
+def test_the_static_files_are_plotly_and_the_live_chart_module_copied_not_linked(tmp_path, published_here):
     import gzip
 
     import plotly
@@ -77,7 +87,7 @@ def test_the_static_files_are_plotly_and_the_live_chart_module_copied_not_linked
     assert not any(p.is_symlink() for p in folder.iterdir())
 
 
-def test_published_gzip_is_kept_when_current_and_rewritten_when_not(tmp_path):
+def test_published_gzip_is_kept_when_current_and_rewritten_when_not(tmp_path, published_here):
     # A later server start keeps the .gz it finds when it unpacks to this
     # Plotly (no 4.8 MB gzip at every start), and replaces a broken one.
     import gzip

@@ -35,6 +35,15 @@ def page_environment(tmp_path_factory):
             os.environ[key] = value
 
 
+@pytest.fixture(autouse=True)
+def without_run_board(monkeypatch):
+    # These pages poll with fragment ticks, as a server without static files
+    # does; tests/test_board.py covers the pages that watch the run board.
+    from gradflow.ui import resources
+
+    monkeypatch.setattr(resources, "run_board", lambda: None)
+
+
 def run_page(name, **query):
     from streamlit.testing.v1 import AppTest
 

@@ -1,7 +1,10 @@
 """The live panel: Start/Pause/Stop and charts that update while a run trains.
 
 The panel is an `st.fragment` that reruns every second while its run is
-queued, running or paused, and stops polling once the run has ended. Each tick
+running or paused, and stops polling once the run has ended. A run waiting in
+this server's queue is not polled: its page watches the run board from the
+browser (`gradflow.ui.board`) and reruns when its place in the queue changes.
+Each tick
 reads only the rows newer than the last step it has seen and appends them to
 a per-session cache, so a long run costs the same per tick as a short one.
 
@@ -36,6 +39,7 @@ import streamlit as st
 from gradflow import diagnosis, export, figures, schema
 from gradflow.figures.style import STATISTIC_LABELS, no_data_figure
 from gradflow.ui import controls, resources
+from gradflow.ui.board import watch_place, watch_warm
 from gradflow.ui.charts import image_export_available
 from gradflow.ui.fragments import isolated_fragment
 from gradflow.ui.live_chart import show_live_chart
@@ -48,6 +52,7 @@ FIRST_POLL_SECONDS = 0.25
 FIRST_POLL_FOR_S = 20.0
 # While a run waits in the queue only its place changes; a class puts most of
 # its runs there at once, and every tick costs the shared server a script run.
+# (Only without a run board, or for a run queued by another process.)
 QUEUED_POLL_SECONDS = 2.0
 # Heatmap columns drawn live (exports keep the figures' default of 1,000).
 LIVE_MAX_COLUMNS = 500
@@ -134,6 +139,11 @@ def _trainer_readiness(polls=True):
         return
     if manager.wait_warm(0):
         st.caption(":material/bolt: Trainer ready", help="A worker process is warm and waiting.")
+    elif polls and resources.run_board() is not None:
+        # Watched from the browser, no ticks: the page reruns once the spare
+        # is warm (gradflow/ui/board.py, issue #7).
+        _warming_caption()
+        watch_warm(resources.run_board())
     elif polls:
         # Each polling fragment alone in a container of its own (issue #7).
         isolated_fragment(_warming, run_every=1.0)()
@@ -234,10 +244,13 @@ def live_panel(run_id=None, key="live"):
     active = info["status"] in ACTIVE
     waiting = _waiting_for_first_step(run_id, info)
     queued = info["status"] == "queued" and not waiting
+    # A run in this server's queue is watched from the browser on the run
+    # board: no ticks until its place changes (gradflow/ui/board.py).
+    watched = queued and resources.run_board() is not None and run_id in resources.run_manager().queued()
     every = None
-    if active:
+    if active and not watched:
         every = FIRST_POLL_SECONDS if waiting else QUEUED_POLL_SECONDS if queued else POLL_SECONDS
-    isolated_fragment(_panel, run_every=every)(run_id, key, active, waiting, queued)
+    isolated_fragment(_panel, run_every=every)(run_id, key, active, waiting, queued, watched)
     if queued:
         # Drawn once, below the fragment: a queued page's ticks redraw only
         # its status and its place in the queue. In a class most pages wait
@@ -255,13 +268,15 @@ def _waiting_for_first_step(run_id, info):
             and not _drawn_steps(run_id) and run_id not in resources.run_manager().queued())
 
 
-def _panel(run_id, key, was_active, waiting=False, was_queued=False):
+def _panel(run_id, key, was_active, waiting=False, was_queued=False, watched=False):
     store = resources.run_store()
     info = store.run_info(run_id)
     status = info["status"]
-    if was_queued and status != "queued":
+    if was_queued and (status != "queued" or watched and run_id not in resources.run_manager().queued()):
         # The run left the queue: one full rerun sets the pace of a running
-        # run (and the fast one until its first step is drawn).
+        # run (and the fast one until its first step is drawn). A watched run
+        # the manager has handed to a worker may still read `queued` for a
+        # moment; the page then ticks until the worker says `running`.
         st.rerun(scope="app")
     if waiting and status in ACTIVE:
         paused = status == "paused"
@@ -276,7 +291,7 @@ def _panel(run_id, key, was_active, waiting=False, was_queued=False):
         # at or past its newest statistics. These ticks (four a second for a
         # run just started, one every two seconds for each of a classroom's
         # queued runs) read nothing more.
-        _status_line(info, _NOTHING_READ, status)
+        _status_line(info, _NOTHING_READ, status, watched)
         if not was_queued:  # a queued page draws its empty panel outside the fragment
             _empty_panel(active=True)
         return
@@ -380,7 +395,7 @@ def _tensor_choices(stats):
     return choices
 
 
-def _status_line(info, cache, status):
+def _status_line(info, cache, status, watched=False):
     total = info.get("total_steps") or 0
     step = int(info.get("progress_step") or cache.last_step or 0)
     loss = cache.metrics[cache.metrics["name"] == "loss"]["value"] if len(cache.metrics) else []
@@ -394,6 +409,8 @@ def _status_line(info, cache, status):
         queue = resources.run_manager().queued()
         ahead = queue.index(info["run_id"]) if info["run_id"] in queue else 0
         st.info(f"All training slots are busy: this run starts when a slot frees ({ahead} ahead of it).")
+        if watched:
+            watch_place(resources.run_board(), info["run_id"], ahead)
     if status in ("failed", "interrupted") and info.get("message"):
         st.error(info["message"])
     if status == "diverged":

@@ -104,6 +104,7 @@ class _Assets:
     """What `publish_assets` did in this server process."""
 
     versions = None  # file name -> short content hash, once published
+    folder = None  # where they were published
     failed = False
 
 
@@ -135,24 +136,43 @@ def publish_assets(app_dir):
             published = path.read_bytes() if path.is_file() else None
             content = read(published)
             versions[name] = hashlib.sha256(content).hexdigest()[:12]
-            if published == content:
-                continue
-            with tempfile.NamedTemporaryFile(dir=target, prefix=f".{name}.", delete=False) as tmp:
-                try:
-                    tmp.write(content)
-                    tmp.close()
-                    os.chmod(tmp.name, 0o644)
-                    os.replace(tmp.name, path)
-                finally:
-                    if os.path.exists(tmp.name):
-                        os.unlink(tmp.name)
+            if published != content:
+                replace_file(path, content)
     except OSError as error:
         _LOG.warning("gradflow: live charts fall back to st.plotly_chart: cannot write %s (%s).",
                      target, error)
         _Assets.failed = True
         return False
     _Assets.versions = versions
+    _Assets.folder = target
     return True
+
+
+def replace_file(path, content):
+    """Write `content` to `path` atomically: a reader sees the old file or the new one, whole."""
+    path = pathlib.Path(path)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
+        try:
+            tmp.write(content)
+            tmp.close()
+            os.chmod(tmp.name, 0o644)
+            os.replace(tmp.name, path)
+        finally:
+            if os.path.exists(tmp.name):
+                os.unlink(tmp.name)
+
+
+def published_folder():
+    """The static folder `publish_assets` filled in this process, or None."""
+    return _Assets.folder if available() else None
+
+
+def static_url(name="", base_url_path=None):
+    """The URL path of `name` in the published static folder (no version)."""
+    if base_url_path is None:
+        base_url_path = st.get_option("server.baseUrlPath")
+    path = "/".join(p for p in (base_url_path.strip("/"), "app", STATIC_FOLDER.as_posix(), name) if p)
+    return f"/{path}"
 
 
 def available():
@@ -166,8 +186,7 @@ def _component(base_url_path, versions):
         # Without a publish_assets call (a page run on its own, as in AppTest)
         # the URL has no version; nothing is fetched there anyway.
         version = dict(versions).get(name)
-        path = "/".join(p for p in (base_url_path.strip("/"), "app", STATIC_FOLDER.as_posix(), name) if p)
-        return repr(f"/{path}" + (f"?v={version}" if version else ""))
+        return repr(static_url(name, base_url_path) + (f"?v={version}" if version else ""))
 
     return st.components.v2.component(
         "gradflow.live_chart",

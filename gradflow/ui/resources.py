@@ -11,6 +11,7 @@ import os
 import streamlit as st
 
 from gradflow.store import RunStore
+from gradflow.ui import live_chart
 
 DEFAULT_WORKER_NICENESS = 10
 
@@ -43,6 +44,22 @@ def run_manager():
     )
     atexit.register(manager.shutdown)
     return manager
+
+
+def run_board():
+    """The server's run board (`gradflow.ui.board`), or None where static files are not served.
+
+    Pages then poll the server with fragment ticks, as they did before it.
+    """
+    folder = live_chart.published_folder()
+    return None if folder is None else _run_board(str(folder), live_chart.static_url())
+
+
+@st.cache_resource(show_spinner=False)
+def _run_board(folder, url):
+    from gradflow.ui.board import RunBoard
+
+    return RunBoard(run_manager(), folder, url)
 
 
 def _setting(name, default):

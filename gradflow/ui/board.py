@@ -1,0 +1,225 @@
+"""The run board: what a waiting page watches from the browser, not by asking the server.
+
+A page whose run waits in the queue, or whose trainer is still warming up,
+has nothing new to show until one small fact changes: its place in the queue,
+or whether the spare worker is warm. Asking the server with a fragment tick
+costs a script run there and, worse, a render of the whole page in the
+browser (Streamlit 1.67's frontend renders every element again at each
+script run, the sidebar's settings included). In a class of 30 on one 2-core
+machine, 28 queued pages ticking every 2 s cost 0.7 s of Chromium and 0.17 s
+of server CPU a second (issue #7, measured with a page-by-page CPU count),
+more than the two pages whose runs train.
+
+So the server publishes the board, one small JSON file among the app's
+static files (`static/gradflow/board-<pid>-<token>.json`):
+
+```json
+{"queue": ["3f0c9a1e55d27b10", "..."], "warm": true}
+```
+
+and such a page draws `watch_place` or `watch_warm`: a hidden component that
+fetches the file once a second and asks for a rerun only when its fact
+differs from what the page shows. A fetch costs the browser a fraction of a
+millisecond and the server a static-file response, with no script run.
+
+- The queue lists keyed digests of the run ids (BLAKE2b with a key made at
+  server start), never the ids: a run id in a page's URL lets that page
+  control the run, and static files are public.
+- The file is rewritten only when the board changes (looked at every
+  `interval` seconds), atomically and always the same size (padded to a
+  power of two, at least 1 KiB): the server sends a static file with the
+  length it found before it opens it, so a file replaced by one of another
+  length between the two would end the response early.
+- A page that cannot read the board (a restarted server, static serving off,
+  a proxy in the way) asks the server every few seconds instead, as the ticks
+  did; a page that asked and sees the difference persist (its rerun was lost
+  in one of Streamlit's races, `gradflow.ui.fragments`) asks again.
+"""
+
+import atexit
+import functools
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import re
+import secrets
+import threading
+
+import streamlit as st
+
+from gradflow.ui import live_chart
+
+_LOG = logging.getLogger(__name__)
+_NAME = re.compile(r"board-(\d+)-[0-9a-f]+\.json")
+# Once a second: the run leaving the queue is seen within about a second
+# (the ticks it replaces came every 2 s).
+LOOK_EVERY_S = 1.0
+# A difference that persists is asked about again after this long.
+ASK_AGAIN_AFTER_S = 3.0
+# Looks that failed in a row before the page asks the server instead.
+FAILED_LOOKS_BEFORE_ASKING = 3
+_MIN_SIZE = 1024
+
+
+class RunBoard:
+    """Publishes a run manager's queue and warm spare for the pages to watch.
+
+    Example:
+
+    ```python
+    board = RunBoard(manager, app_dir / "static" / "gradflow", url="/app/static/gradflow")
+    board.digest(run_id)  # what the board lists for run_id
+    ```
+
+    Args:
+        manager: A `gradflow.lab.runner.RunManager` (or anything with
+            `queued()` and `wait_warm(timeout)`).
+        folder: The static folder to write the board into.
+        url: The URL of `folder`, as a browser asks for it.
+        interval: Seconds between looks at the manager.
+    """
+
+    def __init__(self, manager, folder, url, interval=0.2):
+        self.manager = manager
+        self.folder = pathlib.Path(folder)
+        self.name = f"board-{os.getpid()}-{secrets.token_hex(8)}.json"
+        self.path = self.folder / self.name
+        self.url = f"{url.rstrip('/')}/{self.name}"
+        self.interval = float(interval)
+        self._key = secrets.token_bytes(16)
+        self._published = None
+        self._size = _MIN_SIZE
+        self._closed = threading.Event()
+        _remove_boards_of_dead_servers(self.folder)
+        self.publish()
+        self._thread = threading.Thread(target=self._watch, name="gradflow-run-board", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    def digest(self, run_id):
+        """What the board lists for `run_id`: 16 hex digits, keyed per server."""
+        return hashlib.blake2b(str(run_id).encode(), key=self._key, digest_size=8).hexdigest()
+
+    def board(self):
+        """The board as it is now: `{"queue": [digest, ...], "warm": bool}`."""
+        return {"queue": [self.digest(run_id) for run_id in self.manager.queued()],
+                "warm": bool(self.manager.wait_warm(0))}
+
+    def publish(self):
+        """Writes the board when it changed since the last write; returns it."""
+        board = self.board()
+        if board != self._published:
+            text = json.dumps(board, separators=(",", ":")).encode()
+            while len(text) > self._size:
+                self._size *= 2
+            live_chart.replace_file(self.path, text.ljust(self._size))
+            self._published = board
+        return board
+
+    def close(self):
+        """Stops publishing and removes the file."""
+        self._closed.set()
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+    def _watch(self):
+        while not self._closed.wait(self.interval):
+            try:
+                self.publish()
+            except Exception as error:  # A full disk must not end the board; pages fall back.
+                _LOG.warning("gradflow: could not publish the run board %s (%s).", self.path, error)
+
+
+def _remove_boards_of_dead_servers(folder):
+    for path in folder.glob("board-*.json"):
+        match = _NAME.fullmatch(path.name)
+        if match and not _alive(int(match.group(1))):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# Inline and small (sent with every redraw). State lives on the element
+# Streamlit mounts the component in; a redraw with new data starts a new
+# generation and the old loop stops at its next look.
+_WATCH_JS = """export default function ({ data, parentElement, setTriggerValue }) {
+  const box = parentElement.host ?? parentElement;
+  box.closest?.('[data-testid="stElementContainer"]')?.style.setProperty("display", "none");
+  const generation = (box.gradflowBoardGeneration = (box.gradflowBoardGeneration ?? 0) + 1);
+  let failed = 0, asked = 0;
+  const look = async () => {
+    let differs;
+    try {
+      const response = await fetch(data.url, { cache: "no-store" });
+      if (!response.ok) throw new Error(`${response.status}`);
+      const board = await response.json();
+      failed = 0;
+      differs = (data.run === null ? board.warm : board.queue.indexOf(data.run)) !== data.expected;
+    } catch (error) {
+      differs = ++failed >= data.failed_looks;  // no board: ask the server, as a tick would
+    }
+    if (box.gradflowBoardGeneration !== generation) return;
+    if (differs && !document.hidden && Date.now() - asked >= data.ask_again_ms) {
+      asked = Date.now();
+      setTriggerValue("changed", asked);
+    }
+    box.gradflowBoardTimer = setTimeout(look, data.every_ms);
+  };
+  clearTimeout(box.gradflowBoardTimer);
+  box.gradflowBoardTimer = setTimeout(look, data.every_ms);
+  return () => {
+    if (box.gradflowBoardGeneration === generation) clearTimeout(box.gradflowBoardTimer);
+  };
+}"""
+
+
+@functools.cache
+def _component():
+    return st.components.v2.component("gradflow.board_watch", js=_WATCH_JS)
+
+
+def _watch(board, key, run, expected):
+    _component()(
+        key=key,
+        data={"url": board.url, "run": run, "expected": expected, "every_ms": round(LOOK_EVERY_S * 1000),
+              "ask_again_ms": round(ASK_AGAIN_AFTER_S * 1000), "failed_looks": FAILED_LOOKS_BEFORE_ASKING},
+        # Any rerun does: the page (or fragment) reads the fact again itself.
+        on_changed_change=_ignore,
+    )
+
+
+def watch_place(board, run_id, place):
+    """Rerun the enclosing fragment when `run_id`'s place in the queue is no longer `place`.
+
+    Draw it where the place is shown, in the fragment that shows it: the
+    fragment reruns (not the page) when a run ahead leaves the queue, and when
+    this run leaves it (its place becomes -1).
+
+    Args:
+        board: The server's `RunBoard`.
+        run_id: The run the page shows.
+        place: Runs ahead of it as the page shows it (0: next).
+    """
+    _watch(board, f"gradflow.board.place.{run_id}", board.digest(run_id), int(place))
+
+
+def watch_warm(board, warm=False):
+    """Rerun the page (or the enclosing fragment) when the spare worker's readiness is no longer `warm`."""
+    _watch(board, "gradflow.board.warm", None, bool(warm))
+
+
+def _ignore():
+    # A trigger needs a callback to be declared; the rerun it causes is what counts.
+    pass

@@ -1,0 +1,264 @@
+"""The run board: waiting pages watch the queue from the browser instead of ticking (issue #7).
+
+Unit tests of the file the server publishes, page tests (AppTest) of what a
+queued or warming page draws, and a real server with Chromium: a queued
+page sends no rerun request until its run leaves the queue, then follows it.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from gradflow.ui.board import RunBoard
+from tests.test_pages import full_run_messages, run_page
+
+
+class FakeManager:
+    """`queued()` and `wait_warm()` of a RunManager, set by the test."""
+
+    def __init__(self, queue=(), warm=False):
+        self.queue, self.warm, self.prewarm = list(queue), warm, True
+
+    def queued(self):
+        return list(self.queue)
+
+    def wait_warm(self, timeout=None):
+        return self.warm
+
+
+def read_board(board):
+    return json.loads(board.path.read_bytes())
+
+
+def wait_for(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def board(tmp_path):
+    boards = []
+
+    def make(manager, interval=0.05):
+        boards.append(RunBoard(manager, tmp_path, url="/app/static/gradflow/", interval=interval))
+        return boards[-1]
+
+    yield make
+    for made in boards:
+        made.close()
+
+
+def test_the_board_lists_keyed_digests_of_the_queue_and_follows_it(board):
+    manager = FakeManager(["run-a", "run-b"])
+    published = board(manager)
+    assert published.url == f"/app/static/gradflow/{published.name}"
+    assert re.fullmatch(r"board-\d+-[0-9a-f]{16}\.json", published.name)
+    content = read_board(published)
+    assert content == {"queue": [published.digest("run-a"), published.digest("run-b")], "warm": False}
+    # Run ids are not on the (public) board; the digest is keyed per server.
+    assert "run-a" not in published.path.read_text()
+    assert re.fullmatch(r"[0-9a-f]{16}", published.digest("run-a"))
+    assert published.digest("run-a") != board(FakeManager()).digest("run-a")
+
+    manager.queue.pop(0)
+    manager.warm = True
+    wait_for(lambda: read_board(published) == {"queue": [published.digest("run-b")], "warm": True})
+
+
+def test_the_file_keeps_its_size_so_a_response_never_ends_early(board):
+    # The server sends a static file with the length it stat()ed before
+    # opening it: a replaced file of another length would cut the response.
+    manager = FakeManager()
+    published = board(manager, interval=3600)
+    sizes = {published.path.stat().st_size}
+    for count in (1, 5, 20):
+        manager.queue = [f"run-{n}" for n in range(count)]
+        published.publish()
+        sizes.add(published.path.stat().st_size)
+        assert len(read_board(published)["queue"]) == count
+    assert sizes == {1024}
+    manager.queue = [f"run-{n}" for n in range(200)]  # 200 digests need more than 1 KiB
+    published.publish()
+    assert published.path.stat().st_size in (4096, 8192) and len(read_board(published)["queue"]) == 200
+
+
+def test_a_board_is_written_atomically_while_it_is_read(board):
+    manager = FakeManager()
+    published = board(manager, interval=0.001)
+    seen, stop = [], threading.Event()
+
+    def change():
+        n = 0
+        while not stop.is_set():
+            n += 1
+            manager.queue = [f"run-{i}" for i in range(n % 7)]
+            manager.warm = bool(n % 2)
+            time.sleep(0.0005)
+
+    writer = threading.Thread(target=change)
+    writer.start()
+    try:
+        for _ in range(2000):
+            seen.append(json.loads(published.path.read_bytes()))  # never half a file
+    finally:
+        stop.set()
+        writer.join()
+    assert len({len(s["queue"]) for s in seen}) > 1, "the board changed while it was read"
+
+
+def test_closing_removes_the_file_and_boards_of_dead_servers_are_swept(board, tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = tmp_path / f"board-{dead}-0123456789abcdef.json"
+    stale.write_text("{}")
+    alive = tmp_path / f"board-{os.getppid()}-0123456789abcdef.json"
+    alive.write_text("{}")
+    published = board(FakeManager())
+    assert not stale.exists() and alive.exists()
+    published.close()
+    assert not published.path.exists()
+
+
+# ------------------------------------------------------------------ the pages (AppTest)
+
+
+@pytest.fixture(scope="module")
+def page_environment(tmp_path_factory):
+    db = tmp_path_factory.mktemp("board-pages") / "runs.db"
+    saved = {k: os.environ.get(k) for k in ("GRADFLOW_DB", "GRADFLOW_PREWARM")}
+    os.environ.update(GRADFLOW_DB=str(db), GRADFLOW_PREWARM="0")
+    import streamlit as st
+
+    st.cache_resource.clear()
+    yield db
+    st.cache_resource.clear()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def watchers(messages):
+    """The board watchers a run drew: (fragment id, data)."""
+    return [(m.delta.fragment_id, json.loads(m.delta.new_element.bidi_component.json)) for m in messages
+            if m.WhichOneof("type") == "delta"
+            and m.delta.new_element.bidi_component.component_name.endswith("gradflow.board_watch")]
+
+
+def intervals(messages):
+    return [m.auto_rerun.interval for m in messages if m.WhichOneof("type") == "auto_rerun"]
+
+
+def test_a_queued_page_watches_its_place_instead_of_ticking(page_environment, board, monkeypatch):
+    import streamlit as st
+
+    from gradflow.store import RunStore
+    from gradflow.ui import live, resources
+
+    store = RunStore(page_environment)
+    first = store.create_run({"depth": 3}, name="first in line", status="queued")
+    queued = store.create_run({"depth": 3}, name="in line", status="queued")
+    manager = FakeManager([first, queued], warm=True)
+    published = board(manager)
+    monkeypatch.setattr(resources, "run_manager", lambda: manager)
+    monkeypatch.setattr(resources, "run_board", lambda: published)
+    messages = full_run_messages(monkeypatch)
+
+    app = run_page("live_training.py", run=queued)
+    assert intervals(messages) == [], "nothing polls the server while the run waits"
+    assert any("(1 ahead of it)" in i.value for i in app.info)
+    [(fragment, data)] = watchers(messages)
+    assert fragment, "in the panel's fragment: a place change reruns only the fragment"
+    assert data["url"] == published.url
+    assert data["run"] == published.digest(queued) and data["expected"] == 1
+    assert read_board(published)["queue"].index(data["run"]) == data["expected"]
+
+    # The run leaves the manager's queue; the worker has not marked it running
+    # yet. The fragment's rerun asks for the whole page, which ticks until then.
+    manager.queue = [first]
+    reruns, rerun = [], st.rerun
+    monkeypatch.setattr(st, "rerun", lambda scope="app": reruns.append(scope))
+    from streamlit.testing.v1 import AppTest
+
+    def tick(run_id):
+        from gradflow.ui import live
+
+        live._panel(run_id, "live", was_active=True, waiting=False, was_queued=True, watched=True)
+
+    AppTest.from_function(tick, default_timeout=60, kwargs={"run_id": queued}).run()
+    assert reruns == ["app"]
+    monkeypatch.setattr(st, "rerun", rerun)
+    run_page("live_training.py", run=queued)
+    # Handed to a worker a moment ago: the fast ticks until its first step.
+    assert intervals(messages) == [live.FIRST_POLL_SECONDS] and watchers(messages) == []
+
+
+def test_a_page_waits_for_the_warm_trainer_on_the_board(page_environment, board, monkeypatch):
+    from gradflow.ui import resources
+
+    manager = FakeManager(warm=False)
+    published = board(manager)
+    monkeypatch.setattr(resources, "run_manager", lambda: manager)
+    monkeypatch.setattr(resources, "run_board", lambda: published)
+    messages = full_run_messages(monkeypatch)
+    app = run_page("live_training.py")
+    assert any("Warming up the trainer" in c.value for c in app.caption)
+    assert intervals(messages) == []
+    [(fragment, data)] = watchers(messages)
+    assert fragment == "" and data["run"] is None and data["expected"] is False, "a change reruns the page"
+
+    manager.warm = True
+    messages = full_run_messages(monkeypatch)
+    app = run_page("live_training.py")
+    assert any("Trainer ready" in c.value for c in app.caption) and watchers(messages) == []
+
+
+# ------------------------------------------------------------------ a real server and browser
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+def test_a_queued_page_sends_nothing_until_its_run_starts_then_follows_it(chromium, tmp_path, artifacts_dir):
+    from gradflow.store import RunStore
+    from tests.browser import streamlit_server
+
+    db = tmp_path / "runs.db"
+    env = {"GRADFLOW_MAX_RUNNING": "1", "GRADFLOW_PREWARM": "0"}
+    with streamlit_server(db, extra_env=env, log_path=artifacts_dir / "board-server.log") as (url, _):
+        store = RunStore(db)
+        first = chromium.new_context().new_page()
+        first.goto(f"{url}/?steps=20000&depth=2&width=8")
+        first.get_by_role("button", name="Start training").click()
+        first.get_by_text("Training").first.wait_for(timeout=120_000)
+
+        waiting = chromium.new_context().new_page()
+        requests = []
+        waiting.on("websocket", lambda socket: socket.on(
+            "framesent", lambda payload: requests.append((time.monotonic(), payload))))
+        waiting.goto(f"{url}/?steps=30&depth=2&width=8")
+        waiting.get_by_role("button", name="Start training").click()
+        waiting.get_by_text("Waiting in the queue").first.wait_for(timeout=60_000)
+        waiting.get_by_text("0 ahead of it").first.wait_for(timeout=10_000)
+        time.sleep(1.0)  # the click's own messages
+        quiet_since = time.monotonic()
+        time.sleep(6.0)  # three ticks' worth at the old 2 s pace
+        sent = [t for t, _ in requests if t > quiet_since]
+        assert sent == [], f"a queued page sent {len(sent)} messages while its place did not change"
+        fetches = waiting.evaluate(
+            "() => performance.getEntriesByType('resource').filter(e => e.name.includes('/board-')).length")
+        assert fetches >= 4, "the page watches the board from the browser"
+
+        first.get_by_role("button", name="Stop").click()
+        waiting.get_by_text("Completed").first.wait_for(timeout=120_000)
+        run_id = re.search(r"run=([0-9a-f]+)", waiting.url).group(1)
+        assert store.status(run_id) == "completed"
+        assert waiting.locator(".js-plotly-plot").count() >= 2
