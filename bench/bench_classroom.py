@@ -118,6 +118,22 @@ PAGE_RECORDER = r"""
     }
   };
   new MutationObserver(look).observe(document, {childList: true, subtree: true, characterData: true});
+  // A waiting page's looks at the run board (gradflow/ui/board.py), asked and answered, in the page's clock.
+  record.boardLooks = [];
+  record.boardFailures = 0;
+  const fetchOnce = window.fetch;
+  window.fetch = async function (resource, options) {
+    if (!String(resource?.url ?? resource).includes('/board-')) return fetchOnce.call(this, resource, options);
+    const asked = Date.now();
+    try {
+      const response = await fetchOnce.call(this, resource, options);
+      record.boardLooks.push([asked, Date.now()]);
+      return response;
+    } catch (error) {
+      record.boardFailures += 1;
+      throw error;
+    }
+  };
 })();
 """
 LAST_STATUS = "() => { const c = window.__classroom; return c && c.changes.length ? c.changes[c.changes.length - 1][1] : null; }"
@@ -350,6 +366,7 @@ async def student(browser, url, number, deadline, stagger_s=2.0, linger_s=10.0):
         page = await context.new_page()
         page.on("console", lambda m: _console_error(result, m))
         page.on("websocket", lambda ws: _watch_socket(ws, result))
+        # A waiting page watches the run board (gradflow/ui/board.py) from the browser.
         await page.add_init_script(PAGE_RECORDER)
         opened = time.time()
         await page.goto(url + SHARED_LINK, timeout=remaining_ms(deadline))
@@ -410,6 +427,7 @@ def _watch_socket(socket, result):
         # `run_every`): each tick is a rerun request the page sends.
         if isinstance(payload, (bytes, bytearray)) and _is_rerun_request(payload):
             requests.append(time.time())
+            result.setdefault("rerun_kinds", []).append(_rerun_kind(payload))
 
     socket.on("framesent", sent)
 
@@ -431,6 +449,34 @@ def _is_rerun_request(payload):
     except Exception:  # noqa: BLE001  (not a BackMsg: count nothing)
         return False
     return message.WhichOneof("type") == "rerun_script"
+
+
+def board_look_summary(results, began):
+    """How regularly the waiting pages looked at the board: slowest answers, longest gaps."""
+    durations = sorted((b - a for r in results for a, b in r.get("board_looks", [])), reverse=True)
+    slow = sorted((round(a - began, 1), round(b - a, 1), r["student"]) for r in results
+                  for a, b in r.get("board_looks", []) if b - a > 5)
+    gaps = []
+    for result in results:
+        starts = sorted(a for a, _ in result.get("board_looks", []))
+        gaps += [b - a for a, b in itertools.pairwise(starts)]
+    gaps.sort(reverse=True)
+    return {
+        "looks": len(durations),
+        "answer_s": distribution(durations),
+        "slowest_answers_s": [round(d, 2) for d in durations[:10]],
+        "longest_gaps_s": [round(g, 2) for g in gaps[:10]],
+        "failures": sum(r.get("board_failures", 0) for r in results),
+        "slower_than_5s": slow[:40],  # (asked, seconds, student)
+    }
+
+
+def _rerun_kind(payload):
+    from streamlit.proto.BackMsg_pb2 import BackMsg
+
+    message = BackMsg()
+    message.ParseFromString(bytes(payload))
+    return "fragment" if message.rerun_script.fragment_id else "page"
 
 
 def _console_error(result, message):
@@ -465,6 +511,8 @@ def _timeline(record, clicked):
         "update_intervals_s": intervals,
         "step_changes": [(t, step_of(text), status_of(text)) for t, text in after],
         "exceptions": (record or {}).get("exceptions", 0),
+        "board_looks": [(a / 1000.0, b / 1000.0) for a, b in (record or {}).get("boardLooks", [])],
+        "board_failures": (record or {}).get("boardFailures", 0),
     }
 
 
@@ -647,6 +695,48 @@ def latency_split(results, store):
     }
 
 
+def latency_samples(results, store, began):
+    """Every new step a page showed, slowest first, for reading the tail:
+    seconds since the class began when the store had it, the page's next
+    rerun request, its frame and the page showing it; the run's own times
+    (running, ended) and what the page showed before."""
+    samples = []
+    for result in results:
+        run_id, frames = result.get("run_id"), result.get("frame_steps", {})
+        requests = result.get("rerun_requests", [])
+        kinds = result.get("rerun_kinds", [])
+        looks = [a for a, _ in result.get("board_looks", [])]
+        changes = result.get("step_changes", [])
+        for t, step, available in shown_steps(result, store):
+            arrived = frames.get(step)
+            asked = [r for r in requests if available <= r <= (arrived or t)]
+            before = [c for c in changes if c[0] < t]
+            started = store.first_status.get((run_id, "running"))
+            ended = min((when for (rid, status), when in store.first_status.items()
+                         if rid == run_id and status not in ("queued", "running", "paused")), default=None)
+            samples.append({
+                "student": result["student"], "step": step, "latency_s": round(max(0.0, t - available), 2),
+                "stored_at": round(available - began, 2),
+                "first_request_after_s": round(asked[0] - available, 2) if asked else None,
+                "requests_between": len(asked),
+                "frame_after_s": None if arrived is None else round(arrived - available, 2),
+                "shown_after_s": round(t - available, 2),
+                "run_started_at": _since(store.first_status.get((run_id, "running")), began),
+                "run_ended_at": _since(ended, began),
+                "shown_before": [round(before[-1][0] - began, 2), before[-1][1], before[-1][2]] if before else None,
+                # Since the run started: the page's rerun requests (kind, time) and its looks at the board.
+                "requests_since_start": [(kind, round(r - began, 2)) for r, kind in zip(requests, kinds, strict=False)
+                                         if started is not None and started <= r <= t],
+                "board_looks_since_start": sum(started is not None and started <= look <= t for look in looks),
+                "last_board_look_at": _since(max((look for look in looks if look <= t), default=None), began),
+            })
+    return sorted(samples, key=lambda sample: -sample["latency_s"])
+
+
+def _since(when, began):
+    return None if when is None else round(when - began, 2)
+
+
 def _with_target(values):
     empty = {"median": None, "p95": None, "max": None, "n": 0}
     return {**(distribution(values) or empty), "target_p95": 2.0}
@@ -787,18 +877,23 @@ def run(
         with MemorySampler(pid) as memory, StoreSampler(db_dir / "runs.db") as store:
             began = time.time()
             server_cpu, browser_cpu = cpu_seconds(pid), cpu_seconds(os.getpid())
-            server_alone = own_cpu_seconds(pid)
+            server_alone, bench_alone = own_cpu_seconds(pid), own_cpu_seconds(os.getpid())
             results = asyncio.run(classroom(url, students, timeout_s))
             report["classroom"] = summarize(results, time.time() - began, store)
+            report["store_to_page_samples"] = latency_samples(results, store, began)
+            report["board_looks"] = board_look_summary(results, began)
             # Who used the 2 cores: the server and its workers, or the browser (this bench)?
             report["classroom"]["cpu_s"] = {
                 "server_and_workers": round(cpu_seconds(pid) - server_cpu, 1),
                 "bench_and_chromium": round(cpu_seconds(os.getpid()) - browser_cpu, 1),
                 "server_process_alone": round(own_cpu_seconds(pid) - server_alone, 1),
+                "bench_process_alone": round(own_cpu_seconds(os.getpid()) - bench_alone, 1),
             }
             for result in results:  # summarized above; thousands of entries
                 result.pop("frame_steps", None)
                 result.pop("rerun_requests", None)
+                result.pop("rerun_kinds", None)
+                result.pop("board_looks", None)
             report["pages"] = results
             report["processes_after_runs"] = wait_idle_workers(pid)
             if cycles:

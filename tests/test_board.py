@@ -175,12 +175,12 @@ def test_a_queued_page_watches_its_place_instead_of_ticking(page_environment, bo
 
     app = run_page("live_training.py", run=queued)
     assert intervals(messages) == [], "nothing polls the server while the run waits"
-    assert any("(1 ahead of it)" in i.value for i in app.info)
+    assert any("this run starts when a slot frees." in i.value for i in app.info)
     [(fragment, data)] = watchers(messages)
-    assert fragment, "in the panel's fragment: a place change reruns only the fragment"
+    assert fragment, "in the panel's fragment: the run leaving the queue reruns only the fragment"
     assert data["url"] == published.url
-    assert data["run"] == published.digest(queued) and data["expected"] == 1
-    assert read_board(published)["queue"].index(data["run"]) == data["expected"]
+    assert data["run"] == published.digest(queued) and data["place"] == 1
+    assert read_board(published)["queue"].index(data["run"]) == data["place"]
 
     # The run leaves the manager's queue; the worker has not marked it running
     # yet. The fragment's rerun asks for the whole page, which ticks until then.
@@ -214,7 +214,7 @@ def test_a_page_waits_for_the_warm_trainer_on_the_board(page_environment, board,
     assert any("Warming up the trainer" in c.value for c in app.caption)
     assert intervals(messages) == []
     [(fragment, data)] = watchers(messages)
-    assert fragment == "" and data["run"] is None and data["expected"] is False, "a change reruns the page"
+    assert fragment == "" and data["run"] is None and data["warm"] is False, "a change reruns the page"
 
     manager.warm = True
     messages = full_run_messages(monkeypatch)
@@ -225,9 +225,21 @@ def test_a_page_waits_for_the_warm_trainer_on_the_board(page_environment, board,
 # ------------------------------------------------------------------ a real server and browser
 
 
+def _start(context, url, steps):
+    page = context.new_page()
+    sent = []
+    page.on("websocket", lambda socket: socket.on("framesent", lambda payload: sent.append(time.monotonic())))
+    page.goto(f"{url}/?steps={steps}&depth=2&width=8")
+    page.get_by_role("button", name="Start training").click()
+    return page, sent
+
+
 @pytest.mark.browser
 @pytest.mark.slow
-def test_a_queued_page_sends_nothing_until_its_run_starts_then_follows_it(chromium, tmp_path, artifacts_dir):
+def test_queued_pages_follow_their_place_without_asking_the_server(chromium, tmp_path, artifacts_dir):
+    # One training slot, three students: the second and third wait. Their
+    # pages show their place from the board and send the server nothing
+    # until their own run leaves the queue; then they follow it to the end.
     from gradflow.store import RunStore
     from tests.browser import streamlit_server
 
@@ -235,30 +247,31 @@ def test_a_queued_page_sends_nothing_until_its_run_starts_then_follows_it(chromi
     env = {"GRADFLOW_MAX_RUNNING": "1", "GRADFLOW_PREWARM": "0"}
     with streamlit_server(db, extra_env=env, log_path=artifacts_dir / "board-server.log") as (url, _):
         store = RunStore(db)
-        first = chromium.new_context().new_page()
-        first.goto(f"{url}/?steps=20000&depth=2&width=8")
-        first.get_by_role("button", name="Start training").click()
+        first, _ = _start(chromium.new_context(), url, 20000)
         first.get_by_text("Training").first.wait_for(timeout=120_000)
+        second, second_sent = _start(chromium.new_context(), url, 30)
+        second.get_by_text("next in line").wait_for(timeout=60_000)
+        third, third_sent = _start(chromium.new_context(), url, 30)
+        third.get_by_text("1 ahead of it").wait_for(timeout=60_000)
+        assert third.get_by_text("Waiting in the queue").count() == 1
 
-        waiting = chromium.new_context().new_page()
-        requests = []
-        waiting.on("websocket", lambda socket: socket.on(
-            "framesent", lambda payload: requests.append((time.monotonic(), payload))))
-        waiting.goto(f"{url}/?steps=30&depth=2&width=8")
-        waiting.get_by_role("button", name="Start training").click()
-        waiting.get_by_text("Waiting in the queue").first.wait_for(timeout=60_000)
-        waiting.get_by_text("0 ahead of it").first.wait_for(timeout=10_000)
-        time.sleep(1.0)  # the click's own messages
+        time.sleep(1.0)  # the clicks' own messages
         quiet_since = time.monotonic()
-        time.sleep(6.0)  # three ticks' worth at the old 2 s pace
-        sent = [t for t, _ in requests if t > quiet_since]
-        assert sent == [], f"a queued page sent {len(sent)} messages while its place did not change"
-        fetches = waiting.evaluate(
+        time.sleep(5.0)  # two and a half ticks at the old pace
+        assert [t for t in second_sent + third_sent if t > quiet_since] == [], "queued pages sent messages"
+        looks = third.evaluate(
             "() => performance.getEntriesByType('resource').filter(e => e.name.includes('/board-')).length")
-        assert fetches >= 4, "the page watches the board from the browser"
+        assert looks >= 4, "the page looks at the board from the browser"
 
         first.get_by_role("button", name="Stop").click()
-        waiting.get_by_text("Completed").first.wait_for(timeout=120_000)
-        run_id = re.search(r"run=([0-9a-f]+)", waiting.url).group(1)
-        assert store.status(run_id) == "completed"
-        assert waiting.locator(".js-plotly-plot").count() >= 2
+        second.get_by_text("Training").first.wait_for(timeout=60_000)
+        # The third page moved up in the browser, without a rerun.
+        third.get_by_text("next in line").wait_for(timeout=10_000)
+        assert [t for t in third_sent if t > quiet_since] == []
+
+        for page in (second, third):
+            page.get_by_text("Completed").first.wait_for(timeout=180_000)
+            run_id = re.search(r"run=([0-9a-f]+)", page.url).group(1)
+            assert store.status(run_id) == "completed"
+            page.locator(".js-plotly-plot").first.wait_for(timeout=30_000)
+        assert third_sent, "the third page asked once its run left the queue"

@@ -17,10 +17,14 @@ static files (`static/gradflow/board-<pid>-<token>.json`):
 {"queue": ["3f0c9a1e55d27b10", "..."], "warm": true}
 ```
 
-and such a page draws `watch_place` or `watch_warm`: a hidden component that
-fetches the file once a second and asks for a rerun only when its fact
-differs from what the page shows. A fetch costs the browser a fraction of a
-millisecond and the server a static-file response, with no script run.
+and such a page draws `watch_place` or `watch_warm`: a small component that
+fetches the file once a second. A queued page shows its place from it, in
+the browser, and asks for a rerun only when its run has left the queue; a
+page waiting for the trainer asks when the spare is warm. A fetch costs the
+browser a fraction of a millisecond and the server a static-file response,
+with no script run. (A first version reran each queued page's fragment when
+its place changed: every run that started made all the other queued pages
+of a class rerun at once, in bursts.)
 
 - The queue lists keyed digests of the run ids (BLAKE2b with a key made at
   server start), never the ids: a run id in a page's URL lets that page
@@ -152,72 +156,100 @@ def _alive(pid):
 
 
 # Inline and small (sent with every redraw). State lives on the element
-# Streamlit mounts the component in; a redraw with new data starts a new
-# generation and the old loop stops at its next look.
+# Streamlit mounts the component in: Streamlit calls this function again with
+# new data on the same element (without the previous call's cleanup), so each
+# call starts a generation and an older loop stops at its next look; the
+# cleanup runs once, when the element goes.
 _WATCH_JS = """export default function ({ data, parentElement, setTriggerValue }) {
   const box = parentElement.host ?? parentElement;
-  box.closest?.('[data-testid="stElementContainer"]')?.style.setProperty("display", "none");
+  const line = parentElement.querySelector("span");
+  if (data.run === null) box.closest?.('[data-testid="stElementContainer"]')?.style.setProperty("display", "none");
+  const show = (place) => { if (line) line.textContent = place > 0 ? `${place} ahead of it` : "next in line"; };
+  if (data.run !== null) show(data.place);
   const generation = (box.gradflowBoardGeneration = (box.gradflowBoardGeneration ?? 0) + 1);
+  const current = () => box.gradflowBoardGeneration === generation && !box.gradflowBoardGone;
+  box.gradflowBoardGone = false;
   let failed = 0, asked = 0;
   const look = async () => {
-    let differs;
+    let ask;
     try {
-      const response = await fetch(data.url, { cache: "no-store" });
+      // A look that hangs (a starved browser or server) must not stop the watch.
+      const response = await fetch(data.url, { cache: "no-store", signal: AbortSignal.timeout(data.every_ms * 5) });
       if (!response.ok) throw new Error(`${response.status}`);
       const board = await response.json();
       failed = 0;
-      differs = (data.run === null ? board.warm : board.queue.indexOf(data.run)) !== data.expected;
+      if (data.run === null) {
+        ask = board.warm !== data.warm;
+      } else {
+        const place = board.queue.indexOf(data.run);
+        ask = place < 0;  // it left the queue: the page shows what it does now
+        if (!ask && current()) show(place);
+      }
     } catch (error) {
-      differs = ++failed >= data.failed_looks;  // no board: ask the server, as a tick would
+      ask = ++failed >= data.failed_looks;  // no board: ask the server, as a tick would
     }
-    if (box.gradflowBoardGeneration !== generation) return;
-    if (differs && !document.hidden && Date.now() - asked >= data.ask_again_ms) {
+    if (!current()) return;
+    if (ask && !document.hidden && Date.now() - asked >= data.ask_again_ms) {
       asked = Date.now();
-      setTriggerValue("changed", asked);
+      try {
+        setTriggerValue("changed", asked);
+      } catch (error) {
+        console.warn("gradflow: the run board could not ask for a rerun", error);
+      }
     }
     box.gradflowBoardTimer = setTimeout(look, data.every_ms);
   };
   clearTimeout(box.gradflowBoardTimer);
   box.gradflowBoardTimer = setTimeout(look, data.every_ms);
   return () => {
-    if (box.gradflowBoardGeneration === generation) clearTimeout(box.gradflowBoardTimer);
+    box.gradflowBoardGone = true;
+    clearTimeout(box.gradflowBoardTimer);
   };
 }"""
 
 
 @functools.cache
 def _component():
-    return st.components.v2.component("gradflow.board_watch", js=_WATCH_JS)
+    return st.components.v2.component(
+        "gradflow.board_watch", js=_WATCH_JS, html="<span></span>",
+        # The place reads like a caption under the queue notice.
+        css="span { font-size: 0.875rem; color: var(--st-text-color); opacity: 0.6; }",
+    )
 
 
-def _watch(board, key, run, expected):
+def _watch(board, key, **data):
     _component()(
         key=key,
-        data={"url": board.url, "run": run, "expected": expected, "every_ms": round(LOOK_EVERY_S * 1000),
-              "ask_again_ms": round(ASK_AGAIN_AFTER_S * 1000), "failed_looks": FAILED_LOOKS_BEFORE_ASKING},
+        data={"url": board.url, "every_ms": round(LOOK_EVERY_S * 1000),
+              "ask_again_ms": round(ASK_AGAIN_AFTER_S * 1000), "failed_looks": FAILED_LOOKS_BEFORE_ASKING, **data},
         # Any rerun does: the page (or fragment) reads the fact again itself.
         on_changed_change=_ignore,
     )
 
 
 def watch_place(board, run_id, place):
-    """Rerun the enclosing fragment when `run_id`'s place in the queue is no longer `place`.
+    """Show `run_id`'s place in the queue as it changes; rerun the enclosing fragment when it leaves.
 
-    Draw it where the place is shown, in the fragment that shows it: the
-    fragment reruns (not the page) when a run ahead leaves the queue, and when
-    this run leaves it (its place becomes -1).
+    The place ("2 ahead of it", "next in line") is updated in the browser:
+    a class's queued pages do not all rerun each time a run starts. Draw it
+    in the fragment that shows the run: that fragment reruns once, when the
+    run leaves the queue.
 
     Args:
         board: The server's `RunBoard`.
         run_id: The run the page shows.
-        place: Runs ahead of it as the page shows it (0: next).
+        place: Runs ahead of it as the server sees it now (0: next), shown
+            until the first look at the board.
     """
-    _watch(board, f"gradflow.board.place.{run_id}", board.digest(run_id), int(place))
+    _watch(board, f"gradflow.board.place.{run_id}", run=board.digest(run_id), place=int(place))
 
 
 def watch_warm(board, warm=False):
-    """Rerun the page (or the enclosing fragment) when the spare worker's readiness is no longer `warm`."""
-    _watch(board, "gradflow.board.warm", None, bool(warm))
+    """Rerun the page (or the enclosing fragment) when the spare worker's readiness is no longer `warm`.
+
+    Invisible.
+    """
+    _watch(board, "gradflow.board.warm", run=None, warm=bool(warm))
 
 
 def _ignore():

@@ -2,8 +2,9 @@
 
 The panel is an `st.fragment` that reruns every second while its run is
 running or paused, and stops polling once the run has ended. A run waiting in
-this server's queue is not polled: its page watches the run board from the
-browser (`gradflow.ui.board`) and reruns when its place in the queue changes.
+this server's queue is not polled: its page follows its place on the run
+board from the browser (`gradflow.ui.board`) and reruns when the run leaves
+the queue.
 Each tick
 reads only the rows newer than the last step it has seen and appends them to
 a per-session cache, so a long run costs the same per tick as a short one.
@@ -408,9 +409,12 @@ def _status_line(info, cache, status, watched=False):
     if status == "queued":
         queue = resources.run_manager().queued()
         ahead = queue.index(info["run_id"]) if info["run_id"] in queue else 0
-        st.info(f"All training slots are busy: this run starts when a slot frees ({ahead} ahead of it).")
         if watched:
+            # Its place follows the queue in the browser (gradflow/ui/board.py).
+            st.info("All training slots are busy: this run starts when a slot frees.")
             watch_place(resources.run_board(), info["run_id"], ahead)
+        else:
+            st.info(f"All training slots are busy: this run starts when a slot frees ({ahead} ahead of it).")
     if status in ("failed", "interrupted") and info.get("message"):
         st.error(info["message"])
     if status == "diverged":
