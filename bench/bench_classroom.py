@@ -118,6 +118,15 @@ PAGE_RECORDER = r"""
     }
   };
   new MutationObserver(look).observe(document, {childList: true, subtree: true, characterData: true});
+  // Stretches of more than 2 s in which this page ran no timer (its main thread
+  // or its whole renderer held up): [when it began, how long], page clock.
+  record.stalls = [];
+  let beat = Date.now();
+  setInterval(() => {
+    const now = Date.now();
+    if (now - beat > 2000) record.stalls.push([beat, now - beat]);
+    beat = now;
+  }, 500);
   // A waiting page's looks at the run board (gradflow/ui/board.py), asked and answered, in the page's clock.
   record.boardLooks = [];
   record.boardFailures = 0;
@@ -513,6 +522,7 @@ def _timeline(record, clicked):
         "exceptions": (record or {}).get("exceptions", 0),
         "board_looks": [(a / 1000.0, b / 1000.0) for a, b in (record or {}).get("boardLooks", [])],
         "board_failures": (record or {}).get("boardFailures", 0),
+        "stalls": [(a / 1000.0, b / 1000.0) for a, b in (record or {}).get("stalls", [])],
     }
 
 
@@ -882,6 +892,10 @@ def run(
             report["classroom"] = summarize(results, time.time() - began, store)
             report["store_to_page_samples"] = latency_samples(results, store, began)
             report["board_looks"] = board_look_summary(results, began)
+            stalls = sorted((round(a - began, 1), round(b, 1), r["student"]) for r in results
+                            for a, b in r.get("stalls", []))
+            report["page_stalls"] = {"count": len(stalls), "seconds": round(sum(b for _, b, _ in stalls), 1),
+                                     "longest": sorted(stalls, key=lambda s: -s[1])[:20]}
             # Who used the 2 cores: the server and its workers, or the browser (this bench)?
             report["classroom"]["cpu_s"] = {
                 "server_and_workers": round(cpu_seconds(pid) - server_cpu, 1),

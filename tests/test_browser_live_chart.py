@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from gradflow.store import RunStore
 from gradflow.ui.figure_delta import figure_update
 from tests.browser import new_elements, streamlit_server
 from tests.test_figure_delta import live_heatmap, plotly_array, run_rows
@@ -233,7 +234,7 @@ def test_a_live_tick_sends_the_new_columns_not_the_history(chromium, tmp_path, a
 
 
 STATIC = "/app/static/gradflow/"
-# The live page without a run draws its empty heatmap panels ("... per layer").
+# The live page of a run handed to a worker draws its empty heatmap panels ("... per layer").
 PLOTLY_DRAWN = """() => window.Plotly !== undefined && [...document.querySelectorAll('.js-plotly-plot')]
   .some(p => p._fullLayout && String(p.layout.title && p.layout.title.text).includes('per layer'))"""
 
@@ -256,8 +257,9 @@ def test_plotly_js_is_served_as_gzipped_on_disk_and_still_draws(chromium, tmp_pa
             assert response.headers.get("Content-Encoding") is None
             assert response.read() == on_disk
 
-        # The live page draws its (empty) heatmaps with the Plotly it unpacked.
-        context, page, fetched = _open_drawn_page(chromium, url)
+        # The live page of a run draws its (empty) heatmaps with the Plotly it unpacked.
+        run_id = RunStore(tmp_path / "runs.db").create_run({"depth": 2}, name="first step soon", status="running")
+        context, page, fetched = _open_drawn_page(chromium, f"{url}/?run={run_id}")
         try:
             plotly_responses = [r for r in fetched if "/plotly.min.js" in r.url]
             assert [r.url.split("?")[0].rsplit("/", 1)[1] for r in plotly_responses] == ["plotly.min.js.gz"]
@@ -271,7 +273,7 @@ def test_plotly_js_is_served_as_gzipped_on_disk_and_still_draws(chromium, tmp_pa
 
         # A browser without DecompressionStream loads plotly.min.js instead, and draws.
         context, page, fetched = _open_drawn_page(
-            chromium, url, init_script="delete window.DecompressionStream;"
+            chromium, f"{url}/?run={run_id}", init_script="delete window.DecompressionStream;"
         )
         try:
             names = [r.url.split("?")[0].rsplit("/", 1)[1] for r in fetched if "/plotly.min.js" in r.url]

@@ -22,12 +22,17 @@ decimation moves its points as the run grows), but the update still carries
 only the arrays' columns from the first one that changed.
 
 Until a training run's first step is drawn, the panel polls four times a
-second: the first column is what the user is waiting for. Before that, and
-before any run, it shows the panel empty (disabled view controls, blank chart
-frames drawn by the same live-chart component), so the browser has loaded
-Plotly (megabytes of JavaScript, seconds of CPU on a small machine) before the
-data arrive rather than after, and not while the worker traces the training
-step.
+second: the first column is what the user is waiting for. Before that the
+panel is drawn empty, as it will look (disabled view controls, two chart
+frames), so nothing moves when the data arrive. Before a run, and while it
+waits in the queue, the frames are plain bordered boxes; once the run is
+handed to a worker they are blank Plotly heatmaps drawn by the live-chart
+component, so the browser loads Plotly (4.8 MB of JavaScript: about 1.1 s of
+a page's main thread, two thirds of what opening the page costs) while the
+worker builds and traces the model, before the first step arrives. Drawing
+them at page open made every page of a class load Plotly at once, right
+after the clicks: on one 2-core machine 30 pages then ran no timer for
+30-40 s (issue #7, docs/reliability.md).
 """
 
 import dataclasses
@@ -57,6 +62,7 @@ FIRST_POLL_FOR_S = 20.0
 QUEUED_POLL_SECONDS = 2.0
 # Heatmap columns drawn live (exports keep the figures' default of 1,000).
 LIVE_MAX_COLUMNS = 500
+_EMPTY_HEIGHT = 380  # px, an empty chart frame: as tall as a heatmap
 _CURRENT = "live.run_id"
 
 _STATUS_TEXT = {
@@ -232,7 +238,7 @@ def live_panel(run_id=None, key="live"):
     if run_id is None:
         st.info("Choose settings in the sidebar and press **Start training**. "
                 "Or load a lecture preset first.")
-        _empty_heatmaps("The heatmaps of your run appear here.")
+        _empty_heatmaps("The heatmaps of your run appear here.", plotly=False)
         return
     store = resources.run_store()
     try:
@@ -257,7 +263,7 @@ def live_panel(run_id=None, key="live"):
         # its status and its place in the queue. In a class most pages wait
         # there at first, and a tick that redraws the empty charts and
         # controls costs each browser about twice as much.
-        _empty_panel(active=True)
+        _empty_panel(active=True, plotly=False)
 
 
 def _waiting_for_first_step(run_id, info):
@@ -294,7 +300,8 @@ def _panel(run_id, key, was_active, waiting=False, was_queued=False, watched=Fal
         # queued runs) read nothing more.
         _status_line(info, _NOTHING_READ, status, watched)
         if not was_queued:  # a queued page draws its empty panel outside the fragment
-            _empty_panel(active=True)
+            # Plotly once a worker has the run (module docstring).
+            _empty_panel(active=True, plotly=status != "queued")
         return
     cache = _read_new(store, run_id, int(info["progress_step"] or 0))
     _status_line(info, cache, status)
@@ -341,24 +348,29 @@ def _panel(run_id, key, was_active, waiting=False, was_queued=False, watched=Fal
         _lesson_pack_button(info, cache, key)
 
 
-def _empty_panel(active):
+def _empty_panel(active, plotly=True):
     st.caption("The first statistics appear after the first recorded step.")
     if active:
-        _empty_heatmaps("Waiting for the first training step…")
+        _empty_heatmaps("Waiting for the first training step…", plotly)
 
 
-def _empty_heatmaps(message):
+def _empty_heatmaps(message, plotly=True):
     # The panel as it will look, empty and disabled, so nothing moves when the
-    # first step arrives; drawing it early also makes the browser load the
-    # code of these widgets and of Plotly before then (module docstring).
+    # first step arrives; with `plotly`, blank heatmaps that make the browser
+    # load Plotly before then (module docstring), else bordered boxes.
     presentation = st.session_state.get("ui.presentation", False)
     st.segmented_control("View", _VIEWS, default="Heatmaps", disabled=True)
     st.radio("Gradients of", ["kernel", "bias", figures.ALL_WEIGHTS], format_func=_TENSOR_LABELS.get,
              horizontal=True, disabled=True)
     for column, statistic in zip(st.columns(2), ("max_abs", "l2_norm"), strict=True):
         with column:
-            show_live_chart(_empty_heatmap(message, statistic, presentation), f"live.empty.{statistic}",
-                            exports=False)
+            if plotly:
+                show_live_chart(_empty_heatmap(message, statistic, presentation), f"live.empty.{statistic}",
+                                exports=False)
+            else:
+                with st.container(border=True, height=_EMPTY_HEIGHT):
+                    st.caption(f"**{STATISTIC_LABELS[statistic]} per layer**")
+                    st.caption(message)
 
 
 @functools.lru_cache(maxsize=8)
@@ -366,7 +378,7 @@ def _empty_heatmap(message, statistic, presentation):
     # Built once: a styled Plotly figure takes tens of milliseconds, and
     # drawing it copies it rather than changing it.
     figure = no_data_figure(message, presentation)
-    figure.update_layout(title=f"{STATISTIC_LABELS[statistic]} per layer", height=380)
+    figure.update_layout(title=f"{STATISTIC_LABELS[statistic]} per layer", height=_EMPTY_HEIGHT)
     return figures.Chart(figure, pd.DataFrame())
 
 
