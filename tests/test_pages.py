@@ -154,14 +154,41 @@ def annotations(layout):
     return " ".join(a.get("text", "") for a in layout.get("annotations", []))
 
 
-def test_the_live_panel_is_drawn_empty_before_a_run_without_plotly():
-    # Nothing moves when the first step arrives. A page without a run (and a
-    # queued one) does not load Plotly: a class opens 30 of them at once.
+def test_the_live_panel_is_drawn_empty_before_a_run():
+    # Nothing moves when the first step arrives, and the browser loads Plotly early.
+    app = run_page("live_training.py")
+    updates = live_chart_updates(app)
+    assert len(updates) == 2 and all("appear here" in annotations(u["layout"]) for u in updates)
+    assert all(u["base"] is None and not u["traces"] for u in updates)
+    assert not app.get("plotly_chart")
+
+
+def test_with_more_pages_than_cores_plotly_waits_until_a_worker_has_the_run(page_environment, monkeypatch):
+    # Issue #7: a class opening the page at once loaded 30 copies of Plotly at
+    # once (1.1 s of each page's main thread), and its pages stalled for 30-40 s.
+    import types
+
+    from gradflow.store import RunStore
+    from gradflow.ui import resources
+
+    monkeypatch.setattr(resources, "open_sessions", lambda: 31)
     app = run_page("live_training.py")
     assert live_chart_updates(app) == [] and not app.get("plotly_chart")
     captions = [c.value for c in app.caption]
-    assert sum("appear here" in c for c in captions) == 2
-    assert any("per layer" in c for c in captions)
+    assert sum("appear here" in c for c in captions) == 2 and any("per layer" in c for c in captions)
+
+    store = RunStore(page_environment)
+    queued = store.create_run({"depth": 3}, name="in a class", status="queued")
+    monkeypatch.setattr(resources, "run_manager", lambda: types.SimpleNamespace(prewarm=False, queued=lambda: [queued]))
+    app = run_page("live_training.py", run=queued)
+    assert live_chart_updates(app) == []
+    assert sum("Waiting for the first training step" in c.value for c in app.caption) == 2
+
+    store.set_status(queued, "running")  # a worker has it: Plotly now, before the first step
+    app = run_page("live_training.py", run=queued)
+    updates = live_chart_updates(app)
+    assert len(updates) == 2 and all("Waiting for the first training step" in annotations(u["layout"])
+                                      for u in updates)
 
 
 def test_a_run_without_its_first_step_shows_empty_heatmaps(page_environment):
@@ -170,7 +197,6 @@ def test_a_run_without_its_first_step_shows_empty_heatmaps(page_environment):
     run_id = RunStore(page_environment).create_run({"depth": 3}, name="just started", status="running")
     app = run_page("live_training.py", run=run_id)
     updates = live_chart_updates(app)
-    # Handed to a worker: blank heatmaps, so the browser loads Plotly while the model is built.
     assert len(updates) == 2
     assert all("Waiting for the first training step" in annotations(u["layout"]) for u in updates)
     assert any("just started" in m.value for m in app.markdown)
@@ -343,12 +369,11 @@ def test_a_queued_run_polls_slower_and_its_page_speeds_up_when_it_starts(page_en
     app = run_page("live_training.py", run=queued)
     assert intervals() == [live.QUEUED_POLL_SECONDS]
     assert any("this run starts when a slot frees (0 ahead of it)" in i.value for i in app.info)
-    # Its empty charts are drawn once by the page, not again at every tick,
-    # and without Plotly until a worker has the run.
-    frames = [m.delta for m in messages if m.WhichOneof("type") == "delta"
-              and "Waiting for the first training step" in m.delta.new_element.markdown.body]
-    assert len(frames) == 2 and all(not delta.fragment_id for delta in frames)
-    assert live_chart_updates(app) == []
+    # Its empty charts are drawn once by the page, not again at every tick.
+    charts = [m.delta for m in messages if m.WhichOneof("type") == "delta"
+              and m.delta.new_element.bidi_component.component_name.endswith("gradflow.live_chart")]
+    assert len(charts) == 2 and all(not delta.fragment_id for delta in charts)
+    assert len(live_chart_updates(app)) == 2
     run_page("live_training.py", run=running)
     assert intervals() == [live.POLL_SECONDS]
 

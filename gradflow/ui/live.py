@@ -24,19 +24,20 @@ only the arrays' columns from the first one that changed.
 Until a training run's first step is drawn, the panel polls four times a
 second: the first column is what the user is waiting for. Before that the
 panel is drawn empty, as it will look (disabled view controls, two chart
-frames), so nothing moves when the data arrive. Before a run, and while it
-waits in the queue, the frames are plain bordered boxes; once the run is
-handed to a worker they are blank Plotly heatmaps drawn by the live-chart
-component, so the browser loads Plotly (4.8 MB of JavaScript: about 1.1 s of
-a page's main thread, two thirds of what opening the page costs) while the
-worker builds and traces the model, before the first step arrives. Drawing
-them at page open made every page of a class load Plotly at once, right
-after the clicks: on one 2-core machine 30 pages then ran no timer for
-30-40 s (issue #7, docs/reliability.md).
+frames), so nothing moves when the data arrive. The frames are blank Plotly
+heatmaps drawn by the live-chart component, so the browser loads Plotly (4.8
+MB of JavaScript: about 1.1 s of a page's main thread to evaluate, two thirds
+of what opening the page costs) before the first step arrives, not after.
+On a server with more open pages than cores, a page without a run, or whose
+run waits in the queue, draws plain bordered boxes instead and loads Plotly
+once a worker has its run: a class that opened the page at once loaded 30
+copies of Plotly at once, right after the clicks, and on one 2-core machine
+its pages then ran no timer for 30-40 s (issue #7, docs/reliability.md).
 """
 
 import dataclasses
 import functools
+import os
 import time
 
 import pandas as pd
@@ -64,6 +65,7 @@ QUEUED_POLL_SECONDS = 2.0
 LIVE_MAX_COLUMNS = 500
 _EMPTY_HEIGHT = 380  # px, an empty chart frame: as tall as a heatmap
 _CURRENT = "live.run_id"
+_PLOTLY_EARLY = "live.plotly_early"
 
 _STATUS_TEXT = {
     "queued": ":material/hourglass_top: Waiting in the queue",
@@ -238,7 +240,7 @@ def live_panel(run_id=None, key="live"):
     if run_id is None:
         st.info("Choose settings in the sidebar and press **Start training**. "
                 "Or load a lecture preset first.")
-        _empty_heatmaps("The heatmaps of your run appear here.", plotly=False)
+        _empty_heatmaps("The heatmaps of your run appear here.", plotly=_plotly_early())
         return
     store = resources.run_store()
     try:
@@ -263,7 +265,17 @@ def live_panel(run_id=None, key="live"):
         # its status and its place in the queue. In a class most pages wait
         # there at first, and a tick that redraws the empty charts and
         # controls costs each browser about twice as much.
-        _empty_panel(active=True, plotly=False)
+        _empty_panel(active=True, plotly=_plotly_early())
+
+
+def _plotly_early():
+    """Whether this page loads Plotly before a worker has its run (module docstring).
+
+    Decided once per browser session, when it first draws the empty panel.
+    """
+    if _PLOTLY_EARLY not in st.session_state:
+        st.session_state[_PLOTLY_EARLY] = resources.open_sessions() <= (os.cpu_count() or 1)
+    return st.session_state[_PLOTLY_EARLY]
 
 
 def _waiting_for_first_step(run_id, info):
@@ -300,8 +312,8 @@ def _panel(run_id, key, was_active, waiting=False, was_queued=False, watched=Fal
         # queued runs) read nothing more.
         _status_line(info, _NOTHING_READ, status, watched)
         if not was_queued:  # a queued page draws its empty panel outside the fragment
-            # Plotly once a worker has the run (module docstring).
-            _empty_panel(active=True, plotly=status != "queued")
+            # Plotly at the latest once a worker has the run (module docstring).
+            _empty_panel(active=True, plotly=status != "queued" or _plotly_early())
         return
     cache = _read_new(store, run_id, int(info["progress_step"] or 0))
     _status_line(info, cache, status)

@@ -62,6 +62,16 @@ def _run_board(folder, url):
     return RunBoard(run_manager(), folder, url)
 
 
+def open_sessions():
+    """Browser sessions connected to this server now (1 outside a server, as in AppTest)."""
+    from streamlit.runtime import Runtime
+
+    try:
+        return int(Runtime.instance()._session_mgr.num_active_sessions())
+    except (RuntimeError, AttributeError, TypeError):  # no server, or AppTest's stand-in runtime
+        return 1
+
+
 def _setting(name, default):
     """An integer from environment variable `name`, or `default` when unset."""
     value = os.environ.get(name, "").strip()
