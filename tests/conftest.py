@@ -30,6 +30,28 @@ os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
 os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "2")
 
 
+@pytest.fixture(scope="module")
+def page_environment(tmp_path_factory):
+    """A run store for the dashboard pages of one test module (AppTest), no warm worker.
+
+    Pages share `st.cache_resource` singletons in this process: the caches are
+    cleared before and after, and the environment is restored.
+    """
+    db = tmp_path_factory.mktemp("pages") / "runs.db"
+    saved = {k: os.environ.get(k) for k in ("GRADFLOW_DB", "GRADFLOW_PREWARM")}
+    os.environ.update(GRADFLOW_DB=str(db), GRADFLOW_PREWARM="0")
+    import streamlit as st
+
+    st.cache_resource.clear()
+    yield db
+    st.cache_resource.clear()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def chromium():
     """A headless Debian Chromium driven by Playwright (skipped only when none is installed)."""

@@ -130,23 +130,6 @@ def test_closing_removes_the_file_and_boards_of_dead_servers_are_swept(board, tm
 # ------------------------------------------------------------------ the pages (AppTest)
 
 
-@pytest.fixture(scope="module")
-def page_environment(tmp_path_factory):
-    db = tmp_path_factory.mktemp("board-pages") / "runs.db"
-    saved = {k: os.environ.get(k) for k in ("GRADFLOW_DB", "GRADFLOW_PREWARM")}
-    os.environ.update(GRADFLOW_DB=str(db), GRADFLOW_PREWARM="0")
-    import streamlit as st
-
-    st.cache_resource.clear()
-    yield db
-    st.cache_resource.clear()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
 def watchers(messages):
     """The board watchers a run drew: (fragment id, data)."""
     return [(m.delta.fragment_id, json.loads(m.delta.new_element.bidi_component.json)) for m in messages
@@ -266,7 +249,7 @@ def test_queued_pages_follow_their_place_without_asking_the_server(chromium, tmp
         first.get_by_role("button", name="Stop").click()
         second.get_by_text("Training").first.wait_for(timeout=60_000)
         # The third page moved up in the browser, without a rerun.
-        third.get_by_text("next in line").wait_for(timeout=10_000)
+        third.get_by_text("next in line").wait_for(timeout=30_000)
         assert [t for t in third_sent if t > quiet_since] == []
 
         for page in (second, third):
@@ -275,3 +258,12 @@ def test_queued_pages_follow_their_place_without_asking_the_server(chromium, tmp
             assert store.status(run_id) == "completed"
             page.locator(".js-plotly-plot").first.wait_for(timeout=30_000)
         assert third_sent, "the third page asked once its run left the queue"
+
+
+def test_a_board_that_cannot_be_written_leaves_the_pages_ticking(tmp_path, monkeypatch):
+    from gradflow.ui import resources
+
+    monkeypatch.setattr(resources, "run_manager", lambda: FakeManager())
+    not_a_folder = tmp_path / "static-file"
+    not_a_folder.write_text("")
+    assert resources._run_board(str(not_a_folder), "/app/static/gradflow") is None

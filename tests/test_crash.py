@@ -13,7 +13,7 @@ import numpy as np
 
 from gradflow.lab.config import RunConfig
 from gradflow.store import RunStore
-from gradflow.store.store import _process_alive
+from gradflow.store.store import process_alive
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LONG = RunConfig(depth=2, width=8, steps=1_000_000)
@@ -111,7 +111,7 @@ def test_killed_launcher_takes_its_workers_along(store_path, tmp_path):
     assert len(pids) == 2  # the run's worker and the warm spare
 
     # Both workers see their stdin close and exit; none is left behind.
-    wait_for(lambda: not any(_process_alive(pid) for pid in pids), timeout=30)
+    wait_for(lambda: not any(process_alive(pid) for pid in pids), timeout=30)
     store = RunStore(store_path)
     store.recover()
     info = store.run_info(run_id)

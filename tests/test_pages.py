@@ -1,7 +1,6 @@
 """Every dashboard page runs without an exception and shows its widgets (Streamlit AppTest)."""
 
 import json
-import os
 import pathlib
 
 import pytest
@@ -17,22 +16,8 @@ LIVE_LABELS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def page_environment(tmp_path_factory):
-    # Pages share st.cache_resource singletons in this process: one store for the module.
-    db = tmp_path_factory.mktemp("pages") / "runs.db"
-    saved = {k: os.environ.get(k) for k in ("GRADFLOW_DB", "GRADFLOW_PREWARM")}
-    os.environ.update(GRADFLOW_DB=str(db), GRADFLOW_PREWARM="0")
-    import streamlit as st
-
-    st.cache_resource.clear()
-    yield db
-    st.cache_resource.clear()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+# Pages share st.cache_resource singletons in this process: one store for the module (conftest.py).
+pytestmark = pytest.mark.usefixtures("page_environment")
 
 
 @pytest.fixture(autouse=True)

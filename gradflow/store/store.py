@@ -356,7 +356,7 @@ class RunStore:
             if run_host == host and pid is not None:
                 # On this host the process table is the truth: a live process
                 # in a long step must not be declared gone.
-                dead, stale = not _process_alive(pid), False
+                dead, stale = not process_alive(pid), False
             else:
                 dead, stale = False, heartbeat is None or now - heartbeat > stale_after
             if not (dead or stale):
@@ -686,7 +686,7 @@ def _check_tags(tags):
     return sorted(set(tags))
 
 
-def _process_alive(pid):
+def process_alive(pid):
     """Whether a process with this pid runs on this host (zombies count as gone)."""
     try:
         os.kill(pid, 0)

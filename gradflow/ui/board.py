@@ -53,6 +53,7 @@ import threading
 
 import streamlit as st
 
+from gradflow.store.store import process_alive
 from gradflow.ui import live_chart
 
 _LOG = logging.getLogger(__name__)
@@ -141,18 +142,8 @@ class RunBoard:
 def _remove_boards_of_dead_servers(folder):
     for path in folder.glob("board-*.json"):
         match = _NAME.fullmatch(path.name)
-        if match and not _alive(int(match.group(1))):
+        if match and not process_alive(int(match.group(1))):
             path.unlink(missing_ok=True)
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # Inline and small (sent with every redraw). State lives on the element
@@ -174,7 +165,7 @@ _WATCH_JS = """export default function ({ data, parentElement, setTriggerValue }
     let ask;
     try {
       // A look that hangs (a starved browser or server) must not stop the watch.
-      const response = await fetch(data.url, { cache: "no-store", signal: AbortSignal.timeout(data.every_ms * 5) });
+      const response = await fetch(data.url, { cache: "no-store", signal: AbortSignal.timeout(data.every_ms * 10) });
       if (!response.ok) throw new Error(`${response.status}`);
       const board = await response.json();
       failed = 0;

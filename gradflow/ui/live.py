@@ -4,10 +4,9 @@ The panel is an `st.fragment` that reruns every second while its run is
 running or paused, and stops polling once the run has ended. A run waiting in
 this server's queue is not polled: its page follows its place on the run
 board from the browser (`gradflow.ui.board`) and reruns when the run leaves
-the queue.
-Each tick
-reads only the rows newer than the last step it has seen and appends them to
-a per-session cache, so a long run costs the same per tick as a short one.
+the queue. Each tick reads only the rows newer than the last step it has
+seen and appends them to a per-session cache, so a long run costs the same
+per tick as a short one.
 
 The heatmaps and the layer lines are drawn with `live_chart.show_live_chart`:
 the browser keeps each figure between ticks, and a tick sends only the new
@@ -254,7 +253,7 @@ def live_panel(run_id=None, key="live"):
     waiting = _waiting_for_first_step(run_id, info)
     queued = info["status"] == "queued" and not waiting
     # A run in this server's queue is watched from the browser on the run
-    # board: no ticks until its place changes (gradflow/ui/board.py).
+    # board: no ticks until it leaves the queue (gradflow/ui/board.py).
     watched = queued and resources.run_board() is not None and run_id in resources.run_manager().queued()
     every = None
     if active and not watched:

@@ -6,6 +6,7 @@ by every browser session, which is what caps concurrent runs server-wide.
 """
 
 import atexit
+import logging
 import os
 
 import streamlit as st
@@ -59,7 +60,12 @@ def run_board():
 def _run_board(folder, url):
     from gradflow.ui.board import RunBoard
 
-    return RunBoard(run_manager(), folder, url)
+    try:
+        return RunBoard(run_manager(), folder, url)
+    except OSError as error:  # a read-only or full disk: pages tick instead
+        logging.getLogger(__name__).warning("gradflow: no run board in %s (%s); waiting pages poll.",
+                                            folder, error)
+        return None
 
 
 def open_sessions():
