@@ -434,9 +434,10 @@ def _watch_socket(socket, result):
     def sent(payload):
         # The live panel's 1 s tick is a timer in the browser (Streamlit's
         # `run_every`): each tick is a rerun request the page sends.
-        if isinstance(payload, (bytes, bytearray)) and _is_rerun_request(payload):
+        kind = _rerun_request_kind(payload) if isinstance(payload, (bytes, bytearray)) else None
+        if kind:
             requests.append(time.time())
-            result.setdefault("rerun_kinds", []).append(_rerun_kind(payload))
+            result.setdefault("rerun_kinds", []).append(kind)
 
     socket.on("framesent", sent)
 
@@ -449,15 +450,18 @@ def _watch_socket(socket, result):
     socket.on("framereceived", received)
 
 
-def _is_rerun_request(payload):
+def _rerun_request_kind(payload):
+    """"page" or "fragment" for a rerun request the page sent, else None."""
     from streamlit.proto.BackMsg_pb2 import BackMsg
 
     message = BackMsg()
     try:
         message.ParseFromString(bytes(payload))
     except Exception:  # noqa: BLE001  (not a BackMsg: count nothing)
-        return False
-    return message.WhichOneof("type") == "rerun_script"
+        return None
+    if message.WhichOneof("type") != "rerun_script":
+        return None
+    return "fragment" if message.rerun_script.fragment_id else "page"
 
 
 def board_look_summary(results, began):
@@ -478,14 +482,6 @@ def board_look_summary(results, began):
         "failures": sum(r.get("board_failures", 0) for r in results),
         "slower_than_5s": slow[:40],  # (asked, seconds, student)
     }
-
-
-def _rerun_kind(payload):
-    from streamlit.proto.BackMsg_pb2 import BackMsg
-
-    message = BackMsg()
-    message.ParseFromString(bytes(payload))
-    return "fragment" if message.rerun_script.fragment_id else "page"
 
 
 def _console_error(result, message):

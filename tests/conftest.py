@@ -1,5 +1,6 @@
 """Shared test set-up: quiet, small, deterministic TensorFlow on 2 cores."""
 
+import contextlib
 import os
 import pathlib
 
@@ -30,26 +31,34 @@ os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
 os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "2")
 
 
-@pytest.fixture(scope="module")
-def page_environment(tmp_path_factory):
-    """A run store for the dashboard pages of one test module (AppTest), no warm worker.
+@contextlib.contextmanager
+def pages_on(db):
+    """Dashboard pages (AppTest) in this process read the run store `db`, with no warm worker.
 
     Pages share `st.cache_resource` singletons in this process: the caches are
     cleared before and after, and the environment is restored.
     """
-    db = tmp_path_factory.mktemp("pages") / "runs.db"
-    saved = {k: os.environ.get(k) for k in ("GRADFLOW_DB", "GRADFLOW_PREWARM")}
-    os.environ.update(GRADFLOW_DB=str(db), GRADFLOW_PREWARM="0")
     import streamlit as st
 
+    saved = {k: os.environ.get(k) for k in ("GRADFLOW_DB", "GRADFLOW_PREWARM")}
+    os.environ.update(GRADFLOW_DB=str(db), GRADFLOW_PREWARM="0")
     st.cache_resource.clear()
-    yield db
-    st.cache_resource.clear()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    try:
+        yield db
+    finally:
+        st.cache_resource.clear()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def page_environment(tmp_path_factory):
+    """A fresh run store for the dashboard pages of one test module (`pages_on`)."""
+    with pages_on(tmp_path_factory.mktemp("pages") / "runs.db") as db:
+        yield db
 
 
 @pytest.fixture(scope="session")

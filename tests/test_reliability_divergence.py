@@ -9,7 +9,6 @@ no bare `NaN`/`Infinity` in any JSON a browser or a script will parse.
 import io
 import json
 import math
-import os
 import pathlib
 import zipfile
 
@@ -197,16 +196,13 @@ def test_lesson_pack_has_strict_json_everywhere(diverged, tmp_path):
 
 
 def test_the_live_page_shows_the_diverged_run_and_its_origin(diverged):
-    import streamlit as st
     from streamlit.testing.v1 import AppTest
+
+    from tests.conftest import pages_on
 
     run, _, path = diverged
     origin = run.events[run.events["kind"] == "nonfinite"].iloc[0]
-    saved = {key: os.environ.get(key) for key in ("GRADFLOW_DB", "GRADFLOW_PREWARM")}
-    os.environ.update(GRADFLOW_DB=str(path), GRADFLOW_PREWARM="0")
-    # Pages cache the store in st.cache_resource: start and end with a clean one.
-    st.cache_resource.clear()
-    try:
+    with pages_on(path):
         app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
         app.session_state["live.run_id"] = run.run_id
         app.run()
@@ -216,10 +212,3 @@ def test_the_live_page_shows_the_diverged_run_and_its_origin(diverged):
             f"step {int(origin['step'])}" in text and origin["layer"] in text for text in errors
         ), errors
         assert any("Diverged" in m.value for m in app.markdown), [m.value for m in app.markdown]
-    finally:
-        st.cache_resource.clear()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

@@ -6,9 +6,8 @@ or whether the spare worker is warm. Asking the server with a fragment tick
 costs a script run there and, worse, a render of the whole page in the
 browser (Streamlit 1.67's frontend renders every element again at each
 script run, the sidebar's settings included). In a class of 30 on one 2-core
-machine, 28 queued pages ticking every 2 s cost 0.7 s of Chromium and 0.17 s
-of server CPU a second (issue #7, measured with a page-by-page CPU count),
-more than the two pages whose runs train.
+machine most pages wait in the queue at first, and every run that starts
+changes all of their places (issue #7).
 
 So the server publishes the board, one small JSON file among the app's
 static files (`static/gradflow/board-<pid>-<token>.json`):
@@ -20,9 +19,9 @@ static files (`static/gradflow/board-<pid>-<token>.json`):
 and such a page draws `watch_place` or `watch_warm`: a small component that
 fetches the file once a second. A queued page shows its place from it, in
 the browser, and asks for a rerun only when its run has left the queue; a
-page waiting for the trainer asks when the spare is warm. A fetch costs the
-browser a fraction of a millisecond and the server a static-file response,
-with no script run. (A first version reran each queued page's fragment when
+page waiting for the trainer asks when the spare is warm. A look costs the
+server a static-file response, with no script run, and the browser no render
+of the page. (A first version reran each queued page's fragment when
 its place changed: every run that started made all the other queued pages
 of a class rerun at once, in bursts.)
 
@@ -155,7 +154,10 @@ _WATCH_JS = """export default function ({ data, parentElement, setTriggerValue }
   const box = parentElement.host ?? parentElement;
   const line = parentElement.querySelector("span");
   if (data.run === null) box.closest?.('[data-testid="stElementContainer"]')?.style.setProperty("display", "none");
-  const show = (place) => { if (line) line.textContent = place > 0 ? `${place} ahead of it` : "next in line"; };
+  const show = (place) => {  // only a change touches the DOM (a write costs a style pass)
+    const text = place > 0 ? `${place} ahead of it` : "next in line";
+    if (line && line.textContent !== text) line.textContent = text;
+  };
   if (data.run !== null) show(data.place);
   const generation = (box.gradflowBoardGeneration = (box.gradflowBoardGeneration ?? 0) + 1);
   const current = () => box.gradflowBoardGeneration === generation && !box.gradflowBoardGone;

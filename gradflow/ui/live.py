@@ -145,13 +145,14 @@ def _trainer_readiness(polls=True):
     manager = resources.run_manager()
     if not manager.prewarm:
         return
+    board = resources.run_board()
     if manager.wait_warm(0):
         st.caption(":material/bolt: Trainer ready", help="A worker process is warm and waiting.")
-    elif polls and resources.run_board() is not None:
+    elif polls and board is not None:
         # Watched from the browser, no ticks: the page reruns once the spare
         # is warm (gradflow/ui/board.py, issue #7).
         _warming_caption()
-        watch_warm(resources.run_board())
+        watch_warm(board)
     elif polls:
         # Each polling fragment alone in a container of its own (issue #7).
         isolated_fragment(_warming, run_every=1.0)()
