@@ -94,11 +94,12 @@ def load_baseline(checkout):
         return module
 
     load("baseline_statistics", root / "gradflow" / "statistics.py")
-    return load(
-        "baseline_step",
-        root / "gradflow" / "monitor" / "step.py",
-        [("from gradflow.statistics import", "from baseline_statistics import")],
-    )
+    kernel = ("from gradflow.statistics import", "from baseline_statistics import")
+    # The checkout's own deferred ring too (it came in the ninth session).
+    ring = ("from gradflow.monitor import deferred", "import baseline_deferred as deferred")
+    if (root / "gradflow" / "monitor" / "deferred.py").exists():
+        load("baseline_deferred", root / "gradflow" / "monitor" / "deferred.py", [kernel])
+    return load("baseline_step", root / "gradflow" / "monitor" / "step.py", [kernel, ring])
 
 
 class MonitoredStep:
@@ -153,7 +154,9 @@ def compiled_step(name, options, step_module=None):
             stop_on_nonfinite=options.get("stop_on_nonfinite", False),
         )
         # Which path the step takes: the monitor's own choice, or one forced.
-        from gradflow.monitor import deferred
+        deferred = getattr(step_module, "deferred", None)
+        if deferred is None:
+            from gradflow.monitor import deferred
 
         limit = {"in-step": 0, "deferred": 2**62}.get(options.get("path"), deferred.MAX_PARAMETERS)
         ring_bytes = options.get("ring_mib", deferred.RING_BYTES / 2**20) * 2**20

@@ -210,3 +210,32 @@ def test_a_missing_step_leaves_the_weight_columns_of_the_step_before_it_empty():
     np.testing.assert_array_equal(again[0], steps)
     np.testing.assert_allclose(again[1], stats, rtol=1e-6)
     np.testing.assert_allclose(again[2], metrics, rtol=1e-6)
+
+
+def test_tensors_that_differ_in_their_first_dimension_are_copied_with_one_concat():
+    # The slot holds each tensor flattened, one after another in slot order;
+    # runs of shapes that differ only in their first dimension are joined with
+    # one concat along it instead of a reshape each. Scalars never join.
+    shapes = [[3, 4], [4], [5, 4], [], [2, 3, 4], [6, 4], [4], [7, 3, 4], [], [4, 2]]
+    rng = np.random.default_rng(0)
+    variables = [keras.Variable(rng.normal(size=shape).astype("float32")) for shape in shapes]
+    ring = deferred.DeferredRing(variables, capacity=4)
+    assert sorted(ring._order) == list(range(len(shapes)))
+    assert len(ring._runs) < len(shapes)
+    for start, stop in ring._runs:
+        run = [shapes[i] for i in ring._order[start:stop]]
+        assert all(len(s) > 0 and s[1:] == run[0][1:] for s in run) or len(run) == 1
+    gradients = [2.0 * v for v in variables]
+    packed = ring.pack(gradients, loss=1.5, learning_rate=tf.constant(0.25)).numpy()
+    expected = np.concatenate(
+        [gradients[i].numpy().ravel() for i in ring._order]
+        + [variables[i].numpy().ravel() for i in ring._order]
+        + [[1.5, 0.25]]
+    )
+    np.testing.assert_array_equal(packed, expected)
+    # Read back, every variable's statistics land in its own row.
+    ring.write(tf.constant(1, tf.int64), tf.constant(packed))
+    steps, stats, _, _ = ring.read(0)
+    assert steps.tolist() == [1]
+    l2 = stats[0, :, list(ROW_COLUMNS).index("l2_norm")]
+    np.testing.assert_allclose(l2, [np.linalg.norm(g.numpy()) for g in gradients], rtol=1e-5)
