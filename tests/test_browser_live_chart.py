@@ -8,6 +8,7 @@ new columns, not their history. The third checks how the server sends
 Plotly.js: gzipped once on disk, not compressed again for every page.
 """
 
+import contextlib
 import gzip
 import json
 import math
@@ -259,7 +260,9 @@ def test_plotly_js_is_served_as_gzipped_on_disk_and_still_draws(chromium, tmp_pa
 
         # The live page of a run draws its (empty) heatmaps with the Plotly it unpacked.
         run_id = RunStore(tmp_path / "runs.db").create_run({"depth": 2}, name="first step soon", status="running")
-        context, page, fetched = _open_drawn_page(chromium, f"{url}/?run={run_id}")
+        context, page, fetched = _open_drawn_page(
+            chromium, f"{url}/?run={run_id}", artifacts=artifacts_dir / "live-chart-static-gz"
+        )
         try:
             plotly_responses = [r for r in fetched if "/plotly.min.js" in r.url]
             assert [r.url.split("?")[0].rsplit("/", 1)[1] for r in plotly_responses] == ["plotly.min.js.gz"]
@@ -273,7 +276,10 @@ def test_plotly_js_is_served_as_gzipped_on_disk_and_still_draws(chromium, tmp_pa
 
         # A browser without DecompressionStream loads plotly.min.js instead, and draws.
         context, page, fetched = _open_drawn_page(
-            chromium, f"{url}/?run={run_id}", init_script="delete window.DecompressionStream;"
+            chromium,
+            f"{url}/?run={run_id}",
+            init_script="delete window.DecompressionStream;",
+            artifacts=artifacts_dir / "live-chart-static-fallback",
         )
         try:
             names = [r.url.split("?")[0].rsplit("/", 1)[1] for r in fetched if "/plotly.min.js" in r.url]
@@ -282,18 +288,36 @@ def test_plotly_js_is_served_as_gzipped_on_disk_and_still_draws(chromium, tmp_pa
             context.close()
 
 
-def _open_drawn_page(chromium, url, init_script=None):
-    """Open the live page in a new context; return it once Plotly has drawn, with its static responses."""
+def _open_drawn_page(chromium, url, init_script=None, artifacts=None):
+    """Open the live page in a new context; return it once Plotly has drawn, with its static responses.
+
+    If it never draws, `artifacts` gets a screenshot and a log of the page's
+    console and static responses (`<artifacts>.png`, `<artifacts>.log`): this
+    wait timed out once in a full CI run (eleventh session) and passed alone.
+    """
     context = chromium.new_context(viewport={"width": 1400, "height": 1000})
     if init_script:
         context.add_init_script(init_script)
     page = context.new_page()
-    fetched = []
+    fetched, console = [], []
     page.on("response", lambda r: fetched.append(r) if STATIC in r.url else None)
+    page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+    page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
     try:
         page.goto(url)
         page.wait_for_function(PLOTLY_DRAWN, timeout=120_000, polling=200)
     except BaseException:
+        if artifacts is not None:
+            with contextlib.suppress(Exception):
+                page.screenshot(path=f"{artifacts}.png", full_page=True)
+            with contextlib.suppress(Exception):
+                state = page.evaluate(
+                    "() => ({plotly: window.Plotly !== undefined,"
+                    " plots: document.querySelectorAll('.js-plotly-plot').length,"
+                    " text: document.body.innerText.slice(0, 2000)})"
+                )
+                lines = [f"{r.status} {r.url}" for r in fetched] + console + [repr(state)]
+                pathlib.Path(f"{artifacts}.log").write_text("\n".join(lines))
         context.close()
         raise
     return context, page, fetched
