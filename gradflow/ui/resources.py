@@ -13,6 +13,7 @@ import streamlit as st
 
 from gradflow.store import RunStore
 from gradflow.ui import live_chart
+from gradflow.ui.board import RunBoard
 
 DEFAULT_WORKER_NICENESS = 10
 
@@ -58,8 +59,6 @@ def run_board():
 
 @st.cache_resource(show_spinner=False)
 def _run_board(folder, url):
-    from gradflow.ui.board import RunBoard
-
     try:
         return RunBoard(run_manager(), folder, url)
     except OSError as error:  # a read-only or full disk: pages tick instead
