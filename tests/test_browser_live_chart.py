@@ -120,6 +120,40 @@ def test_the_javascript_applies_updates_exactly_and_asks_again_when_it_holds_ano
         page.close()
 
 
+def test_a_page_whose_request_for_the_whole_figure_went_unanswered_asks_again(chromium):
+    """The rerun that answers a resend can be lost too (a later tick's run drops its unsent
+    messages on a loaded server), and Streamlit calls `render` only when the update changes:
+    the page must ask again by itself. Seen as a blank live page in two CI runs (session 12)."""
+    page = chromium.new_page()
+    try:
+        page.set_content("<html><body></body></html>")
+        page.evaluate(SETUP, MODULE.read_text())
+        chart = live_heatmap(run_rows(1, 40))
+        whole, sent = figure_update(chart.figure)
+        unchanged, _ = figure_update(chart.figure, sent)  # what every later tick sends
+        assert unchanged == {"revision": whole["revision"], "base": whole["revision"]}
+        unchanged["key"] = whole["key"] = "live.max"
+
+        # The whole figure was lost: the page holds nothing and asks for it, once.
+        started = time.monotonic()
+        assert page.evaluate(RENDER, [unchanged, "lost", PLOTLY_STUB]) is None
+        page.evaluate(RENDER, [unchanged, "lost", PLOTLY_STUB])
+        assert [value["held"] for _, value in page.evaluate("window.asked")] == [None]
+        # No render comes; the page asks again after 3 s, then after 6 s more.
+        page.wait_for_function("window.asked.length === 2", timeout=10_000, polling=100)
+        assert 2.5 < time.monotonic() - started < 8
+        page.wait_for_function("window.asked.length === 3", timeout=15_000, polling=100)
+        assert 8.5 < time.monotonic() - started < 20
+        # The whole figure arrives: it is drawn, and the page stops asking.
+        drawn = page.evaluate(RENDER, [whole, "lost", PLOTLY_STUB])
+        assert drawn["revision"] == whole["revision"]
+        assert_drawn(page, "lost", chart)
+        page.wait_for_timeout(13_000)
+        assert len(page.evaluate("window.asked")) == 3
+    finally:
+        page.close()
+
+
 LAYERS = 9
 
 

@@ -11,8 +11,9 @@
 
 const held = new Map(); // chart key -> {revision, config, layout, traces, arrays}
 const plots = new Map(); // chart key -> the div it was last drawn in
-const asked = new Map(); // chart key -> {revision, at} of the last resend request
+const asked = new Map(); // chart key -> {revision, at, setStateValue, retry} of the last resend request
 const RESEND_AFTER_MS = 3000;
+const RESEND_RETRY_MAX_MS = 12000;
 let plotly; // Promise of window.Plotly, loaded once per page
 
 function runScript(src, name = src) {
@@ -99,11 +100,34 @@ function figure(state) {
   return { data, layout: { ...state.layout, datarevision: state.revision }, config: state.config };
 }
 
-function askForWholeFigure(key, revision, setStateValue) {
+// Ask the server for the whole figure (the page holds `revision`, and an
+// update for another came): at most once per RESEND_AFTER_MS, and again,
+// at doubling intervals, until a figure is applied. The rerun that answers
+// can be lost as well: on a loaded server a tick's run can start before the
+// last run's messages were sent, and Streamlit then drops them. Streamlit
+// does not call `render` again with an update equal to the last one (an
+// unchanged figure), so without the timer such a chart stays blank.
+function askForWholeFigure(key, revision, setStateValue, wait = RESEND_AFTER_MS) {
   const last = asked.get(key);
-  if (last && last.revision === revision && Date.now() - last.at < RESEND_AFTER_MS) return;
-  asked.set(key, { revision, at: Date.now() });
-  setStateValue("resend", { held: revision, at: Date.now() });
+  if (last && last.revision === revision && Date.now() - last.at < RESEND_AFTER_MS) {
+    last.setStateValue = setStateValue; // of the chart's newest mount
+    return;
+  }
+  clearTimeout(last?.retry);
+  const request = { revision, at: Date.now(), setStateValue };
+  request.retry = setTimeout(() => {
+    // Still waiting (`settle` ends the wait) and still on the page.
+    if (asked.get(key) !== request || !plots.get(key)?.isConnected) return;
+    asked.delete(key);
+    askForWholeFigure(key, revision, request.setStateValue, Math.min(2 * wait, RESEND_RETRY_MAX_MS));
+  }, wait);
+  asked.set(key, request);
+  setStateValue("resend", { held: revision, at: request.at });
+}
+
+function settle(key) {
+  clearTimeout(asked.get(key)?.retry);
+  asked.delete(key);
 }
 
 function draw(div, key, plotlySrc, plotlyGzipSrc) {
@@ -145,7 +169,7 @@ export function render({ data: update, parentElement, setStateValue }, plotlySrc
   if (update.base === null || update.base === state?.revision) {
     state = apply(state, update);
     held.set(key, state);
-    asked.delete(key);
+    settle(key);
   } else if (update.revision !== state?.revision) {
     askForWholeFigure(key, state?.revision ?? null, setStateValue);
   }

@@ -16,7 +16,13 @@ is a new session, which holds nothing and gets the whole figure. Every
 update names the revision it applies to. If the browser holds another one
 (an update lost when a rerun was interrupted), it does not apply it and sets
 the component's `resend` state instead; the callback forgets the
-`SentFigure`, and the rerun that follows sends the whole figure.
+`SentFigure`, and the rerun that follows sends the whole figure. That answer
+can be lost too (on a loaded server a tick's run drops the unsent messages
+of the run before it), and an unchanged figure sends the same update on
+every tick, which Streamlit does not pass to the page again: the page asks
+again by itself, after 3 s, then at doubling intervals up to 12 s, until a
+figure applies. Without that, the live page of a run stayed blank on a
+loaded machine (two CI runs, session 12).
 
 Plotly.js itself (4.8 MB) and the component's module are served as app
 static files (`server.enableStaticServing`): `publish_assets` copies them
