@@ -19,7 +19,12 @@ from gradflow.monitor.records import (
     metrics_frame,
     nonfinite_origin,
 )
-from gradflow.monitor.step import StepPlan, instrumented_train_step, probed_train_step
+from gradflow.monitor.step import (
+    StepPlan,
+    clipping_optimizer,
+    instrumented_train_step,
+    probed_train_step,
+)
 from gradflow.monitor.tensorboard import SummaryWriter
 
 # The ring holds this many executions of the train function, so the callback
@@ -239,7 +244,7 @@ class GradientMonitor(keras.callbacks.Callback):
         object.__setattr__(model, "train_step", step)
         model.make_train_function(force=True)
 
-        self._clipping = not self._plan.probing and _has_clipping(model.optimizer)
+        self._clipping = not self._plan.probing and clipping_optimizer(model.optimizer) is not None
         self._last_step = int(model.optimizer.iterations.numpy())
         self._last_read = time.monotonic()
         self._batches_since_read = 0
@@ -501,11 +506,6 @@ def _is_finite(value):
         return math.isfinite(value)
     except TypeError:  # not a number: Keras could not make it a float
         return True
-
-
-def _has_clipping(optimizer):
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    return any(value for value in (inner.clipnorm, inner.clipvalue, inner.global_clipnorm))
 
 
 def _planned_steps(params):

@@ -113,7 +113,7 @@ class StepPlan:
             and not self.activation_slots
             and not self.probing
             and self.replicas == 1
-            and _clipping_optimizer(optimizer) is None
+            and clipping_optimizer(optimizer) is None
             and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
             and optimizer.loss_scale_factor is None
             and not _constrained_indices(variables)
@@ -245,7 +245,7 @@ def instrumented_train_step(plan):
                 if when is None
                 else tf.logical_and(when, tf.logical_not(halted))
             )
-        clipping = _clipping_optimizer(optimizer)
+        clipping = clipping_optimizer(optimizer)
         _record(
             plan,
             when=when,
@@ -691,7 +691,7 @@ def _unscaled(gradients, scale):
     return [None if g is None else g / tf.cast(scale, g.dtype) for g in gradients]
 
 
-def _clipping_optimizer(optimizer):
+def clipping_optimizer(optimizer):
     """The optimizer whose `_clip_gradients` runs, or None without clipping."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if any(value for value in (inner.clipnorm, inner.clipvalue, inner.global_clipnorm)):
