@@ -21,7 +21,8 @@ Measured (reported, never asserted here):
   the time since the store first had that step (the store is read every
   0.1 s by this bench); also the time between successive changes of the
   "step N / M" counter while the run trains (short runs give few of these);
-- whether each page drew a heatmap of its run;
+- whether each page drew a heatmap of its run (within 30 s of the run ending), and
+  for a page that did not, what its charts were doing (`without_a_chart`);
 - CPU seconds of the server alone, of the server with its workers, and of
   this bench with its Chromium (they share the same cores here; in a real
   classroom every student's browser runs on their own machine);
@@ -361,7 +362,7 @@ class StoreSampler(Sampler):
 # ---------------------------------------------------------------- one student
 
 
-async def student(browser, url, number, deadline, stagger_s=2.0, linger_s=10.0):
+async def student(browser, url, number, deadline, stagger_s=2.0, linger_s=30.0):
     """Open the shared link, press Start training, follow the run to its end.
 
     Returns a dict of what the page showed and when (seconds, bench clock).
@@ -397,7 +398,10 @@ async def student(browser, url, number, deadline, stagger_s=2.0, linger_s=10.0):
             if status_of(text) in FINAL_WORDS:
                 break
             await asyncio.sleep(0.5)
-        # A finished run's page reruns once more and draws its charts.
+        # A finished run's page reruns once more and draws its charts. A page
+        # that only then loads Plotly (4.8 MB of JavaScript) evaluates it on
+        # these loaded cores for many seconds (twelfth session: 10 s was too
+        # short for one or two pages a run; they were loading it, not stuck).
         linger = min(deadline, time.time() + linger_s)
         while (
             time.time() < linger
@@ -405,6 +409,8 @@ async def student(browser, url, number, deadline, stagger_s=2.0, linger_s=10.0):
         ):
             await asyncio.sleep(0.5)
         result["final_text"] = await page.evaluate(LAST_STATUS)
+        if await page.evaluate("() => window.__classroom.firstChart") is None:
+            result["without_a_chart"] = await page.evaluate(CHART_STATE)
         record = await page.evaluate("() => window.__classroom")
         result.update(_timeline(record, clicked))
     except Exception as error:  # noqa: BLE001 - a bench reports every failure, it never stops on one
@@ -484,7 +490,34 @@ def board_look_summary(results, began):
     }
 
 
+# What a page that drew no heatmap of its run shows where its charts should be.
+CHART_STATE = r"""() => ({
+  plotly: window.Plotly !== undefined,
+  live_chart_divs: [...document.querySelectorAll('.gradflow-live-chart')].map(d => ({
+    pending: Boolean(d.gradflowPending), drawing: d.gradflowDrawn !== undefined})),
+  // Plotly.js as the page fetched it (page clock, ms since it opened).
+  now_ms: Math.round(performance.now()),
+  components: [...document.querySelectorAll('[data-testid^="stBidiComponent"]')].map(e => e.dataset.testid)
+    .join(' '),
+  fetched: performance.getEntriesByType('resource').filter(e => e.name.includes('/static/gradflow/'))
+    .map(e => ({name: e.name.split('/').pop(), start_ms: Math.round(e.startTime),
+                end_ms: Math.round(e.responseEnd), bytes: e.transferSize})),
+  scripts: [...document.querySelectorAll('script[src^="blob:"], script[src*="plotly"]')].length,
+  plots: [...document.querySelectorAll('.js-plotly-plot')].map(p => ({
+    title: String(p.layout?.title?.text ?? ''),
+    traces: (p.data || []).map(t => t.type + ':' + (t.z ? (t.z.length ?? '?') : '-')),
+  })),
+  chart_texts: [...document.querySelectorAll('.gradflow-live-chart')].map(d => d.textContent.slice(0, 200))
+    .filter(Boolean),
+  view: [...document.querySelectorAll('[data-testid="stMarkdownContainer"]')].map(e => e.textContent)
+    .filter(t => t.length < 200).slice(-12),
+})"""
+
+
 def _console_error(result, message):
+    if message.type == "debug" and message.text.startswith("gradflow: chart "):
+        # A live chart that got an update it could not apply asked for its whole figure.
+        result["chart_resends"] = result.get("chart_resends", 0) + 1
     # Fonts from the internet fail to load here (no network); not the app's errors.
     if message.type == "error" and "ERR_NAME_NOT_RESOLVED" not in message.text:
         if len(result["console_errors"]) < 5:
@@ -789,6 +822,9 @@ def summarize(results, wall_s, store):
         "runs_queued_over_2s": len(long_waits),
         "of_those_shown_waiting": sum(bool(r.get("queued")) for r in long_waits),
         "pages_with_a_chart": sum(r.get("click_to_first_chart_s") is not None for r in results),
+        # Requests for a whole figure (an update lost on the way, gradflow/ui/live_chart.py).
+        "live_chart_resends": {"pages": sum(bool(r.get("chart_resends")) for r in results),
+                               "requests": sum(r.get("chart_resends", 0) for r in results)},
         "completed": sum(r.get("final") == "Completed" for r in results),
         # What the store says, whatever the pages showed.
         "completed_in_store": sum(
@@ -1010,6 +1046,8 @@ def main(argv=None):
             f"{c['runs_queued_over_2s']} / {c['of_those_shown_waiting']}",
         ),
         ("pages that drew a heatmap", c["pages_with_a_chart"]),
+        ("live charts that asked for their whole figure: pages / requests",
+         f"{c['live_chart_resends']['pages']} / {c['live_chart_resends']['requests']}"),
         (
             "fragment watchdog: pages restarted / slow pages left alone",
             f"{report['fragment_watchdog_restarts']} / {report['fragment_watchdog_alarms_left_alone']}",

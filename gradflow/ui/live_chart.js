@@ -122,6 +122,8 @@ function askForWholeFigure(key, revision, setStateValue, wait = RESEND_AFTER_MS)
     askForWholeFigure(key, revision, request.setStateValue, Math.min(2 * wait, RESEND_RETRY_MAX_MS));
   }, wait);
   asked.set(key, request);
+  // Hidden at the default console level; a bench (bench/bench_classroom.py) counts them.
+  console.debug(`gradflow: chart ${key} holds revision ${revision}; asking the server for the whole figure`);
   setStateValue("resend", { held: revision, at: request.at });
 }
 
