@@ -495,10 +495,11 @@ CHART_STATE = r"""() => ({
   plotly: window.Plotly !== undefined,
   live_chart_divs: [...document.querySelectorAll('.gradflow-live-chart')].map(d => ({
     pending: Boolean(d.gradflowPending), drawing: d.gradflowDrawn !== undefined})),
-  // Plotly.js as the page fetched it (page clock, ms since it opened).
-  now_ms: Math.round(performance.now()),
   components: [...document.querySelectorAll('[data-testid^="stBidiComponent"]')].map(e => e.dataset.testid)
     .join(' '),
+  // gradflow's static files (module, Plotly.js, board) as the page fetched them, page clock
+  // (ms since it opened).
+  now_ms: Math.round(performance.now()),
   fetched: performance.getEntriesByType('resource').filter(e => e.name.includes('/static/gradflow/'))
     .map(e => ({name: e.name.split('/').pop(), start_ms: Math.round(e.startTime),
                 end_ms: Math.round(e.responseEnd), bytes: e.transferSize})),
