@@ -1,5 +1,6 @@
 """GradientMonitor: non-finite origin, stopping, run store, TensorBoard, fallback."""
 
+import gc
 import glob
 
 import keras
@@ -305,3 +306,29 @@ def test_flush_writes_the_latest_step_to_the_store_at_once(store_path, monkeypat
         x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor, Pause()]
     )
     assert seen == [[1, 2, 3]]
+
+
+def _step_graphs():
+    """Traced Keras train steps still alive (after a garbage collection)."""
+    from tensorflow.python.framework.func_graph import FuncGraph
+
+    gc.collect()
+    return sum(isinstance(o, FuncGraph) and o.name == "one_step_on_data" for o in gc.get_objects())
+
+
+@pytest.mark.parametrize("activations", [False, True], ids=["deferred ring", "in-step ring"])
+def test_a_finished_fit_frees_its_traced_step_and_ring(activations):
+    # TensorFlow's gradient registry kept every traced train step alive
+    # (tensorflow/tensorflow#97697), and with it the monitor's ring: 12 MB a
+    # fit of the lab's MLP that `clear_session()` could not free.
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    y = (x[:, 0] > 0).astype("int64")
+    before = _step_graphs()
+    for _ in range(3):
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(2)])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        monitor = GradientMonitor(activations=activations)
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[monitor])
+        assert monitor.history["step"].max() == 4  # it recorded, and still reads back after
+        del model, monitor
+    assert _step_graphs() == before

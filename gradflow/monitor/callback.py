@@ -12,6 +12,7 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from gradflow import schema
 from gradflow.diagnosis import diagnose
+from gradflow.monitor import trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS
 from gradflow.monitor.records import (
     RowLayout,
@@ -300,6 +301,8 @@ class GradientMonitor(keras.callbacks.Callback):
             object.__setattr__(model, "train_step", self._saved_train_step)
         # Make the next fit (or train_on_batch) build Keras's own step again.
         model.train_function = None
+        # Nothing uses our step now: let it, and the ring it captured, be freed.
+        trace_gradients.forget(self._plan.custom_gradients)
         if self._plan.dropped_activations:
             warnings.warn(
                 f"GradientMonitor recorded the outputs of {self._plan.activation_slots} layer "

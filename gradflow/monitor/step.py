@@ -14,6 +14,7 @@ those gradients instead.
 """
 
 import contextlib
+import functools
 import os
 import warnings
 
@@ -24,7 +25,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from gradflow import schema
-from gradflow.monitor import deferred
+from gradflow.monitor import deferred, trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS, RingBuffer
 from gradflow.probe.capture import leaf_layers, record_layer_outputs
 from gradflow.probe.naming import variable_names
@@ -67,6 +68,9 @@ class StepPlan:
         # output, in call order (`path#2` for a second call of a shared layer).
         self.activation_paths = []
         self.dropped_activations = 0
+        # Custom gradients TensorFlow registered while the step was traced,
+        # for the callback to drop after `fit` (`trace_gradients`).
+        self.custom_gradients = set()
 
     @property
     def replicas(self):
@@ -269,7 +273,18 @@ def instrumented_train_step(plan):
         )
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    return train_step
+    return _noting_custom_gradients(plan, train_step)
+
+
+def _noting_custom_gradients(plan, train_step):
+    """`train_step`, noting in the plan the custom gradients its traces register."""
+
+    @functools.wraps(train_step)
+    def step(data):
+        with trace_gradients.noted_while_tracing(plan.custom_gradients):
+            return train_step(data)
+
+    return step
 
 
 def _deferred_tail(plan, x, y, y_pred, sample_weight, loss, learning_rate, gradients, variables):
@@ -372,7 +387,7 @@ def probed_train_step(plan, original_train_step, probe_every):
             tf.cond(when, lambda: probe(x, y, sample_weight, upcoming, None), lambda: None)
         return original_train_step(data)
 
-    return train_step
+    return _noting_custom_gradients(plan, train_step)
 
 
 def _record(
