@@ -1,8 +1,10 @@
 """Background lab runs: worker processes, pause/step/resume/stop, the queue, seeds."""
 
+import pathlib
 import time
 
 import numpy as np
+import pandas as pd
 import pytest
 
 import gradflow
@@ -105,6 +107,53 @@ def test_a_killed_worker_is_reaped_and_its_run_interrupted(manager):
     assert run.wait(timeout=30) == "interrupted"
     assert "killed by signal 9" in run.message
     assert run.run_id not in manager.running() and pid not in manager.worker_pids()
+
+
+def run_pid(run):
+    return run.store.run_info(run.run_id)["pid"]
+
+
+def test_a_worker_trains_queued_runs_one_after_another_as_a_fresh_one_would(tmp_path):
+    # Thirty queued runs must not pay TensorFlow's import thirty times, and a
+    # used worker must train exactly as a new one: same layer names, same numbers.
+    manager = RunManager(RunStore(tmp_path / "runs.db"), max_running=1, threads_per_run=1)
+    try:
+        config = RunConfig(depth=2, width=8, steps=6, dropout=0.1, seed=5)
+        first, second = (Run(manager.start(config), manager.store, manager) for _ in range(2))
+        assert (first.wait(120), second.wait(120)) == ("completed", "completed")
+        assert run_pid(first) == run_pid(second)
+        columns = ["step", "layer", "layer_index", "tensor", "max_abs", "l2_norm", "update_ratio"]
+        pd.testing.assert_frame_equal(first.layer_stats[columns], second.layer_stats[columns])
+        assert first.layer_stats["layer"].iloc[0] == second.layer_stats["layer"].iloc[0]
+        # The worker waits as the spare: the next run starts warm, in it.
+        wait_for(lambda: manager.worker_pids() == [run_pid(first)], timeout=10)
+        third = Run(manager.start(RunConfig(depth=1, width=4, steps=3)), manager.store, manager)
+        assert third.wait(120) == "completed" and run_pid(third) == run_pid(first)
+    finally:
+        manager.shutdown()
+
+
+def test_a_worker_is_replaced_after_runs_per_worker_runs_and_after_a_failed_run(tmp_path):
+    manager = RunManager(RunStore(tmp_path / "runs.db"), max_running=1, runs_per_worker=2)
+    data = tmp_path / "gone.npz"
+    np.savez(data, x=np.zeros((20, 3), "float32"), y=np.zeros(20, "int64"))
+    short = RunConfig(depth=1, width=4, steps=2)
+    try:
+        runs = [Run(manager.start(short), manager.store, manager) for _ in range(3)]
+        failing = RunConfig(depth=1, width=4, steps=2, dataset="file", data_path=str(data))
+        data.unlink()  # The worker cannot read it: the run fails there.
+        runs.append(Run(manager.start(failing), manager.store, manager))
+        runs.append(Run(manager.start(short), manager.store, manager))
+        assert [run.wait(120) for run in runs] == ["completed"] * 3 + ["failed", "completed"]
+        pids = [run_pid(run) for run in runs]
+        assert pids[0] == pids[1] != pids[2] == pids[3] != pids[4]
+        # The retired workers exited and were reaped; no process is left behind.
+        wait_for(lambda: set(manager.worker_pids()) <= {pids[4]}, timeout=30)
+        for pid in pids[:4]:
+            assert not pathlib.Path(f"/proc/{pid}").exists()
+    finally:
+        manager.shutdown()
+    assert manager.worker_pids() == []
 
 
 def test_the_next_spare_waits_for_the_new_runs_first_step(tmp_path):

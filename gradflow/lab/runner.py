@@ -2,11 +2,14 @@
 
 Training never runs in a thread of the launching process (Keras does not
 support training from threads, TF #39450, and the Streamlit server must stay
-responsive): every background run gets its own worker process
-(`gradflow.lab.worker`). Workers are started with `subprocess` rather than
-`multiprocessing`, so the launcher's `__main__` (a Streamlit page, a user's
-script without an `if __name__ == "__main__"` guard) is never imported again
-in the worker.
+responsive): background runs train in worker processes
+(`gradflow.lab.worker`), one run at a time each. A worker that finishes a run
+takes the next queued one, or waits as the warm spare: importing TensorFlow
+costs a core for several seconds, which a class of thirty short runs would
+otherwise pay thirty times on the machine that also serves their pages.
+Workers are started with `subprocess` rather than `multiprocessing`, so the
+launcher's `__main__` (a Streamlit page, a user's script without an
+`if __name__ == "__main__"` guard) is never imported again in the worker.
 """
 
 import atexit
@@ -23,6 +26,10 @@ from gradflow.store import ACTIVE_STATUSES, RunStore
 _PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parent.parent.parent)
 # Longest wait for a new run's first step before the next spare is started anyway.
 _SPARE_HOLD_S = 15.0
+# Runs a worker trains before a fresh one takes its place. Its memory stays
+# flat from run to run (30 lab runs in one worker: 768-777 MB), but whatever
+# TensorFlow or a data set might keep after a run ends with the process.
+RUNS_PER_WORKER = 25
 
 
 class RunManager:
@@ -35,8 +42,11 @@ class RunManager:
     takes the spare, the next spare is started only once that run has made
     its first step (or after 15 s): importing TensorFlow takes a whole core
     for several seconds, and on a small machine it would slow down the very
-    trace the user is waiting for. Workers are reaped when they end; a worker
-    whose launcher dies marks its run `interrupted` and exits.
+    trace the user is waiting for. A worker whose run ends trains the next
+    queued run, or becomes the spare (one is kept; others exit), and is
+    replaced after `runs_per_worker` runs or a failed one. Workers are reaped
+    when they end; a worker whose launcher dies marks its run `interrupted`
+    and exits.
 
     Use one manager per launching process (`RunManager.for_store(store)`).
 
@@ -61,6 +71,9 @@ class RunManager:
             `nice -n`. A server gives its workers a lower priority so that
             pages stay responsive while training fills the cores; a worker
             alone on the machine trains as fast at any niceness.
+        runs_per_worker: how many runs one worker process trains, one after
+            another, before a fresh one takes its place; default 25. 1 gives
+            every run a new process (and pays TensorFlow's import each time).
     """
 
     _managers = {}
@@ -74,6 +87,7 @@ class RunManager:
         threads_per_run=None,
         poll_interval=0.2,
         worker_niceness=0,
+        runs_per_worker=RUNS_PER_WORKER,
     ):
         self.store = store if isinstance(store, RunStore) else RunStore(store)
         cpus = os.cpu_count() or 1
@@ -82,17 +96,20 @@ class RunManager:
             "threads_per_run", threads_per_run or max(1, cpus // self.max_running)
         )
         self.worker_niceness = _niceness(worker_niceness)
+        self.runs_per_worker = _positive_int("runs_per_worker", runs_per_worker)
         self.prewarm = bool(prewarm)
         self.poll_interval = float(poll_interval)
         self._queue = collections.deque()
         self._running = {}
-        self._spare = None
+        # Warm workers without a run: the spare, or one whose run just ended.
+        self._idle = []
+        self._exiting = []  # workers told to exit (or exiting by themselves), not yet reaped
         self._starting = {}  # run id -> when to stop holding the next spare back
         self._lock = threading.RLock()
         self._closed = False
         self._log_path = self.store.path.parent / "workers.log"
         if self.prewarm:
-            self._spare = self._spawn()
+            self._idle.append(self._spawn())
         self._thread = threading.Thread(
             target=self._watch, name="gradflow-run-manager", daemon=True
         )
@@ -161,13 +178,12 @@ class RunManager:
         """Pids of every worker process of this manager, the warm spare included."""
         with self._lock:
             pids = [proc.pid for proc in self._running.values()]
-            if self._spare is not None:
-                pids.append(self._spare.pid)
+            pids += [proc.pid for proc in self._idle + self._exiting if _alive(proc)]
             return pids
 
     def wait_warm(self, timeout=None):
         """Waits until the spare worker has imported TensorFlow; True if it has."""
-        spare = self._spare
+        spare = next(iter(self._idle), None)
         return spare is not None and spare.ready.wait(timeout)
 
     def wait(self, run_id, timeout=None):
@@ -206,8 +222,8 @@ class RunManager:
                     only_from=("queued",),
                 )
             self._queue.clear()
-            procs = list(self._running.values()) + ([self._spare] if self._spare else [])
-            self._spare = None
+            procs = list(self._running.values()) + self._idle + self._exiting
+            self._idle, self._exiting = [], []
             for proc in procs:
                 _close_quietly(proc.stdin)  # The worker's lifeline.
             for proc in procs:
@@ -236,16 +252,33 @@ class RunManager:
             run_id = self._queue.popleft()
             if self.store.status(run_id) != "queued":  # Stopped or deleted while waiting.
                 continue
-            worker = self._spare if _alive(self._spare) else self._spawn()
-            self._spare = None
+            worker = self._take_idle() or self._spawn()
+            worker.run_id, worker.finished = run_id, None
             worker.stdin.write(f"{run_id}\n")
             worker.stdin.flush()
-            worker.run_id = run_id
             self._running[run_id] = worker
             self._starting[run_id] = time.monotonic() + _SPARE_HOLD_S
         self._forget_started()
-        if self.prewarm and not _alive(self._spare) and not self._starting:
-            self._spare = self._spawn()
+        # One warm worker waits (the readiest); any other exits.
+        self._idle.sort(key=lambda proc: not proc.ready.is_set())
+        for proc in self._idle[int(self.prewarm):]:
+            self._retire(proc)
+        del self._idle[int(self.prewarm):]
+        if self.prewarm and not self._idle and not self._starting:
+            self._idle.append(self._spawn())
+
+    def _take_idle(self):
+        """A warm worker without a run (the readiest), or None."""
+        self._idle = [proc for proc in self._idle if _alive(proc)]
+        if not self._idle:
+            return None
+        proc = next((proc for proc in self._idle if proc.ready.is_set()), self._idle[0])
+        self._idle.remove(proc)
+        return proc
+
+    def _retire(self, proc):
+        _close_quietly(proc.stdin)  # Its lifeline: the worker exits.
+        self._exiting.append(proc)
 
     def _forget_started(self):
         """Drops the runs that no longer hold the next spare back."""
@@ -264,7 +297,16 @@ class RunManager:
                 del self._starting[run_id]
 
     def _reap(self):
+        self._exiting = [proc for proc in self._exiting if proc.poll() is None]
         for run_id, proc in list(self._running.items()):
+            if proc.finished is not None:  # The run ended; the worker said so.
+                del self._running[run_id]
+                proc.run_id = None
+                if proc.finished == "next" and _alive(proc):
+                    self._idle.append(proc)  # `_schedule` gives it a run, keeps or retires it
+                else:
+                    self._retire(proc)
+                continue
             code = proc.poll()
             if code is None:
                 continue
@@ -298,6 +340,8 @@ class RunManager:
                     str(self.threads_per_run),
                     "--niceness",
                     str(self.worker_niceness),
+                    "--runs",
+                    str(self.runs_per_worker),
                 ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -309,15 +353,20 @@ class RunManager:
         finally:
             log.close()
         proc.run_id = None
+        proc.finished = None  # "next" or "done" once its run ended (`_read_output`)
         proc.ready = threading.Event()
         threading.Thread(target=_read_output, args=(proc,), daemon=True).start()
         return proc
 
 
 def _read_output(proc):
+    """Follows what a worker says: `ready`, then `next RUN STATUS` or `done RUN STATUS` per run."""
     for line in proc.stdout:
-        if line.strip() == "ready":
+        words = line.split()
+        if words == ["ready"]:
             proc.ready.set()
+        elif len(words) == 3 and words[0] in ("next", "done") and words[1] == proc.run_id:
+            proc.finished = words[0]
 
 
 def _alive(proc):

@@ -7,13 +7,24 @@ calls it for background runs. A worker is started by `RunManager` as
     python -m gradflow.lab.worker --db PATH --threads N --niceness K
 
 It imports TensorFlow and Keras, then waits on stdin for a run id (this is
-the pre-warmed state), trains that run and exits. Its stdin is also its
-lifeline: when the launching process dies, stdin reaches end-of-file and the
-worker marks its run `interrupted` and exits at once, so no worker outlives
-its launcher.
+the pre-warmed state) and trains that run. It then says `next RUN STATUS` on
+stdout and waits for the next run id: a warm worker trains run after run, so
+a class of thirty queued runs pays for importing TensorFlow (seconds of a
+whole core each time) a few times, not thirty. Between runs it clears
+Keras's session, so layer names and seeds start again as in a new process
+(a run trains the same in a used worker as in a fresh one). After `--runs`
+runs, or after a run that failed, it says `done RUN STATUS` instead and exits:
+whatever a failed run left behind, and whatever memory TensorFlow does not
+give back, ends with the process.
+
+Its stdin is also its lifeline: when the launching process dies (or retires
+the worker), stdin reaches end-of-file and the worker marks the run it holds,
+if that is still active, `interrupted` and exits at once, so no worker
+outlives its launcher.
 """
 
 import argparse
+import gc
 import math
 import os
 import queue
@@ -175,27 +186,38 @@ def _warm_up():
 
 
 def _lifeline(store_path, handoff):
-    """Hands the run id from stdin to the main thread, then waits for stdin to close.
+    """Hands each run id from stdin to the main thread; at end-of-file, ends the process.
 
-    End-of-file on stdin means the launcher ended (or shut us down): the run,
-    if any, is marked interrupted and the process ends at once, even in the
-    middle of importing TensorFlow or of a training step.
+    End-of-file on stdin means the launcher ended, shut us down or retired
+    us: the last run handed over is marked interrupted if it is still active
+    (a finished run keeps its status), and the process ends at once, even in
+    the middle of importing TensorFlow or of a training step.
     """
-    run_id = sys.stdin.readline().strip() or None
-    if run_id is not None:
-        handoff.put(run_id)
-        while sys.stdin.readline():
-            pass
+    last = None
+    for line in sys.stdin:
+        run_id = line.strip()
+        if run_id:
+            last = run_id
+            handoff.put(run_id)
+    if last is not None:
         try:
             RunStore(store_path).set_status(
-                run_id,
+                last,
                 "interrupted",
                 "Interrupted: the process that started the run ended.",
                 only_from=ACTIVE_STATUSES,
             )
         except Exception:  # Exit regardless; recover() marks it later.
             pass
-    os._exit(3 if run_id else 0)
+    os._exit(3 if last else 0)
+
+
+def _forget_last_run():
+    """Frees the last run's model and graphs; names and seeds start again from zero."""
+    import keras
+
+    keras.backend.clear_session()
+    gc.collect()
 
 
 def main(argv=None):
@@ -205,6 +227,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1, help="TensorFlow threads")
     parser.add_argument("--niceness", type=int, default=0, help="added to the CPU niceness")
     parser.add_argument("--no-warm-up", action="store_true", help="skip the warm-up fit")
+    parser.add_argument("--runs", type=int, default=1, help="runs to train before exiting")
     args = parser.parse_args(argv)
     # First, so that every thread started below (TensorFlow's pools too) inherits it.
     if args.niceness > 0:
@@ -219,9 +242,15 @@ def main(argv=None):
     if not args.no_warm_up:
         _warm_up()
     print("ready", flush=True)
-    run_id = handoff.get()
-    status = execute(RunStore(args.db), run_id)
-    print(f"done {run_id} {status}", flush=True)
+    store = RunStore(args.db)
+    for count in range(1, max(1, args.runs) + 1):
+        run_id = handoff.get()
+        status = execute(store, run_id)
+        last = count == args.runs or status == "failed"
+        print(f"{'done' if last else 'next'} {run_id} {status}", flush=True)
+        if last:
+            break
+        _forget_last_run()
     return 0
 
 
