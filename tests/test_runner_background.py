@@ -156,6 +156,22 @@ def test_a_worker_is_replaced_after_runs_per_worker_runs_and_after_a_failed_run(
     assert manager.worker_pids() == []
 
 
+def test_a_run_handed_out_after_the_waiting_worker_was_killed_still_trains(tmp_path):
+    import os
+    import signal
+
+    manager = RunManager(RunStore(tmp_path / "runs.db"), max_running=1, threads_per_run=1)
+    try:
+        first = Run(manager.start(RunConfig(depth=1, width=4, steps=2)), manager.store, manager)
+        assert first.wait(120) == "completed"
+        wait_for(lambda: manager.worker_pids() == [run_pid(first)], timeout=10)
+        os.kill(run_pid(first), signal.SIGKILL)  # the warm worker, between runs
+        second = Run(manager.start(RunConfig(depth=1, width=4, steps=2)), manager.store, manager)
+        assert second.wait(120) == "completed" and run_pid(second) != run_pid(first)
+    finally:
+        manager.shutdown()
+
+
 def test_the_next_spare_waits_for_the_new_runs_first_step(tmp_path):
     # Importing TensorFlow in a new spare would compete with the run's first trace.
     manager = RunManager(RunStore(tmp_path / "runs.db"), max_running=1, threads_per_run=1)

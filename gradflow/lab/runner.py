@@ -104,6 +104,7 @@ class RunManager:
         # Warm workers without a run: the spare, or one whose run just ended.
         self._idle = []
         self._exiting = []  # workers told to exit (or exiting by themselves), not yet reaped
+        self._handed_again = set()  # runs whose worker was killed before it took them
         self._starting = {}  # run id -> when to stop holding the next spare back
         self._lock = threading.RLock()
         self._closed = False
@@ -253,9 +254,9 @@ class RunManager:
             if self.store.status(run_id) != "queued":  # Stopped or deleted while waiting.
                 continue
             worker = self._take_idle() or self._spawn()
-            worker.run_id, worker.finished = run_id, None
-            worker.stdin.write(f"{run_id}\n")
-            worker.stdin.flush()
+            if not _hand(worker, run_id):  # It died while it waited; a fresh one takes the run.
+                worker = self._spawn()
+                _hand(worker, run_id)
             self._running[run_id] = worker
             self._starting[run_id] = time.monotonic() + _SPARE_HOLD_S
         self._forget_started()
@@ -311,6 +312,12 @@ class RunManager:
             if code is None:
                 continue
             del self._running[run_id]
+            if code < 0 and run_id not in self._handed_again and self._not_taken(run_id):
+                # Killed before it took the run (while it waited as the spare):
+                # the run has not started, so it goes first to another worker, once.
+                self._handed_again.add(run_id)
+                self._queue.appendleft(run_id)
+                continue
             if code < 0:
                 status, why = "interrupted", f"was killed by signal {-code}"
             else:
@@ -321,6 +328,13 @@ class RunManager:
                 f"The worker process {why}; see {self._log_path}.",
                 only_from=ACTIVE_STATUSES,
             )
+
+    def _not_taken(self, run_id):
+        """Whether no worker has started run `run_id` yet (it still reads `queued`)."""
+        try:
+            return self.store.status(run_id) == "queued"
+        except ValueError:  # Deleted meanwhile.
+            return False
 
     def _spawn(self):
         env = dict(os.environ)
@@ -367,6 +381,17 @@ def _read_output(proc):
             proc.ready.set()
         elif len(words) == 3 and words[0] in ("next", "done") and words[1] == proc.run_id:
             proc.finished = words[0]
+
+
+def _hand(proc, run_id):
+    """Give a worker its run through its stdin; False if the worker is gone."""
+    proc.run_id, proc.finished = run_id, None
+    try:
+        proc.stdin.write(f"{run_id}\n")
+        proc.stdin.flush()
+    except (BrokenPipeError, OSError, ValueError):  # ValueError: stdin already closed
+        return False
+    return True
 
 
 def _alive(proc):
