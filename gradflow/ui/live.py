@@ -65,6 +65,7 @@ LIVE_MAX_COLUMNS = 500
 _EMPTY_HEIGHT = 380  # px, an empty chart frame: as tall as a heatmap
 _CURRENT = "live.run_id"
 _PLOTLY_EARLY = "live.plotly_early"
+_ENDED_DRAWN = "live.ended_drawn"  # runs whose end a tick has drawn
 
 _STATUS_TEXT = {
     "queued": ":material/hourglass_top: Waiting in the queue",
@@ -317,9 +318,16 @@ def _panel(run_id, key, was_active, waiting=False, was_queued=False, watched=Fal
         return
     cache = _read_new(store, run_id, int(info["progress_step"] or 0))
     _status_line(info, cache, status)
-    if was_active and status not in ACTIVE:
-        # The run just ended: one full rerun turns polling off and updates the buttons.
+    ended = was_active and status not in ACTIVE
+    drawn_ends = st.session_state.setdefault(_ENDED_DRAWN, set())
+    if ended and run_id in drawn_ends:
+        # One full rerun turns polling off and updates the buttons. Not in the
+        # tick that first sees the end: that tick draws the last steps, and on
+        # a busy server a full rerun of the page takes seconds (a short
+        # classroom run spends most of its life in such transitions).
         st.rerun(scope="app")
+    if ended:
+        drawn_ends.add(run_id)
     stats = cache.layer_stats
     presentation = st.session_state.get("ui.presentation", False)
     if stats.empty:
