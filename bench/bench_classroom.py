@@ -906,6 +906,8 @@ def run(
         extra_env["GRADFLOW_WORKER_NICENESS"] = str(worker_niceness)
     report["worker_niceness"] = worker_niceness if worker_niceness is not None else "default (10)"
     report["server_niceness"] = server_niceness
+    # Read by the server from the environment (gradflow/ui/resources.py).
+    report["runs_per_worker"] = os.environ.get("GRADFLOW_RUNS_PER_WORKER", "default (1)")
     if count_dropped_events:
         drops = pathlib.Path(__file__).resolve().parent / "streamlit_drops"
         extra_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(drops), os.environ.get("PYTHONPATH")]))

@@ -44,7 +44,9 @@ class RunManager:
     for several seconds, and on a small machine it would slow down the very
     trace the user is waiting for. A worker whose run ends trains the next
     queued run, or becomes the spare (one is kept; others exit), and is
-    replaced after `runs_per_worker` runs or a failed one. Workers are reaped
+    replaced after `runs_per_worker` runs or a failed one. While every slot
+    is busy no new spare is started then: the next run waits for a slot, and
+    the worker that frees it takes the run. Workers are reaped
     when they end; a worker whose launcher dies marks its run `interrupted`
     and exits.
 
@@ -265,8 +267,18 @@ class RunManager:
         for proc in self._idle[int(self.prewarm):]:
             self._retire(proc)
         del self._idle[int(self.prewarm):]
-        if self.prewarm and not self._idle and not self._starting:
+        if self.prewarm and not self._idle and not self._starting and self._spare_useful():
             self._idle.append(self._spawn())
+
+    def _spare_useful(self):
+        """Whether a new spare could get a run before a running worker is free again.
+
+        With every slot busy, the next run waits for one; a worker that
+        trains more than one run takes it when its own run ends, warm, so a
+        spare started now would only take CPU from the runs (importing
+        TensorFlow: seconds of a whole core) and wait.
+        """
+        return self.runs_per_worker == 1 or len(self._running) < self.max_running
 
     def _take_idle(self):
         """A warm worker without a run (the readiest), or None."""
