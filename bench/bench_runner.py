@@ -10,7 +10,9 @@ Measures, interleaved and reported as medians:
   store) against the same `model.fit` in a bare script (target >= 0.9x);
   also the runner's speed once the manager's next spare worker, started
   beside the run, is warm (its TensorFlow import shares the cores until
-  then; needs a run long enough, e.g. `--steps 10000`); and
+  then; needs a run long enough, e.g. `--steps 10000`). With reused
+  workers (the library's default, `runs_per_worker=25`) no spare is
+  started while the one slot is busy, so that figure is absent; and
   the bare script with only GradientMonitor writing to a store, which
   separates the monitor's own cost from the runner's.
 Writes bench/results/runner.json.

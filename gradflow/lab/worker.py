@@ -4,7 +4,7 @@
 foreground `gradflow.train(config)` calls it directly, and a worker process
 calls it for background runs. A worker is started by `RunManager` as
 
-    python -m gradflow.lab.worker --db PATH --threads N --niceness K
+    python -m gradflow.lab.worker --db PATH --threads N --niceness K --runs R
 
 It imports TensorFlow and Keras, then waits on stdin for a run id (this is
 the pre-warmed state) and trains that run. It then says `next RUN STATUS` on
