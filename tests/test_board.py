@@ -20,7 +20,7 @@ from tests.test_pages import full_run_messages, run_page
 
 
 class FakeManager:
-    """`queued()` and `wait_warm()` of a RunManager, set by the test."""
+    """`queued()`, `wait_warm()` and `warming()` of a RunManager, set by the test."""
 
     def __init__(self, queue=(), warm=False):
         self.queue, self.warm, self.prewarm = list(queue), warm, True
@@ -30,6 +30,9 @@ class FakeManager:
 
     def wait_warm(self, timeout=None):
         return self.warm
+
+    def warming(self):
+        return not self.warm
 
 
 def read_board(board):

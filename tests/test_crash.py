@@ -80,11 +80,12 @@ LAUNCHER = textwrap.dedent(
     from gradflow.store import RunStore
 
     store = RunStore(sys.argv[1])
-    manager = RunManager(store, max_running=1, threads_per_run=1)
+    # Two slots: with one busy, a new run could start at once, so the next
+    # spare starts once the run has made its first step.
+    manager = RunManager(store, max_running=2, threads_per_run=1)
     run_id = manager.start(RunConfig(depth=2, width=8, steps=1_000_000))
     while store.layer_stats(run_id, columns=["l2_norm"]).empty:
         time.sleep(0.05)
-    # The next spare starts once the run has made its first step.
     while len(manager.worker_pids()) < 2:
         time.sleep(0.05)
     print(run_id, *manager.worker_pids(), flush=True)

@@ -273,7 +273,9 @@ def warming_trainer(monkeypatch):
 
     from gradflow.ui import resources
 
-    warming = types.SimpleNamespace(prewarm=True, wait_warm=lambda timeout=None: False, queued=lambda: [])
+    warming = types.SimpleNamespace(
+        prewarm=True, wait_warm=lambda timeout=None: False, warming=lambda: True, queued=lambda: []
+    )
     monkeypatch.setattr(resources, "run_manager", lambda: warming)
 
 

@@ -223,3 +223,22 @@ def test_workers_train_at_the_niceness_asked_for(tmp_path):
 def test_a_bad_worker_niceness_names_the_argument(tmp_path, value):
     with pytest.raises(ValueError, match=r"`worker_niceness` must be an integer from 0 .* to 19 .*got"):
         RunManager(RunStore(tmp_path / "runs.db"), prewarm=False, worker_niceness=value)
+
+
+def test_no_spare_is_said_to_warm_while_the_busy_slot_will_hand_over_its_worker(tmp_path):
+    # With reused workers and the one slot busy, no spare is started, and the
+    # dashboard must not say "Warming up the trainer" meanwhile.
+    manager = RunManager(RunStore(tmp_path / "runs.db"), max_running=1, threads_per_run=1)
+    try:
+        assert manager.warming()  # the first spare imports TensorFlow
+        assert manager.wait_warm(120) and not manager.warming()
+        run = Run(manager.start(LONG), manager.store, manager)
+        wait_for(lambda: last_step(run) > 0)
+        time.sleep(1.0)  # several looks of the manager's thread
+        assert not manager.warming() and not manager.wait_warm(0)
+        assert manager.worker_pids() == [run_pid(run)]
+        run.stop()
+        assert run.wait(60) == "stopped"
+        wait_for(lambda: manager.wait_warm(0), timeout=10)  # its worker is the spare now
+    finally:
+        manager.shutdown()

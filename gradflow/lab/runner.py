@@ -189,6 +189,16 @@ class RunManager:
         spare = next(iter(self._idle), None)
         return spare is not None and spare.ready.wait(timeout)
 
+    def warming(self):
+        """Whether a spare worker is on its way: started, TensorFlow not imported yet.
+
+        False while a spare is warm, and while none is coming: with reused
+        workers and every slot busy, the worker that frees a slot takes the
+        next run (no spare is started then).
+        """
+        with self._lock:
+            return any(_alive(proc) and not proc.ready.is_set() for proc in self._idle)
+
     def wait(self, run_id, timeout=None):
         """Waits for a run to end and returns its final status.
 

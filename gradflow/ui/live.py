@@ -149,6 +149,11 @@ def _trainer_readiness(polls=True):
     board = resources.run_board()
     if manager.wait_warm(0):
         st.caption(":material/bolt: Trainer ready", help="A worker process is warm and waiting.")
+    elif not manager.warming():
+        # No spare on its way: every slot is busy and the worker that frees
+        # one takes the next run, warm (the queue line says so), or a run
+        # has just taken the spare and the next one starts after its first step.
+        return
     elif polls and board is not None:
         # Watched from the browser, no ticks: the page reruns once the spare
         # is warm (gradflow/ui/board.py, issue #7).
