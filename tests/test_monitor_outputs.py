@@ -332,3 +332,17 @@ def test_a_finished_fit_frees_its_traced_step_and_ring(activations):
         assert monitor.history["step"].max() == 4  # it recorded, and still reads back after
         del model, monitor
     assert _step_graphs() == before
+
+
+def test_a_tensorflow_without_the_gradient_registry_still_monitors(monkeypatch):
+    # The registry is private TensorFlow state: should it move, nothing is
+    # dropped and the monitor works as before.
+    from gradflow.monitor import trace_gradients
+
+    monkeypatch.setattr(trace_gradients, "_registry", lambda: None)
+    x = np.random.default_rng(1).normal(size=(32, 4)).astype("float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse")
+    monitor = GradientMonitor()
+    model.fit(x, x[:, :3], batch_size=8, epochs=1, verbose=0, callbacks=[monitor])
+    assert sorted(monitor.history["step"].unique()) == [1, 2, 3, 4]
