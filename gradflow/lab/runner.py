@@ -283,12 +283,14 @@ class RunManager:
     def _spare_useful(self):
         """Whether a new spare could get a run before a running worker is free again.
 
-        With every slot busy, the next run waits for one; a worker that
-        trains more than one run takes it when its own run ends, warm, so a
-        spare started now would only take CPU from the runs (importing
-        TensorFlow: seconds of a whole core) and wait.
+        With every slot busy, the next run waits for one; a worker with runs
+        left takes it when its own run ends, warm, so a spare started now
+        would only take CPU from the runs (importing TensorFlow: seconds of a
+        whole core) and wait. A worker on its last run exits instead.
         """
-        return self.runs_per_worker == 1 or len(self._running) < self.max_running
+        return len(self._running) < self.max_running or any(
+            proc.runs_left == 0 for proc in self._running.values()
+        )
 
     def _take_idle(self):
         """A warm worker without a run (the readiest), or None."""
@@ -390,6 +392,7 @@ class RunManager:
             log.close()
         proc.run_id = None
         proc.finished = None  # "next" or "done" once its run ended (`_read_output`)
+        proc.runs_left = self.runs_per_worker  # after the run it trains now (`_hand`)
         proc.ready = threading.Event()
         threading.Thread(target=_read_output, args=(proc,), daemon=True).start()
         return proc
@@ -408,6 +411,7 @@ def _read_output(proc):
 def _hand(proc, run_id):
     """Give a worker its run through its stdin; False if the worker is gone."""
     proc.run_id, proc.finished = run_id, None
+    proc.runs_left -= 1
     try:
         proc.stdin.write(f"{run_id}\n")
         proc.stdin.flush()

@@ -243,10 +243,11 @@ def main(argv=None):
         _warm_up()
     print("ready", flush=True)
     store = RunStore(args.db)
-    for count in range(1, max(1, args.runs) + 1):
+    runs = max(1, args.runs)
+    for count in range(1, runs + 1):
         run_id = handoff.get()
         status = execute(store, run_id)
-        last = count == args.runs or status == "failed"
+        last = count == runs or status == "failed"
         print(f"{'done' if last else 'next'} {run_id} {status}", flush=True)
         if last:
             break
