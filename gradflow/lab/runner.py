@@ -27,7 +27,8 @@ _PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parent.parent.parent)
 # Longest wait for a new run's first step before the next spare is started anyway.
 _SPARE_HOLD_S = 15.0
 # Runs a worker trains before a fresh one takes its place. Its memory stays
-# flat from run to run (30 lab runs in one worker: 768-777 MB), but whatever
+# flat from run to run (30 lab runs in one worker: 767-777 MiB,
+# `python3 bench/bench_worker_memory.py`), but whatever
 # TensorFlow or a data set might keep after a run ends with the process.
 RUNS_PER_WORKER = 25
 
