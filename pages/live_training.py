@@ -10,5 +10,4 @@ st.caption("Per-layer gradient maxima and norms of a network while it trains, up
 
 config = controls.training_form()
 presentation_style()
-live.control_buttons(config)
-live.live_panel()
+live.live_page(config)

@@ -16,17 +16,21 @@ import time
 import pytest
 
 from gradflow.ui.board import RunBoard
-from tests.test_pages import full_run_messages, run_page
+from tests.test_pages import full_run_messages, paces, run_page
 
 
 class FakeManager:
-    """`queued()`, `wait_warm()` and `warming()` of a RunManager, set by the test."""
+    """`queued()`, `running()`, `wait_warm()` and `warming()` of a RunManager, set by the test."""
 
     def __init__(self, queue=(), warm=False):
         self.queue, self.warm, self.prewarm = list(queue), warm, True
+        self.workers = {}
 
     def queued(self):
         return list(self.queue)
+
+    def running(self):
+        return dict(self.workers)
 
     def wait_warm(self, timeout=None):
         return self.warm
@@ -145,8 +149,6 @@ def intervals(messages):
 
 
 def test_a_queued_page_watches_its_place_instead_of_ticking(page_environment, board, monkeypatch):
-    import streamlit as st
-
     from gradflow.store import RunStore
     from gradflow.ui import live, resources
 
@@ -160,7 +162,7 @@ def test_a_queued_page_watches_its_place_instead_of_ticking(page_environment, bo
     messages = full_run_messages(monkeypatch)
 
     app = run_page("live_training.py", run=queued)
-    assert intervals(messages) == [], "nothing polls the server while the run waits"
+    assert intervals(messages) == [] and paces(messages) == [], "nothing polls the server while the run waits"
     assert any("this run starts when a slot frees." in i.value for i in app.info)
     [(fragment, data)] = watchers(messages)
     assert fragment, "in the panel's fragment: the run leaving the queue reruns only the fragment"
@@ -168,24 +170,12 @@ def test_a_queued_page_watches_its_place_instead_of_ticking(page_environment, bo
     assert data["run"] == published.digest(queued) and data["place"] == 1
     assert read_board(published)["queue"].index(data["run"]) == data["place"]
 
-    # The run leaves the manager's queue; the worker has not marked it running
-    # yet. The fragment's rerun asks for the whole page, which ticks until then.
+    # The run leaves the manager's queue for a worker, which has not marked
+    # it running yet: the fragment's rerun ticks fast until its first step.
     manager.queue = [first]
-    reruns, rerun = [], st.rerun
-    monkeypatch.setattr(st, "rerun", lambda scope="app": reruns.append(scope))
-    from streamlit.testing.v1 import AppTest
-
-    def tick(run_id):
-        from gradflow.ui import live
-
-        live._panel(run_id, "live", was_active=True, waiting=False, was_queued=True, watched=True)
-
-    AppTest.from_function(tick, default_timeout=60, kwargs={"run_id": queued}).run()
-    assert reruns == ["app"]
-    monkeypatch.setattr(st, "rerun", rerun)
+    manager.workers[queued] = 1234
     run_page("live_training.py", run=queued)
-    # Handed to a worker a moment ago: the fast ticks until its first step.
-    assert intervals(messages) == [live.FIRST_POLL_SECONDS] and watchers(messages) == []
+    assert paces(messages) == [live.FIRST_POLL_SECONDS] and watchers(messages) == []
 
 
 def test_a_page_waits_for_the_warm_trainer_on_the_board(page_environment, board, monkeypatch):
@@ -200,7 +190,8 @@ def test_a_page_waits_for_the_warm_trainer_on_the_board(page_environment, board,
     assert any("Warming up the trainer" in c.value for c in app.caption)
     assert intervals(messages) == []
     [(fragment, data)] = watchers(messages)
-    assert fragment == "" and data["run"] is None and data["warm"] is False, "a change reruns the page"
+    assert fragment and data["run"] is None and data["warm"] is False, "a change reruns the page's fragment"
+    assert paces(messages) == [], "no ticks while the board is watched"
 
     manager.warm = True
     messages = full_run_messages(monkeypatch)

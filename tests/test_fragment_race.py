@@ -197,6 +197,18 @@ def test_a_polling_fragment_that_lost_its_timer_is_restarted_by_its_watchdog(
         assert "had not been redrawn" in log.read_text()
 
 
+def test_a_fragment_that_ticks_from_the_browser_goes_on_after_the_same_race(chromium, lost_interval_app):
+    # What the live page does (`tick_after`): the tick's fragment run draws
+    # the ticker again, so the page follows without any full run to restart it.
+    url, _ = lost_interval_app
+    with watching(chromium, url + "/?mode=ticker") as watched:
+        _follows_past_tick_12(watched.page)
+        assert lost_tails(watched.messages()) >= 1, "the race did not happen as designed"
+        assert not any(m.WhichOneof("type") == "auto_rerun" for m in watched.messages())
+        # The full run that asked for the race, and the one that lost its tail: no third.
+        assert watched.page.get_by_text("full runs: 1", exact=True).count()
+
+
 def test_control_a_plain_fragment_stops_polling_after_the_same_race(chromium, lost_interval_app):
     # Control on Streamlit 1.67: without the watchdog the page never asks again
     # (open WebSocket, no error: just silent). If this starts failing after a

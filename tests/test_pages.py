@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import sqlite3
 
 import pytest
 
@@ -164,7 +165,8 @@ def test_with_more_pages_than_cores_plotly_waits_until_a_worker_has_the_run(page
 
     store = RunStore(page_environment)
     queued = store.create_run({"depth": 3}, name="in a class", status="queued")
-    monkeypatch.setattr(resources, "run_manager", lambda: types.SimpleNamespace(prewarm=False, queued=lambda: [queued]))
+    monkeypatch.setattr(resources, "run_manager", lambda: types.SimpleNamespace(
+        prewarm=False, queued=lambda: [queued], running=lambda: {}))
     app = run_page("live_training.py", run=queued)
     assert live_chart_updates(app) == []
     assert sum("Waiting for the first training step" in c.value for c in app.caption) == 2
@@ -279,7 +281,19 @@ def warming_trainer(monkeypatch):
     monkeypatch.setattr(resources, "run_manager", lambda: warming)
 
 
-def test_live_page_fragments_are_each_last_and_alone_in_their_block(page_environment, monkeypatch):
+def tickers(messages):
+    """The data of each ticker (`fragments.tick_after`) drawn, with the fragment that drew it."""
+    return [(m.delta.fragment_id, json.loads(m.delta.new_element.bidi_component.json)) for m in messages
+            if m.WhichOneof("type") == "delta"
+            and m.delta.new_element.bidi_component.component_name.endswith("gradflow.ticker")]
+
+
+def paces(messages):
+    """Seconds between a redraw and the next tick, for each ticker drawn."""
+    return [data["every_ms"] / 1000 for _, data in tickers(messages)]
+
+
+def test_the_live_page_is_one_fragment_last_and_alone_in_its_block(page_environment, monkeypatch):
     # Issue #7: two fragments (the trainer-readiness line while the spare
     # worker warms up, and the live panel of a run) in the page's main block
     # froze pages under load. tests/test_fragment_race.py shows the race.
@@ -287,22 +301,29 @@ def test_live_page_fragments_are_each_last_and_alone_in_their_block(page_environ
 
     warming_trainer(monkeypatch)
     messages = full_run_messages(monkeypatch)
-    # An ended run: its panel is a fragment that no longer polls, the readiness line polls.
     run_id = RunStore(page_environment).create_run({"depth": 3}, name="polled", status="completed")
     app = run_page("live_training.py", run=run_id)
     assert any("Warming up the trainer" in c.value for c in app.caption)
     fragment_ids = {m.delta.fragment_id for m in messages if m.WhichOneof("type") == "delta"} - {""}
-    assert len(fragment_ids) == 2, "the readiness line and the live panel are both fragments here"
+    assert len(fragment_ids) == 1, "buttons, readiness line and panel are one fragment"
     assert fragments_sharing_or_not_last_in_their_block(messages) == []
+    buttons = [m for m in messages if m.WhichOneof("type") == "delta"
+               and m.delta.new_element.WhichOneof("type") == "button"]
+    assert {b.delta.new_element.button.label for b in buttons} >= {"Start training", "Pause", "Stop"}
+    assert all(b.delta.fragment_id in fragment_ids for b in buttons
+               if b.delta.new_element.button.label in ("Start training", "Pause", "Stop", "Step once")), \
+        "the buttons follow the run too"
 
 
-def test_one_poller_per_page_and_each_draws_a_watchdog_first(page_environment, monkeypatch):
-    # Issue #7: a full run that loses its tail leaves the browser without the
-    # fragment's timer; the watchdog (gradflow/ui/fragments.py) restarts it.
-    # tests/test_fragment_race.py shows the race and the recovery in a browser.
-    # And two fragments polling at the same pace on one page lose whole runs
-    # (docs/reliability.md): while a run's panel polls, the readiness line does not.
+def test_the_page_ticks_from_the_browser_at_the_pace_of_its_run(page_environment, monkeypatch):
+    # Issue #7: Streamlit's `run_every` can only be changed by a full rerun of
+    # the page, and a class's pages queued such reruns behind each other. The
+    # fragment draws a ticker instead, with the pace it needs now: no
+    # `auto_rerun` message at all, one ticker, none once the run has ended.
+    import types
+
     from gradflow.store import RunStore
+    from gradflow.ui import live, resources
     from gradflow.ui.fragments import STALL_AFTER_S
 
     warming_trainer(monkeypatch)
@@ -310,34 +331,39 @@ def test_one_poller_per_page_and_each_draws_a_watchdog_first(page_environment, m
     store = RunStore(page_environment)
     run_id = store.create_run({"depth": 3}, name="watched", status="running")
     run_page("live_training.py", run=run_id)
-    polling = {m.auto_rerun.fragment_id for m in messages if m.WhichOneof("type") == "auto_rerun"}
-    first_of_each = {}
-    for message in messages:
-        fragment = message.delta.fragment_id if message.WhichOneof("type") == "delta" else ""
-        if fragment and message.delta.WhichOneof("type") == "new_element":
-            first_of_each.setdefault(fragment, message.delta.new_element)
-    assert len(polling) == 1 and set(first_of_each) == polling, "only the live panel polls"
+    assert not any(m.WhichOneof("type") == "auto_rerun" for m in messages)
+    [(fragment, data)] = tickers(messages)
+    assert fragment, "the ticker reruns its fragment, not the page"
+    # Just started, no step yet: four ticks a second until the first is drawn.
+    assert data["every_ms"] == 1000 * live.FIRST_POLL_SECONDS
+    assert data["stall_ms"] >= 1000 * STALL_AFTER_S
     assert any("Warming up the trainer" in m.delta.new_element.markdown.body for m in messages
-               if m.WhichOneof("type") == "delta" and not m.delta.fragment_id)
-    for element in first_of_each.values():
-        assert element.bidi_component.component_name.endswith("gradflow.fragment_watchdog")
-        assert json.loads(element.bidi_component.json)["after_ms"] >= 1000 * STALL_AFTER_S
+               if m.WhichOneof("type") == "delta"), "drawn again at the run's ticks, without a poller of its own"
+
+    write_steps(store, run_id, 1, 3)
+    run_page("live_training.py", run=run_id)
+    assert paces(messages) == [live.POLL_SECONDS], "the first step is drawn: one tick a second"
+    store.set_status(run_id, "paused")
+    run_page("live_training.py", run=run_id)
+    assert paces(messages) == [live.POLL_SECONDS]
 
     store.set_status(run_id, "completed")
+    run_page("live_training.py", run=run_id)
+    assert paces(messages) == [live.WARMING_POLL_SECONDS], "the readiness line ticks (no run board here)"
+    monkeypatch.setattr(resources, "run_manager", lambda: types.SimpleNamespace(
+        prewarm=True, wait_warm=lambda timeout=None: True, warming=lambda: False, queued=lambda: []))
     app = run_page("live_training.py", run=run_id)
-    watchdogs = [e for e in app.get("bidi_component") if e.proto.component_name.endswith("fragment_watchdog")]
-    assert len(watchdogs) == 1, "the panel of an ended run no longer polls; the readiness line does"
-    assert any(m.WhichOneof("type") == "auto_rerun" for m in messages)
+    assert paces(messages) == [], "an ended run is not polled"
+    assert next(b for b in app.button if b.label == "Stop").disabled
+    assert not any(m.WhichOneof("type") == "auto_rerun" for m in messages)
 
 
 def test_a_queued_run_polls_slower_and_its_page_speeds_up_when_it_starts(page_environment, monkeypatch):
     # Issue #7: in a class most runs wait in the queue at first, and each of
-    # their ticks costs the shared server a script run; a queued page ticks
-    # every QUEUED_POLL_SECONDS, and its first tick after the run left the
-    # queue reruns the page to set a running run's pace.
+    # their ticks costs the shared server a script run; a page whose run was
+    # queued by another process (no run board knows it) ticks every
+    # QUEUED_POLL_SECONDS, fast once a worker has the run.
     import types
-
-    import streamlit as st
 
     from gradflow.store import RunStore
     from gradflow.ui import live, resources
@@ -346,37 +372,32 @@ def test_a_queued_run_polls_slower_and_its_page_speeds_up_when_it_starts(page_en
     queued = store.create_run({"depth": 3}, name="in line", status="queued")
     running = store.create_run({"depth": 3}, name="on its way", status="running")
     write_steps(store, running, 1, 3)
-    manager = types.SimpleNamespace(prewarm=False, queued=lambda: [queued])
+    workers = {}
+    manager = types.SimpleNamespace(prewarm=False, queued=lambda: [queued], running=lambda: dict(workers))
     monkeypatch.setattr(resources, "run_manager", lambda: manager)
     messages = full_run_messages(monkeypatch)
 
-    def intervals():
-        return [m.auto_rerun.interval for m in messages if m.WhichOneof("type") == "auto_rerun"]
-
     app = run_page("live_training.py", run=queued)
-    assert intervals() == [live.QUEUED_POLL_SECONDS]
+    assert paces(messages) == [live.QUEUED_POLL_SECONDS]
     assert any("this run starts when a slot frees (0 ahead of it)" in i.value for i in app.info)
-    # Its empty charts are drawn once by the page, not again at every tick.
-    charts = [m.delta for m in messages if m.WhichOneof("type") == "delta"
-              and m.delta.new_element.bidi_component.component_name.endswith("gradflow.live_chart")]
-    assert len(charts) == 2 and all(not delta.fragment_id for delta in charts)
     assert len(live_chart_updates(app)) == 2
     run_page("live_training.py", run=running)
-    assert intervals() == [live.POLL_SECONDS]
+    assert paces(messages) == [live.POLL_SECONDS]
 
-    # The queued page's next tick, once its run has left the queue.
+    # Handed to a worker, not yet marked running by it: fast ticks, and
+    # still fast once running, although the run waited long in the queue.
+    manager.queued = lambda: []
+    workers[queued] = 1234
+    run_page("live_training.py", run=queued)
+    assert paces(messages) == [live.FIRST_POLL_SECONDS]
+    with sqlite3.connect(page_environment) as db:  # it waited a minute in the queue
+        db.execute("UPDATE runs SET created_at = created_at - 60 WHERE run_id = ?", (queued,))
     store.set_status(queued, "running")
-    reruns = []
-    monkeypatch.setattr(st, "rerun", lambda scope="app": reruns.append(scope))
-    from streamlit.testing.v1 import AppTest
-
-    def tick(run_id):
-        from gradflow.ui import live
-
-        live._panel(run_id, "live", was_active=True, waiting=False, was_queued=True)
-
-    AppTest.from_function(tick, default_timeout=60, kwargs={"run_id": queued}).run()
-    assert reruns == ["app"]
+    run_page("live_training.py", run=queued)
+    assert paces(messages) == [live.FIRST_POLL_SECONDS]
+    write_steps(store, queued, 1, 1)
+    run_page("live_training.py", run=queued)
+    assert paces(messages) == [live.POLL_SECONDS]
 
 
 def test_server_settings_from_the_environment_name_a_bad_value(monkeypatch):

@@ -5,7 +5,7 @@ import streamlit as st
 from gradflow import figures
 from gradflow.ui import resources
 from gradflow.ui.controls import WIDGETS
-from gradflow.ui.fragments import isolated_fragment
+from gradflow.ui.fragments import isolated_fragment, tick_after
 from gradflow.ui.live import ACTIVE, LIVE_MAX_COLUMNS, POLL_SECONDS, run_name
 from gradflow.ui.live_chart import show_live_chart
 
@@ -73,10 +73,17 @@ def comparison(run_ids):
     store = resources.run_store()
     active = any(store.status(run_id) in ACTIVE for run_id in run_ids)
     # A container of its own: see gradflow/ui/fragments.py (issue #7).
-    isolated_fragment(_charts, run_every=POLL_SECONDS if active else None)(tuple(run_ids), active)
+    isolated_fragment(_charts)(tuple(run_ids), active)
 
 
 def _charts(run_ids, was_active):
+    # Ticks while a run trains (gradflow/ui/fragments.py, `tick_after`).
+    if _draw_charts(run_ids, was_active):
+        tick_after(POLL_SECONDS)
+
+
+def _draw_charts(run_ids, was_active):
+    """Draws the comparison; returns whether a run is still active."""
     store = resources.run_store()
     names, stats, metrics, statuses = {}, {}, {}, []
     for run_id in run_ids:
@@ -87,11 +94,12 @@ def _charts(run_ids, was_active):
         stats[name] = store.layer_stats(run_id, tensors=["kernel"])
         metrics[name] = store.metrics(run_id)
     st.caption(" · ".join(f"{names[r]}: {s}" for r, s in zip(run_ids, statuses, strict=True)))
-    if was_active and not any(s in ACTIVE for s in statuses):
-        st.rerun(scope="app")
+    active = any(s in ACTIVE for s in statuses)
+    if was_active and not active:
+        st.rerun(scope="app")  # once: the run picker shows the new statuses
     if all(frame.empty for frame in stats.values()):
         st.caption("Waiting for the first recorded steps…")
-        return
+        return active
     ready = {name: frame for name, frame in stats.items() if not frame.empty}
     presentation = st.session_state.get("ui.presentation", False)
     statistic = st.radio("Statistic", ["max_abs", "l2_norm"], horizontal=True, key="compare.statistic")
@@ -106,3 +114,4 @@ def _charts(run_ids, was_active):
         ready_metrics = {name: frame for name, frame in metrics.items() if not frame.empty}
         if ready_metrics:
             show_live_chart(figures.compare_metrics(ready_metrics, "loss", presentation=presentation), "compare.loss")
+    return active

@@ -144,6 +144,83 @@ def _ignore():
     pass
 
 
+# Inline and small (sent with every redraw). Streamlit calls the function
+# again, on the same element and without the previous call's cleanup, each
+# time the fragment draws the ticker: every call restarts the timer, so the
+# next tick waits for the fragment's last redraw (a slow server gets fewer
+# ticks, never a queue of them). A tick whose redraw never comes (a rerun
+# lost in one of Streamlit's races, a restarted server) is sent again after
+# `stall_ms`, then at doubling intervals. A hidden tab does not tick: it
+# ticks within `every_ms` of being shown again.
+_TICKER_JS = """export default function ({ data, parentElement, setTriggerValue }) {
+  const box = parentElement.host ?? parentElement;
+  box.closest?.('[data-testid="stElementContainer"]')?.style.setProperty("display", "none");
+  const arm = (wait, next) => {
+    clearTimeout(box.gradflowTicker);
+    box.gradflowTicker = setTimeout(() => {
+      if (document.hidden) return arm(data.every_ms, next);
+      try {
+        setTriggerValue("tick", Date.now());
+      } catch (error) {
+        console.warn("gradflow: the ticker could not ask for a rerun", error);
+      }
+      arm(next, Math.min(2 * next, data.retry_max_ms));
+    }, wait);
+  };
+  arm(data.every_ms, data.stall_ms);
+  return () => clearTimeout(box.gradflowTicker);
+}"""
+
+
+@functools.cache
+def _ticker():
+    return st.components.v2.component("gradflow.ticker", js=_TICKER_JS)
+
+
+def tick_after(seconds, key="gradflow.ticker"):
+    """Reruns the enclosing fragment `seconds` after this redraw of it reaches the browser.
+
+    A timer in the browser, restarted at each redraw, instead of Streamlit's
+    `run_every`: the fragment decides its pace at every run (four ticks a
+    second until a run's first step, one a second while it trains, none
+    once it has ended) without the full rerun of the page that changing
+    `run_every` takes, and a tick waits for the previous one's redraw, so a
+    busy server gets fewer ticks instead of a queue of them (issue #7). A
+    tick that gets no redraw is sent again after `max(STALL_AFTER_S,
+    STALL_TICKS * seconds)`, then at doubling intervals up to
+    `STALL_RETRY_MAX_S`: that also restarts a fragment whose rerun one of
+    Streamlit's races dropped (this module's docstring). Invisible.
+
+    Call it once per fragment run, inside an `isolated_fragment` without
+    `run_every`, from the fragment's body; a run that does not call it
+    stops the ticks.
+
+    Example:
+
+    ```python
+    def status():
+        st.write(store.status(run_id))
+        if store.status(run_id) == "running":
+            tick_after(1.0)
+
+    isolated_fragment(status)()
+    ```
+
+    Args:
+        seconds: Seconds between a redraw and the next tick.
+        key: The ticker's widget key; one ticker per fragment.
+    """
+    seconds = float(seconds)
+    _ticker()(
+        key=key,
+        # `drawn` changes on every redraw, so the browser restarts the timer.
+        data={"every_ms": round(seconds * 1000),
+              "stall_ms": round(max(STALL_AFTER_S, STALL_TICKS * seconds) * 1000),
+              "retry_max_ms": round(STALL_RETRY_MAX_S * 1000), "drawn": time.time()},
+        on_tick_change=_ignore,
+    )
+
+
 def isolated_fragment(function, run_every=None, stall_after=None):
     """`st.fragment(function, run_every=run_every)`, drawn alone in a new container.
 

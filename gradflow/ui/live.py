@@ -1,10 +1,14 @@
 """The live panel: Start/Pause/Stop and charts that update while a run trains.
 
-The panel is an `st.fragment` that reruns every second while its run is
-running or paused, and stops polling once the run has ended. A run waiting in
-this server's queue is not polled: its page follows its place on the run
-board from the browser (`gradflow.ui.board`) and reruns when the run leaves
-the queue. Each tick reads only the rows newer than the last step it has
+The buttons, the status line and the charts are one `st.fragment` that
+follows the run by itself: a timer in the browser (`fragments.tick_after`)
+reruns it every second while its run is running or paused, and it stops
+ticking once the run has ended. The page itself (title, sidebar settings) is
+not rerun over a run's life: not when it starts, leaves the queue, draws its
+first step or ends. A run waiting in this server's queue is not polled: its
+page follows its place on the run board from the browser
+(`gradflow.ui.board`) and reruns the fragment when the run leaves the
+queue. Each tick reads only the rows newer than the last step it has
 seen and appends them to a per-session cache, so a long run costs the same
 per tick as a short one.
 
@@ -47,7 +51,7 @@ from gradflow.figures.style import STATISTIC_LABELS, no_data_figure
 from gradflow.ui import controls, resources
 from gradflow.ui.board import watch_place, watch_warm
 from gradflow.ui.charts import image_export_available
-from gradflow.ui.fragments import isolated_fragment
+from gradflow.ui.fragments import isolated_fragment, tick_after
 from gradflow.ui.live_chart import show_live_chart
 from gradflow.ui.sessions import session_ownership
 
@@ -60,12 +64,13 @@ FIRST_POLL_FOR_S = 20.0
 # its runs there at once, and every tick costs the shared server a script run.
 # (Only without a run board, or for a run queued by another process.)
 QUEUED_POLL_SECONDS = 2.0
+# While the spare worker warms up, on a server without a run board.
+WARMING_POLL_SECONDS = 1.0
 # Heatmap columns drawn live (exports keep the figures' default of 1,000).
 LIVE_MAX_COLUMNS = 500
 _EMPTY_HEIGHT = 380  # px, an empty chart frame: as tall as a heatmap
 _CURRENT = "live.run_id"
 _PLOTLY_EARLY = "live.plotly_early"
-_ENDED_DRAWN = "live.ended_drawn"  # runs whose end a tick has drawn
 
 _STATUS_TEXT = {
     "queued": ":material/hourglass_top: Waiting in the queue",
@@ -105,19 +110,52 @@ def run_name(config):
     return config.name or f"{config.activation} · depth {config.depth} · {config.optimizer} lr={config.learning_rate:g}"
 
 
-def control_buttons(config):
-    """Start training / Pause / Stop for this session's run.
+def live_page(config):
+    """Start/Pause/Stop, the status of this session's run and its live charts.
+
+    One fragment, alone in its container, that follows the run on its own:
+    it reruns on a timer in the browser (`fragments.tick_after`), at a pace
+    it chooses at each run, and stops ticking once the run has ended. A run
+    starting, leaving the queue, drawing its first step or ending costs
+    one fragment run, never a rerun of the whole page with its sidebar: in
+    a class of 30 on one 2-core server those full reruns queued behind each
+    other and pages fell seconds behind their runs (issue #7). The buttons
+    are in the fragment so that they follow the run too.
 
     Args:
         config: The `RunConfig` from the form, or None while it is invalid
-            (Start training is then disabled; the click itself reads the
-            form's widgets, see `controls.config_from_widgets`).
+            (Start training is then disabled).
     """
-    store = resources.run_store()
+    isolated_fragment(_live)(config)
+
+
+def _live(config):
     run_id = current_run()
-    status = store.status(run_id) if run_id else None
+    store = resources.run_store()
+    info = None
+    if run_id is not None:
+        try:
+            info = store.run_info(run_id)
+        except ValueError:
+            st.session_state.pop(_CURRENT, None)
+            st.query_params.pop("run", None)
+    status = info["status"] if info else None
+    control_buttons(config, run_id, status)
+    paces = [_trainer_readiness(polls=status not in ACTIVE)]
+    if run_id is not None and info is None:
+        st.warning("That run no longer exists (or the link is wrong).")
+    else:
+        paces.append(live_panel(info))
+    paces = [pace for pace in paces if pace]
+    if paces:
+        tick_after(min(paces))
+
+
+def control_buttons(config, run_id, status):
+    """Start training / Pause / Stop / Step once for this session's run."""
+    store = resources.run_store()
     start, pause, stop, step = st.columns([2, 1, 1, 1])
-    # A callback runs before the script: the click costs one script run, not two.
+    # A callback runs before the script: the click costs one run, not two.
     start.button("Start training", type="primary", disabled=config is None, width="stretch",
                  on_click=_start_run)
     paused = status == "paused"
@@ -129,7 +167,6 @@ def control_buttons(config):
     if step.button("Step once", disabled=not paused, width="stretch",
                    help="While paused: train exactly one more step."):
         store.request(run_id, "step")
-    _trainer_readiness(polls=status not in ACTIVE)
 
 
 def _start_run():
@@ -141,45 +178,32 @@ def _start_run():
 
 
 def _trainer_readiness(polls=True):
-    # A fresh server spends a few seconds importing TensorFlow in its spare
-    # worker; say so, so that a slow first start does not look like a hang.
+    """The trainer line; returns the ticks it needs (seconds), or None.
+
+    A fresh server spends a few seconds importing TensorFlow in its spare
+    worker; say so, so that a slow first start does not look like a hang.
+    """
     manager = resources.run_manager()
     if not manager.prewarm:
-        return
+        return None
     board = resources.run_board()
     if manager.wait_warm(0):
         st.caption(":material/bolt: Trainer ready", help="A worker process is warm and waiting.")
-    elif not manager.warming():
+        return None
+    if not manager.warming():
         # No spare on its way: every slot is busy and the worker that frees
         # one takes the next run, warm (the queue line says so), or a run
         # has just taken the spare and the next one starts after its first step.
-        return
-    elif polls and board is not None:
-        # Watched from the browser, no ticks: the page reruns once the spare
-        # is warm (gradflow/ui/board.py, issue #7).
-        _warming_caption()
-        watch_warm(board)
-    elif polls:
-        # Each polling fragment alone in a container of its own (issue #7).
-        isolated_fragment(_warming, run_every=1.0)()
-    else:
-        # This page's live panel polls (its run is active): one poller per
-        # page. Two fragments polling at the same pace send their ticks
-        # together, and Streamlit 1.67 then often drops the first one's run
-        # whole (docs/reliability.md, issue #7): in a class, panels stood
-        # still while the server drew them. The line is drawn again at the
-        # panel's full reruns (first step, end of the run).
-        _warming_caption()
-
-
-def _warming():
-    if resources.run_manager().wait_warm(0):
-        st.rerun(scope="app")  # ends the polling
-    _warming_caption()
-
-
-def _warming_caption():
+        return None
     st.caption(":material/hourglass_top: Warming up the trainer (loading TensorFlow)…")
+    if not polls:
+        return None  # the run's own ticks redraw the line
+    if board is not None:
+        # Watched from the browser, no ticks: the fragment reruns once the
+        # spare is warm (gradflow/ui/board.py, issue #7).
+        watch_warm(board)
+        return None
+    return WARMING_POLL_SECONDS
 
 
 @dataclasses.dataclass
@@ -236,42 +260,51 @@ def _read_new(store, run_id, progress_step=0):
     return cache
 
 
-def live_panel(run_id=None, key="live"):
-    """The live charts of one run; polls once a second while the run is active.
+def live_panel(info, key="live"):
+    """The status and live charts of one run; returns the seconds until the next tick, or None.
 
     A run just handed to a worker is polled four times a second until its
-    first step is drawn (at most `FIRST_POLL_FOR_S` after it was created).
+    first step is drawn (at most `FIRST_POLL_FOR_S` after it was created),
+    a running or paused one once a second, and a run waiting in this
+    server's queue not at all: its page follows its place on the run board
+    and reruns the fragment when it leaves the queue. An ended run is not
+    polled.
+
+    Args:
+        info: The run's `RunStore.run_info`, or None: no run yet.
+        key: Prefix of the panel's widget keys.
     """
-    run_id = run_id or current_run()
-    if run_id is None:
+    if info is None:
         st.info("Choose settings in the sidebar and press **Start training**. "
                 "Or load a lecture preset first.")
         _empty_heatmaps("The heatmaps of your run appear here.", plotly=_plotly_early())
-        return
+        return None
     store = resources.run_store()
-    try:
-        info = store.run_info(run_id)
-    except ValueError:
-        st.warning("That run no longer exists (or the link is wrong).")
-        st.session_state.pop(_CURRENT, None)
-        st.query_params.pop("run", None)
-        return
-    active = info["status"] in ACTIVE
+    run_id, status = info["run_id"], info["status"]
+    active = status in ACTIVE
     waiting = _waiting_for_first_step(run_id, info)
-    queued = info["status"] == "queued" and not waiting
+    queued = status == "queued" and not waiting
     # A run in this server's queue is watched from the browser on the run
     # board: no ticks until it leaves the queue (gradflow/ui/board.py).
     watched = queued and resources.run_board() is not None and run_id in resources.run_manager().queued()
-    every = None
+    pace = None
     if active and not watched:
-        every = FIRST_POLL_SECONDS if waiting else QUEUED_POLL_SECONDS if queued else POLL_SECONDS
-    isolated_fragment(_panel, run_every=every)(run_id, key, active, waiting, queued, watched)
-    if queued:
-        # Drawn once, below the fragment: a queued page's ticks redraw only
-        # its status and its place in the queue. In a class most pages wait
-        # there at first, and a tick that redraws the empty charts and
-        # controls costs each browser about twice as much.
-        _empty_panel(active=True, plotly=_plotly_early())
+        pace = FIRST_POLL_SECONDS if waiting else QUEUED_POLL_SECONDS if queued else POLL_SECONDS
+    if active and not info["progress_step"]:
+        # Nothing is recorded yet: the store's writer keeps a run's progress
+        # at or past its newest statistics. These ticks (four a second for a
+        # run just started, one every two seconds for a run queued by
+        # another process) read nothing more.
+        _status_line(info, _NOTHING_READ, status, watched)
+        # Plotly at the latest once a worker has the run (module docstring).
+        _empty_panel(active=True, plotly=status != "queued" or _plotly_early())
+        return pace
+    cache = _read_new(store, run_id, int(info["progress_step"] or 0))
+    _status_line(info, cache, status)
+    _charts(info, cache, key)
+    if pace == FIRST_POLL_SECONDS and cache.last_step:
+        pace = POLL_SECONDS  # the first step is drawn: the normal pace from now on
+    return pace
 
 
 def _plotly_early():
@@ -288,51 +321,19 @@ def _waiting_for_first_step(run_id, info):
     """Whether the panel should poll fast: a run just handed to a worker, with no step yet."""
     # Not a run waiting in the queue, nor a first step that takes long (a
     # cold worker, a download): fast ticks cost CPU that training needs.
-    return (info["status"] in ("queued", "running") and not info["progress_step"]
-            and time.time() - info["created_at"] < FIRST_POLL_FOR_S
-            and not _drawn_steps(run_id) and run_id not in resources.run_manager().queued())
+    if info["progress_step"] or _drawn_steps(run_id) or info["status"] not in ("queued", "running"):
+        return False
+    if info["status"] == "queued":
+        # Handed to a worker that has not marked it running yet (a moment).
+        return run_id in resources.run_manager().running()
+    # Counted from the moment it started running, not from its creation:
+    # in a class most runs wait in the queue first.
+    return time.time() - max(info["created_at"], info["updated_at"] or 0) < FIRST_POLL_FOR_S
 
 
-def _panel(run_id, key, was_active, waiting=False, was_queued=False, watched=False):
+def _charts(info, cache, key):
+    run_id, status = info["run_id"], info["status"]
     store = resources.run_store()
-    info = store.run_info(run_id)
-    status = info["status"]
-    if was_queued and (status != "queued" or watched and run_id not in resources.run_manager().queued()):
-        # The run left the queue: one full rerun sets the pace of a running
-        # run (and the fast one until its first step is drawn). A watched run
-        # the manager has handed to a worker may still read `queued` for a
-        # moment; the page then ticks until the worker says `running`.
-        st.rerun(scope="app")
-    if waiting and status in ACTIVE:
-        paused = status == "paused"
-        slow = time.time() - info["created_at"] >= FIRST_POLL_FOR_S
-        if _drawn_steps(run_id) or paused or slow:
-            # One full rerun sets the normal polling pace. Not in the tick
-            # that draws the first step: the browser would then wait for the
-            # whole page before it shows the first column.
-            st.rerun(scope="app")
-    if status in ACTIVE and not info["progress_step"]:
-        # Nothing is recorded yet: the store's writer keeps a run's progress
-        # at or past its newest statistics. These ticks (four a second for a
-        # run just started, one every two seconds for each of a classroom's
-        # queued runs) read nothing more.
-        _status_line(info, _NOTHING_READ, status, watched)
-        if not was_queued:  # a queued page draws its empty panel outside the fragment
-            # Plotly at the latest once a worker has the run (module docstring).
-            _empty_panel(active=True, plotly=status != "queued" or _plotly_early())
-        return
-    cache = _read_new(store, run_id, int(info["progress_step"] or 0))
-    _status_line(info, cache, status)
-    ended = was_active and status not in ACTIVE
-    drawn_ends = st.session_state.setdefault(_ENDED_DRAWN, set())
-    if ended and run_id in drawn_ends:
-        # One full rerun turns polling off and updates the buttons. Not in the
-        # tick that first sees the end: that tick draws the last steps, and on
-        # a busy server a full rerun of the page takes seconds (a short
-        # classroom run spends most of its life in such transitions).
-        st.rerun(scope="app")
-    if ended:
-        drawn_ends.add(run_id)
     stats = cache.layer_stats
     presentation = st.session_state.get("ui.presentation", False)
     if stats.empty:

@@ -19,6 +19,11 @@ asks again. With `?mode=plain` (`st.fragment`) it stays frozen at the tick
 after the race; with `?mode=gradflow` (`isolated_fragment`, which draws a
 watchdog in the fragment) it resumes after `STALL_AFTER_S`.
 
+With `?mode=ticker` the fragment has no `run_every`: it draws
+`gradflow.ui.fragments.tick_after(TICK_S)`, a timer in the browser that the
+fragment's own redraw restarts (what the live page does). The tick's
+fragment run draws it again, so the page goes on, with no full run.
+
 With `?mode=slow` there is no race: at tick `RACE_AT_TICK` the server's event
 loop is held for `SLOW_S` (longer than `STALL_AFTER_S`), as a loaded server
 does, so the page sees nothing for a while although its timer lives. The
@@ -36,7 +41,7 @@ from race_tools import this_session, tick
 from streamlit.runtime.scriptrunner_utils.script_requests import ScriptRequestType
 from streamlit.runtime.scriptrunner_utils.script_run_context import ThreadState
 
-from gradflow.ui.fragments import isolated_fragment
+from gradflow.ui.fragments import isolated_fragment, tick_after
 
 TICK_S = 0.25
 RACE_AT_TICK = 4
@@ -77,6 +82,8 @@ def ticker():
             return
         st.session_state["race"] = True
         st.rerun(scope="app")
+    if st.query_params.get("mode") == "ticker":
+        tick_after(TICK_S)
 
 
 race = _lose_this_runs_tail() if st.session_state.pop("race", False) else None
@@ -87,5 +94,7 @@ st.caption(race or "race: not yet")
 if st.query_params.get("mode") == "plain":
     with st.container():
         st.fragment(ticker, run_every=TICK_S)()
+elif st.query_params.get("mode") == "ticker":
+    isolated_fragment(ticker)()
 else:
     isolated_fragment(ticker, run_every=TICK_S, stall_after=STALL_AFTER_S)()
