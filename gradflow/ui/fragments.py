@@ -53,6 +53,15 @@ only slow: a full rerun would add load, so the alarm is logged and left
 alone. The browser asks again at doubling intervals, and the server restarts
 a fragment at most once a minute, so an overloaded server is not flooded; a
 page in a background tab does not ask.
+
+**Ticking from the browser** (`tick_after`): a fragment that draws a ticker
+instead of setting `run_every` changes its pace without a full rerun
+(Streamlit sends `run_every` only from the full run that declares the
+fragment), so its page need not be rerun whole when its run starts or ends;
+and a tick that a race drops is sent again by the ticker itself, after
+`STALL_AFTER_S` without a redraw. The live page and the compare page tick
+this way; `run_every` and its watchdog stay for fragments that poll at one
+pace.
 """
 
 import functools
