@@ -289,8 +289,8 @@ def tickers(messages):
 
 
 def paces(messages):
-    """Seconds between a redraw and the next tick, for each ticker drawn."""
-    return [data["every_ms"] / 1000 for _, data in tickers(messages)]
+    """Seconds between a redraw and the next tick, for each ticker drawn that ticks."""
+    return [data["every_ms"] / 1000 for _, data in tickers(messages) if data["every_ms"] is not None]
 
 
 def test_the_live_page_is_one_fragment_last_and_alone_in_its_block(page_environment, monkeypatch):
@@ -354,6 +354,8 @@ def test_the_page_ticks_from_the_browser_at_the_pace_of_its_run(page_environment
         prewarm=True, wait_warm=lambda timeout=None: True, warming=lambda: False, queued=lambda: []))
     app = run_page("live_training.py", run=run_id)
     assert paces(messages) == [], "an ended run is not polled"
+    [(_, idle)] = tickers(messages)
+    assert idle["every_ms"] is None, "the ticker stays mounted, idle, for the next run"
     assert next(b for b in app.button if b.label == "Stop").disabled
     assert not any(m.WhichOneof("type") == "auto_rerun" for m in messages)
 

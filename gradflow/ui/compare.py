@@ -78,8 +78,7 @@ def comparison(run_ids):
 
 def _charts(run_ids, was_active):
     # Ticks while a run trains (gradflow/ui/fragments.py, `tick_after`).
-    if _draw_charts(run_ids, was_active):
-        tick_after(POLL_SECONDS)
+    tick_after(POLL_SECONDS if _draw_charts(run_ids, was_active) else None)
 
 
 def _draw_charts(run_ids, was_active):

@@ -160,10 +160,13 @@ def _ignore():
 # ticks, never a queue of them). A tick whose redraw never comes (a rerun
 # lost in one of Streamlit's races, a restarted server) is sent again after
 # `stall_ms`, then at doubling intervals. A hidden tab does not tick: it
-# ticks within `every_ms` of being shown again.
+# ticks within `every_ms` of being shown again. With `every_ms` null the
+# ticker is drawn idle: mounted, so that a later pace starts at once.
 _TICKER_JS = """export default function ({ data, parentElement, setTriggerValue }) {
   const box = parentElement.host ?? parentElement;
   box.closest?.('[data-testid="stElementContainer"]')?.style.setProperty("display", "none");
+  clearTimeout(box.gradflowTicker);
+  if (data.every_ms === null) return () => clearTimeout(box.gradflowTicker);
   const arm = (wait, next) => {
     clearTimeout(box.gradflowTicker);
     box.gradflowTicker = setTimeout(() => {
@@ -201,8 +204,12 @@ def tick_after(seconds, key="gradflow.ticker"):
     Streamlit's races dropped (this module's docstring). Invisible.
 
     Call it once per fragment run, inside an `isolated_fragment` without
-    `run_every`, from the fragment's body; a run that does not call it
-    stops the ticks.
+    `run_every`, from the fragment's body; `tick_after(None)` stops the
+    ticks. Draw it in every run of the fragment, idle when no ticks are
+    needed, at the same place: a component mounts in the browser in several
+    steps (a module import among them), and on a loaded class server a
+    ticker first drawn at the moment a run started sometimes took many
+    seconds before its first tick.
 
     Example:
 
@@ -216,15 +223,16 @@ def tick_after(seconds, key="gradflow.ticker"):
     ```
 
     Args:
-        seconds: Seconds between a redraw and the next tick.
+        seconds: Seconds between a redraw and the next tick, or None: no
+            ticks (the ticker waits, mounted).
         key: The ticker's widget key; one ticker per fragment.
     """
-    seconds = float(seconds)
+    every = None if seconds is None else float(seconds)
     _ticker()(
         key=key,
         # `drawn` changes on every redraw, so the browser restarts the timer.
-        data={"every_ms": round(seconds * 1000),
-              "stall_ms": round(max(STALL_AFTER_S, STALL_TICKS * seconds) * 1000),
+        data={"every_ms": None if every is None else round(every * 1000),
+              "stall_ms": None if every is None else round(max(STALL_AFTER_S, STALL_TICKS * every) * 1000),
               "retry_max_ms": round(STALL_RETRY_MAX_S * 1000), "drawn": time.time()},
         on_tick_change=_ignore,
     )

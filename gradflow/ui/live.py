@@ -147,8 +147,8 @@ def _live(config):
     else:
         paces.append(live_panel(info))
     paces = [pace for pace in paces if pace]
-    if paces:
-        tick_after(min(paces))
+    # Drawn in every run, idle when nothing needs ticks (fragments.tick_after).
+    tick_after(min(paces) if paces else None)
 
 
 def control_buttons(config, run_id, status):
