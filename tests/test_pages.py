@@ -306,6 +306,9 @@ def test_the_live_page_is_one_fragment_last_and_alone_in_its_block(page_environm
     assert any("Warming up the trainer" in c.value for c in app.caption)
     fragment_ids = {m.delta.fragment_id for m in messages if m.WhichOneof("type") == "delta"} - {""}
     assert len(fragment_ids) == 1, "buttons, readiness line and panel are one fragment"
+    from gradflow.ui import live
+
+    assert paces(messages) == [live.WARMING_POLL_SECONDS], "the readiness line ticks (no run board here)"
     assert fragments_sharing_or_not_last_in_their_block(messages) == []
     buttons = [m for m in messages if m.WhichOneof("type") == "delta"
                and m.delta.new_element.WhichOneof("type") == "button"]
@@ -347,15 +350,21 @@ def test_the_page_ticks_from_the_browser_at_the_pace_of_its_run(page_environment
     run_page("live_training.py", run=run_id)
     assert paces(messages) == [live.POLL_SECONDS]
 
-    store.set_status(run_id, "completed")
-    run_page("live_training.py", run=run_id)
-    assert paces(messages) == [live.WARMING_POLL_SECONDS], "the readiness line ticks (no run board here)"
+    # An ended run with a warm trainer: nothing else on the page ticks.
     monkeypatch.setattr(resources, "run_manager", lambda: types.SimpleNamespace(
-        prewarm=True, wait_warm=lambda timeout=None: True, warming=lambda: False, queued=lambda: []))
-    app = run_page("live_training.py", run=run_id)
-    assert paces(messages) == [], "an ended run is not polled"
+        prewarm=True, wait_warm=lambda timeout=None: True, warming=lambda: False, queued=lambda: [],
+        running=lambda: {}))
+    store.set_status(run_id, "running")
+    app = run_page("live_training.py", run=run_id)  # this session follows the run
+    store.set_status(run_id, "completed")
+    app.run()
+    assert paces(messages) == [live.POLL_SECONDS], "once more after the end: a redraw a race may have dropped"
+    app.run()
+    assert paces(messages) == [], "then an ended run is not polled"
     [(_, idle)] = tickers(messages)
     assert idle["every_ms"] is None, "the ticker stays mounted, idle, for the next run"
+    app = run_page("live_training.py", run=run_id)
+    assert paces(messages) == [], "a page opened on an ended run does not tick at all"
     assert next(b for b in app.button if b.label == "Stop").disabled
     assert not any(m.WhichOneof("type") == "auto_rerun" for m in messages)
 

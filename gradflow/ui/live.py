@@ -71,6 +71,7 @@ LIVE_MAX_COLUMNS = 500
 _EMPTY_HEIGHT = 380  # px, an empty chart frame: as tall as a heatmap
 _CURRENT = "live.run_id"
 _PLOTLY_EARLY = "live.plotly_early"
+_FOLLOWED = "live.followed"  # runs this session saw active and has not redrawn since they ended
 
 _STATUS_TEXT = {
     "queued": ":material/hourglass_top: Waiting in the queue",
@@ -290,6 +291,16 @@ def live_panel(info, key="live"):
     pace = None
     if active and not watched:
         pace = FIRST_POLL_SECONDS if waiting else QUEUED_POLL_SECONDS if queued else POLL_SECONDS
+    followed = st.session_state.setdefault(_FOLLOWED, set())
+    if active:
+        followed.add(run_id)
+    elif run_id in followed:
+        # The run has just ended: one more tick redraws the panel once more.
+        # On a loaded server Streamlit sometimes drops a fragment run's
+        # messages (gradflow/ui/fragments.py); the end is the one redraw
+        # that no later tick would repeat.
+        followed.discard(run_id)
+        pace = POLL_SECONDS
     if active and not info["progress_step"]:
         # Nothing is recorded yet: the store's writer keeps a run's progress
         # at or past its newest statistics. These ticks (four a second for a
