@@ -207,9 +207,10 @@ def tick_after(seconds, key="gradflow.ticker"):
     `run_every`, from the fragment's body; `tick_after(None)` stops the
     ticks. Draw it in every run of the fragment, idle when no ticks are
     needed, at the same place: a component mounts in the browser in several
-    steps (a module import among them), and on a loaded class server a
-    ticker first drawn at the moment a run started sometimes took many
-    seconds before its first tick.
+    steps (a module import among them), and in two classroom benches a
+    ticker first drawn at the moment a run left the queue sent nothing for
+    24-37 s (cause not found; docs/reliability.md). Mounted from the start,
+    nothing has to load at that moment.
 
     Example:
 
