@@ -107,6 +107,11 @@ def _watchdog():
     return st.components.v2.component("gradflow.fragment_watchdog", js=_WATCHDOG_JS)
 
 
+def _stalled_after(every):
+    """Seconds without a redraw after which a fragment ticking every `every` s counts as stopped."""
+    return max(STALL_AFTER_S, STALL_TICKS * every)
+
+
 def _restart_if_stalled(name, run_every, stall_after):
     """Draw the watchdog of fragment `name`; answer its alarm with a full rerun.
 
@@ -115,7 +120,7 @@ def _restart_if_stalled(name, run_every, stall_after):
     is only slow) is left alone, since a full rerun would cost the server
     more than the tick it waits for.
     """
-    after = stall_after if stall_after is not None else max(STALL_AFTER_S, STALL_TICKS * run_every)
+    after = stall_after if stall_after is not None else _stalled_after(run_every)
     # Streamlit reserves "__" in a component's key.
     key = "gradflow.watchdog." + re.sub("_{2,}", "_", name)
     now = time.monotonic()
@@ -233,7 +238,7 @@ def tick_after(seconds, key="gradflow.ticker"):
         key=key,
         # `drawn` changes on every redraw, so the browser restarts the timer.
         data={"every_ms": None if every is None else round(every * 1000),
-              "stall_ms": None if every is None else round(max(STALL_AFTER_S, STALL_TICKS * every) * 1000),
+              "stall_ms": None if every is None else round(_stalled_after(every) * 1000),
               "retry_max_ms": round(STALL_RETRY_MAX_S * 1000), "drawn": time.time()},
         on_tick_change=_ignore,
     )
