@@ -1,6 +1,7 @@
 """What serving Plotly.js and the live-chart module costs the server, per page load.
 
-    python3 bench/bench_static_assets.py [--loads 8] [--fetches 20] [--out FILE]
+    python3 bench/bench_static_assets.py [--loads 8] [--fetches 20] [--against-full-plotly]
+                                         [--out FILE]
 
 One `streamlit run app.py` server on loopback (tests/browser.py, no warm
 worker), one headless Chromium. The live page draws its (empty) heatmaps
@@ -12,10 +13,15 @@ Plotly.js and `live_chart.js` from `/app/static/gradflow/` (see
   student's browser) open `/` one after another and wait until Plotly has
   drawn a chart; for each, the server process's CPU seconds (utime + stime
   from /proc, its threads included, no workers), the wall time until drawn,
-  and every response under `/app/static/gradflow/`: status, encoded body
-  bytes, `Content-Encoding`, `Content-Type`, `Cache-Control`. A first page
-  load, before the measured ones, warms the server (imports, first script
-  run) and is not counted.
+  the browser's main-thread CPU seconds for the page (Chrome DevTools
+  `Performance.getMetrics`: `TaskDuration`, `ScriptDuration`), and every
+  response under `/app/static/gradflow/`: status, encoded body bytes,
+  `Content-Encoding`, `Content-Type`, `Cache-Control`. A first page load,
+  before the measured ones, warms the server (imports, first script run)
+  and is not counted. With `--against-full-plotly`, every second load is
+  served the plotly package's full Plotly.js instead of the cartesian
+  bundle the dashboard ships (written over the published copy for that load
+  and put back after), so the two are compared side by side in one run.
 - plain HTTP: `--fetches` sequential GETs of each published file with the
   `Accept-Encoding` a browser sends, and the server's CPU seconds per GET:
   the cost of the files alone, without the page's script runs.
@@ -28,6 +34,7 @@ Writes bench/results/static_assets.json (or --out).
 """
 
 import argparse
+import gzip
 import http.client
 import json
 import os
@@ -43,6 +50,9 @@ import urllib.parse
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import plotly  # noqa: E402
+
+from gradflow.ui import live_chart  # noqa: E402
 from tests.browser import CHROMIUM_ARGS, chromium_path, streamlit_server  # noqa: E402
 
 ASSET_PREFIX = "/app/static/gradflow/"
@@ -71,10 +81,19 @@ def wait_quiet(pid, window_s=0.5, limit_s=30.0):
     print(f"warning: the server did not go quiet within {limit_s} s", file=sys.stderr)
 
 
+def serve_plotly(content):
+    """Write `content` over the published Plotly.js and its gzipped copy."""
+    folder = ROOT / live_chart.STATIC_FOLDER
+    live_chart.replace_file(folder / "plotly.min.js", content)
+    live_chart.replace_file(folder / "plotly.min.js.gz", gzip.compress(content, 9, mtime=0))
+
+
 def page_load(browser, url, pid):
     """Open `url` in a fresh context, wait until Plotly drew; CPU, wall time and assets."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     page = context.new_page()
+    devtools = context.new_cdp_session(page)
+    devtools.send("Performance.enable")
     responses = []
     page.on("response", lambda r: responses.append(r) if ASSET_PREFIX in r.url else None)
     wait_quiet(pid)
@@ -86,6 +105,8 @@ def page_load(browser, url, pid):
     page.wait_for_load_state("networkidle")
     wait_quiet(pid)
     cpu = server_cpu_seconds(pid) - cpu
+    browser_metrics = {m["name"]: m["value"] for m in devtools.send("Performance.getMetrics")["metrics"]}
+    plotly_version = page.evaluate("() => Plotly.version")
     assets = []
     for response in responses:
         headers = response.all_headers()
@@ -98,7 +119,14 @@ def page_load(browser, url, pid):
             }
         )
     context.close()
-    return {"server_cpu_s": round(cpu, 3), "drawn_s": round(drawn_s, 2), "assets": assets}
+    return {
+        "server_cpu_s": round(cpu, 3),
+        "drawn_s": round(drawn_s, 2),
+        "browser_main_thread_cpu_s": round(browser_metrics["TaskDuration"], 3),
+        "browser_script_s": round(browser_metrics["ScriptDuration"], 3),
+        "plotly_version": plotly_version,
+        "assets": assets,
+    }
 
 
 def fetch(url, path, count, pid):
@@ -185,6 +213,12 @@ def main():
     parser.add_argument("--fetches", type=int, default=20)
     parser.add_argument("--concurrent", type=int, default=10)
     parser.add_argument(
+        "--against-full-plotly",
+        action="store_true",
+        help="serve every second load the plotly package's full Plotly.js, for a side-by-side "
+        "comparison with the cartesian bundle the dashboard ships",
+    )
+    parser.add_argument(
         "--out", type=pathlib.Path, default=ROOT / "bench" / "results" / "static_assets.json"
     )
     args = parser.parse_args()
@@ -204,8 +238,33 @@ def main():
     ):
         browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
         warm = page_load(browser, url, process.pid)
-        loads = [page_load(browser, url, process.pid) for _ in range(args.loads)]
+        shipped = (ROOT / live_chart.STATIC_FOLDER / "plotly.min.js").read_bytes()
+        full = (pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_bytes()
+        loads = []
+        try:
+            for index in range(args.loads * (2 if args.against_full_plotly else 1)):
+                bundle = "full" if args.against_full_plotly and index % 2 else "shipped"
+                serve_plotly(full if bundle == "full" else shipped)
+                loads.append({"bundle": bundle, **page_load(browser, url, process.pid)})
+        finally:
+            serve_plotly(shipped)
         browser.close()
+        compared = {
+            bundle: {
+                "loads": len(these),
+                "browser_main_thread_cpu_s_median": round(
+                    statistics.median(load["browser_main_thread_cpu_s"] for load in these), 3
+                ),
+                "browser_script_s_median": round(
+                    statistics.median(load["browser_script_s"] for load in these), 3
+                ),
+                "drawn_s_median": round(statistics.median(load["drawn_s"] for load in these), 2),
+                "plotly_version": these[0]["plotly_version"],
+            }
+            for bundle in ("shipped", "full")
+            if (these := [load for load in loads if load["bundle"] == bundle])
+        }
+        loads = [load for load in loads if load["bundle"] == "shipped"]
         paths = sorted(
             {asset["path"] for asset in warm["assets"]}
             | {
@@ -234,6 +293,10 @@ def main():
             "server_cpu_s_min": min(cpu),
             "server_cpu_s_max": max(cpu),
             "drawn_s_median": round(statistics.median(load["drawn_s"] for load in loads), 2),
+            "browser_main_thread_cpu_s_median": round(
+                statistics.median(load["browser_main_thread_cpu_s"] for load in loads), 3
+            ),
+            "by_plotly_bundle": compared,
             "asset_bytes_per_load": sum(a["encoded_body_bytes"] for a in loads[0]["assets"]),
             "assets_of_first_measured_load": loads[0]["assets"],
             "each": [{k: v for k, v in load.items() if k != "assets"} for load in loads],

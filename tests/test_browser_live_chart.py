@@ -5,7 +5,8 @@ replaced by a stub that keeps what it is asked to draw) on the updates the
 server makes for a growing run. The second opens the dashboard on a run that
 keeps growing and reads the WebSocket frames: each tick sends the heatmaps'
 new columns, not their history. The third checks how the server sends
-Plotly.js: gzipped once on disk, not compressed again for every page.
+Plotly.js: gzipped once on disk, not compressed again for every page, and a
+partial bundle that still holds every trace type the live charts draw.
 """
 
 import contextlib
@@ -22,6 +23,7 @@ import pandas as pd
 import pytest
 
 from gradflow.store import RunStore
+from gradflow.ui import live_chart
 from gradflow.ui.figure_delta import figure_update
 from tests.browser import new_elements, streamlit_server
 from tests.test_figure_delta import live_heatmap, plotly_array, run_rows
@@ -282,8 +284,15 @@ def test_plotly_js_is_served_as_gzipped_on_disk_and_still_draws(chromium, tmp_pa
     static = pathlib.Path(__file__).resolve().parent.parent / "static" / "gradflow"
     with streamlit_server(tmp_path / "runs.db", extra_env={"GRADFLOW_PREWARM": "0"},
                           log_path=artifacts_dir / "live-chart-static-server.log") as (url, _):
+        # The live page of a run draws its (empty) heatmaps with the Plotly it unpacked.
+        # (Its first script run publishes the files: read them only after it.)
+        run_id = RunStore(tmp_path / "runs.db").create_run({"depth": 2}, name="first step soon", status="running")
+        context, page, fetched = _open_drawn_page(
+            chromium, f"{url}/?run={run_id}", artifacts=artifacts_dir / "live-chart-static-gz"
+        )
         on_disk = (static / "plotly.min.js.gz").read_bytes()
         assert gzip.decompress(on_disk) == (static / "plotly.min.js").read_bytes()
+        assert (static / "plotly.min.js").read_bytes() == live_chart._PLOTLY_JS.read_bytes()
         # As a browser asks: the server must send the file's bytes, not compress them again.
         request = urllib.request.Request(f"{url}{STATIC}plotly.min.js.gz",
                                          headers={"Accept-Encoding": "gzip, deflate, br, zstd"})
@@ -291,12 +300,6 @@ def test_plotly_js_is_served_as_gzipped_on_disk_and_still_draws(chromium, tmp_pa
             assert response.headers.get("Content-Type") == "application/gzip"
             assert response.headers.get("Content-Encoding") is None
             assert response.read() == on_disk
-
-        # The live page of a run draws its (empty) heatmaps with the Plotly it unpacked.
-        run_id = RunStore(tmp_path / "runs.db").create_run({"depth": 2}, name="first step soon", status="running")
-        context, page, fetched = _open_drawn_page(
-            chromium, f"{url}/?run={run_id}", artifacts=artifacts_dir / "live-chart-static-gz"
-        )
         try:
             plotly_responses = [r for r in fetched if "/plotly.min.js" in r.url]
             assert [r.url.split("?")[0].rsplit("/", 1)[1] for r in plotly_responses] == ["plotly.min.js.gz"]
@@ -305,6 +308,9 @@ def test_plotly_js_is_served_as_gzipped_on_disk_and_still_draws(chromium, tmp_pa
             assert gz.all_headers().get("content-encoding") is None
             assert gz.request.sizes()["responseBodySize"] == len(on_disk)
             assert page.locator("[data-testid='stException']").count() == 0
+            # The partial bundle holds every trace type the live charts draw.
+            registered = page.evaluate("() => Object.keys(Plotly.PlotSchema.get().traces)")
+            assert set(live_chart.TRACE_TYPES) <= set(registered), registered
         finally:
             context.close()
 

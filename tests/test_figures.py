@@ -561,3 +561,36 @@ def test_histogram_heatmap_reads_the_run_store_layout(store_path):
     np.testing.assert_allclose(z[20], np.log10([0.75, 0.75, 0.75]))
     np.testing.assert_allclose([z[6, 0], z[7, 1], z[8, 2]], np.log10(0.25))
     assert list(chart.data["step"].unique()) == [1, 2, 3]
+
+
+def test_live_charts_draw_only_the_trace_types_of_the_served_plotly_bundle():
+    """The live page and the compare page draw through a partial Plotly.js (the cartesian
+    bundle, `gradflow.ui.live_chart.TRACE_TYPES`); a trace type outside it would draw
+    nothing there. `tests/test_browser_live_chart.py` checks the bundle's side."""
+    from gradflow.figures.style import no_data_figure
+    from gradflow.ui.live_chart import TRACE_TYPES
+
+    stats = make_layer_stats()
+    # NaN and Inf cells add their marker traces.
+    set_value(stats, 2, 1, "kernel", "max_abs", np.nan)
+    set_value(stats, 3, 2, "kernel", "max_abs", np.inf)
+    metrics = pd.DataFrame(
+        [dict(step=s, name=n, value=np.nan if s == 5 else 1 / s) for s in range(1, 6) for n in ("loss", "val_loss")]
+    )
+    histograms = histogram_rows(range(1, 5))
+    runs = {"relu": stats, "sigmoid": make_layer_stats(seed=1)}
+    charts = [
+        figures.heatmap(stats, "max_abs", "kernel"),
+        figures.heatmap(stats, "l2_norm", figures.ALL_WEIGHTS),
+        figures.layer_lines(stats, "max_abs", "kernel"),
+        figures.profile(stats, tensor="kernel"),
+        figures.metrics_chart(metrics),
+        figures.histogram_heatmap(histograms, "dense"),
+        figures.compare_heatmaps(runs, "max_abs", "kernel"),
+        figures.compare_profiles(runs, statistic="max_abs", tensor="kernel"),
+        figures.compare_metrics({"relu": metrics, "sigmoid": metrics}),
+    ]
+    used = {trace.type for chart in charts for trace in chart.figure.data}
+    used |= {trace.type for trace in no_data_figure("Waiting for the first step").data}
+    assert {"heatmap", "scatter", "bar"} <= used  # the builders above draw all three
+    assert used <= set(TRACE_TYPES)

@@ -24,11 +24,10 @@ again by itself, after 3 s, then at doubling intervals up to 12 s, until a
 figure applies. Without that, the live page of a run stayed blank on a
 loaded machine (two CI runs, session 12).
 
-Plotly.js itself (4.8 MB) and the component's module are served as app
-static files (`server.enableStaticServing`): `publish_assets` copies them
-from the installed plotly package and from this package into
-`static/gradflow/` beside `app.py` when the server starts, with Plotly.js
-also gzipped once there (`plotly.min.js.gz`, 1.5 MB). Where static serving
+Plotly.js and the component's module are served as app static files
+(`server.enableStaticServing`): `publish_assets` copies them from this
+package into `static/gradflow/` beside `app.py` when the server starts,
+with Plotly.js also gzipped once there (`plotly.min.js.gz`). Where static serving
 is off or the copy failed, `show_live_chart` falls back to
 `st.plotly_chart`, which works, at the old cost. The files' URLs start with
 `server.baseUrlPath`: a reverse proxy that serves the dashboard under a path
@@ -43,6 +42,20 @@ disk and unpacks it itself (`DecompressionStream`, `live_chart.js`); a
 browser without it loads `plotly.min.js` as before.
 `tests/test_browser_live_chart.py` checks the headers, so a Streamlit or
 Starlette that starts compressing it again fails a test.
+
+Why a partial Plotly.js (issue #7): the page loads Plotly.js as soon as it
+opens, and that is more than half of the CPU a browser spends opening it. Live charts
+draw only the trace types in `TRACE_TYPES`, so `vendor/` holds Plotly's
+official cartesian bundle (`plotly.js-cartesian-dist-min`, 1.4 MB, those
+types and a few more) instead of the installed plotly package's full one
+(4.8 MB, every trace type). Opening the dashboard then costs a browser about
+1.7-2.3 s of main-thread CPU instead of 2.6-3.0 s, which a class opening
+the page at once on two cores pays 30 times (`bench/bench_static_assets.py`,
+page loads). Figures exported as HTML still embed the full Plotly.js (see
+`gradflow.export`): a handout works on its own, offline.
+`tests/test_browser_live_chart.py` checks that the served bundle registers
+every type in `TRACE_TYPES`, `tests/test_figures.py` that the live charts
+use no other.
 """
 
 import functools
@@ -54,7 +67,6 @@ import pathlib
 import tempfile
 import zlib
 
-import plotly
 import streamlit as st
 
 from gradflow import figures
@@ -64,7 +76,11 @@ from gradflow.ui.figure_delta import figure_update
 # App static files live in <app folder>/static/ and are served at
 # <baseUrlPath>/app/static/ (Streamlit's convention); ours in a folder of their own.
 STATIC_FOLDER = pathlib.Path("static") / "gradflow"
-_PLOTLY_JS = pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+# Plotly's cartesian bundle, vendored (see `vendor/README.md`).
+_PLOTLY_JS = pathlib.Path(__file__).with_name("vendor") / "plotly-cartesian.min.js"
+# The trace types of the figures drawn through `show_live_chart`; the served
+# bundle must register each of them.
+TRACE_TYPES = ("bar", "heatmap", "scatter")
 
 
 @functools.cache
