@@ -261,3 +261,61 @@ def test_a_board_that_cannot_be_written_leaves_the_pages_ticking(tmp_path, monke
     not_a_folder = tmp_path / "static-file"
     not_a_folder.write_text("")
     assert resources._run_board(str(not_a_folder), "/app/static/gradflow") is None
+
+
+# The watch script alone in Chromium, with `fetch` answering a board the test sets.
+_WATCH_SETUP = """async (source) => {
+  const url = URL.createObjectURL(new Blob([source], {type: "text/javascript"}));
+  window.watch = (await import(url)).default;
+  window.board = {queue: [], warm: true};
+  window.looks = [];
+  window.asked = [];
+  window.fetch = async (url) => {
+    window.looks.push(performance.now());
+    return new Response(JSON.stringify(window.board), {status: 200});
+  };
+}"""
+_WATCH_START = """(data) => {
+  const element = document.createElement("div");
+  element.appendChild(document.createElement("span"));
+  document.body.appendChild(element);
+  window.watch({data, parentElement: element, setTriggerValue: (name, value) => window.asked.push(value)});
+  return element;
+}"""
+
+
+@pytest.mark.browser
+def test_a_page_far_back_in_the_queue_looks_at_the_board_less_often(chromium):
+    # A run cannot leave the queue before the runs ahead of it: a page looks
+    # every 1, 2 or 3 intervals as it is 0-2, 3-5 or 6+ places back, and at
+    # once every interval again when it moves up, and asks when its run leaves.
+    from gradflow.ui import board as board_module
+
+    page = chromium.new_page()
+    try:
+        page.evaluate(_WATCH_SETUP, board_module._WATCH_JS)
+        every_ms = 200
+        data = {"url": "/board.json", "every_ms": every_ms, "ask_again_ms": 3000, "failed_looks": 3,
+                "places_per_slower_look": board_module.PLACES_PER_SLOWER_LOOK,
+                "slowest_looks": board_module.SLOWEST_LOOKS, "run": "mine", "place": 7}
+
+        def gaps_at(place, looks=4):
+            page.evaluate("(place) => { window.board.queue = [...Array(place).fill('other'), 'mine']; "
+                          "window.looks = []; }", place)
+            page.wait_for_function(f"() => window.looks.length >= {looks}", timeout=20_000)
+            times = page.evaluate("() => window.looks")
+            return [b - a for a, b in zip(times[1:], times[2:], strict=False)]  # after the first look
+
+        page.evaluate("(place) => { window.board.queue = [...Array(place).fill('other'), 'mine']; }", 7)
+        page.evaluate(_WATCH_START, data)
+        far, middle, near = gaps_at(7), gaps_at(4), gaps_at(1)
+        assert all(2.7 * every_ms <= gap < 4.5 * every_ms for gap in far), far
+        assert all(1.7 * every_ms <= gap < 3.0 * every_ms for gap in middle), middle
+        assert all(0.8 * every_ms <= gap < 1.8 * every_ms for gap in near), near
+        assert page.evaluate("() => document.querySelector('span').textContent") == "1 ahead of it"
+        assert page.evaluate("() => window.asked") == []
+
+        page.evaluate("() => { window.board.queue = []; }")  # the run left the queue
+        page.wait_for_function("() => window.asked.length === 1", timeout=10_000)
+    finally:
+        page.close()

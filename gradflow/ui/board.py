@@ -17,7 +17,8 @@ static files (`static/gradflow/board-<pid>-<token>.json`):
 ```
 
 and such a page draws `watch_place` or `watch_warm`: a small component that
-fetches the file once a second. A queued page shows its place from it, in
+fetches the file once a second (a queued page three or more places back,
+every two or three seconds). A queued page shows its place from it, in
 the browser, and asks for a rerun only when its run has left the queue; a
 page waiting for the trainer asks when the spare is warm. A look costs the
 server a static-file response, with no script run, and the browser no render
@@ -60,6 +61,14 @@ _NAME = re.compile(r"board-(\d+)-[0-9a-f]+\.json")
 # Once a second: the run leaving the queue is seen within about a second
 # (the ticks it replaces came every 2 s).
 LOOK_EVERY_S = 1.0
+# Further back in the queue a page looks less often: one interval more per
+# this many runs ahead of it, up to `SLOWEST_LOOKS` intervals. A run cannot
+# leave the queue before the runs ahead of it do, and each look costs the
+# browser about 17 ms and the server a static response: in a class of 30 on
+# two cores, 28 queued pages looking once a second took half a core while
+# the other pages were still opening (`bench/bench_page_states.py`).
+PLACES_PER_SLOWER_LOOK = 3
+SLOWEST_LOOKS = 3
 # A difference that persists is asked about again after this long.
 ASK_AGAIN_AFTER_S = 3.0
 # Looks that failed in a row before the page asks the server instead.
@@ -163,8 +172,13 @@ _WATCH_JS = """export default function ({ data, parentElement, setTriggerValue }
   const current = () => box.gradflowBoardGeneration === generation && !box.gradflowBoardGone;
   box.gradflowBoardGone = false;
   let failed = 0, asked = 0;
+  // Runs ahead of this one: look less often (PLACES_PER_SLOWER_LOOK in board.py).
+  const pause = (place) =>
+    data.every_ms * Math.min(1 + Math.floor(Math.max(place, 0) / data.places_per_slower_look), data.slowest_looks);
+  let wait = data.run === null ? data.every_ms : pause(data.place);
   const look = async () => {
     let ask;
+    wait = data.every_ms;
     try {
       // A look that hangs (a starved browser or server) must not stop the watch.
       const response = await fetch(data.url, { cache: "no-store", signal: AbortSignal.timeout(data.every_ms * 10) });
@@ -177,6 +191,7 @@ _WATCH_JS = """export default function ({ data, parentElement, setTriggerValue }
         const place = board.queue.indexOf(data.run);
         ask = place < 0;  // it left the queue: the page shows what it does now
         if (!ask && current()) show(place);
+        if (!ask) wait = pause(place);
       }
     } catch (error) {
       ask = ++failed >= data.failed_looks;  // no board: ask the server, as a tick would
@@ -190,10 +205,10 @@ _WATCH_JS = """export default function ({ data, parentElement, setTriggerValue }
         console.warn("gradflow: the run board could not ask for a rerun", error);
       }
     }
-    box.gradflowBoardTimer = setTimeout(look, data.every_ms);
+    box.gradflowBoardTimer = setTimeout(look, wait);
   };
   clearTimeout(box.gradflowBoardTimer);
-  box.gradflowBoardTimer = setTimeout(look, data.every_ms);
+  box.gradflowBoardTimer = setTimeout(look, wait);
   return () => {
     box.gradflowBoardGone = true;
     clearTimeout(box.gradflowBoardTimer);
@@ -214,6 +229,7 @@ def _watch(board, key, **data):
     _component()(
         key=key,
         data={"url": board.url, "every_ms": round(LOOK_EVERY_S * 1000),
+              "places_per_slower_look": PLACES_PER_SLOWER_LOOK, "slowest_looks": SLOWEST_LOOKS,
               "ask_again_ms": round(ASK_AGAIN_AFTER_S * 1000), "failed_looks": FAILED_LOOKS_BEFORE_ASKING, **data},
         # Any rerun does: the page (or fragment) reads the fact again itself.
         on_changed_change=_ignore,
