@@ -27,7 +27,7 @@ function runScript(src, name = src) {
 }
 
 // Plotly.js gzipped as a file (`plotly.min.js.gz`, application/gzip): the
-// server sends it as it is on disk instead of compressing 4.8 MB for every
+// server sends it as it is on disk instead of compressing 1.4 MB for every
 // page (gradflow/ui/live_chart.py says why), and the page unpacks it here.
 async function runGzippedScript(gzipSrc) {
   const response = await fetch(gzipSrc);
