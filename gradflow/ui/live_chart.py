@@ -43,15 +43,16 @@ browser without it loads `plotly.min.js` as before.
 `tests/test_browser_live_chart.py` checks the headers, so a Streamlit or
 Starlette that starts compressing it again fails a test.
 
-Why a partial Plotly.js (issue #7): the page loads Plotly.js as soon as it
-opens, and that is more than half of the CPU a browser spends opening it. Live charts
-draw only the trace types in `TRACE_TYPES`, so `vendor/` holds Plotly's
-official cartesian bundle (`plotly.js-cartesian-dist-min`, 1.4 MB, those
-types and a few more) instead of the installed plotly package's full one
-(4.8 MB, every trace type). Opening the dashboard then costs a browser about
-1.7-2.3 s of main-thread CPU instead of 2.6-3.0 s, which a class opening
-the page at once on two cores pays 30 times (`bench/bench_static_assets.py`,
-page loads). Figures exported as HTML still embed the full Plotly.js (see
+Why a partial Plotly.js (issue #7): every live page loads Plotly.js, when
+it opens or once a worker takes its run (`gradflow/ui/live.py`), and the
+full bundle was about half of what a browser spends opening the page. Live
+charts draw only the trace types in `TRACE_TYPES`, so `vendor/` holds
+Plotly's official cartesian bundle (`plotly.js-cartesian-dist-min`, 1.4 MB,
+those types and a few more) instead of the installed plotly package's full
+one (4.8 MB, every trace type). Opening the dashboard then costs a browser
+1.5 s of main-thread CPU instead of 2.3 s, which a class on one two-core
+machine pays 30 times (`python3 bench/bench_static_assets.py
+--against-full-plotly`). Figures exported as HTML still embed the full Plotly.js (see
 `gradflow.export`): a handout works on its own, offline.
 `tests/test_browser_live_chart.py` checks that the served bundle registers
 every type in `TRACE_TYPES`, `tests/test_figures.py` that the live charts
