@@ -8,9 +8,9 @@ import pathlib
 
 import streamlit as st
 
-from gradflow.ui import live_chart, resources
+from gradflow.ui import FAVICON, live_chart, resources
 
-st.set_page_config(page_title="gradflow", page_icon=":material/monitoring:", layout="wide")
+st.set_page_config(page_title="gradflow", page_icon=str(FAVICON), layout="wide")
 
 navigation = st.navigation(
     [

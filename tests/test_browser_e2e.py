@@ -123,6 +123,11 @@ def test_teacher_flow(page_factory, tmp_path, artifacts_dir):
             ws.on("framesent", lambda payload: sent.append(payload) if isinstance(payload, bytes) else None)
 
         page.on("websocket", watch)
+        # An offline classroom server: the page must not reach outside it (e.g. a
+        # Material icon as the tab's icon is fetched from fonts.gstatic.com).
+        outside = []
+        page.on("request", lambda r: outside.append(r.url)
+                if not r.url.startswith((url, url.replace("http", "ws", 1), "data:", "blob:")) else None)
         # A shared link restores the settings it carries: here a long run, to have time to Stop it.
         page.goto(f"{url}/?steps=10000&record_every=1")
         page.get_by_role("button", name="Start training").wait_for(timeout=90_000)
@@ -147,6 +152,7 @@ def test_teacher_flow(page_factory, tmp_path, artifacts_dir):
         page.get_by_role("button", name="Stop").click()
         wait_for_text(page, "Stopped", 60)
         no_exception(page)
+        assert outside == [], outside
         # While it trained, each tick sent the heatmaps' new columns: the whole
         # figure went once, with the first column.
         # Except after the page asked for it again, having lost an update (a
