@@ -290,17 +290,18 @@ def test_plotly_js_is_served_as_gzipped_on_disk_and_still_draws(chromium, tmp_pa
         context, page, fetched = _open_drawn_page(
             chromium, f"{url}/?run={run_id}", artifacts=artifacts_dir / "live-chart-static-gz"
         )
-        on_disk = (static / "plotly.min.js.gz").read_bytes()
-        assert gzip.decompress(on_disk) == (static / "plotly.min.js").read_bytes()
-        assert (static / "plotly.min.js").read_bytes() == live_chart._PLOTLY_JS.read_bytes()
-        # As a browser asks: the server must send the file's bytes, not compress them again.
-        request = urllib.request.Request(f"{url}{STATIC}plotly.min.js.gz",
-                                         headers={"Accept-Encoding": "gzip, deflate, br, zstd"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            assert response.headers.get("Content-Type") == "application/gzip"
-            assert response.headers.get("Content-Encoding") is None
-            assert response.read() == on_disk
         try:
+            on_disk = (static / "plotly.min.js.gz").read_bytes()
+            assert gzip.decompress(on_disk) == (static / "plotly.min.js").read_bytes()
+            assert (static / "plotly.min.js").read_bytes() == live_chart._PLOTLY_JS.read_bytes()
+            # As a browser asks: the server must send the file's bytes, not compress them again.
+            request = urllib.request.Request(f"{url}{STATIC}plotly.min.js.gz",
+                                             headers={"Accept-Encoding": "gzip, deflate, br, zstd"})
+            with urllib.request.urlopen(request, timeout=60) as response:
+                assert response.headers.get("Content-Type") == "application/gzip"
+                assert response.headers.get("Content-Encoding") is None
+                assert response.read() == on_disk
+
             plotly_responses = [r for r in fetched if "/plotly.min.js" in r.url]
             assert [r.url.split("?")[0].rsplit("/", 1)[1] for r in plotly_responses] == ["plotly.min.js.gz"]
             gz = plotly_responses[0]

@@ -89,7 +89,7 @@ def test_the_static_files_are_plotly_and_the_live_chart_module_copied_not_linked
 
 def test_published_gzip_is_kept_when_current_and_rewritten_when_not(tmp_path, published_here):
     # A later server start keeps the .gz it finds when it unpacks to this
-    # Plotly (no 4.8 MB gzip at every start), and replaces a broken one.
+    # Plotly (no gzip at every start), and replaces a broken one.
     import gzip
 
     from gradflow.ui import live_chart
