@@ -81,11 +81,13 @@ def wait_quiet(pid, window_s=0.5, limit_s=30.0):
     print(f"warning: the server did not go quiet within {limit_s} s", file=sys.stderr)
 
 
-def serve_plotly(content):
-    """Write `content` over the published Plotly.js and its gzipped copy."""
-    folder = ROOT / live_chart.STATIC_FOLDER
-    live_chart.replace_file(folder / "plotly.min.js", content)
-    live_chart.replace_file(folder / "plotly.min.js.gz", gzip.compress(content, 9, mtime=0))
+PLOTLY_FILES = ("plotly.min.js", "plotly.min.js.gz")
+
+
+def serve_plotly(files):
+    """Write `files` (name -> content) over the published Plotly.js and its gzipped copy."""
+    for name in PLOTLY_FILES:
+        live_chart.replace_file(ROOT / live_chart.STATIC_FOLDER / name, files[name])
 
 
 def page_load(browser, url, pid):
@@ -238,16 +240,21 @@ def main():
     ):
         browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
         warm = page_load(browser, url, process.pid)
-        shipped = (ROOT / live_chart.STATIC_FOLDER / "plotly.min.js").read_bytes()
-        full = (pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_bytes()
         loads = []
-        try:
-            for index in range(args.loads * (2 if args.against_full_plotly else 1)):
-                bundle = "full" if args.against_full_plotly and index % 2 else "shipped"
-                serve_plotly(full if bundle == "full" else shipped)
-                loads.append({"bundle": bundle, **page_load(browser, url, process.pid)})
-        finally:
-            serve_plotly(shipped)
+        if args.against_full_plotly:
+            # Read and gzipped once; the files are swapped before each load.
+            shipped = {name: (ROOT / live_chart.STATIC_FOLDER / name).read_bytes() for name in PLOTLY_FILES}
+            full_js = (pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_bytes()
+            full = dict(zip(PLOTLY_FILES, (full_js, gzip.compress(full_js, 9, mtime=0)), strict=True))
+            try:
+                for index in range(2 * args.loads):
+                    bundle = "full" if index % 2 else "shipped"
+                    serve_plotly(full if index % 2 else shipped)
+                    loads.append({"bundle": bundle, **page_load(browser, url, process.pid)})
+            finally:
+                serve_plotly(shipped)
+        else:
+            loads = [{"bundle": "shipped", **page_load(browser, url, process.pid)} for _ in range(args.loads)]
         browser.close()
         compared = {
             bundle: {
