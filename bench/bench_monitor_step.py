@@ -17,13 +17,14 @@ Variants: `plain` (Keras), `weights` (the monitor's default), `weights
 in-step` and `weights deferred` (the same with the path forced: statistics in
 the step, or a copy into a ring summarized when read, which the monitor picks
 for models of at most `deferred.MAX_PARAMETERS` parameters), `activations`
-(`activations=True`) and `stop_on_nonfinite` (the lab runner's setting: the
+(`activations=True`; `activations in-step` forces the in-step path there
+too) and `stop_on_nonfinite` (the lab runner's setting: the
 update is skipped on a non-finite step). The monitored steps read their ring
 as `fit` does, so the deferred path pays its read here too. `--detail`
 adds the deferred path without its reads and with 2 and 4 MiB rings. Models: those of `bench_monitor.py`
 (small size) and `lab`, the lab's default 4x32 MLP on digits with SGD.
 
-`--baseline DIR` adds `baseline weights` and `baseline stop_on_nonfinite`:
+`--baseline DIR` adds `baseline weights`, `baseline activations` and `baseline stop_on_nonfinite`:
 the same steps built by the statistics kernel and train step of another
 checkout (e.g. `git worktree add /tmp/base <commit>`), timed in the same
 rounds, so a change is measured side by side in one process.
@@ -55,6 +56,7 @@ VARIANTS = {
     "weights in-step": {"path": "in-step"},
     "weights deferred": {"path": "deferred"},
     "activations": {"activations": True},
+    "activations in-step": {"activations": True, "path": "in-step"},
     "stop_on_nonfinite": {"stop_on_nonfinite": True},
 }
 # `--detail`: where the deferred path's time goes (the step's copy against the
@@ -96,10 +98,18 @@ def load_baseline(checkout):
     load("baseline_statistics", root / "gradflow" / "statistics.py")
     kernel = ("from gradflow.statistics import", "from baseline_statistics import")
     # The checkout's own deferred ring too (it came in the ninth session).
-    ring = ("from gradflow.monitor import deferred", "import baseline_deferred as deferred")
+    # (Since the thirteenth session the same line imports `trace_gradients`,
+    # which stays this checkout's.)
+    rings = [
+        (
+            "from gradflow.monitor import deferred, trace_gradients",
+            "import baseline_deferred as deferred\nfrom gradflow.monitor import trace_gradients",
+        ),
+        ("from gradflow.monitor import deferred", "import baseline_deferred as deferred"),
+    ]
     if (root / "gradflow" / "monitor" / "deferred.py").exists():
         load("baseline_deferred", root / "gradflow" / "monitor" / "deferred.py", [kernel])
-    return load("baseline_step", root / "gradflow" / "monitor" / "step.py", [kernel, ring])
+    return load("baseline_step", root / "gradflow" / "monitor" / "step.py", [kernel, *rings])
 
 
 class MonitoredStep:
@@ -141,9 +151,13 @@ def compiled_step(name, options, step_module=None):
 
     model, x, y = build(name)
     batch = (tf.constant(x), tf.constant(y))
+    # Traced as `fit` traces it: the batch dimension unknown (Keras's
+    # datasets keep a last batch that may be smaller), so layer outputs have
+    # an unknown first dimension, which matters to the activations' kernel.
+    signature = [tuple(tf.TensorSpec([None, *t.shape[1:]], t.dtype) for t in batch)]
     model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)  # builds the optimizer
     if options is None:
-        step = tf.function(model.train_step)
+        step = tf.function(model.train_step, input_signature=signature)
     else:
         plan = StepPlan(
             model,
@@ -166,7 +180,7 @@ def compiled_step(name, options, step_module=None):
             plan.prepare(model.trainable_weights)
         finally:
             deferred.MAX_PARAMETERS, deferred.RING_BYTES = saved
-        function = tf.function(instrumented_train_step(plan))
+        function = tf.function(instrumented_train_step(plan), input_signature=signature)
         step = MonitoredStep(function, plan, reads=options.get("reads", True))
     for _ in range(20):  # trace and warm up
         step(batch)
@@ -231,7 +245,7 @@ def main():
         variants = {**VARIANTS, **(DETAIL_VARIANTS if args.detail else {})}
         steps = {v: compiled_step(name, options) for v, options in variants.items()}
         if baseline is not None:
-            for variant in ("weights", "stop_on_nonfinite"):
+            for variant in ("weights", "activations", "stop_on_nonfinite"):
                 steps[f"baseline {variant}"] = compiled_step(name, VARIANTS[variant], baseline)
         times = paired_times(steps, args.rounds, args.steps)
         plain = statistics.median(times["plain"])

@@ -13,6 +13,11 @@ costs microseconds to dispatch. An earlier version flattened everything into
 one vector and used segment operations; those kernels are single-threaded on
 CPU and the concatenation copies every entry, which made it slower still.
 Measured with `python3 bench/bench_statistics.py`.
+
+Layer outputs (activation gradients) have a first dimension that is unknown
+while the step is traced, so they cannot be stacked safely; those that agree
+in every other dimension are joined along the first axis instead, and only
+their per-row sums go through segment ops (`_raw_sums_of_batches`).
 """
 
 import tensorflow as tf
@@ -248,9 +253,103 @@ def summarize(tensors, histogram=False):
     if not tensors:
         raise ValueError("`tensors` must hold at least one tensor, got an empty list.")
     dense = [_dense_float(tensor) for tensor in tensors]
-    statistics = _finish(by_shape(dense, _raw_sums))
+    statistics = _finish(_raw_sums_of(dense))
     histograms = tf.stack([_log_histogram(values) for values in dense]) if histogram else None
     return statistics, histograms
+
+
+def _raw_sums_of(tensors):
+    """`_raw_sums` rows of each tensor, in order: `[len(tensors), 7]`.
+
+    Tensors that differ at most in an unknown first dimension (the outputs
+    of a model's layers, whose first dimension is the batch) are reduced
+    together by `_raw_sums_of_batches`; every other tensor goes by shape.
+    """
+    batches, others = {}, []
+    for index, tensor in enumerate(tensors):
+        key = _batch_key(tensor.shape)
+        if key is None:
+            others.append(index)
+        else:
+            batches.setdefault(key, []).append(index)
+    for key, group in list(batches.items()):
+        if len(group) == 1:  # nothing to share: the plain kernel
+            others.extend(batches.pop(key))
+    if not batches:
+        return by_shape(tensors, _raw_sums)
+    groups = list(batches.values())
+    parts = [_raw_sums_of_batches([tensors[i] for i in group]) for group in groups]
+    order = [i for group in groups for i in group]
+    if others:
+        others.sort()
+        parts.append(by_shape([tensors[i] for i in others], _raw_sums))
+        order += others
+    joined = tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
+    if order == sorted(order):
+        return joined
+    position = sorted(range(len(order)), key=order.__getitem__)
+    return tf.gather(joined, position)
+
+
+def _batch_key(shape):
+    """The known dimensions of a shape whose first one alone is unknown, else None."""
+    shape = tf.TensorShape(shape)
+    if shape.rank is None or shape.rank < 1 or shape[0] is not None:
+        return None
+    rest = shape[1:]
+    return tuple(rest.as_list()) if rest.is_fully_defined() else None
+
+
+def _raw_sums_of_batches(tensors):
+    """`_raw_sums` of tensors that share every dimension but an unknown first one: `[k, 7]`.
+
+    Stacking them would need the first dimensions to be equal when the step
+    runs, which holds only if every one is the batch (a `tf.boolean_mask`
+    output is not). Joined along the first axis, any lengths go: each row of
+    the join is reduced, then the rows are summed per tensor with segment
+    ops on `[rows]` vectors, which are short. Some thirty ops for the whole
+    group instead of about fifteen per tensor, each of which costs a small
+    model's step microseconds.
+    """
+    width = tensors[0].shape[1:].num_elements()
+    count = len(tensors)
+    values = tf.concat(
+        [t if t.shape.rank == 2 else tf.reshape(t, [-1, width]) for t in tensors], axis=0
+    )
+    lengths = tf.stack(tf.shape_n(tensors, out_type=tf.int32))[:, 0]
+    ends = tf.cumsum(lengths)
+    # Row r belongs to tensor i when ends[i - 1] <= r < ends[i].
+    ids = tf.searchsorted(ends, tf.range(ends[-1]), side="right")
+    entries = tf.cast(lengths * width, tf.float32)[:, tf.newaxis]
+
+    def per_tensor(rows):
+        return tf.math.unsorted_segment_sum(rows, ids, count)
+
+    magnitude = tf.abs(values)
+    row_sums = tf.stack(
+        [
+            tf.reduce_sum(values, axis=1),
+            tf.reduce_sum(magnitude, axis=1),
+            tf.reduce_sum(tf.cast(tf.equal(values, 0.0), tf.float32), axis=1),
+            tf.reduce_sum(tf.cast(tf.math.is_finite(values), tf.float32), axis=1),
+        ],
+        axis=1,
+    )
+    total, sum_abs, zeros, finite = tf.unstack(per_tensor(row_sums), num=4, axis=1)
+    mean = total / tf.maximum(entries[:, 0], 1.0)
+    # Two-pass variance, as `_raw_sums`: each row around its tensor's mean.
+    deviations = per_tensor(
+        tf.reduce_sum(
+            tf.math.squared_difference(values, tf.gather(mean, ids)[:, tf.newaxis]), axis=1
+        )
+    )
+    # An empty tensor's max is the lowest float; `_finish` clamps it at 0.
+    max_abs = tf.math.unsorted_segment_max(tf.reduce_max(magnitude, axis=1), ids, count)
+    nonfinite = entries[:, 0] - finite
+    return tf.concat(
+        [entries, tf.stack([total, sum_abs, deviations, max_abs, zeros, nonfinite], axis=1)],
+        axis=1,
+    )
 
 
 def summarize_rows(rows, histogram=False):

@@ -185,6 +185,9 @@ def test_statistics_equal_a_hand_written_tape_loop(name, optimizer_class, clip, 
     model.compile(optimizer=optimizer_class(learning_rate=0.05, **clip_kwargs), loss="mse")
     monitor = GradientMonitor(activations=True)
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[monitor])
+    # Without clipping or a constraint this small model takes the deferred
+    # path (activation statistics in the step, the rest at the read).
+    assert monitor._plan.deferred is (clip is None and max_norm is None)
 
     rows, metrics = reference_run(
         reference, optimizer_class(learning_rate=0.05), x, y, epochs=2, clip=clip, max_norm=max_norm

@@ -65,35 +65,45 @@ def shared_shapes_model():
     )
 
 
-def train(model, steps_per_execution, monkeypatch, in_step):
+def train(model, steps_per_execution, monkeypatch, in_step, activations=False):
     if in_step:
         monkeypatch.setattr(deferred, "MAX_PARAMETERS", 0)
     rng = np.random.default_rng(5)
-    x = rng.normal(size=(150 * 4, 3)).astype("float32")
+    # 601 samples in batches of 4: the last batch of the epoch holds one, so
+    # the activation gradients change shape within the run.
+    x = rng.normal(size=(150 * 4 + 1, 3)).astype("float32")
     y = (x[:, :1] * 2.0 + 1.0).astype("float32")
     model.compile(
         optimizer=keras.optimizers.Adam(0.01), loss="mse", steps_per_execution=steps_per_execution
     )
-    monitor = GradientMonitor(histograms=True)
+    monitor = GradientMonitor(histograms=True, activations=activations)
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
     monkeypatch.undo()
     assert monitor._plan.deferred is not in_step
     return monitor
 
 
-@pytest.mark.parametrize("steps_per_execution", [1, 3])
-def test_deferred_and_in_step_paths_record_the_same_numbers(steps_per_execution, monkeypatch):
-    # 150 steps: the ring (64 executions) wraps twice, and reads come both
+@pytest.mark.parametrize(
+    "steps_per_execution,activations",
+    [(1, False), (3, False), (1, True), (3, True)],
+    ids=["weights", "weights-3-per-execution", "activations", "activations-3-per-execution"],
+)
+def test_deferred_and_in_step_paths_record_the_same_numbers(
+    steps_per_execution, activations, monkeypatch
+):
+    # 151 steps: the ring (64 executions) wraps twice, and reads come both
     # every 64 executions and every 0.2 s, so the weights after a step come
     # from the next slot and, for the newest step of each read, from the
     # model itself.
     model = shared_shapes_model()
     twin = keras.models.clone_model(model)
     twin.set_weights(model.get_weights())
-    fast = train(model, steps_per_execution, monkeypatch, in_step=False)
-    slow = train(twin, steps_per_execution, monkeypatch, in_step=True)
+    fast = train(model, steps_per_execution, monkeypatch, in_step=False, activations=activations)
+    slow = train(twin, steps_per_execution, monkeypatch, in_step=True, activations=activations)
 
-    assert sorted(fast.history["step"].unique()) == list(range(1, 151))
+    assert sorted(fast.history["step"].unique()) == list(range(1, 152))
+    tensors = set(fast.history["tensor"])
+    assert ("activation" in tensors) is activations
     columns = list(schema.STATISTICS + schema.EXTRA_COLUMNS)
     np.testing.assert_allclose(
         fast.history[columns].to_numpy(dtype=float),
@@ -133,7 +143,8 @@ def wide_model():
         ("default", {}, {}, True),
         ("stop_on_nonfinite", {"stop_on_nonfinite": True}, {}, True),
         ("every_2", {"every": 2}, {}, False),
-        ("activations", {"activations": True}, {}, False),
+        ("activations", {"activations": True}, {}, True),
+        ("activations_every_2", {"activations": True, "every": 2}, {}, False),
         ("clipnorm", {}, {"clipnorm": 1.0}, False),
         ("global_clipnorm", {}, {"global_clipnorm": 1.0}, False),
         ("max_norm", {}, {}, False),

@@ -178,3 +178,35 @@ def test_empty_tensor_gives_zeros():
     statistics, _ = summarize([tf.zeros([0, 3]), tf.ones([2])])
     np.testing.assert_array_equal(statistics.numpy()[0], np.zeros(6))
     assert statistics.numpy()[1][0] == 1.0
+
+
+def test_layer_outputs_of_any_batch_length_keep_their_own_rows():
+    # Inside a train step layer outputs have an unknown first dimension (the
+    # batch). Those that agree in every other dimension are reduced together,
+    # and nothing may assume their first dimensions are equal when the step
+    # runs: here they are 5, 0, 3 and 2 rows, between tensors of other shapes.
+    arrays = [
+        RNG.normal(size=(5, 4, 2)).astype(np.float32),
+        np.zeros((0, 4, 2), np.float32),
+        np.array([[[0.0, 1.0]] * 4, [[NAN, 2.0]] * 4, [[3.0, -INF]] * 4], np.float32),
+        np.zeros((2, 4, 2), np.float32),
+        RNG.normal(size=(3, 8)).astype(np.float32),  # same entries per row, other shape
+        (2e3 + RNG.normal(size=(4, 8)) * 1e-2).astype(np.float32),
+        np.float32(-3.0),  # a known shape, between them
+        RNG.normal(size=(6, 3)).astype(np.float32),  # alone in its shape
+    ]
+    signature = [
+        tf.TensorSpec([None, *a.shape[1:]], tf.float32) if np.ndim(a) else tf.TensorSpec([])
+        for a in arrays
+    ]
+
+    @tf.function(input_signature=[signature])
+    def kernel(tensors):
+        return summarize(tensors, histogram=True)
+
+    statistics, histograms = kernel([tf.constant(a) for a in arrays])
+    assert statistics.shape == (len(arrays), len(schema.STATISTICS))
+    for row, array in enumerate(arrays):
+        expected = numpy_statistics(array)
+        np.testing.assert_allclose(statistics.numpy()[row], expected, rtol=1e-5, atol=1e-30)
+        np.testing.assert_array_equal(histograms.numpy()[row], numpy_histogram(array))

@@ -171,11 +171,12 @@ def _warm_up():
     model.compile(optimizer="sgd", loss="mse")
     x, y = np.zeros((4, 2), "float32"), np.zeros((4, 1), "float32")
     # Tracing the instrumented step once makes the first real trace faster.
-    # Both paths: the statistics in the step (here with activations) and the
-    # deferred ring of small models, which the lab's default run takes and
-    # whose first read, op by op, is waited for (its ops' first use).
+    # Both paths: the statistics in the step (taken here because not every
+    # step is recorded; with activations and histograms) and the deferred
+    # ring of small models, which the lab's default run takes and whose
+    # first read, op by op, is waited for (its ops' first use).
     for monitor in (
-        GradientMonitor(histograms=True, activations=True, stop_on_nonfinite=True),
+        GradientMonitor(histograms=True, activations=True, stop_on_nonfinite=True, every=2),
         GradientMonitor(stop_on_nonfinite=True),
     ):
         with warnings.catch_warnings():

@@ -45,11 +45,12 @@ class GradientMonitor(keras.callbacks.Callback):
     The monitor swaps in an instrumented copy of Keras's train step for the
     duration of `fit`. It records the very gradients the step hands to the
     optimizer: no second forward or backward pass. On a small model (up to
-    32,768 parameters, every step recorded, no activation gradients, no
-    clipping or constraint) the step only copies the gradients and weights
-    into a ring and the statistics are computed when the monitor reads it,
-    every few hundred steps or 0.2 s, which costs the step less; otherwise
-    they are computed inside the compiled step. Per trainable variable and
+    32,768 parameters, every step recorded, no clipping or constraint) the
+    step only copies the gradients and weights into a ring (and, with
+    `activations=True`, the statistics of the activation gradients) and the
+    statistics are computed when the monitor reads it, every few hundred
+    steps or 0.2 s, which costs the step less; otherwise they are computed
+    inside the compiled step. Per trainable variable and
     recorded step it keeps the statistics of `gradflow.schema.STATISTICS` plus the weight norm, the
     update ratio ||dw|| / ||w||, the gradient after optimizer clipping
     (`clipnorm`, `clipvalue`, `global_clipnorm`) and the weight norm before a

@@ -14,9 +14,14 @@ The weights after step t are the weights before step t + 1, the next slot;
 for the newest step they are the model's weights as they are at the read,
 since the callback reads between executions. That holds only when every step
 is recorded (`every=1`) and nothing else changes the weights: constraints,
-clipping (whose columns need the clipped gradient), activation gradients,
-loss scaling and several replicas keep the in-step path, as do models too
-large for the ring (`fits`).
+clipping (whose columns need the clipped gradient), loss scaling and several
+replicas keep the in-step path, as do models too large for the ring (`fits`).
+
+Activation gradients are the one thing summarized in the step: their shape
+follows the batch (the last batch of an epoch is often smaller), so they
+cannot sit in fixed slots. Their statistics (and histograms) are a fixed
+`[activation_rows, ...]` block, and that block is what the slot keeps. The
+weights still take the cheap copy.
 """
 
 import numpy as np
@@ -24,7 +29,7 @@ import tensorflow as tf
 
 from gradflow import schema
 from gradflow.monitor.buffer import ROW_COLUMNS, STEP_METRICS, _local_variable, _write_slot
-from gradflow.statistics import ShapeGroups, summarize_rows
+from gradflow.statistics import ShapeGroups, summarize, summarize_rows
 
 _NAN = float("nan")
 
@@ -47,25 +52,34 @@ _MAX_GROWTH = 4
 MAX_RING_BYTES = 64 * 2**20
 
 
-def ring_capacity(variables, capacity):
+def ring_capacity(variables, capacity, activation_rows=0, histograms=False):
     """Steps a deferred ring holds: `capacity`, or more while the ring stays under `RING_BYTES`."""
-    return max(capacity, min(_MAX_GROWTH * capacity, RING_BYTES // _slot_bytes(variables)))
+    slot = _slot_bytes(variables, activation_rows, histograms)
+    return max(capacity, min(_MAX_GROWTH * capacity, RING_BYTES // slot))
 
 
 def _parameters(variables):
     return sum(tf.TensorShape(v.shape).num_elements() for v in variables)
 
 
-def _slot_bytes(variables):
-    return 4 * (2 * _parameters(variables) + 2)
+def _activation_width(activation_rows, histograms):
+    """Floats a slot keeps for the activation gradients' statistics (and histograms)."""
+    per_row = len(schema.STATISTICS) + (schema.HISTOGRAM_BINS if histograms else 0)
+    return activation_rows * per_row
 
 
-def fits(variables, capacity):
+def _slot_bytes(variables, activation_rows=0, histograms=False):
+    return 4 * (2 * _parameters(variables) + 2 + _activation_width(activation_rows, histograms))
+
+
+def fits(variables, capacity, activation_rows=0, histograms=False):
     """Whether a model with these trainable variables is small enough for the deferred path.
 
     Args:
         variables: The model's trainable variables.
         capacity: The steps the callback reads at most at once.
+        activation_rows: Rows kept for activation gradients (0 without them).
+        histograms: Whether histograms are recorded.
     """
     shapes = [tf.TensorShape(v.shape) for v in variables]
     if not all(s.is_fully_defined() for s in shapes):
@@ -73,7 +87,7 @@ def fits(variables, capacity):
     return (
         _parameters(variables) <= MAX_PARAMETERS
         and capacity > 1
-        and capacity * _slot_bytes(variables) <= MAX_RING_BYTES
+        and capacity * _slot_bytes(variables, activation_rows, histograms) <= MAX_RING_BYTES
     )
 
 
@@ -103,13 +117,18 @@ class DeferredRing:
         variables: The model's trainable variables, in gradient order.
         capacity: How many steps the ring holds between two reads.
         histograms: Whether `read` also counts log10|g| histograms.
+        activation_rows: Rows for activation gradients after the variables'
+            (`read` returns them as the in-step ring does: their statistics,
+            NaN in the weight columns, NaN rows where fewer were recorded).
+            Defaults to 0.
     """
 
-    def __init__(self, variables, capacity, histograms=False):
+    def __init__(self, variables, capacity, histograms=False, activation_rows=0):
         self.capacity = int(capacity)
         self.variables = list(variables)
         self.rows = len(self.variables)
         self.histograms = histograms
+        self.activation_rows = int(activation_rows)
         shapes = [tf.TensorShape(v.shape).as_list() for v in self.variables]
         # Slot layout: each shape group's tensors side by side, so that a
         # group's columns of the ring are a `[capacity, k, entries]` block.
@@ -130,10 +149,11 @@ class DeferredRing:
         # One more slot than the ring holds: the steps `stop_on_nonfinite`
         # halted write there, which costs less than a branch around the write.
         self.steps = _local_variable(np.zeros([capacity + 1], np.int64), tf.int64)
-        # Per slot: the gradients, the weights, then the loss and the learning rate.
-        self.raw = _local_variable(
-            np.zeros([capacity + 1, 2 * self.parameters + 2], np.float32), tf.float32
-        )
+        # Per slot: the gradients, the weights, the loss and the learning
+        # rate, then the activation gradients' statistics and histograms.
+        self._activations_at = 2 * self.parameters + 2
+        width = self._activations_at + _activation_width(self.activation_rows, histograms)
+        self.raw = _local_variable(np.zeros([capacity + 1, width], np.float32), tf.float32)
         self.halted = _local_variable(0, tf.int32)
         self._read_before = False
         self._summarize = tf.function(
@@ -144,14 +164,38 @@ class DeferredRing:
 
     # In the step ----------------------------------------------------------------
 
-    def pack(self, gradients, loss, learning_rate):
-        """One vector: the gradients, the weights as they are now (before the update), loss, learning rate."""
+    def pack(self, gradients, loss, learning_rate, activation_gradients=()):
+        """One vector: the gradients, the weights as they are now (before the update), loss,
+        learning rate, and the statistics of the activation gradients (at most `activation_rows`)."""
         return tf.concat(
             self._flat([tf.cast(gradients[i], tf.float32) for i in self._order])
             + self._weight_pieces()
-            + [tf.reshape(tf.cast(loss, tf.float32), [1]), tf.reshape(learning_rate, [1])],
+            + [tf.reshape(tf.cast(loss, tf.float32), [1]), tf.reshape(learning_rate, [1])]
+            + self._activation_pieces(list(activation_gradients)),
             axis=0,
         )
+
+    def _activation_pieces(self, activation_gradients):
+        """The activation gradients' statistics then histograms, padded to `activation_rows`."""
+        if not self.activation_rows:
+            return []
+        recorded = activation_gradients[: self.activation_rows]
+        padding = self.activation_rows - len(recorded)
+        statistics = len(schema.STATISTICS)
+        if not recorded:
+            stats = tf.fill([self.activation_rows, statistics], _NAN)
+            histograms = tf.zeros([self.activation_rows, schema.HISTOGRAM_BINS])
+        else:
+            stats, histograms = summarize(recorded, self.histograms)
+            # As in the in-step ring: NaN statistics and empty histograms
+            # where fewer outputs were recorded than there are rows.
+            stats = tf.pad(stats, [[0, padding], [0, 0]], constant_values=_NAN)
+            if histograms is not None:
+                histograms = tf.pad(histograms, [[0, padding], [0, 0]])
+        pieces = [tf.reshape(stats, [-1])]
+        if self.histograms:
+            pieces.append(tf.reshape(histograms, [-1]))
+        return pieces
 
     def all_finite(self, packed):
         """Whether every gradient entry of `pack`'s vector is finite."""
@@ -276,9 +320,29 @@ class DeferredRing:
         gradient_norm = stats[:, :, schema.STATISTICS.index("l2_norm")]
         global_norm = tf.sqrt(tf.reduce_sum(tf.square(gradient_norm), axis=1))
         metrics = tf.concat(
-            [chosen[:, 2 * parameters :], global_norm[:, tf.newaxis], tf.fill([count, 2], _NAN)],
+            [
+                chosen[:, 2 * parameters : self._activations_at],
+                global_norm[:, tf.newaxis],
+                tf.fill([count, 2], _NAN),
+            ],
             axis=1,
         )
         assert metrics.shape[1] == len(STEP_METRICS)
         histograms = self._rows(histograms) if histograms else None
+        if self.activation_rows:
+            rows, histograms = self._with_activation_rows(chosen, count, rows, histograms)
         return rows, metrics, histograms
+
+    def _with_activation_rows(self, chosen, count, rows, histograms):
+        """The variables' rows, then the activation rows the step summarized."""
+        statistics = len(schema.STATISTICS)
+        at, activations = self._activations_at, self.activation_rows
+        stats = tf.reshape(chosen[:, at : at + activations * statistics], [-1, activations, statistics])
+        extras = tf.fill([count, activations, len(ROW_COLUMNS) - statistics], _NAN)
+        rows = tf.concat([rows, tf.concat([stats, extras], axis=-1)], axis=1)
+        if histograms is not None:
+            at += activations * statistics
+            counts = chosen[:, at : at + activations * schema.HISTOGRAM_BINS]
+            counts = tf.reshape(counts, [-1, activations, schema.HISTOGRAM_BINS])
+            histograms = tf.concat([histograms, counts], axis=1)
+        return rows, histograms

@@ -96,8 +96,12 @@ class StepPlan:
             self.names = variable_names(self.model, variables)
             self.deferred = self._can_defer(variables)
             if self.deferred:
-                self.capacity = deferred.ring_capacity(variables, self.capacity)
-                self.buffer = deferred.DeferredRing(variables, self.capacity, self.histograms)
+                self.capacity = deferred.ring_capacity(
+                    variables, self.capacity, self.activation_slots, self.histograms
+                )
+                self.buffer = deferred.DeferredRing(
+                    variables, self.capacity, self.histograms, self.activation_slots
+                )
             else:
                 self.buffer = RingBuffer(
                     self.model.distribute_strategy,
@@ -114,14 +118,13 @@ class StepPlan:
         optimizer = self.optimizer
         return (
             self.every == 1
-            and not self.activation_slots
             and not self.probing
             and self.replicas == 1
             and clipping_optimizer(optimizer) is None
             and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
             and optimizer.loss_scale_factor is None
             and not _constrained_indices(variables)
-            and deferred.fits(variables, self.capacity)
+            and deferred.fits(variables, self.capacity, self.activation_slots, self.histograms)
         )
 
 
@@ -170,7 +173,13 @@ def instrumented_train_step(plan):
         constraints = [variables[i].constraint for i in constrained]
         if plan.deferred:
             return _deferred_tail(
-                plan, x, y, y_pred, sample_weight, loss, learning_rate, weight_gradients, variables
+                plan,
+                (x, y, y_pred, sample_weight),
+                loss,
+                learning_rate,
+                weight_gradients,
+                variables,
+                _filled(gradients[len(variables) :], activations),
             )
         weight_groups = ShapeGroups([v.shape for v in variables])
         updates = _UpdateCapture.for_step(
@@ -287,13 +296,19 @@ def _noting_custom_gradients(plan, train_step):
     return step
 
 
-def _deferred_tail(plan, x, y, y_pred, sample_weight, loss, learning_rate, gradients, variables):
-    """Update and record the step for `gradflow.monitor.deferred`: one copy, no statistics.
+def _deferred_tail(
+    plan, batch, loss, learning_rate, gradients, variables, activation_gradients
+):
+    """Update and record the step for `gradflow.monitor.deferred`: one copy, and
+    the statistics of the activation gradients only.
 
     The gradients are never scaled here (no loss scaling on this path).
     """
     model, optimizer = plan.model, plan.optimizer
-    packed = plan.buffer.pack(_filled(gradients, variables), loss, learning_rate)
+    x, y, y_pred, sample_weight = batch
+    packed = plan.buffer.pack(
+        _filled(gradients, variables), loss, learning_rate, activation_gradients
+    )
 
     def update():
         # The copy reads the weights before the update; waiting for it lets
