@@ -165,8 +165,8 @@ class DeferredRing:
     # In the step ----------------------------------------------------------------
 
     def pack(self, gradients, loss, learning_rate, activation_gradients=()):
-        """One vector: the gradients, the weights as they are now (before the update), loss,
-        learning rate, and the statistics of the activation gradients (at most `activation_rows`)."""
+        """One vector: the gradients, the weights as they are now (before the update), the loss,
+        the learning rate, then the statistics of up to `activation_rows` activation gradients."""
         return tf.concat(
             self._flat([tf.cast(gradients[i], tf.float32) for i in self._order])
             + self._weight_pieces()
@@ -337,7 +337,9 @@ class DeferredRing:
         """The variables' rows, then the activation rows the step summarized."""
         statistics = len(schema.STATISTICS)
         at, activations = self._activations_at, self.activation_rows
-        stats = tf.reshape(chosen[:, at : at + activations * statistics], [-1, activations, statistics])
+        stats = tf.reshape(
+            chosen[:, at : at + activations * statistics], [-1, activations, statistics]
+        )
         extras = tf.fill([count, activations, len(ROW_COLUMNS) - statistics], _NAN)
         rows = tf.concat([rows, tf.concat([stats, extras], axis=-1)], axis=1)
         if histograms is not None:

@@ -296,9 +296,7 @@ def _noting_custom_gradients(plan, train_step):
     return step
 
 
-def _deferred_tail(
-    plan, batch, loss, learning_rate, gradients, variables, activation_gradients
-):
+def _deferred_tail(plan, batch, loss, learning_rate, gradients, variables, activation_gradients):
     """Update and record the step for `gradflow.monitor.deferred`: one copy, and
     the statistics of the activation gradients only.
 
