@@ -15,9 +15,9 @@ CPU and the concatenation copies every entry, which made it slower still.
 Measured with `python3 bench/bench_statistics.py`.
 
 Layer outputs (activation gradients) have a first dimension that is unknown
-while the step is traced, so they cannot be stacked safely; those that agree
-in every other dimension are joined along the first axis instead, and only
-their per-row sums go through segment ops (`_raw_sums_of_batches`).
+while the step is traced, so they cannot be stacked safely; those with rows
+of equal size are joined along the first axis instead, and only their
+per-row sums go through segment ops (`_raw_sums_of_batches`).
 """
 
 import tensorflow as tf
@@ -261,95 +261,124 @@ def summarize(tensors, histogram=False):
 def _raw_sums_of(tensors):
     """`_raw_sums` rows of each tensor, in order: `[len(tensors), 7]`.
 
-    Tensors that differ at most in an unknown first dimension (the outputs
-    of a model's layers, whose first dimension is the batch) are reduced
-    together by `_raw_sums_of_batches`; every other tensor goes by shape.
+    Tensors whose first dimension alone is unknown (a model's layer outputs
+    inside a train step: the first dimension is the batch) go through
+    `_raw_sums_of_batches`; every other tensor goes by shape.
     """
-    batches, others = {}, []
-    for index, tensor in enumerate(tensors):
-        key = _batch_key(tensor.shape)
-        if key is None:
-            others.append(index)
-        else:
-            batches.setdefault(key, []).append(index)
-    for key, group in list(batches.items()):
-        if len(group) == 1:  # nothing to share: the plain kernel
-            others.extend(batches.pop(key))
+    batches = [i for i, tensor in enumerate(tensors) if _batch_width(tensor.shape) is not None]
     if not batches:
         return by_shape(tensors, _raw_sums)
-    groups = list(batches.values())
-    parts = [_raw_sums_of_batches([tensors[i] for i in group]) for group in groups]
-    order = [i for group in groups for i in group]
-    if others:
-        others.sort()
-        parts.append(by_shape([tensors[i] for i in others], _raw_sums))
-        order += others
-    joined = tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
+    if len(batches) == len(tensors):
+        return _raw_sums_of_batches(tensors)
+    taken = set(batches)
+    others = [i for i in range(len(tensors)) if i not in taken]
+    joined = tf.concat(
+        [
+            by_shape([tensors[i] for i in others], _raw_sums),
+            _raw_sums_of_batches([tensors[i] for i in batches]),
+        ],
+        axis=0,
+    )
+    order = others + batches  # the monitor's order: weights, then layer outputs
     if order == sorted(order):
         return joined
-    position = sorted(range(len(order)), key=order.__getitem__)
-    return tf.gather(joined, position)
+    return tf.gather(joined, sorted(range(len(order)), key=order.__getitem__))
 
 
-def _batch_key(shape):
-    """The known dimensions of a shape whose first one alone is unknown, else None."""
+def _batch_width(shape):
+    """Entries per row of a tensor whose first dimension alone is unknown, else None."""
     shape = tf.TensorShape(shape)
     if shape.rank is None or shape.rank < 1 or shape[0] is not None:
         return None
     rest = shape[1:]
-    return tuple(rest.as_list()) if rest.is_fully_defined() else None
+    return rest.num_elements() if rest.is_fully_defined() else None
 
 
 def _raw_sums_of_batches(tensors):
-    """`_raw_sums` of tensors that share every dimension but an unknown first one: `[k, 7]`.
+    """`_raw_sums` of tensors whose first dimension alone is unknown: `[k, 7]`.
 
-    Stacking them would need the first dimensions to be equal when the step
-    runs, which holds only if every one is the batch (a `tf.boolean_mask`
-    output is not). Joined along the first axis, any lengths go: each row of
-    the join is reduced, then the rows are summed per tensor with segment
-    ops on `[rows]` vectors, which are short. Some thirty ops for the whole
-    group instead of about fifteen per tensor, each of which costs a small
-    model's step microseconds.
+    Stacking them would need equal first dimensions when the step runs,
+    which holds only if every one is the batch (a `tf.boolean_mask` output
+    is not), and each would otherwise be a shape group of its own, with a
+    NaN/Inf branch. Instead tensors with equal rows are joined along the
+    first axis, which takes any lengths; each row of a join is reduced, and
+    the rows are summed per tensor with segment ops on `[rows]` vectors,
+    which are short. The op count grows by about fifteen per row width, not
+    by thirty per tensor, and on CPU each op costs a small model's step
+    microseconds.
     """
-    width = tensors[0].shape[1:].num_elements()
     count = len(tensors)
-    values = tf.concat(
-        [t if t.shape.rank == 2 else tf.reshape(t, [-1, width]) for t in tensors], axis=0
-    )
-    lengths = tf.stack(tf.shape_n(tensors, out_type=tf.int32))[:, 0]
+    widths = [_batch_width(tensor.shape) for tensor in tensors]
+    by_width = {}
+    for index, width in enumerate(widths):
+        by_width.setdefault(width, []).append(index)
+    # Rows are laid out width by width, tensor by tensor; row r belongs to
+    # the tensor `order[ids[r]]`, and per-tensor results come in `order`.
+    order = [index for members in by_width.values() for index in members]
+    matrices = {
+        i: tensors[i] if tensors[i].shape.rank == 2 else tf.reshape(tensors[i], [-1, widths[i]])
+        for i in order
+    }
+    lengths = tf.stack(tf.shape_n([matrices[i] for i in order], out_type=tf.int32))[:, 0]
     ends = tf.cumsum(lengths)
-    # Row r belongs to tensor i when ends[i - 1] <= r < ends[i].
     ids = tf.searchsorted(ends, tf.range(ends[-1]), side="right")
-    entries = tf.cast(lengths * width, tf.float32)[:, tf.newaxis]
 
-    def per_tensor(rows):
-        return tf.math.unsorted_segment_sum(rows, ids, count)
-
-    magnitude = tf.abs(values)
-    row_sums = tf.stack(
-        [
-            tf.reduce_sum(values, axis=1),
-            tf.reduce_sum(magnitude, axis=1),
-            tf.reduce_sum(tf.cast(tf.equal(values, 0.0), tf.float32), axis=1),
-            tf.reduce_sum(tf.cast(tf.math.is_finite(values), tf.float32), axis=1),
-        ],
-        axis=1,
-    )
-    total, sum_abs, zeros, finite = tf.unstack(per_tensor(row_sums), num=4, axis=1)
-    mean = total / tf.maximum(entries[:, 0], 1.0)
-    # Two-pass variance, as `_raw_sums`: each row around its tensor's mean.
-    deviations = per_tensor(
-        tf.reduce_sum(
-            tf.math.squared_difference(values, tf.gather(mean, ids)[:, tf.newaxis]), axis=1
+    joins, row_sums, row_maxima = [], [], []
+    for members in by_width.values():
+        pieces = [matrices[i] for i in members]
+        values = tf.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+        magnitude = tf.abs(values)
+        row_sums.append(
+            tf.stack(
+                [
+                    tf.reduce_sum(values, axis=1),
+                    tf.reduce_sum(magnitude, axis=1),
+                    tf.reduce_sum(tf.cast(tf.equal(values, 0.0), tf.float32), axis=1),
+                    tf.reduce_sum(tf.cast(tf.math.is_finite(values), tf.float32), axis=1),
+                ],
+                axis=1,
+            )
         )
+        row_maxima.append(tf.reduce_max(magnitude, axis=1))
+        joins.append(values)
+
+    def rows(parts):
+        return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
+
+    sums = tf.math.unsorted_segment_sum(rows(row_sums), ids, count)
+    total, sum_abs, zeros, finite = tf.unstack(sums, num=4, axis=1)
+    entries = tf.cast(lengths, tf.float32) * tf.constant([float(widths[i]) for i in order])
+    mean = total / tf.maximum(entries, 1.0)
+    # Two-pass variance, as `_raw_sums`: every entry around its tensor's
+    # mean (a rounded mean then errs only to second order). Each join's rows
+    # take their tensors' means through their own slice of `ids`.
+    if len(joins) == 1:
+        join_ids = [ids]
+    else:
+        group = [g for g, members in enumerate(by_width.values()) for _ in members]
+        join_rows = tf.math.segment_sum(lengths, tf.constant(group))
+        join_ids = tf.split(ids, join_rows, num=len(joins))
+    deviations = tf.math.unsorted_segment_sum(
+        rows(
+            [
+                tf.reduce_sum(
+                    tf.math.squared_difference(values, tf.gather(mean, part)[:, tf.newaxis]),
+                    axis=1,
+                )
+                for values, part in zip(joins, join_ids, strict=True)
+            ]
+        ),
+        ids,
+        count,
     )
     # An empty tensor's max is the lowest float; `_finish` clamps it at 0.
-    max_abs = tf.math.unsorted_segment_max(tf.reduce_max(magnitude, axis=1), ids, count)
-    nonfinite = entries[:, 0] - finite
-    return tf.concat(
-        [entries, tf.stack([total, sum_abs, deviations, max_abs, zeros, nonfinite], axis=1)],
-        axis=1,
+    max_abs = tf.math.unsorted_segment_max(rows(row_maxima), ids, count)
+    raw = tf.stack(
+        [entries, total, sum_abs, deviations, max_abs, zeros, entries - finite], axis=1
     )
+    if order == list(range(count)):
+        return raw
+    return tf.gather(raw, sorted(range(count), key=order.__getitem__))
 
 
 def summarize_rows(rows, histogram=False):

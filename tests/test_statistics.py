@@ -182,18 +182,20 @@ def test_empty_tensor_gives_zeros():
 
 def test_layer_outputs_of_any_batch_length_keep_their_own_rows():
     # Inside a train step layer outputs have an unknown first dimension (the
-    # batch). Those that agree in every other dimension are reduced together,
-    # and nothing may assume their first dimensions are equal when the step
-    # runs: here they are 5, 0, 3 and 2 rows, between tensors of other shapes.
+    # batch). Those whose rows have the same size are reduced together, and
+    # nothing may assume their first dimensions are equal when the step runs:
+    # here they are 5, 0, 3, 2, 3 and 4 rows, between tensors of other shapes.
     arrays = [
         RNG.normal(size=(5, 4, 2)).astype(np.float32),
         np.zeros((0, 4, 2), np.float32),
         np.array([[[0.0, 1.0]] * 4, [[NAN, 2.0]] * 4, [[3.0, -INF]] * 4], np.float32),
         np.zeros((2, 4, 2), np.float32),
-        RNG.normal(size=(3, 8)).astype(np.float32),  # same entries per row, other shape
+        RNG.normal(size=(3, 8)).astype(np.float32),  # rows of the same size, another shape
         (2e3 + RNG.normal(size=(4, 8)) * 1e-2).astype(np.float32),
         np.float32(-3.0),  # a known shape, between them
-        RNG.normal(size=(6, 3)).astype(np.float32),  # alone in its shape
+        RNG.normal(size=(6, 3)).astype(np.float32),  # the only rows of their size
+        np.array([0.0, 4.0, -1.0], np.float32),  # one entry per row
+        np.zeros((3, 0), np.float32),  # rows of no entries
     ]
     signature = [
         tf.TensorSpec([None, *a.shape[1:]], tf.float32) if np.ndim(a) else tf.TensorSpec([])
