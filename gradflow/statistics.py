@@ -300,8 +300,8 @@ def _raw_sums_of_batches(tensors):
     Stacking them would need equal first dimensions when the step runs,
     which holds only if every one is the batch (a `tf.boolean_mask` output
     is not), and each would otherwise be a shape group of its own, with a
-    NaN/Inf branch. Instead tensors with equal rows are joined along the
-    first axis, which takes any lengths; each row of a join is reduced, and
+    NaN/Inf branch. Instead tensors whose rows have the same size are joined
+    along the first axis, which takes any lengths; each row of a join is reduced, and
     the rows are summed per tensor with segment ops on `[rows]` vectors,
     which are short. The op count grows by about fifteen per row width, not
     by thirty per tensor, and on CPU each op costs a small model's step
