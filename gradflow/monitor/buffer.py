@@ -35,6 +35,27 @@ def _local_variable(value, dtype):
     )
 
 
+def pad_rows(stats, histograms, rows):
+    """Pad a step's per-row records to the ring's `rows`.
+
+    The ring keeps room for more layer outputs than a step may record; its
+    rows that no tensor filled hold NaN statistics and empty histograms.
+
+    Args:
+        stats: float32 `[n, columns]`, n known while tracing.
+        histograms: float32 `[n, HISTOGRAM_BINS]` or `None`.
+        rows: The rows to pad to.
+
+    Returns:
+        `(stats, histograms)` with `rows` rows each.
+    """
+    padding = rows - stats.shape[0]
+    stats = tf.pad(stats, [[0, padding], [0, 0]], constant_values=float("nan"))
+    if histograms is not None:
+        histograms = tf.pad(histograms, [[0, padding], [0, 0]])
+    return stats, histograms
+
+
 def _write_slot(variable, slot, value):
     if isinstance(variable, tf.distribute.DistributedValues):
         # Distributed variables implement no scatter; the ring is small, so

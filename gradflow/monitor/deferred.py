@@ -28,7 +28,13 @@ import numpy as np
 import tensorflow as tf
 
 from gradflow import schema
-from gradflow.monitor.buffer import ROW_COLUMNS, STEP_METRICS, _local_variable, _write_slot
+from gradflow.monitor.buffer import (
+    ROW_COLUMNS,
+    STEP_METRICS,
+    _local_variable,
+    _write_slot,
+    pad_rows,
+)
 from gradflow.statistics import ShapeGroups, summarize, summarize_rows
 
 _NAN = float("nan")
@@ -180,20 +186,15 @@ class DeferredRing:
         if not self.activation_rows:
             return []
         recorded = activation_gradients[: self.activation_rows]
-        padding = self.activation_rows - len(recorded)
-        statistics = len(schema.STATISTICS)
-        if not recorded:
-            stats = tf.fill([self.activation_rows, statistics], _NAN)
-            histograms = tf.zeros([self.activation_rows, schema.HISTOGRAM_BINS])
-        else:
+        if recorded:
             stats, histograms = summarize(recorded, self.histograms)
-            # As in the in-step ring: NaN statistics and empty histograms
-            # where fewer outputs were recorded than there are rows.
-            stats = tf.pad(stats, [[0, padding], [0, 0]], constant_values=_NAN)
-            if histograms is not None:
-                histograms = tf.pad(histograms, [[0, padding], [0, 0]])
+        else:  # a model whose layers gave no output to record
+            stats = tf.zeros([0, len(schema.STATISTICS)])
+            histograms = tf.zeros([0, schema.HISTOGRAM_BINS]) if self.histograms else None
+        # As in the in-step ring.
+        stats, histograms = pad_rows(stats, histograms, self.activation_rows)
         pieces = [tf.reshape(stats, [-1])]
-        if self.histograms:
+        if histograms is not None:
             pieces.append(tf.reshape(histograms, [-1]))
         return pieces
 

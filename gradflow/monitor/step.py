@@ -26,7 +26,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from gradflow import schema
 from gradflow.monitor import deferred, trace_gradients
-from gradflow.monitor.buffer import STEP_METRICS, RingBuffer
+from gradflow.monitor.buffer import STEP_METRICS, RingBuffer, pad_rows
 from gradflow.probe.capture import leaf_layers, record_layer_outputs
 from gradflow.probe.naming import variable_names
 from gradflow.statistics import ShapeGroups, Stacked, stack_rows, sum_of_squares, summarize
@@ -526,10 +526,7 @@ def _summarize_step(
     )
     activation_extras = tf.fill([len(activation_gradients), extras.shape[1]], _NAN)
     rows = tf.concat([stats, tf.concat([extras, activation_extras], axis=0)], axis=1)
-    padding = plan.activation_slots - len(activation_gradients)
-    rows = tf.pad(rows, [[0, padding], [0, 0]], constant_values=_NAN)
-    if histograms is not None:
-        histograms = tf.pad(histograms, [[0, padding], [0, 0]])
+    rows, histograms = pad_rows(rows, histograms, count + plan.activation_slots)
     metrics = tf.stack(
         [tf.cast(loss, tf.float32), learning_rate, global_norm, global_norm_clipped, clipped]
     )
