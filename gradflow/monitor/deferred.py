@@ -265,18 +265,35 @@ class DeferredRing:
         joined = tf.concat(per_group, axis=1) if len(per_group) > 1 else per_group[0]
         return joined if self._position is None else tf.gather(joined, self._position, axis=1)
 
+    def _weight_squares(self, chosen, group, offset, width, count):
+        """`[count, k, 3]`: ||w||^2 before and after each chosen step, and ||dw||^2, for a group.
+
+        Row i + 1 of the ring holds the weights after step i (see `read`);
+        after the newest step they are the model's weights now.
+        """
+        tensors = len(group)
+        entries = width // tensors
+        start = self.parameters + offset
+        before = tf.reshape(chosen[:, start : start + width], [count, tensors, entries])
+        now = tf.stack([tf.reshape(tf.cast(self.variables[i].value, tf.float32), [-1]) for i in group])
+        before_squares = tf.reduce_sum(tf.square(before), axis=-1)
+        now_squares = tf.reduce_sum(tf.square(now), axis=-1)[tf.newaxis]
+        # Slices along the first axis: no copies.
+        change_squares = tf.concat(
+            [
+                tf.reduce_sum(tf.math.squared_difference(before[1:], before[:-1]), axis=-1),
+                tf.reduce_sum(tf.math.squared_difference(now, before[-1]), axis=-1)[tf.newaxis],
+            ],
+            axis=0,
+        )
+        after_squares = tf.concat([before_squares[1:], now_squares], axis=0)
+        return tf.stack([before_squares, after_squares, change_squares], axis=-1)
+
     def _summarize_slots(self, slots):
         parameters = self.parameters
         count = tf.shape(slots)[0]
         # Gathers from the variable itself: only the chosen slots are copied.
         chosen = tf.gather(self.raw, slots)
-        gradients = chosen[:, :parameters]
-        # The weights before each step, then the weights now: row i + 1 holds
-        # the weights after step i (see `read`).
-        weights = tf.concat(
-            [chosen[:, parameters : 2 * parameters], tf.concat(self._weight_pieces(), 0)[None]],
-            axis=0,
-        )
 
         stats, histograms, squares = [], [], []
         offset = 0
@@ -284,27 +301,19 @@ class DeferredRing:
             tensors = len(group)
             entries = int(np.prod(self.variables[group[0]].shape))
             width = tensors * entries
-
-            def block(matrix, offset=offset, width=width, tensors=tensors, entries=entries):
-                return tf.reshape(matrix[:, offset : offset + width], [-1, tensors, entries])
-
+            # Each group's columns are sliced out of `chosen` once (a slice
+            # across columns is a copy; slicing all gradients first, then the
+            # group, copied them twice, and the weights three times).
+            gradients = chosen[:, offset : offset + width]
             group_stats, group_histograms = summarize_rows(
-                tf.reshape(block(gradients), [-1, entries]), self.histograms
+                tf.reshape(gradients, [-1, entries]), self.histograms
             )
             stats.append(tf.reshape(group_stats, [count, tensors, len(schema.STATISTICS)]))
             if group_histograms is not None:
                 histograms.append(
                     tf.reshape(group_histograms, [count, tensors, schema.HISTOGRAM_BINS])
                 )
-            # Slices along the first axis: no copies.
-            group_weights = block(weights)
-            weight_squares = tf.reduce_sum(tf.square(group_weights), axis=-1)
-            change_squares = tf.reduce_sum(
-                tf.math.squared_difference(group_weights[1:], group_weights[:-1]), axis=-1
-            )
-            squares.append(
-                tf.stack([weight_squares[:-1], weight_squares[1:], change_squares], axis=-1)
-            )
+            squares.append(self._weight_squares(chosen, group, offset, width, count))
             offset += width
 
         stats = self._rows(stats)  # [count, variables, statistics]

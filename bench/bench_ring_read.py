@@ -1,0 +1,137 @@
+"""The deferred ring's read: one compiled call that summarizes the steps a small model recorded.
+
+    python3 bench/bench_ring_read.py [--models lab,mlp5,mlp20,cnn] [--rounds 15]
+                                     [--baseline DIR] [--out FILE]
+
+On the deferred path (`gradflow/monitor/deferred.py`) the train step only
+copies its gradients and weights into a ring; `GradientMonitor` reads the
+ring when it is full, 0.2 s after the last read or at the end of an epoch,
+and that read computes every statistic of the new steps. This bench times the
+read of a full ring (as many steps as the monitor's ring holds for the model,
+filled with random gradients and weights), on one TensorFlow thread, outside
+`fit`: no training step runs in between, so the figure moves far less than
+those of `bench_monitor.py` or `bench_monitor_step.py` on this VM.
+
+`--baseline DIR` also times the read of another checkout's `deferred.py` (e.g.
+`git worktree add /tmp/base <commit>`) on the same ring contents, in the same
+rounds, alternating with this checkout's: a change to the read is measured
+side by side in one process. Reports the median over rounds, in ms per read
+and per recorded step, and checks that both reads return the same rows.
+Writes bench/results/ring-read.json (or --out).
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+import types
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import bench_monitor  # noqa: E402
+import bench_monitor_step  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from gradflow.monitor import deferred  # noqa: E402
+
+
+def load_deferred(checkout):
+    """Another checkout's `gradflow/monitor/deferred.py`, on this checkout's kernel and buffer."""
+    path = pathlib.Path(checkout) / "gradflow" / "monitor" / "deferred.py"
+    module = types.ModuleType("baseline_deferred")
+    module.__file__ = str(path)
+    exec(compile(path.read_text(), str(path), "exec"), module.__dict__)
+    return module
+
+
+def full_ring(module, variables, capacity, seed):
+    """A ring of `module` holding `capacity` steps of random gradients and weights."""
+    ring = module.DeferredRing(variables, capacity)
+    rng = np.random.default_rng(seed)
+    ring.raw.assign(rng.normal(size=ring.raw.shape).astype(np.float32))
+    ring.steps.assign(np.arange(1, capacity + 2, dtype=np.int64))
+    return ring
+
+
+def timed_read(ring):
+    start = time.perf_counter()
+    steps, stats, metrics, _ = ring.read(0)
+    return time.perf_counter() - start, stats
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="lab,mlp5,mlp20,cnn")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--baseline", default=None, help="another checkout to compare with")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    modules = {"read": deferred}
+    if args.baseline:
+        modules["baseline read"] = load_deferred(args.baseline)
+
+    results = {}
+    for name in args.models.split(","):
+        model = bench_monitor_step.build(name)[0]
+        variables = model.trainable_weights
+        # The ring the monitor gives this model, the deferred path forced for
+        # models above its size limit (the 20-layer MLP).
+        capacity = deferred.ring_capacity(variables, 64)
+        rings = {
+            label: full_ring(module, variables, capacity, 0) for label, module in modules.items()
+        }
+        times = {label: [] for label in rings}
+        outputs = {}
+        for label, ring in rings.items():  # first read (op by op), then the compiled one traced
+            timed_read(ring)
+            outputs[label] = timed_read(ring)[1]
+        for _ in range(args.rounds):
+            for label, ring in rings.items():
+                times[label].append(timed_read(ring)[0])
+        same = all(
+            np.allclose(outputs["read"], other, rtol=1e-5, atol=1e-6, equal_nan=True)
+            for other in outputs.values()
+        )
+        medians = {label: statistics.median(t) for label, t in times.items()}
+        results[name] = {
+            "parameters": int(sum(np.prod(v.shape) for v in variables)),
+            "steps_per_read": capacity,
+            "ms_per_read": {label: 1e3 * m for label, m in medians.items()},
+            "ms_per_step": {label: 1e3 * m / capacity for label, m in medians.items()},
+            "all_ms_per_read": {label: [1e3 * t for t in ts] for label, ts in times.items()},
+            "same_rows": bool(same),
+        }
+        line = "  ".join(f"{label} {1e3 * m:.2f} ms" for label, m in medians.items())
+        print(f"{name:<6} {capacity:>4} steps  {line}  same rows: {same}")
+
+    out = pathlib.Path(
+        args.out or pathlib.Path(__file__).resolve().parent / "results" / "ring-read.json"
+    )
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python3 bench/bench_ring_read.py " + " ".join(sys.argv[1:]),
+                "rounds": args.rounds,
+                "threads": 1,
+                "baseline": args.baseline,
+                **bench_monitor.machine_facts(),
+                "results": results,
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
