@@ -385,6 +385,65 @@ def test_train_step_is_restored_after_fit():
     assert model.optimizer.iterations.numpy() == 6
 
 
+def graph_ops(function):
+    """Op types in every graph behind Keras's `model.train_function`, nested functions included."""
+    functions = [
+        cell.cell_contents
+        for cell in function.__closure__ or ()
+        if hasattr(cell.cell_contents, "_list_all_concrete_functions")
+    ]
+    assert functions, "Keras's train function no longer wraps a tf.function in its closure"
+    ops = set()
+    for concrete in (c for f in functions for c in f._list_all_concrete_functions()):
+        graph = concrete.graph.as_graph_def()
+        ops.update(node.op for node in graph.node)
+        ops.update(node.op for f in graph.library.function for node in f.node_def)
+    return ops
+
+
+def wide_model():
+    """A model too large for the deferred path, with a kernel of 65,536+ entries
+    (reduced before the update, which waits for it)."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(300), keras.layers.Dense(256), keras.layers.Dense(1)]
+    )
+
+
+@pytest.mark.parametrize(
+    "build, options",
+    [
+        (make_model, {}),
+        (make_model, {"stop_on_nonfinite": True}),
+        (wide_model, {}),
+        (wide_model, {"stop_on_nonfinite": True}),
+    ],
+    ids=["deferred", "deferred_stop_on_nonfinite", "in_step", "in_step_stop_on_nonfinite"],
+)
+def test_a_first_fit_does_not_check_variable_initialization_at_every_step(build, options):
+    """A fresh model's optimizer creates its variables in its first update.
+
+    Traced inside the monitor's step after control dependencies, their
+    initializers could not be lifted out of the graph, and TensorFlow then
+    ran the step inside a cond that checked, at every step, that each
+    optimizer variable was initialized.
+    """
+    x, y = make_data()
+    model = build()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    seen = {}
+
+    class Inspect(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.setdefault("ops", graph_ops(self.model.train_function))
+
+    monitor = GradientMonitor(**options)
+    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor, Inspect()])
+    assert monitor._plan.deferred is (build is make_model)
+    assert "ResourceScatterNdUpdate" in seen["ops"]  # the monitor's step, not Keras's
+    assert "VarIsInitializedOp" not in seen["ops"]
+
+
 def test_diagnosis_rules_run_at_the_end_of_training():
     from gradflow.diagnosis import Thresholds
 

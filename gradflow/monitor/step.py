@@ -93,6 +93,7 @@ class StepPlan:
         if self.buffer is not None:
             return
         with tf.init_scope():
+            self._build_optimizer(variables)
             self.names = variable_names(self.model, variables)
             self.deferred = self._can_defer(variables)
             if self.deferred:
@@ -109,6 +110,24 @@ class StepPlan:
                     len(variables) + self.activation_slots,
                     self.histograms,
                 )
+
+    def _build_optimizer(self, variables):
+        """Create the optimizer's variables now, not in the first traced update.
+
+        Without a distribution strategy Keras leaves that to the first
+        `apply_gradients`, inside the traced step. Ours applies after control
+        dependencies (the copy or the statistics it waits for), so TensorFlow
+        could not lift those variables' initializers out of the graph and
+        fell back to checking, at every step, that each one is initialized:
+        a `VarIsInitializedOp` per optimizer variable and a cond around the
+        whole step, in every model's first `fit` (measured in
+        `docs/architecture.md`). Keras's own `_symbolic_build` builds the
+        optimizer this way under a distribution strategy, where it has
+        already happened by now.
+        """
+        optimizer = self.optimizer
+        if not optimizer.built and not tf.distribute.has_strategy():
+            optimizer.build(variables)
 
     def _can_defer(self, variables):
         """Whether every recorded column can be computed from the gradients and weights later.
