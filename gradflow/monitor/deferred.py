@@ -275,7 +275,9 @@ class DeferredRing:
         entries = width // tensors
         start = self.parameters + offset
         before = tf.reshape(chosen[:, start : start + width], [count, tensors, entries])
-        now = tf.stack([tf.reshape(tf.cast(self.variables[i].value, tf.float32), [-1]) for i in group])
+        now = tf.stack(
+            [tf.reshape(tf.cast(self.variables[i].value, tf.float32), [-1]) for i in group]
+        )
         before_squares = tf.reduce_sum(tf.square(before), axis=-1)
         now_squares = tf.reduce_sum(tf.square(now), axis=-1)[tf.newaxis]
         # Slices along the first axis: no copies.
