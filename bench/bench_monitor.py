@@ -299,7 +299,7 @@ def main():
         timed = {v: [t[args.warmup :] for t in epochs[v]] for v in VARIANTS}
         results[name] = summarize({v: [args.steps / t for t in timed[v][0]] for v in VARIANTS})
         # The same per CPU second: on this VM a plain step's wall time flips
-        # between two speeds (TensorFlow's two threads get both vCPUs or not),
+        # between two speeds (perhaps whether TensorFlow's two threads get both vCPUs),
         # while its CPU time moves far less.
         results[name]["cpu"] = summarize(
             {v: [args.steps / t for t in timed[v][1]] for v in VARIANTS}
