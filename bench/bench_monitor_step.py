@@ -81,20 +81,22 @@ def build(name):
     return build_model(config, dataset), dataset.x_train[:32], dataset.y_train[:32]
 
 
+def load_module(name, path, replace=()):
+    """Import another checkout's source file as module `name`, after `(old, new)` text replacements."""
+    source = path.read_text()
+    for old, new in replace:
+        source = source.replace(old, new)
+    module = types.ModuleType(name)
+    module.__file__ = str(path)
+    sys.modules[name] = module
+    exec(compile(source, str(path), "exec"), module.__dict__)
+    return module
+
+
 def load_baseline(checkout):
     """The train-step module of another checkout, on top of its own statistics kernel."""
     root = pathlib.Path(checkout)
-
-    def load(name, path, replace=()):
-        source = path.read_text()
-        for old, new in replace:
-            source = source.replace(old, new)
-        module = types.ModuleType(name)
-        module.__file__ = str(path)
-        sys.modules[name] = module
-        exec(compile(source, str(path), "exec"), module.__dict__)
-        return module
-
+    load = load_module
     load("baseline_statistics", root / "gradflow" / "statistics.py")
     kernel = ("from gradflow.statistics import", "from baseline_statistics import")
     # The checkout's own deferred ring too (it came in the ninth session).

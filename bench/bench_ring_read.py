@@ -27,7 +27,6 @@ import pathlib
 import statistics
 import sys
 import time
-import types
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -45,10 +44,7 @@ from gradflow.monitor import deferred  # noqa: E402
 def load_deferred(checkout):
     """Another checkout's `gradflow/monitor/deferred.py`, on this checkout's kernel and buffer."""
     path = pathlib.Path(checkout) / "gradflow" / "monitor" / "deferred.py"
-    module = types.ModuleType("baseline_deferred")
-    module.__file__ = str(path)
-    exec(compile(path.read_text(), str(path), "exec"), module.__dict__)
-    return module
+    return bench_monitor_step.load_module("baseline_deferred", path)
 
 
 def full_ring(module, variables, capacity, seed):

@@ -132,6 +132,13 @@ def _nonfinite_counts(values, sum_abs):
     )
 
 
+def _in_order(rows, order, axis=0):
+    """Rows computed in `order` (a permutation of tensor indices), put back in index order."""
+    if order == sorted(order):
+        return rows
+    return tf.gather(rows, sorted(range(len(order)), key=order.__getitem__), axis=axis)
+
+
 class Stacked(list):
     """One stack per shape group, made by `ShapeGroups.stack`; `.groups` is that `ShapeGroups`."""
 
@@ -159,9 +166,8 @@ class ShapeGroups:
             else:
                 groups.setdefault(tuple(shape.as_list()), []).append(index)
         self.groups = list(groups.values())
-        order = [index for group in self.groups for index in group]
-        # Where each tensor's row lands in the concatenated group results.
-        self._position = None if order == sorted(order) else sorted(range(len(order)), key=order.__getitem__)
+        # The order in which the concatenated group results hold the tensors.
+        self._order = [index for group in self.groups for index in group]
 
     def stack(self, tensors):
         """One `[k, entries]` stack per group (a copy for several tensors, a view for one)."""
@@ -174,7 +180,7 @@ class ShapeGroups:
     def rows(self, per_group, axis=0):
         """Concatenate one result per group back into the tensors' order (along `axis`)."""
         joined = tf.concat(per_group, axis=axis) if len(per_group) > 1 else per_group[0]
-        return joined if self._position is None else tf.gather(joined, self._position, axis=axis)
+        return _in_order(joined, self._order, axis)
 
     def l2_norms(self, stacks):
         return tf.sqrt(self.rows([sum_of_squares(s) for s in stacks]))
@@ -279,10 +285,7 @@ def _raw_sums_of(tensors):
         ],
         axis=0,
     )
-    order = others + batches  # the monitor's order: weights, then layer outputs
-    if order == sorted(order):
-        return joined
-    return tf.gather(joined, sorted(range(len(order)), key=order.__getitem__))
+    return _in_order(joined, others + batches)  # the monitor's order: weights first
 
 
 def _batch_width(shape):
@@ -373,12 +376,8 @@ def _raw_sums_of_batches(tensors):
     )
     # An empty tensor's max is the lowest float; `_finish` clamps it at 0.
     max_abs = tf.math.unsorted_segment_max(rows(row_maxima), ids, count)
-    raw = tf.stack(
-        [entries, total, sum_abs, deviations, max_abs, zeros, entries - finite], axis=1
-    )
-    if order == list(range(count)):
-        return raw
-    return tf.gather(raw, sorted(range(count), key=order.__getitem__))
+    raw = tf.stack([entries, total, sum_abs, deviations, max_abs, zeros, entries - finite], axis=1)
+    return _in_order(raw, order)
 
 
 def summarize_rows(rows, histogram=False):
