@@ -230,6 +230,12 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--size",
+        choices=sorted(bench_monitor.SIZES),
+        default="small",
+        help="the models' size, as in bench_monitor.py (the lab's model has one size)",
+    )
     parser.add_argument("--baseline", default=None, help="another checkout to compare with")
     parser.add_argument(
         "--detail",
@@ -241,6 +247,8 @@ def main():
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
 
+    bench_monitor.SIZE = bench_monitor.SIZES[args.size]
+    bench_monitor.BATCH = bench_monitor.SIZE["batch"]
     baseline = load_baseline(args.baseline) if args.baseline else None
     results = {}
     for name in args.models.split(","):
@@ -277,6 +285,7 @@ def main():
                 "command": "python3 bench/bench_monitor_step.py " + " ".join(sys.argv[1:]),
                 "threads": args.threads or "default",
                 "baseline": args.baseline,
+                "size": args.size,
                 "steps": args.steps,
                 "rounds": args.rounds,
                 **bench_monitor.machine_facts(),

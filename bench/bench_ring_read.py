@@ -12,8 +12,8 @@ filled with random gradients and weights), on one TensorFlow thread, outside
 `fit`: no training step runs in between, so the figure moves far less than
 those of `bench_monitor.py` or `bench_monitor_step.py` on this VM.
 
-`--baseline DIR` also times the read of another checkout's `deferred.py` (e.g.
-`git worktree add /tmp/base <commit>`) on the same ring contents, in the same
+`--baseline DIR` also times the read of another checkout's `deferred.py` and
+statistics kernel (e.g. `git worktree add /tmp/base <commit>`) on the same ring contents, in the same
 rounds, alternating with this checkout's: a change to the read is measured
 side by side in one process. Reports the median over rounds, in ms per read
 and per recorded step, and checks that both reads return the same rows.
@@ -42,9 +42,13 @@ from gradflow.monitor import deferred  # noqa: E402
 
 
 def load_deferred(checkout):
-    """Another checkout's `gradflow/monitor/deferred.py`, on this checkout's kernel and buffer."""
-    path = pathlib.Path(checkout) / "gradflow" / "monitor" / "deferred.py"
-    return bench_monitor_step.load_module("baseline_deferred", path)
+    """Another checkout's `gradflow/monitor/deferred.py`, on its own statistics kernel
+    and this checkout's buffer."""
+    root = pathlib.Path(checkout) / "gradflow"
+    load = bench_monitor_step.load_module
+    load("baseline_statistics", root / "statistics.py")
+    kernel = ("from gradflow.statistics import", "from baseline_statistics import")
+    return load("baseline_deferred", root / "monitor" / "deferred.py", [kernel])
 
 
 def full_ring(module, variables, capacity, seed):

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from gradflow import schema
-from gradflow.statistics import summarize
+from gradflow.statistics import summarize, summarize_rows
 
 NAN = np.nan
 INF = np.inf
@@ -69,7 +69,8 @@ CASES = [
 def _large(fill=None, side=300):
     # 300 x 300 entries: above the size where the kernel reduces a tensor on
     # its own (statistics._ALONE_FROM); 600 x 600 also above the size where it
-    # counts NaN/Inf only when the cheap check finds one (_BRANCH_ABOVE).
+    # branches (_BRANCH_ABOVE): one fused pass for sum g^2 and no NaN/Inf
+    # count, unless the cheap checks find a NaN/Inf or a mean too large for it.
     array = RNG.normal(size=(side, side)).astype(np.float32)
     array[::7, ::3] = 0.0
     if fill is not None:
@@ -85,6 +86,10 @@ CASES += [
     ("huge_finite", _large(side=600)),
     ("huge_with_nan", _large(NAN, side=600)),
     ("huge_with_inf", _large(INF, side=600)),
+    # The mean far above the spread: the one-pass variance would cancel.
+    ("huge_offset", (5e2 + _large(side=600) * 1e-3).astype(np.float32)),
+    ("huge_offset_at_the_edge", (4.0 + _large(side=600)).astype(np.float32)),
+    ("huge_constant", np.full((600, 600), 3.0, np.float32)),
 ]
 
 
@@ -169,6 +174,58 @@ def test_inside_tf_function():
         np.testing.assert_allclose(statistics[row], numpy_statistics(array), rtol=1e-5)
 
 
+BRANCHED = [c for c in CASES if c[0].startswith("huge")]
+# Forty tensors of one shape, each below the size reduced alone: one stacked
+# group above _BRANCH_ABOVE, which takes the branch, as a 20-layer MLP's
+# kernels would; in the second set one tensor's mean is 70 std from zero,
+# where the one-pass variance would be off by 3e-4 (its own generator: the
+# cases above keep their data).
+MEDIUM = [np.random.default_rng(1).normal(size=(100, 80)).astype(np.float32) for _ in range(40)]
+MEDIUM_OFFSET = [*MEDIUM[:-1], (7.0 + MEDIUM[-1] * 0.1).astype(np.float32)]
+
+
+def test_the_medium_group_takes_the_branch():
+    from gradflow import statistics
+
+    assert 100 * 80 < statistics._ALONE_FROM
+    assert 40 * 100 * 80 > statistics._BRANCH_ABOVE
+
+
+@pytest.mark.parametrize("arrays", [MEDIUM, MEDIUM_OFFSET], ids=["medium", "medium_offset"])
+def test_a_large_stacked_group_keeps_its_rows_and_matches_numpy(arrays):
+    statistics = tf.function(lambda tensors: summarize(tensors)[0])(
+        [tf.constant(a) for a in arrays]
+    ).numpy()
+    for row, array in enumerate(arrays):
+        np.testing.assert_allclose(statistics[row], numpy_statistics(array), rtol=1e-5, atol=1e-30)
+
+
+def test_under_xla_every_path_compiles_and_matches_numpy():
+    # Keras compiles the train step with XLA when a GPU is present, and the
+    # kernel runs inside it: every op of every path needs an XLA kernel.
+    arrays = [c[1] for c in CASES if c[1].dtype != np.float16] + MEDIUM_OFFSET
+    compiled = tf.function(lambda tensors: summarize(tensors)[0], jit_compile=True)
+    statistics = compiled([tf.constant(a) for a in arrays]).numpy()
+    for row, array in enumerate(arrays):
+        # XLA rounds the mean differently; around a mean 2e5 std from zero
+        # (`large_offset_small_spread`) the std then differs by 5e-5.
+        np.testing.assert_allclose(statistics[row], numpy_statistics(array), rtol=1e-4, atol=1e-30)
+
+
+@pytest.mark.parametrize("array", [c[1] for c in BRANCHED], ids=[c[0] for c in BRANCHED])
+def test_rows_of_a_matrix_match_numpy_on_every_path(array):
+    # `summarize_rows` (the deferred ring's read) may take the fused sum of
+    # squares; each row is one tensor, here the same one three times, the
+    # middle copy scaled so the rows differ.
+    rows = np.stack([array.ravel(), 3.0 * array.ravel(), array.ravel()])
+    compiled = tf.function(
+        lambda r: summarize_rows(r)[0], input_signature=[tf.TensorSpec([None, rows.shape[1]])]
+    )
+    statistics = compiled(tf.constant(rows)).numpy()
+    for row, values in enumerate(rows):
+        np.testing.assert_allclose(statistics[row], numpy_statistics(values), rtol=1e-5, atol=1e-30)
+
+
 def test_empty_list_is_refused():
     with pytest.raises(ValueError, match="`tensors`"):
         summarize([])
@@ -212,3 +269,42 @@ def test_layer_outputs_of_any_batch_length_keep_their_own_rows():
         expected = numpy_statistics(array)
         np.testing.assert_allclose(statistics.numpy()[row], expected, rtol=1e-5, atol=1e-30)
         np.testing.assert_array_equal(histograms.numpy()[row], numpy_histogram(array))
+
+
+def _wide_outputs(offset=None, fill=None):
+    """Layer outputs of 9,000 entries per batch row: 32 rows of them are above
+    the size where the kernel branches (`_BRANCH_ABOVE`)."""
+    rng = np.random.default_rng(2)
+    arrays = [
+        rng.normal(size=(5, 100, 90)).astype(np.float32),
+        np.zeros((0, 100, 90), np.float32),
+        rng.normal(size=(3, 9000)).astype(np.float32),  # rows of the same size
+        rng.normal(size=(2, 100, 90)).astype(np.float32) * 1e-4,
+    ]
+    if offset is not None:
+        arrays[0] = (offset + 0.1 * arrays[0]).astype(np.float32)
+    if fill is not None:
+        arrays[2][1, 17] = fill
+    return arrays
+
+
+def test_wide_layer_outputs_take_the_branch():
+    from gradflow import statistics
+
+    widths = [int(np.prod(a.shape[1:])) for a in _wide_outputs()]
+    assert sum(widths) * statistics._BATCH_GUESS > statistics._BRANCH_ABOVE
+
+
+@pytest.mark.parametrize(
+    "arrays",
+    [_wide_outputs(), _wide_outputs(offset=7.0), _wide_outputs(fill=NAN), _wide_outputs(fill=INF)],
+    ids=["finite", "offset", "nan", "inf"],
+)
+def test_wide_layer_outputs_of_any_batch_length_match_numpy(arrays):
+    # The one-pass branch when it holds; a mean 70 std from zero, a NaN or an
+    # Inf sends every tensor of the step back to the counted, two-pass path.
+    signature = [tf.TensorSpec([None, *a.shape[1:]], tf.float32) for a in arrays]
+    kernel = tf.function(lambda tensors: summarize(tensors)[0], input_signature=[signature])
+    statistics = kernel([tf.constant(a) for a in arrays]).numpy()
+    for row, array in enumerate(arrays):
+        np.testing.assert_allclose(statistics[row], numpy_statistics(array), rtol=1e-5, atol=1e-30)

@@ -278,8 +278,10 @@ class DeferredRing:
         now = tf.stack(
             [tf.reshape(tf.cast(self.variables[i].value, tf.float32), [-1]) for i in group]
         )
-        before_squares = tf.reduce_sum(tf.square(before), axis=-1)
-        now_squares = tf.reduce_sum(tf.square(now), axis=-1)[tf.newaxis]
+        # One fused pass each, no temporary (`statistics.sum_of_squares`;
+        # the read runs outside XLA).
+        before_squares = tf.square(tf.math.reduce_euclidean_norm(before, axis=-1))
+        now_squares = tf.square(tf.math.reduce_euclidean_norm(now, axis=-1))[tf.newaxis]
         # Slices along the first axis: no copies.
         change_squares = tf.concat(
             [
