@@ -29,20 +29,23 @@ _NAN = float("nan")
 # copies them, which costs more than the ops it saves.
 _ALONE_FROM = 1 << 16
 # Groups above this many entries take one branch: when every entry is
-# finite and the mean is small against the spread (nearly always), one fused
-# pass gives sum g^2 and the variance follows from it; otherwise NaN/Inf are
-# counted and the variance takes a second pass. A branch costs about as much
-# as counting 2^17-2^18 entries (on the 2-core CPU: 18 stacked 64x64
-# kernels, 73,728 entries, were 0-0.1 ms a step faster counted than
-# branched, in three paired runs).
-_BRANCH_ABOVE = 1 << 18
+# finite and the mean is small against the spread (nearly always), the
+# variance follows from sum g^2 and nothing is counted; otherwise NaN/Inf are
+# counted and the variance takes a second pass. On the 2-core CPU 18 stacked
+# 64x64 kernels (73,728 entries) were 0-0.1 ms a step faster counted than
+# branched, when the branch skipped only the count; with the variance too,
+# the 512x512 kernels of the large MLPs (2^18 entries, reduced alone) gained
+# about 0.5 ms a step on the 5-layer one and 0.6-1.1 ms on the 20-layer one
+# (`bench_monitor_step.py --size large --baseline`, 2^17 against 2^18).
+_BRANCH_ABOVE = 1 << 17
 # The one-pass variance, sum g^2 - n mean^2, loses to rounding about
 # 1e-7 x sum g^2 (float32 sums). Where the variance is at least this share of
 # sum g^2 (|mean| <= 4.4 std), that is under 1e-5 of the std.
 _ONE_PASS_SHARE = 0.05
 # Layer outputs have an unknown batch dimension while the step is traced:
-# their group's size is judged by this many rows.
-_BATCH_GUESS = 32
+# their group's size is judged by this many rows. (At 32, the small CNN's
+# outputs, 6,200 entries a row, branched and were no faster for it.)
+_BATCH_GUESS = 16
 
 
 def _dense_float(tensor):

@@ -272,7 +272,7 @@ def test_layer_outputs_of_any_batch_length_keep_their_own_rows():
 
 
 def _wide_outputs(offset=None, fill=None):
-    """Layer outputs of 9,000 entries per batch row: 32 rows of them are above
+    """Layer outputs of 9,000 entries per batch row: 16 rows of them are above
     the size where the kernel branches (`_BRANCH_ABOVE`)."""
     rng = np.random.default_rng(2)
     arrays = [
