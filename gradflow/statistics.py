@@ -87,7 +87,8 @@ def _raw_sums(stacked, fused=False):
     per-group op count stays small (every reduction keeps its axis, so the
     columns join without reshapes). Written for few passes and few
     full-size temporaries, which is what a large tensor costs: one `|g|`,
-    one `(g - mean)^2` and one zero mask.
+    one zero mask, and one `(g - mean)^2` where the variance takes its
+    second pass (`_deviations_and_nonfinite`).
     """
     values = _rows(stacked)
     entries = _entries(values)
@@ -398,7 +399,7 @@ def _raw_sums_of_batches(tensors):
         return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
 
     sums = tf.math.unsorted_segment_sum(rows(row_sums), ids, count)
-    total, sum_abs, zeros, last = tf.unstack(sums, num=4, axis=1)
+    total, sum_abs, zeros, squares_or_finite = tf.unstack(sums, num=4, axis=1)
     entries = tf.cast(lengths, tf.float32) * tf.constant([float(widths[i]) for i in order])
     mean = total / tf.maximum(entries, 1.0)
 
@@ -425,7 +426,7 @@ def _raw_sums_of_batches(tensors):
             ids,
             count,
         )
-        finite = last
+        finite = squares_or_finite
         if branched:
             finite = tf.math.unsorted_segment_sum(
                 rows([_finite_per_row(values) for values in joins]), ids, count
@@ -433,10 +434,10 @@ def _raw_sums_of_batches(tensors):
         return deviations, entries - finite
 
     if branched:
-        one_pass = last - entries * tf.square(mean)
+        one_pass = squares_or_finite - entries * tf.square(mean)
         holds = tf.logical_and(
             tf.reduce_all(tf.math.is_finite(sum_abs)),
-            tf.reduce_all(one_pass >= _ONE_PASS_SHARE * last),
+            tf.reduce_all(one_pass >= _ONE_PASS_SHARE * squares_or_finite),
         )
         deviations, nonfinite = tf.cond(holds, lambda: (one_pass, tf.zeros_like(total)), exact)
     else:
