@@ -14,7 +14,12 @@ st.set_page_config(page_title="gradflow", page_icon=str(FAVICON), layout="wide")
 
 navigation = st.navigation(
     [
-        st.Page("pages/live_training.py", title="Live training", icon=":material/monitoring:", default=True),
+        st.Page(
+            "pages/live_training.py",
+            title="Live training",
+            icon=":material/monitoring:",
+            default=True,
+        ),
         st.Page("pages/compare.py", title="Compare", icon=":material/compare:"),
         st.Page("pages/inspect_model.py", title="Inspect your model", icon=":material/biotech:"),
         st.Page("pages/split_backprop.py", title="Split backprop", icon=":material/link:"),

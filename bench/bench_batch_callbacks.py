@@ -60,7 +60,9 @@ def main():
     timed(GradientMonitor, "on_train_batch_end", samples)
     with tempfile.TemporaryDirectory() as folder:
         store = RunStore(pathlib.Path(folder) / "runs.db")
-        run_id = store.create_run(RunConfig(steps=args.steps).to_dict(), source="lab", status="running")
+        run_id = store.create_run(
+            RunConfig(steps=args.steps).to_dict(), source="lab", status="running"
+        )
         worker.execute(store, run_id)
     print(f"gradflow from {args.checkout}, {args.steps} steps")
     for label, values in samples.items():

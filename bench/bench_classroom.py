@@ -231,8 +231,13 @@ def thread_census(pid):
     if not shutil.which("py-spy"):
         return None
     try:
-        dump = subprocess.run(["py-spy", "dump", "--pid", str(pid), "--json"], capture_output=True,
-                              text=True, timeout=60, check=True).stdout
+        dump = subprocess.run(
+            ["py-spy", "dump", "--pid", str(pid), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
         names = [thread.get("thread_name") or "?" for thread in json.loads(dump)]
     except (subprocess.SubprocessError, OSError, ValueError):
         return None
@@ -244,8 +249,12 @@ def dropped_events(log):
     lines = [line.split() for line in log.splitlines() if line.startswith("DROP ")]
     return {
         "whole_runs (their start dropped)": sum(line[3] == "SCRIPT_STARTED" for line in lines),
-        "run_ends": sum(line[3].endswith(("STOPPED_WITH_SUCCESS", "STOPPED_WITH_COMPILE_ERROR",
-                                          "STOPPED_FOR_RERUN")) for line in lines),
+        "run_ends": sum(
+            line[3].endswith(
+                ("STOPPED_WITH_SUCCESS", "STOPPED_WITH_COMPILE_ERROR", "STOPPED_FOR_RERUN")
+            )
+            for line in lines
+        ),
         "fragment_deltas": sum(line[4:] == ["delta:fragment"] for line in lines),
         "main_deltas": sum(line[4:] == ["delta:main"] for line in lines),
         "auto_rerun_messages": sum(line[4:] == ["auto_rerun"] for line in lines),
@@ -457,7 +466,7 @@ def _watch_socket(socket, result):
 
 
 def _rerun_request_kind(payload):
-    """"page" or "fragment" for a rerun request the page sent, else None."""
+    """ "page" or "fragment" for a rerun request the page sent, else None."""
     from streamlit.proto.BackMsg_pb2 import BackMsg
 
     message = BackMsg()
@@ -473,8 +482,12 @@ def _rerun_request_kind(payload):
 def board_look_summary(results, began):
     """How regularly the waiting pages looked at the board: slowest answers, longest gaps."""
     durations = sorted((b - a for r in results for a, b in r.get("board_looks", [])), reverse=True)
-    slow = sorted((round(a - began, 1), round(b - a, 1), r["student"]) for r in results
-                  for a, b in r.get("board_looks", []) if b - a > 5)
+    slow = sorted(
+        (round(a - began, 1), round(b - a, 1), r["student"])
+        for r in results
+        for a, b in r.get("board_looks", [])
+        if b - a > 5
+    )
     gaps = []
     for result in results:
         starts = sorted(a for a, _ in result.get("board_looks", []))
@@ -640,7 +653,9 @@ def trim_server_pool(url):
 
     time.sleep(_ANYIO_IDLE_S + 1)
     try:
-        with urllib.request.urlopen(f"{url}/app/static/gradflow/live_chart.js", timeout=30) as reply:
+        with urllib.request.urlopen(
+            f"{url}/app/static/gradflow/live_chart.js", timeout=30
+        ) as reply:
             reply.read()
     except OSError:
         pass  # the count is then taken untrimmed, which errs towards reporting a leak
@@ -752,24 +767,43 @@ def latency_samples(results, store, began):
             asked = [r for r in requests if available <= r <= (arrived or t)]
             before = [c for c in changes if c[0] < t]
             started = store.first_status.get((run_id, "running"))
-            ended = min((when for (rid, status), when in store.first_status.items()
-                         if rid == run_id and status not in ("queued", "running", "paused")), default=None)
-            samples.append({
-                "student": result["student"], "step": step, "latency_s": round(max(0.0, t - available), 2),
-                "stored_at": round(available - began, 2),
-                "first_request_after_s": round(asked[0] - available, 2) if asked else None,
-                "requests_between": len(asked),
-                "frame_after_s": None if arrived is None else round(arrived - available, 2),
-                "shown_after_s": round(t - available, 2),
-                "run_started_at": _since(store.first_status.get((run_id, "running")), began),
-                "run_ended_at": _since(ended, began),
-                "shown_before": [round(before[-1][0] - began, 2), before[-1][1], before[-1][2]] if before else None,
-                # Since the run started: the page's rerun requests (kind, time) and its looks at the board.
-                "requests_since_start": [(kind, round(r - began, 2)) for r, kind in zip(requests, kinds, strict=False)
-                                         if started is not None and started <= r <= t],
-                "board_looks_since_start": sum(started is not None and started <= look <= t for look in looks),
-                "last_board_look_at": _since(max((look for look in looks if look <= t), default=None), began),
-            })
+            ended = min(
+                (
+                    when
+                    for (rid, status), when in store.first_status.items()
+                    if rid == run_id and status not in ("queued", "running", "paused")
+                ),
+                default=None,
+            )
+            samples.append(
+                {
+                    "student": result["student"],
+                    "step": step,
+                    "latency_s": round(max(0.0, t - available), 2),
+                    "stored_at": round(available - began, 2),
+                    "first_request_after_s": round(asked[0] - available, 2) if asked else None,
+                    "requests_between": len(asked),
+                    "frame_after_s": None if arrived is None else round(arrived - available, 2),
+                    "shown_after_s": round(t - available, 2),
+                    "run_started_at": _since(store.first_status.get((run_id, "running")), began),
+                    "run_ended_at": _since(ended, began),
+                    "shown_before": [round(before[-1][0] - began, 2), before[-1][1], before[-1][2]]
+                    if before
+                    else None,
+                    # Since the run started: the page's rerun requests (kind, time) and its looks at the board.
+                    "requests_since_start": [
+                        (kind, round(r - began, 2))
+                        for r, kind in zip(requests, kinds, strict=False)
+                        if started is not None and started <= r <= t
+                    ],
+                    "board_looks_since_start": sum(
+                        started is not None and started <= look <= t for look in looks
+                    ),
+                    "last_board_look_at": _since(
+                        max((look for look in looks if look <= t), default=None), began
+                    ),
+                }
+            )
     return sorted(samples, key=lambda sample: -sample["latency_s"])
 
 
@@ -824,8 +858,10 @@ def summarize(results, wall_s, store):
         "of_those_shown_waiting": sum(bool(r.get("queued")) for r in long_waits),
         "pages_with_a_chart": sum(r.get("click_to_first_chart_s") is not None for r in results),
         # Requests for a whole figure (an update lost on the way, gradflow/ui/live_chart.py).
-        "live_chart_resends": {"pages": sum(bool(r.get("chart_resends")) for r in results),
-                               "requests": sum(r.get("chart_resends", 0) for r in results)},
+        "live_chart_resends": {
+            "pages": sum(bool(r.get("chart_resends")) for r in results),
+            "requests": sum(r.get("chart_resends", 0) for r in results),
+        },
         "completed": sum(r.get("final") == "Completed" for r in results),
         # What the store says, whatever the pages showed.
         "completed_in_store": sum(
@@ -868,8 +904,16 @@ async def teacher_opens(url, timeout_s=300):
 
 
 def run(
-    students, cycles, timeout_s, log_path=None, db_dir=None, warmup_cycles=8, teacher_first=True,
-    count_dropped_events=False, worker_niceness=None, server_niceness=0,
+    students,
+    cycles,
+    timeout_s,
+    log_path=None,
+    db_dir=None,
+    warmup_cycles=8,
+    teacher_first=True,
+    count_dropped_events=False,
+    worker_niceness=None,
+    server_niceness=0,
 ):
     """The whole bench on one fresh server; returns the results dict.
 
@@ -910,7 +954,9 @@ def run(
     report["runs_per_worker"] = os.environ.get("GRADFLOW_RUNS_PER_WORKER", "default (1)")
     if count_dropped_events:
         drops = pathlib.Path(__file__).resolve().parent / "streamlit_drops"
-        extra_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(drops), os.environ.get("PYTHONPATH")]))
+        extra_env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(drops), os.environ.get("PYTHONPATH")])
+        )
     with streamlit_server(
         db_dir / "runs.db", log_path=log_path, extra_env=extra_env, niceness=server_niceness
     ) as (url, server):
@@ -927,10 +973,16 @@ def run(
             report["classroom"] = summarize(results, time.time() - began, store)
             report["store_to_page_samples"] = latency_samples(results, store, began)
             report["board_looks"] = board_look_summary(results, began)
-            stalls = sorted((round(a - began, 1), round(b, 1), r["student"]) for r in results
-                            for a, b in r.get("stalls", []))
-            report["page_stalls"] = {"count": len(stalls), "seconds": round(sum(b for _, b, _ in stalls), 1),
-                                     "longest": sorted(stalls, key=lambda s: -s[1])[:20]}
+            stalls = sorted(
+                (round(a - began, 1), round(b, 1), r["student"])
+                for r in results
+                for a, b in r.get("stalls", [])
+            )
+            report["page_stalls"] = {
+                "count": len(stalls),
+                "seconds": round(sum(b for _, b, _ in stalls), 1),
+                "longest": sorted(stalls, key=lambda s: -s[1])[:20],
+            }
             # Who used the 2 cores: the server and its workers, or the browser (this bench)?
             report["classroom"]["cpu_s"] = {
                 "server_and_workers": round(cpu_seconds(pid) - server_cpu, 1),
@@ -992,11 +1044,15 @@ def main(argv=None):
         help="count the script-run messages Streamlit drops (patches the server's Streamlit)",
     )
     parser.add_argument(
-        "--worker-niceness", type=int, default=None,
+        "--worker-niceness",
+        type=int,
+        default=None,
         help="the server's GRADFLOW_WORKER_NICENESS, default the dashboard's (10)",
     )
     parser.add_argument(
-        "--server-niceness", type=int, default=0,
+        "--server-niceness",
+        type=int,
+        default=0,
         help="run the server under nice -n K; K < 0 (root only) puts it ahead of the browsers, "
         "as when they run on the students' own machines",
     )
@@ -1005,9 +1061,14 @@ def main(argv=None):
         sys.exit("bench_classroom needs Chromium (scripts/ensure_chromium.sh)")
     results_dir = ROOT / "bench" / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
-    report = run(args.students, args.cycles, args.timeout,
-                 count_dropped_events=args.count_dropped_events,
-                 worker_niceness=args.worker_niceness, server_niceness=args.server_niceness)
+    report = run(
+        args.students,
+        args.cycles,
+        args.timeout,
+        count_dropped_events=args.count_dropped_events,
+        worker_niceness=args.worker_niceness,
+        server_niceness=args.server_niceness,
+    )
     out = pathlib.Path(args.out) if args.out else results_dir / "classroom.json"
     out.write_text(json.dumps(report, indent=2, default=str))
 
@@ -1016,8 +1077,10 @@ def main(argv=None):
         ("students", c["students"]),
         ("runs completed", c["completed"]),
         ("pages with an exception", c["pages_with_exceptions"]),
-        ("pages whose WebSocket closed / with console errors",
-         f"{c['pages_disconnected']} / {c['pages_with_console_errors']}"),
+        (
+            "pages whose WebSocket closed / with console errors",
+            f"{c['pages_disconnected']} / {c['pages_with_console_errors']}",
+        ),
         ("page errors (timeouts ...)", len(c["errors"])),
         ("open -> Start button, median / p95 s", _pair(c["open_to_button_s"])),
         ("click -> status line, median / p95 s", _pair(c["click_to_status_s"])),
@@ -1049,13 +1112,18 @@ def main(argv=None):
             f"{c['runs_queued_over_2s']} / {c['of_those_shown_waiting']}",
         ),
         ("pages that drew a heatmap", c["pages_with_a_chart"]),
-        ("live charts that asked for their whole figure: pages / requests",
-         f"{c['live_chart_resends']['pages']} / {c['live_chart_resends']['requests']}"),
+        (
+            "live charts that asked for their whole figure: pages / requests",
+            f"{c['live_chart_resends']['pages']} / {c['live_chart_resends']['requests']}",
+        ),
         (
             "fragment watchdog: pages restarted / slow pages left alone",
             f"{report['fragment_watchdog_restarts']} / {report['fragment_watchdog_alarms_left_alone']}",
         ),
-        ("Streamlit dropped (--count-dropped-events)", report.get("dropped_by_streamlit", "not counted")),
+        (
+            "Streamlit dropped (--count-dropped-events)",
+            report.get("dropped_by_streamlit", "not counted"),
+        ),
         ("peak RSS server + workers, MiB", report["memory"]["peak_total_rss_mib"]),
         (
             "server VmHWM / largest worker VmHWM, MiB",

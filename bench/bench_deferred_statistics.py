@@ -60,17 +60,24 @@ def ring_copy_step(name, ring_steps):
     """The monitor's step with its recording replaced by a copy of the gradients into a ring."""
     ring = {}
 
-    def record(plan, when, step, loss, learning_rate, weight_gradients, activation_gradients, weights, **_):
+    def record(
+        plan, when, step, loss, learning_rate, weight_gradients, activation_gradients, weights, **_
+    ):
         flat = tf.concat([tf.reshape(g, [-1]) for g in weight_gradients], 0)
         if "variable" not in ring:
             with tf.init_scope():
-                ring["variable"] = tf.Variable(tf.zeros([ring_steps, flat.shape[0]]), trainable=False)
+                ring["variable"] = tf.Variable(
+                    tf.zeros([ring_steps, flat.shape[0]]), trainable=False
+                )
         slot = tf.cast(tf.math.floormod(step, ring_steps), tf.int32)
         # In place; `ring[slot].assign(...)` copied the whole ring every step (3.5 ms on the 20-layer MLP).
         ring["variable"].scatter_update(tf.IndexedSlices(flat[None], slot[None]))
 
     no_capture = classmethod(lambda cls, *args: None)
-    with patched(monitor_step._UpdateCapture, "for_step", no_capture), patched(monitor_step, "_record", record):
+    with (
+        patched(monitor_step._UpdateCapture, "for_step", no_capture),
+        patched(monitor_step, "_record", record),
+    ):
         return bench_monitor_step.compiled_step(name, {})
 
 
@@ -115,7 +122,9 @@ def main():
         }
         times = bench_monitor_step.paired_times(steps, args.rounds, args.steps)
         plain = statistics.median(times["plain"])
-        extra = {v: 1e3 * bench_monitor_step.extra_over_plain(times, v) for v in ("weights", "ring copy")}
+        extra = {
+            v: 1e3 * bench_monitor_step.extra_over_plain(times, v) for v in ("weights", "ring copy")
+        }
         ring_ms, parameters = deferred_ms(name, args.ring)
         results[name] = {
             "plain_ms": 1e3 * plain,
@@ -134,11 +143,21 @@ def main():
     out = pathlib.Path(
         args.out or pathlib.Path(__file__).resolve().parent / "results" / "deferred-statistics.json"
     )
-    out.write_text(json.dumps({
-        "command": "python3 bench/bench_deferred_statistics.py " + " ".join(sys.argv[1:]),
-        "threads": 1, "ring": args.ring, "rounds": args.rounds, "steps": args.steps,
-        "load_average_1min": os.getloadavg()[0], "cpus": os.cpu_count(), "results": results,
-    }, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python3 bench/bench_deferred_statistics.py " + " ".join(sys.argv[1:]),
+                "threads": 1,
+                "ring": args.ring,
+                "rounds": args.rounds,
+                "steps": args.steps,
+                "load_average_1min": os.getloadavg()[0],
+                "cpus": os.cpu_count(),
+                "results": results,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 

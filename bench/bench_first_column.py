@@ -59,16 +59,26 @@ def main():
     if chromium_path() is None:
         sys.exit("bench_first_column needs Chromium (scripts/ensure_chromium.sh)")
     with sync_playwright() as playwright, tempfile.TemporaryDirectory() as folder:
-        browser = playwright.chromium.launch(executable_path=chromium_path(), headless=True, args=CHROMIUM_ARGS)
+        browser = playwright.chromium.launch(
+            executable_path=chromium_path(), headless=True, args=CHROMIUM_ARGS
+        )
         with streamlit_server(pathlib.Path(folder) / "runs.db") as (url, _):
             seconds = measure(url, browser, args.runs)
         browser.close()
     out = pathlib.Path(args.out or ROOT / "bench" / "results" / "first-column.json")
-    out.write_text(json.dumps({
-        "command": "python3 bench/bench_first_column.py " + " ".join(sys.argv[1:]),
-        "load_average_1min": os.getloadavg()[0], "cpus": os.cpu_count(), "link": LINK,
-        "click_to_first_column_s": seconds, "median_s": statistics.median(seconds),
-    }, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python3 bench/bench_first_column.py " + " ".join(sys.argv[1:]),
+                "load_average_1min": os.getloadavg()[0],
+                "cpus": os.cpu_count(),
+                "link": LINK,
+                "click_to_first_column_s": seconds,
+                "median_s": statistics.median(seconds),
+            },
+            indent=2,
+        )
+    )
     print(f"median {statistics.median(seconds):.2f} s; wrote {out}")
 
 

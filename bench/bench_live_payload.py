@@ -75,8 +75,9 @@ def synthetic_run(steps, seed=0):
 
 
 def live_heatmap(stats, statistic):
-    return figures.heatmap(stats, statistic, "kernel", max_columns=LIVE_MAX_COLUMNS,
-                           power_of_two_blocks=True)
+    return figures.heatmap(
+        stats, statistic, "kernel", max_columns=LIVE_MAX_COLUMNS, power_of_two_blocks=True
+    )
 
 
 def json_bytes(steps, new_steps):
@@ -128,8 +129,15 @@ def browser_bytes(url, store, stats, losses, window, rate):
             executable_path=chromium_path(), headless=True, args=CHROMIUM_ARGS
         )
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.on("websocket", lambda ws: ws.on("framereceived", lambda p: frames.append(
-            (time.monotonic(), p if isinstance(p, bytes) else p.encode()))))
+        page.on(
+            "websocket",
+            lambda ws: ws.on(
+                "framereceived",
+                lambda p: frames.append(
+                    (time.monotonic(), p if isinstance(p, bytes) else p.encode())
+                ),
+            ),
+        )
         page.goto(f"{url}/?run={run_id}")
         page.wait_for_function(f"({HEATMAP_COLUMNS})() > 0", timeout=120_000, polling=200)
         # Playwright hands events over only while it waits (not in time.sleep).
@@ -209,7 +217,7 @@ def main():
                     rows[steps][name] = measured
                     print(f"{steps:>7} steps, {name}: {measured}", flush=True)
     for steps, row in rows.items():
-        print(f"{steps:>7} steps: {({k: v for k, v in row.items() if not isinstance(v, dict)})}")
+        print(f"{steps:>7} steps: { ({k: v for k, v in row.items() if not isinstance(v, dict)}) }")
     result = {
         "command": "python3 bench/bench_live_payload.py " + " ".join(sys.argv[1:]),
         "layers": LAYERS,

@@ -42,23 +42,34 @@ from tests.browser import chromium_path, streamlit_server  # noqa: E402
 
 async def window(name, server_pid, seconds):
     """CPU seconds a second of the browser (this bench's tree less the server's) and of the server."""
+
     def sample():
-        return cpu_seconds(os.getpid()) - cpu_seconds(server_pid), own_cpu_seconds(server_pid), time.monotonic()
+        return (
+            cpu_seconds(os.getpid()) - cpu_seconds(server_pid),
+            own_cpu_seconds(server_pid),
+            time.monotonic(),
+        )
 
     browser0, server0, t0 = sample()
     await asyncio.sleep(seconds)
     browser1, server1, t1 = sample()
-    result = {"chromium_s_per_s": round((browser1 - browser0) / (t1 - t0), 4),
-              "server_s_per_s": round((server1 - server0) / (t1 - t0), 4)}
-    print(f"{name:<34} Chromium {result['chromium_s_per_s']:.3f} s/s   server {result['server_s_per_s']:.3f} s/s",
-          flush=True)
+    result = {
+        "chromium_s_per_s": round((browser1 - browser0) / (t1 - t0), 4),
+        "server_s_per_s": round((server1 - server0) / (t1 - t0), 4),
+    }
+    print(
+        f"{name:<34} Chromium {result['chromium_s_per_s']:.3f} s/s   server {result['server_s_per_s']:.3f} s/s",
+        flush=True,
+    )
     return result
 
 
 async def measure(url, server_pid, pages, seconds):
     steps = {}
     async with async_playwright() as playwright:
-        browser = await playwright.chromium.launch(executable_path=chromium_path(), headless=True, args=BROWSER_ARGS)
+        browser = await playwright.chromium.launch(
+            executable_path=chromium_path(), headless=True, args=BROWSER_ARGS
+        )
         steps["browser alone"] = await window("browser alone", server_pid, seconds)
         running = await open_page(browser, url, start=True)
         await running.get_by_text("Training").first.wait_for(timeout=120_000)
@@ -72,11 +83,15 @@ async def measure(url, server_pid, pages, seconds):
         for _ in range(pages):
             await open_page(browser, url, start=False)
         await asyncio.sleep(5)
-        steps["+ idle"] = await window(f"1 running + {pages} queued + {pages} idle", server_pid, seconds)
+        steps["+ idle"] = await window(
+            f"1 running + {pages} queued + {pages} idle", server_pid, seconds
+        )
         await browser.close()
 
     def per_page(later, earlier, count):
-        return {key: round((steps[later][key] - steps[earlier][key]) / count, 4) for key in steps[later]}
+        return {
+            key: round((steps[later][key] - steps[earlier][key]) / count, 4) for key in steps[later]
+        }
 
     return steps, {
         "running page": per_page("1 running", "browser alone", 1),
@@ -98,13 +113,24 @@ def main():
         with streamlit_server(db, extra_env={"GRADFLOW_MAX_RUNNING": "1"}) as (url, process):
             steps, pages = asyncio.run(measure(url, process.pid, args.pages, args.seconds))
     for name, cost in pages.items():
-        print(f"one {name:<20} Chromium {cost['chromium_s_per_s']:.4f} s/s   server {cost['server_s_per_s']:.4f} s/s")
+        print(
+            f"one {name:<20} Chromium {cost['chromium_s_per_s']:.4f} s/s   server {cost['server_s_per_s']:.4f} s/s"
+        )
     out = pathlib.Path(args.out or ROOT / "bench" / "results" / "page-states.json")
-    out.write_text(json.dumps({
-        "command": "python3 bench/bench_page_states.py " + " ".join(sys.argv[1:]),
-        "seconds": args.seconds, "pages": args.pages, "load_average_1min": os.getloadavg()[0],
-        "cpus": os.cpu_count(), "steps": steps, "per_page": pages,
-    }, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python3 bench/bench_page_states.py " + " ".join(sys.argv[1:]),
+                "seconds": args.seconds,
+                "pages": args.pages,
+                "load_average_1min": os.getloadavg()[0],
+                "cpus": os.cpu_count(),
+                "steps": steps,
+                "per_page": pages,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 

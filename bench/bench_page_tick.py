@@ -81,8 +81,10 @@ async def measure(url, seconds):
         for name, page in (("running run", running), ("queued run", queued), ("no run", idle)):
             busy, native = await main_thread_seconds(page, seconds)
             results[name] = {"busy_s_per_s": busy / seconds, "native_s_per_s": native / seconds}
-            print(f"{name:<12} main thread busy {busy / seconds:.3f} s/s (native {native / seconds:.3f})",
-                  flush=True)
+            print(
+                f"{name:<12} main thread busy {busy / seconds:.3f} s/s (native {native / seconds:.3f})",
+                flush=True,
+            )
         still_queued = await queued.get_by_text("Waiting in the queue").count() > 0
         await browser.close()
         return results, still_queued
@@ -100,11 +102,19 @@ def main():
         with streamlit_server(db, extra_env={"GRADFLOW_MAX_RUNNING": "1"}) as (url, _):
             results, still_queued = asyncio.run(measure(url, args.seconds))
     out = pathlib.Path(args.out or ROOT / "bench" / "results" / "page-tick.json")
-    out.write_text(json.dumps({
-        "command": "python3 bench/bench_page_tick.py " + " ".join(sys.argv[1:]),
-        "seconds": args.seconds, "load_average_1min": os.getloadavg()[0], "cpus": os.cpu_count(),
-        "queued_page_still_queued_at_the_end": still_queued, "pages": results,
-    }, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python3 bench/bench_page_tick.py " + " ".join(sys.argv[1:]),
+                "seconds": args.seconds,
+                "load_average_1min": os.getloadavg()[0],
+                "cpus": os.cpu_count(),
+                "queued_page_still_queued_at_the_end": still_queued,
+                "pages": results,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 

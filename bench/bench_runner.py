@@ -110,7 +110,9 @@ def runner_steps_per_s(manager, config):
     while (info := store.run_info(run_id))["status"] in ACTIVE_STATUSES:
         if warm_at_step is None and manager.wait_warm(0):
             warm_at_step = info["progress_step"]
-        elif spare_warm is None and warm_at_step is not None and info["progress_step"] > warm_at_step:
+        elif (
+            spare_warm is None and warm_at_step is not None and info["progress_step"] > warm_at_step
+        ):
             spare_warm = (time.perf_counter(), info["progress_step"])
         time.sleep(0.05)
     end = time.perf_counter()
@@ -176,11 +178,14 @@ def main():
         "load_average_1min": os.getloadavg()[0],
         "cpus": os.cpu_count(),
     }
-    result.update({name: statistics.median(values) if values else None for name, values in times.items()})
+    result.update(
+        {name: statistics.median(values) if values else None for name, values in times.items()}
+    )
     result["runner_vs_bare_fit"] = result["runner_steps_per_s"] / result["bare_fit_steps_per_s"]
     if result["runner_steps_per_s_once_the_next_spare_is_warm"] is not None:
         result["runner_once_the_next_spare_is_warm_vs_bare_fit"] = (
-            result["runner_steps_per_s_once_the_next_spare_is_warm"] / result["bare_fit_steps_per_s"]
+            result["runner_steps_per_s_once_the_next_spare_is_warm"]
+            / result["bare_fit_steps_per_s"]
         )
     result["runner_vs_bare_fit_with_monitor"] = (
         result["runner_steps_per_s"] / result["bare_fit_with_monitor_steps_per_s"]

@@ -107,7 +107,9 @@ def page_load(browser, url, pid):
     page.wait_for_load_state("networkidle")
     wait_quiet(pid)
     cpu = server_cpu_seconds(pid) - cpu
-    browser_metrics = {m["name"]: m["value"] for m in devtools.send("Performance.getMetrics")["metrics"]}
+    browser_metrics = {
+        m["name"]: m["value"] for m in devtools.send("Performance.getMetrics")["metrics"]
+    }
     plotly_version = page.evaluate("() => Plotly.version")
     assets = []
     for response in responses:
@@ -243,9 +245,15 @@ def main():
         loads = []
         if args.against_full_plotly:
             # Read and gzipped once; the files are swapped before each load.
-            shipped = {name: (ROOT / live_chart.STATIC_FOLDER / name).read_bytes() for name in PLOTLY_FILES}
-            full_js = (pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_bytes()
-            full = dict(zip(PLOTLY_FILES, (full_js, gzip.compress(full_js, 9, mtime=0)), strict=True))
+            shipped = {
+                name: (ROOT / live_chart.STATIC_FOLDER / name).read_bytes() for name in PLOTLY_FILES
+            }
+            full_js = (
+                pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+            ).read_bytes()
+            full = dict(
+                zip(PLOTLY_FILES, (full_js, gzip.compress(full_js, 9, mtime=0)), strict=True)
+            )
             try:
                 for index in range(2 * args.loads):
                     bundle = "full" if index % 2 else "shipped"
@@ -254,7 +262,10 @@ def main():
             finally:
                 serve_plotly(shipped)
         else:
-            loads = [{"bundle": "shipped", **page_load(browser, url, process.pid)} for _ in range(args.loads)]
+            loads = [
+                {"bundle": "shipped", **page_load(browser, url, process.pid)}
+                for _ in range(args.loads)
+            ]
         browser.close()
         compared = {
             bundle: {

@@ -35,14 +35,33 @@ def segment_summarize(tensors):
     count = tf.maximum(tf.cast(sizes, tf.float32), 1.0)
     magnitude = tf.abs(values)
     sums = tf.math.segment_sum(
-        tf.stack([tf.square(values), magnitude, values, tf.cast(tf.equal(values, 0.0), tf.float32),
-                  tf.cast(tf.logical_not(tf.math.is_finite(values)), tf.float32)], 1), ids)
+        tf.stack(
+            [
+                tf.square(values),
+                magnitude,
+                values,
+                tf.cast(tf.equal(values, 0.0), tf.float32),
+                tf.cast(tf.logical_not(tf.math.is_finite(values)), tf.float32),
+            ],
+            1,
+        ),
+        ids,
+    )
     square_sum, abs_sum, value_sum, zeros, nonfinite = tf.unstack(sums, axis=1)
     centered = values - tf.gather(value_sum / count, ids)
     deviation = tf.math.segment_sum(tf.stack([tf.square(centered), centered], 1), ids)
     variance = (deviation[:, 0] - tf.square(deviation[:, 1]) / count) / count
-    return tf.stack([tf.math.segment_max(magnitude, ids), tf.sqrt(square_sum), abs_sum / count,
-                     tf.sqrt(tf.maximum(variance, 0.0)), zeros / count, nonfinite], 1)
+    return tf.stack(
+        [
+            tf.math.segment_max(magnitude, ids),
+            tf.sqrt(square_sum),
+            abs_sum / count,
+            tf.sqrt(tf.maximum(variance, 0.0)),
+            zeros / count,
+            nonfinite,
+        ],
+        1,
+    )
 
 
 def mlp_shapes(depth, width=64):
@@ -63,8 +82,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    results = {"command": f"python3 bench/bench_statistics.py --repeats {args.repeats}",
-               "load_average": os.getloadavg(), "results": {}}
+    results = {
+        "command": f"python3 bench/bench_statistics.py --repeats {args.repeats}",
+        "load_average": os.getloadavg(),
+        "results": {},
+    }
     for depth in (5, 20, 100):
         tensors = [tf.random.normal(s) for s in mlp_shapes(depth)]
         variants = {
@@ -72,7 +94,9 @@ def main():
             "segment": tf.function(lambda t=tensors: segment_summarize(t)),
             "empty_call": tf.function(lambda t=tensors: t[0][0, 0]),
         }
-        np.testing.assert_allclose(variants["summarize"]().numpy(), variants["segment"]().numpy(), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(
+            variants["summarize"]().numpy(), variants["segment"]().numpy(), rtol=1e-4, atol=1e-5
+        )
         for function in variants.values():
             function()
         times = {name: [] for name in variants}
@@ -82,9 +106,11 @@ def main():
         medians = {name: statistics.median(values) for name, values in times.items()}
         medians["segment_over_summarize"] = medians["segment"] / medians["summarize"]
         results["results"][f"mlp{depth}"] = medians
-        print(f"mlp{depth:<4} summarize {medians['summarize']:.3f} ms  segment {medians['segment']:.3f} ms  "
-              f"(empty tf.function call {medians['empty_call']:.3f} ms)  segment/summarize "
-              f"{medians['segment_over_summarize']:.2f}x")
+        print(
+            f"mlp{depth:<4} summarize {medians['summarize']:.3f} ms  segment {medians['segment']:.3f} ms  "
+            f"(empty tf.function call {medians['empty_call']:.3f} ms)  segment/summarize "
+            f"{medians['segment_over_summarize']:.2f}x"
+        )
     out = pathlib.Path(__file__).resolve().parent / "results" / "statistics.json"
     out.write_text(json.dumps(results, indent=2))
 

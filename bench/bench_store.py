@@ -134,7 +134,9 @@ def main():
                 if isinstance(value, float)
                 else f"{name:<{width}}  {value}"
             )
-    out = pathlib.Path(args.out or pathlib.Path(__file__).resolve().parent / "results" / "store.json")
+    out = pathlib.Path(
+        args.out or pathlib.Path(__file__).resolve().parent / "results" / "store.json"
+    )
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
 

@@ -73,12 +73,20 @@ def rss_mib(pid):
 
 def repeated_fits(mode, fits):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", FITS, mode, str(fits)], capture_output=True,
-                         text=True, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", FITS, mode, str(fits)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     sizes = json.loads(out.stdout.strip().splitlines()[-1])
     # The first fits load libraries and data; the growth after them is the leak.
     per_fit = (sizes[-1] - sizes[2]) / (len(sizes) - 3)
-    return {"rss_mib_after_each_fit": [round(s, 1) for s in sizes], "growth_mib_per_fit": round(per_fit, 2)}
+    return {
+        "rss_mib_after_each_fit": [round(s, 1) for s in sizes],
+        "growth_mib_per_fit": round(per_fit, 2),
+    }
 
 
 def queued_runs(runs, runs_per_worker):
@@ -87,8 +95,12 @@ def queued_runs(runs, runs_per_worker):
     from gradflow.store import RunStore
 
     with tempfile.TemporaryDirectory() as folder:
-        manager = RunManager(RunStore(pathlib.Path(folder) / "runs.db"), max_running=1,
-                             threads_per_run=1, runs_per_worker=runs_per_worker)
+        manager = RunManager(
+            RunStore(pathlib.Path(folder) / "runs.db"),
+            max_running=1,
+            threads_per_run=1,
+            runs_per_worker=runs_per_worker,
+        )
         try:
             manager.wait_warm(300)
             start = time.perf_counter()
@@ -117,24 +129,37 @@ def main():
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    fits = {mode: repeated_fits(mode, args.fits)
-            for mode in ("monitor", "monitor without release", "plain fit")}
+    fits = {
+        mode: repeated_fits(mode, args.fits)
+        for mode in ("monitor", "monitor without release", "plain fit")
+    }
     for mode, result in fits.items():
         print(f"{mode:<26} RSS growth {result['growth_mib_per_fit']:6.2f} MiB a fit", flush=True)
     reused = queued_runs(args.runs, args.runs)
     fresh = queued_runs(max(3, args.runs // 3), 1)
     for name, result in (("reused worker", reused), ("a worker per run", fresh)):
         known = [s for s in result["worker_rss_mib_after_each_run"] if s is not None]
-        print(f"{name:<26} {result['runs']} runs, {result['workers']} workers, "
-              f"{result['wall_s_per_run']} s a run, worker RSS "
-              f"{min(known, default=0)}-{max(known, default=0)} MiB "
-              f"(median {statistics.median(known) if known else '-'})", flush=True)
+        print(
+            f"{name:<26} {result['runs']} runs, {result['workers']} workers, "
+            f"{result['wall_s_per_run']} s a run, worker RSS "
+            f"{min(known, default=0)}-{max(known, default=0)} MiB "
+            f"(median {statistics.median(known) if known else '-'})",
+            flush=True,
+        )
     out = pathlib.Path(args.out or ROOT / "bench" / "results" / "worker-memory.json")
-    out.write_text(json.dumps({
-        "command": "python3 bench/bench_worker_memory.py " + " ".join(sys.argv[1:]),
-        "load_average_1min": os.getloadavg()[0], "cpus": os.cpu_count(),
-        "repeated_fits": fits, "reused_worker": reused, "worker_per_run": fresh,
-    }, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python3 bench/bench_worker_memory.py " + " ".join(sys.argv[1:]),
+                "load_average_1min": os.getloadavg()[0],
+                "cpus": os.cpu_count(),
+                "repeated_fits": fits,
+                "reused_worker": reused,
+                "worker_per_run": fresh,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 

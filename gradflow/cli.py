@@ -115,7 +115,8 @@ def _build_parser():
     serve = commands.add_parser("serve", help="start the dashboard (streamlit run app.py)")
     serve.add_argument("--port", type=int, default=8501, help="port, default 8501")
     serve.add_argument(
-        "--address", default="127.0.0.1",
+        "--address",
+        default="127.0.0.1",
         help="address to listen on, default 127.0.0.1 (this machine only); "
         "0.0.0.0 serves a classroom network (put it behind an authenticating proxy, see SECURITY.md)",
     )

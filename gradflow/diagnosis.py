@@ -203,7 +203,9 @@ def _layer_norms(table):
     squares = pd.to_numeric(weights["l2_norm"], errors="coerce") ** 2
     norms = (
         weights.assign(_square=squares)
-        .groupby(["step", "layer", "layer_index"], as_index=False, sort=True, observed=True)["_square"]
+        .groupby(["step", "layer", "layer_index"], as_index=False, sort=True, observed=True)[
+            "_square"
+        ]
         .sum(min_count=1)
     )
     norms["norm"] = np.sqrt(norms.pop("_square"))
@@ -243,7 +245,9 @@ def _vanishing(norms, thresholds):
             )
         )
     # First-to-last ratio, one value per step.
-    ordered = norms.sort_values(["step", "layer_index"], kind="stable").groupby("step", observed=True)
+    ordered = norms.sort_values(["step", "layer_index"], kind="stable").groupby(
+        "step", observed=True
+    )
     first, last = ordered.first(), ordered.last()
     ratios = pd.DataFrame(
         {

@@ -6,7 +6,9 @@ from gradflow.ui import controls, live
 from gradflow.ui.charts import presentation_style
 
 st.title("Live training")
-st.caption("Per-layer gradient maxima and norms of a network while it trains, updated every second.")
+st.caption(
+    "Per-layer gradient maxima and norms of a network while it trains, updated every second."
+)
 
 config = controls.training_form()
 presentation_style()

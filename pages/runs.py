@@ -30,7 +30,9 @@ if open_col.button("Open in Live training"):
     open_run(chosen)
     st.switch_page("pages/live_training.py")
 with rename_col.form("rename", border=False):
-    new_name = st.text_input("New name", value=str(runs.set_index("run_id").loc[chosen, "name"]), max_chars=80)
+    new_name = st.text_input(
+        "New name", value=str(runs.set_index("run_id").loc[chosen, "name"]), max_chars=80
+    )
     if st.form_submit_button("Rename"):
         try:
             store.rename(chosen, new_name)

@@ -12,7 +12,9 @@ st.markdown(
     "`output_gradients` (a vector-Jacobian product). The result equals one tape over the whole model."
 )
 presentation = presentation_style()
-sizes = st.multiselect("Input sizes (pixels per side)", [6, 8, 10, 12, 14, 16], default=[6, 8, 10, 12])
+sizes = st.multiselect(
+    "Input sizes (pixels per side)", [6, 8, 10, 12, 14, 16], default=[6, 8, 10, 12]
+)
 if st.button("Run the lesson", type="primary", disabled=not sizes):
     from gradflow.probe.split_lesson import split_backprop_lesson
 
@@ -24,8 +26,10 @@ if lesson is not None:
     st.dataframe(lesson.parts, hide_index=True)
     st.subheader("Chained tapes against one joint tape")
     worst = lesson.agreement[["vjp", "jacobian"]].max()
-    st.success(f"Largest difference from one joint tape: {worst['vjp']:.1e} (VJP), "
-               f"{worst['jacobian']:.1e} (Jacobians): the same gradients, up to float32 rounding.")
+    st.success(
+        f"Largest difference from one joint tape: {worst['vjp']:.1e} (VJP), "
+        f"{worst['jacobian']:.1e} (Jacobians): the same gradients, up to float32 rounding."
+    )
     st.dataframe(lesson.agreement, hide_index=True)
     st.subheader("Why nobody multiplies full Jacobians")
     show_chart(jacobian_cost(lesson.cost, presentation=presentation), "split.cost")

@@ -7,4 +7,5 @@ python3 -m pip install --disable-pip-version-check -q -r requirements-test.txt
 python3 -m pip install --disable-pip-version-check -q --no-deps -e .
 bash scripts/ensure_chromium.sh
 python3 -m ruff check .
+python3 -m ruff format --check .
 exec python3 -m pytest "$@"

@@ -31,7 +31,12 @@ CHROMIUM_ARGS = [
 
 def chromium_path():
     """Path of the system Chromium, or None."""
-    for name in (os.environ.get("GRADFLOW_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
+    for name in (
+        os.environ.get("GRADFLOW_CHROMIUM"),
+        "chromium",
+        "chromium-browser",
+        "google-chrome",
+    ):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
@@ -68,13 +73,28 @@ def streamlit_server(db_path, extra_env=None, log_path=None, script=None, nicene
     env.update(extra_env or {})
     log = open(log_path or os.devnull, "wb")
     process = subprocess.Popen(
-        (["nice", "-n", str(niceness)] if niceness else []) + [
-            sys.executable, "-m", "streamlit", "run", str(script or REPO / "app.py"),
-            "--server.port", str(port), "--server.address", "127.0.0.1",
-            "--server.headless", "true", "--browser.gatherUsageStats", "false",
-            "--server.fileWatcherType", "none",
+        (["nice", "-n", str(niceness)] if niceness else [])
+        + [
+            sys.executable,
+            "-m",
+            "streamlit",
+            "run",
+            str(script or REPO / "app.py"),
+            "--server.port",
+            str(port),
+            "--server.address",
+            "127.0.0.1",
+            "--server.headless",
+            "true",
+            "--browser.gatherUsageStats",
+            "false",
+            "--server.fileWatcherType",
+            "none",
         ],
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -104,5 +124,8 @@ def new_elements(frames):
     for when, payload in frames:
         message = ForwardMsg()
         message.ParseFromString(payload)
-        if message.WhichOneof("type") == "delta" and message.delta.WhichOneof("type") == "new_element":
+        if (
+            message.WhichOneof("type") == "delta"
+            and message.delta.WhichOneof("type") == "new_element"
+        ):
             yield when, len(payload), message.delta.new_element

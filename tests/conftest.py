@@ -69,12 +69,16 @@ def chromium():
     path = chromium_path()
     if path is None:
         if os.environ.get("CI"):
-            pytest.fail("CI must have Chromium: scripts/ensure_chromium.sh should have installed it.")
+            pytest.fail(
+                "CI must have Chromium: scripts/ensure_chromium.sh should have installed it."
+            )
         pytest.skip("no system Chromium; run scripts/ensure_chromium.sh")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=path, headless=True, args=CHROMIUM_ARGS)
+        browser = playwright.chromium.launch(
+            executable_path=path, headless=True, args=CHROMIUM_ARGS
+        )
         yield browser
         browser.close()
 

@@ -69,7 +69,10 @@ def test_the_board_lists_keyed_digests_of_the_queue_and_follows_it(board):
     assert published.url == f"/app/static/gradflow/{published.name}"
     assert re.fullmatch(r"board-\d+-[0-9a-f]{16}\.json", published.name)
     content = read_board(published)
-    assert content == {"queue": [published.digest("run-a"), published.digest("run-b")], "warm": False}
+    assert content == {
+        "queue": [published.digest("run-a"), published.digest("run-b")],
+        "warm": False,
+    }
     # Run ids are not on the (public) board; the digest is keyed per server.
     assert "run-a" not in published.path.read_text()
     assert re.fullmatch(r"[0-9a-f]{16}", published.digest("run-a"))
@@ -94,7 +97,9 @@ def test_the_file_keeps_its_size_so_a_response_never_ends_early(board):
     assert sizes == {1024}
     manager.queue = [f"run-{n}" for n in range(200)]  # 200 digests need more than 1 KiB
     published.publish()
-    assert published.path.stat().st_size in (4096, 8192) and len(read_board(published)["queue"]) == 200
+    assert (
+        published.path.stat().st_size in (4096, 8192) and len(read_board(published)["queue"]) == 200
+    )
 
 
 def test_a_board_is_written_atomically_while_it_is_read(board):
@@ -122,8 +127,12 @@ def test_a_board_is_written_atomically_while_it_is_read(board):
 
 
 def test_closing_removes_the_file_and_boards_of_dead_servers_are_swept(board, tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     stale = tmp_path / f"board-{dead}-0123456789abcdef.json"
     stale.write_text("{}")
     alive = tmp_path / f"board-{os.getppid()}-0123456789abcdef.json"
@@ -139,9 +148,12 @@ def test_closing_removes_the_file_and_boards_of_dead_servers_are_swept(board, tm
 
 def watchers(messages):
     """The board watchers a run drew: (fragment id, data)."""
-    return [(m.delta.fragment_id, json.loads(m.delta.new_element.bidi_component.json)) for m in messages
-            if m.WhichOneof("type") == "delta"
-            and m.delta.new_element.bidi_component.component_name.endswith("gradflow.board_watch")]
+    return [
+        (m.delta.fragment_id, json.loads(m.delta.new_element.bidi_component.json))
+        for m in messages
+        if m.WhichOneof("type") == "delta"
+        and m.delta.new_element.bidi_component.component_name.endswith("gradflow.board_watch")
+    ]
 
 
 def intervals(messages):
@@ -162,7 +174,9 @@ def test_a_queued_page_watches_its_place_instead_of_ticking(page_environment, bo
     messages = full_run_messages(monkeypatch)
 
     app = run_page("live_training.py", run=queued)
-    assert intervals(messages) == [] and paces(messages) == [], "nothing polls the server while the run waits"
+    assert intervals(messages) == [] and paces(messages) == [], (
+        "nothing polls the server while the run waits"
+    )
     assert any("this run starts when a slot frees." in i.value for i in app.info)
     [(fragment, data)] = watchers(messages)
     assert fragment, "in the panel's fragment: the run leaving the queue reruns only the fragment"
@@ -190,7 +204,9 @@ def test_a_page_waits_for_the_warm_trainer_on_the_board(page_environment, board,
     assert any("Warming up the trainer" in c.value for c in app.caption)
     assert intervals(messages) == []
     [(fragment, data)] = watchers(messages)
-    assert fragment and data["run"] is None and data["warm"] is False, "a change reruns the page's fragment"
+    assert fragment and data["run"] is None and data["warm"] is False, (
+        "a change reruns the page's fragment"
+    )
     assert paces(messages) == [], "no ticks while the board is watched"
 
     manager.warm = True
@@ -205,7 +221,10 @@ def test_a_page_waits_for_the_warm_trainer_on_the_board(page_environment, board,
 def _start(context, url, steps):
     page = context.new_page()
     sent = []
-    page.on("websocket", lambda socket: socket.on("framesent", lambda payload: sent.append(time.monotonic())))
+    page.on(
+        "websocket",
+        lambda socket: socket.on("framesent", lambda payload: sent.append(time.monotonic())),
+    )
     page.goto(f"{url}/?steps={steps}&depth=2&width=8")
     page.get_by_role("button", name="Start training").click()
     return page, sent
@@ -213,7 +232,9 @@ def _start(context, url, steps):
 
 @pytest.mark.browser
 @pytest.mark.slow
-def test_queued_pages_follow_their_place_without_asking_the_server(chromium, tmp_path, artifacts_dir):
+def test_queued_pages_follow_their_place_without_asking_the_server(
+    chromium, tmp_path, artifacts_dir
+):
     # One training slot, three students: the second and third wait. Their
     # pages show their place from the board and send the server nothing
     # until their own run leaves the queue; then they follow it to the end.
@@ -222,7 +243,10 @@ def test_queued_pages_follow_their_place_without_asking_the_server(chromium, tmp
 
     db = tmp_path / "runs.db"
     env = {"GRADFLOW_MAX_RUNNING": "1", "GRADFLOW_PREWARM": "0"}
-    with streamlit_server(db, extra_env=env, log_path=artifacts_dir / "board-server.log") as (url, _):
+    with streamlit_server(db, extra_env=env, log_path=artifacts_dir / "board-server.log") as (
+        url,
+        _,
+    ):
         store = RunStore(db)
         first, _ = _start(chromium.new_context(), url, 20000)
         first.get_by_text("Training").first.wait_for(timeout=120_000)
@@ -235,9 +259,12 @@ def test_queued_pages_follow_their_place_without_asking_the_server(chromium, tmp
         time.sleep(1.0)  # the clicks' own messages
         quiet_since = time.monotonic()
         time.sleep(5.0)  # two and a half ticks at the old pace
-        assert [t for t in second_sent + third_sent if t > quiet_since] == [], "queued pages sent messages"
+        assert [t for t in second_sent + third_sent if t > quiet_since] == [], (
+            "queued pages sent messages"
+        )
         looks = third.evaluate(
-            "() => performance.getEntriesByType('resource').filter(e => e.name.includes('/board-')).length")
+            "() => performance.getEntriesByType('resource').filter(e => e.name.includes('/board-')).length"
+        )
         assert looks >= 4, "the page looks at the board from the browser"
 
         first.get_by_role("button", name="Stop").click()
@@ -295,18 +322,32 @@ def test_a_page_far_back_in_the_queue_looks_at_the_board_less_often(chromium):
     try:
         page.evaluate(_WATCH_SETUP, board_module._WATCH_JS)
         every_ms = 200
-        data = {"url": "/board.json", "every_ms": every_ms, "ask_again_ms": 3000, "failed_looks": 3,
-                "places_per_slower_look": board_module.PLACES_PER_SLOWER_LOOK,
-                "slowest_looks": board_module.SLOWEST_LOOKS, "run": "mine", "place": 7}
+        data = {
+            "url": "/board.json",
+            "every_ms": every_ms,
+            "ask_again_ms": 3000,
+            "failed_looks": 3,
+            "places_per_slower_look": board_module.PLACES_PER_SLOWER_LOOK,
+            "slowest_looks": board_module.SLOWEST_LOOKS,
+            "run": "mine",
+            "place": 7,
+        }
 
         def gaps_at(place, looks=4):
-            page.evaluate("(place) => { window.board.queue = [...Array(place).fill('other'), 'mine']; "
-                          "window.looks = []; }", place)
+            page.evaluate(
+                "(place) => { window.board.queue = [...Array(place).fill('other'), 'mine']; "
+                "window.looks = []; }",
+                place,
+            )
             page.wait_for_function(f"() => window.looks.length >= {looks}", timeout=20_000)
             times = page.evaluate("() => window.looks")
-            return [b - a for a, b in zip(times[1:], times[2:], strict=False)]  # after the first look
+            return [
+                b - a for a, b in zip(times[1:], times[2:], strict=False)
+            ]  # after the first look
 
-        page.evaluate("(place) => { window.board.queue = [...Array(place).fill('other'), 'mine']; }", 7)
+        page.evaluate(
+            "(place) => { window.board.queue = [...Array(place).fill('other'), 'mine']; }", 7
+        )
         page.evaluate(_WATCH_START, data)
         far, middle, near = gaps_at(7), gaps_at(4), gaps_at(1)
         assert all(2.7 * every_ms <= gap < 4.5 * every_ms for gap in far), far

@@ -90,7 +90,9 @@ def page_factory(chromium, artifacts_dir, request):
     failed = getattr(request.node, "rep_call", None) is None or request.node.rep_call.failed
     for number, page in enumerate(pages):
         if failed and not page.is_closed():
-            page.screenshot(path=str(artifacts_dir / f"FAILED-{request.node.name}-{number}.png"), full_page=True)
+            page.screenshot(
+                path=str(artifacts_dir / f"FAILED-{request.node.name}-{number}.png"), full_page=True
+            )
         if not page.is_closed():
             page.close()
 
@@ -113,21 +115,35 @@ def resend_requests(sent_frames, chart_key):
 
 def test_teacher_flow(page_factory, tmp_path, artifacts_dir):
     timings = {}
-    with streamlit_server(tmp_path / "runs.db", log_path=artifacts_dir / "e2e-server.log") as (url, _):
+    with streamlit_server(tmp_path / "runs.db", log_path=artifacts_dir / "e2e-server.log") as (
+        url,
+        _,
+    ):
         page = page_factory(accept_downloads=True)
         frames, sent = [], []
 
         def watch(ws):
-            ws.on("framereceived", lambda payload: frames.append(
-                (time.monotonic(), payload if isinstance(payload, bytes) else payload.encode())))
-            ws.on("framesent", lambda payload: sent.append(payload) if isinstance(payload, bytes) else None)
+            ws.on(
+                "framereceived",
+                lambda payload: frames.append(
+                    (time.monotonic(), payload if isinstance(payload, bytes) else payload.encode())
+                ),
+            )
+            ws.on(
+                "framesent",
+                lambda payload: sent.append(payload) if isinstance(payload, bytes) else None,
+            )
 
         page.on("websocket", watch)
         # An offline classroom server: the page must not reach outside it (e.g. a
         # Material icon as the tab's icon is fetched from fonts.gstatic.com).
         outside = []
-        page.on("request", lambda r: outside.append(r.url)
-                if not r.url.startswith((url, url.replace("http", "ws", 1), "data:", "blob:")) else None)
+        page.on(
+            "request",
+            lambda r: outside.append(r.url)
+            if not r.url.startswith((url, url.replace("http", "ws", 1), "data:", "blob:"))
+            else None,
+        )
         # A shared link restores the settings it carries: here a long run, to have time to Stop it.
         page.goto(f"{url}/?steps=10000&record_every=1")
         page.get_by_role("button", name="Start training").wait_for(timeout=90_000)
@@ -176,7 +192,9 @@ def test_teacher_flow(page_factory, tmp_path, artifacts_dir):
         expected = table.pivot(index="layer_index", columns="step", values="max_abs")
         drawn = page.evaluate(FIRST_HEATMAP)
         assert drawn["x"] == expected.columns.tolist()
-        np.testing.assert_array_equal(np.array(drawn["customdata"], dtype=float), expected.to_numpy())
+        np.testing.assert_array_equal(
+            np.array(drawn["customdata"], dtype=float), expected.to_numpy()
+        )
         png_path = download(page, 0, "PNG", artifacts_dir, "e2e-heatmap.png")
         png = png_path.read_bytes()
         assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
@@ -188,7 +206,9 @@ def test_teacher_flow(page_factory, tmp_path, artifacts_dir):
         select_option(page, "B", "sigmoid")
         page.get_by_role("button", name="Start comparison").click()
         page.wait_for_function(
-            f"({HEATMAP_WIDTHS})().filter(width => width > 0).length >= 2", timeout=240_000, polling=250,
+            f"({HEATMAP_WIDTHS})().filter(width => width > 0).length >= 2",
+            timeout=240_000,
+            polling=250,
         )
         page.locator(".js-plotly-plot .heatmaplayer").first.wait_for(timeout=30_000)
         no_exception(page)

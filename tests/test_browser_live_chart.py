@@ -75,7 +75,9 @@ def assert_drawn(page, host, chart):
             if want.dtype.kind == "O":
                 assert got[attribute] == want.tolist(), attribute
             else:
-                np.testing.assert_array_equal(np.asarray(got[attribute], dtype=float), want.astype(float))
+                np.testing.assert_array_equal(
+                    np.asarray(got[attribute], dtype=float), want.astype(float)
+                )
 
 
 def test_the_javascript_applies_updates_exactly_and_asks_again_when_it_holds_another_base(chromium):
@@ -165,14 +167,16 @@ def synthetic_steps(first, last, seed=0):
     steps = np.arange(first, last + 1)
     index = np.tile(np.repeat(np.arange(LAYERS), 2), len(steps))
     n = len(index)
-    return pd.DataFrame({
-        "step": np.repeat(steps, LAYERS * 2),
-        "layer": [f"dense_{i}" for i in index],
-        "layer_index": index,
-        "tensor": np.tile(["kernel", "bias"], len(steps) * LAYERS),
-        "max_abs": rng.lognormal(-5, 2, n),
-        "l2_norm": rng.lognormal(-3, 2, n),
-    })
+    return pd.DataFrame(
+        {
+            "step": np.repeat(steps, LAYERS * 2),
+            "layer": [f"dense_{i}" for i in index],
+            "layer_index": index,
+            "tensor": np.tile(["kernel", "bias"], len(steps) * LAYERS),
+            "max_abs": rng.lognormal(-5, 2, n),
+            "l2_norm": rng.lognormal(-3, 2, n),
+        }
+    )
 
 
 TRACE_TYPES = """() => [...document.querySelectorAll('.js-plotly-plot')]
@@ -198,8 +202,11 @@ def test_a_live_tick_sends_the_new_columns_not_the_history(chromium, tmp_path, a
     from gradflow.ui.live import LIVE_MAX_COLUMNS
 
     steps, window_s = 3000, 6.0
-    with streamlit_server(tmp_path / "runs.db", extra_env={"GRADFLOW_PREWARM": "0"},
-                          log_path=artifacts_dir / "live-chart-server.log") as (url, _):
+    with streamlit_server(
+        tmp_path / "runs.db",
+        extra_env={"GRADFLOW_PREWARM": "0"},
+        log_path=artifacts_dir / "live-chart-server.log",
+    ) as (url, _):
         store = RunStore(tmp_path / "runs.db")
         run_id = store.create_run({"depth": 8}, name="growing", status="running")
         with store.writer(run_id) as writer:
@@ -219,13 +226,25 @@ def test_a_live_tick_sends_the_new_columns_not_the_history(chromium, tmp_path, a
         frames = []
         page = chromium.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page.on("websocket", lambda ws: ws.on("framereceived", lambda payload: frames.append(
-                (time.monotonic(), payload if isinstance(payload, bytes) else payload.encode()))))
+            page.on(
+                "websocket",
+                lambda ws: ws.on(
+                    "framereceived",
+                    lambda payload: frames.append(
+                        (
+                            time.monotonic(),
+                            payload if isinstance(payload, bytes) else payload.encode(),
+                        )
+                    ),
+                ),
+            )
             page.goto(f"{url}/?run={run_id}")
             page.wait_for_function(
                 "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => (p.data || [])"
                 ".some(t => t.type === 'heatmap' && t.z && t.z[0] && t.z[0].length > 0))",
-                timeout=120_000, polling=200)
+                timeout=120_000,
+                polling=200,
+            )
             page.wait_for_timeout(2000)  # past the first full page
             start = time.monotonic()
             page.wait_for_timeout(window_s * 1000)
@@ -240,7 +259,8 @@ def test_a_live_tick_sends_the_new_columns_not_the_history(chromium, tmp_path, a
             page.wait_for_function(
                 "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => p.layout && "
                 "String(p.layout.title && p.layout.title.text).startsWith('Gradient flow at step'))",
-                timeout=60_000)
+                timeout=60_000,
+            )
             page.get_by_text("Heatmaps", exact=True).click()
             page.wait_for_function(f"({TRACE_TYPES})().includes('heatmap')", timeout=60_000)
             # Slide fonts (a whole-page rerun): the layout changes, the columns stay.
@@ -282,11 +302,16 @@ def test_plotly_js_is_served_as_gzipped_on_disk_and_still_draws(chromium, tmp_pa
     `plotly.min.js.gz` as it is on disk and unpacks it. If Streamlit or Starlette starts
     compressing it again (or stops serving .gz files as application/gzip), this fails."""
     static = pathlib.Path(__file__).resolve().parent.parent / "static" / "gradflow"
-    with streamlit_server(tmp_path / "runs.db", extra_env={"GRADFLOW_PREWARM": "0"},
-                          log_path=artifacts_dir / "live-chart-static-server.log") as (url, _):
+    with streamlit_server(
+        tmp_path / "runs.db",
+        extra_env={"GRADFLOW_PREWARM": "0"},
+        log_path=artifacts_dir / "live-chart-static-server.log",
+    ) as (url, _):
         # The live page of a run draws its (empty) heatmaps with the Plotly it unpacked.
         # (Its first script run publishes the files: read them only after it.)
-        run_id = RunStore(tmp_path / "runs.db").create_run({"depth": 2}, name="first step soon", status="running")
+        run_id = RunStore(tmp_path / "runs.db").create_run(
+            {"depth": 2}, name="first step soon", status="running"
+        )
         context, page, fetched = _open_drawn_page(
             chromium, f"{url}/?run={run_id}", artifacts=artifacts_dir / "live-chart-static-gz"
         )
@@ -295,15 +320,19 @@ def test_plotly_js_is_served_as_gzipped_on_disk_and_still_draws(chromium, tmp_pa
             assert gzip.decompress(on_disk) == (static / "plotly.min.js").read_bytes()
             assert (static / "plotly.min.js").read_bytes() == live_chart._PLOTLY_JS.read_bytes()
             # As a browser asks: the server must send the file's bytes, not compress them again.
-            request = urllib.request.Request(f"{url}{STATIC}plotly.min.js.gz",
-                                             headers={"Accept-Encoding": "gzip, deflate, br, zstd"})
+            request = urllib.request.Request(
+                f"{url}{STATIC}plotly.min.js.gz",
+                headers={"Accept-Encoding": "gzip, deflate, br, zstd"},
+            )
             with urllib.request.urlopen(request, timeout=60) as response:
                 assert response.headers.get("Content-Type") == "application/gzip"
                 assert response.headers.get("Content-Encoding") is None
                 assert response.read() == on_disk
 
             plotly_responses = [r for r in fetched if "/plotly.min.js" in r.url]
-            assert [r.url.split("?")[0].rsplit("/", 1)[1] for r in plotly_responses] == ["plotly.min.js.gz"]
+            assert [r.url.split("?")[0].rsplit("/", 1)[1] for r in plotly_responses] == [
+                "plotly.min.js.gz"
+            ]
             gz = plotly_responses[0]
             assert gz.status == 200
             assert gz.all_headers().get("content-encoding") is None
@@ -323,7 +352,9 @@ def test_plotly_js_is_served_as_gzipped_on_disk_and_still_draws(chromium, tmp_pa
             artifacts=artifacts_dir / "live-chart-static-fallback",
         )
         try:
-            names = [r.url.split("?")[0].rsplit("/", 1)[1] for r in fetched if "/plotly.min.js" in r.url]
+            names = [
+                r.url.split("?")[0].rsplit("/", 1)[1] for r in fetched if "/plotly.min.js" in r.url
+            ]
             assert names == ["plotly.min.js"]
         finally:
             context.close()

@@ -30,7 +30,10 @@ def _wait_status(store, run_id, wanted, timeout):
 def test_reload_keeps_the_run_and_a_closed_tab_stops_it(chromium, tmp_path, artifacts_dir):
     db = tmp_path / "runs.db"
     env = {"GRADFLOW_SESSION_GRACE": "3", "GRADFLOW_PREWARM": "0"}
-    with streamlit_server(db, extra_env=env, log_path=artifacts_dir / "sessions-server.log") as (url, _):
+    with streamlit_server(db, extra_env=env, log_path=artifacts_dir / "sessions-server.log") as (
+        url,
+        _,
+    ):
         store = RunStore(db)
         context = chromium.new_context()
         page = context.new_page()

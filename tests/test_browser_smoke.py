@@ -8,7 +8,10 @@ pytestmark = pytest.mark.browser
 
 
 def test_dashboard_renders_in_chromium(chromium, tmp_path, artifacts_dir):
-    with streamlit_server(tmp_path / "runs.db", log_path=artifacts_dir / "smoke-server.log") as (url, _):
+    with streamlit_server(tmp_path / "runs.db", log_path=artifacts_dir / "smoke-server.log") as (
+        url,
+        _,
+    ):
         page = chromium.new_page(viewport={"width": 1400, "height": 900})
         page.goto(url)
         # The home page is Live training, with the pages of the dashboard in the sidebar.

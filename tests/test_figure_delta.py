@@ -110,15 +110,25 @@ def run_rows(first, last, layers=LAYERS, tensors=("kernel", "bias"), seed=0):
                 values[steps % 53 == 0] = np.nan
             if index == 2:
                 values[steps % 71 == 0] = np.inf
-            rows.append(pd.DataFrame({
-                "step": steps, "layer": layer, "layer_index": index, "tensor": tensor,
-                "max_abs": values, "l2_norm": values * 3,
-            }))
+            rows.append(
+                pd.DataFrame(
+                    {
+                        "step": steps,
+                        "layer": layer,
+                        "layer_index": index,
+                        "tensor": tensor,
+                        "max_abs": values,
+                        "l2_norm": values * 3,
+                    }
+                )
+            )
     return pd.concat(rows, ignore_index=True)
 
 
 def live_heatmap(stats, tensor="kernel", max_columns=16):
-    return figures.heatmap(stats, "max_abs", tensor, max_columns=max_columns, power_of_two_blocks=True)
+    return figures.heatmap(
+        stats, "max_abs", tensor, max_columns=max_columns, power_of_two_blocks=True
+    )
 
 
 def columns_sent(update, name="0.z"):
@@ -160,8 +170,10 @@ def test_a_delta_after_k_new_steps_carries_k_columns_not_the_history():
     assert full.data["step"].nunique() == 376
     whole, sent = figure_update(full.figure)
     for k in (1, 8, 64):
-        bigger = pd.concat([stats, run_rows(6006, 6005 + 16 * k, layers=layers, tensors=("kernel",))],
-                           ignore_index=True)
+        bigger = pd.concat(
+            [stats, run_rows(6006, 6005 + 16 * k, layers=layers, tensors=("kernel",))],
+            ignore_index=True,
+        )
         update, _ = figure_update(live_heatmap(bigger, max_columns=500).figure, sent)
         start = update["arrays"]["0.z"]["from"]
         assert start in (375, 376)  # the partial column, unless its max stayed the same
@@ -219,9 +231,14 @@ def test_lines_and_the_empty_figure_take_the_same_path():
     assert_browser_shows(browser, empty)
     stats = run_rows(1, 20)
     for last in (20, 21, 25, 600):
-        stats = pd.concat([stats, run_rows(int(stats["step"].max()) + 1, last)], ignore_index=True) \
-            if last > stats["step"].max() else stats
-        chart = figures.layer_lines(stats, "l2_norm", "kernel", max_points=64, power_of_two_blocks=True)
+        stats = (
+            pd.concat([stats, run_rows(int(stats["step"].max()) + 1, last)], ignore_index=True)
+            if last > stats["step"].max()
+            else stats
+        )
+        chart = figures.layer_lines(
+            stats, "l2_norm", "kernel", max_points=64, power_of_two_blocks=True
+        )
         update, sent = figure_update(chart.figure, sent)
         assert browser.receive(update)
         assert_browser_shows(browser, chart)

@@ -253,7 +253,9 @@ def test_decimation_keeps_the_max_of_every_block(cols, max_columns):
     small = decimate.decimate_max(grid, max_columns)
     block = math.ceil(cols / max_columns)
     assert small.values.shape[1] <= max_columns
-    np.testing.assert_array_equal(small.values, brute_force_block_max(grid.values, grid.present, block))
+    np.testing.assert_array_equal(
+        small.values, brute_force_block_max(grid.values, grid.present, block)
+    )
     assert small.step_first[0] == 1 and small.step_last[-1] == cols
 
 
@@ -267,12 +269,16 @@ def test_power_of_two_blocks_keep_earlier_columns_as_a_run_grows(cols, max_colum
     while math.ceil(cols / block) > max_columns:
         block *= 2
     assert small.values.shape[1] == math.ceil(cols / block)
-    np.testing.assert_array_equal(small.values, brute_force_block_max(grid.values, grid.present, block))
+    np.testing.assert_array_equal(
+        small.values, brute_force_block_max(grid.values, grid.present, block)
+    )
     np.testing.assert_array_equal(small.step_first, np.arange(1, cols + 1, block))
     # The same run, shorter: while the block is the same, every column but
     # the last (partial) one is already the one drawn at the end.
     for shorter in range(1, cols):
-        earlier = decimate.decimate_max(first_columns(grid, shorter), max_columns, power_of_two_blocks=True)
+        earlier = decimate.decimate_max(
+            first_columns(grid, shorter), max_columns, power_of_two_blocks=True
+        )
         if decimate.block_size(shorter, max_columns, power_of_two=True) != block:
             continue
         full = earlier.values.shape[1] - 1
@@ -575,7 +581,11 @@ def test_live_charts_draw_only_the_trace_types_of_the_served_plotly_bundle():
     set_value(stats, 2, 1, "kernel", "max_abs", np.nan)
     set_value(stats, 3, 2, "kernel", "max_abs", np.inf)
     metrics = pd.DataFrame(
-        [dict(step=s, name=n, value=np.nan if s == 5 else 1 / s) for s in range(1, 6) for n in ("loss", "val_loss")]
+        [
+            dict(step=s, name=n, value=np.nan if s == 5 else 1 / s)
+            for s in range(1, 6)
+            for n in ("loss", "val_loss")
+        ]
     )
     histograms = histogram_rows(range(1, 5))
     runs = {"relu": stats, "sigmoid": make_layer_stats(seed=1)}

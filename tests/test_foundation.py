@@ -69,20 +69,28 @@ def published_here(monkeypatch):
         monkeypatch.setattr(live_chart._Assets, name, getattr(live_chart._Assets, name))
 
 
-def test_the_static_files_are_plotly_and_the_live_chart_module_copied_not_linked(tmp_path, published_here):
+def test_the_static_files_are_plotly_and_the_live_chart_module_copied_not_linked(
+    tmp_path, published_here
+):
     import gzip
 
     from gradflow.ui import live_chart
 
     assert live_chart.publish_assets(tmp_path)
     folder = tmp_path / "static" / "gradflow"
-    assert sorted(p.name for p in folder.iterdir()) == ["live_chart.js", "plotly.min.js", "plotly.min.js.gz"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "live_chart.js",
+        "plotly.min.js",
+        "plotly.min.js.gz",
+    ]
     # Plotly's cartesian bundle, vendored (gradflow/ui/vendor/README.md).
     plotly_js = REPO / "gradflow" / "ui" / "vendor" / "plotly-cartesian.min.js"
     assert plotly_js.read_bytes().startswith(b"/**\n* plotly.js (cartesian - minified) v3.")
     assert (folder / "plotly.min.js").read_bytes() == plotly_js.read_bytes()
     assert gzip.decompress((folder / "plotly.min.js.gz").read_bytes()) == plotly_js.read_bytes()
-    assert (folder / "live_chart.js").read_bytes() == (REPO / "gradflow" / "ui" / "live_chart.js").read_bytes()
+    assert (folder / "live_chart.js").read_bytes() == (
+        REPO / "gradflow" / "ui" / "live_chart.js"
+    ).read_bytes()
     # Streamlit serves a static file only if its real path is inside static/.
     assert not any(p.is_symlink() for p in folder.iterdir())
 

@@ -197,7 +197,9 @@ def test_a_polling_fragment_that_lost_its_timer_is_restarted_by_its_watchdog(
         assert "had not been redrawn" in log.read_text()
 
 
-def test_a_fragment_that_ticks_from_the_browser_goes_on_after_the_same_race(chromium, lost_interval_app):
+def test_a_fragment_that_ticks_from_the_browser_goes_on_after_the_same_race(
+    chromium, lost_interval_app
+):
     # What the live page does (`tick_after`): the tick's fragment run draws
     # the ticker again, so the page follows without any full run to restart it.
     url, _ = lost_interval_app
@@ -233,4 +235,6 @@ def test_the_watchdog_leaves_a_slow_page_alone(chromium, lost_interval_app):
     with watching(chromium, url + "/?mode=slow") as watched:
         _follows_past_tick_12(watched.page)
         assert "slow, not stopped" in log.read_text()
-        assert watched.page.get_by_text("full runs: 1", exact=True).count(), "a slow page was restarted"
+        assert watched.page.get_by_text("full runs: 1", exact=True).count(), (
+            "a slow page was restarted"
+        )

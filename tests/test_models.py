@@ -218,7 +218,11 @@ def test_one_training_step_matches_a_plain_tape(changes):
 
 @pytest.mark.parametrize(
     "changes",
-    [{}, {"optimizer": "adam", "normalization": "batch", "dropout": 0.2}, {"architecture": "cnn", "depth": 1}],
+    [
+        {},
+        {"optimizer": "adam", "normalization": "batch", "dropout": 0.2},
+        {"architecture": "cnn", "depth": 1},
+    ],
 )
 def test_the_first_fit_traces_its_train_step_once(changes):
     # Variables first created inside a traced step make TensorFlow trace it again.

@@ -163,14 +163,32 @@ CASES = [
     ("sgd_global_clipnorm", keras.optimizers.SGD, ("global_clipnorm", 0.1), None, 1e-5),
     ("sgd_max_norm", keras.optimizers.SGD, None, 0.3, 1e-5),
     # The update ratio comes from the optimizer's own increment for these...
-    ("sgd_nesterov", functools.partial(keras.optimizers.SGD, momentum=0.9, nesterov=True), None, None, 1e-5),
-    ("rmsprop_centered_momentum", functools.partial(keras.optimizers.RMSprop, momentum=0.5, centered=True), None, None, 1e-4),
+    (
+        "sgd_nesterov",
+        functools.partial(keras.optimizers.SGD, momentum=0.9, nesterov=True),
+        None,
+        None,
+        1e-5,
+    ),
+    (
+        "rmsprop_centered_momentum",
+        functools.partial(keras.optimizers.RMSprop, momentum=0.5, centered=True),
+        None,
+        None,
+        1e-4,
+    ),
     ("adagrad", keras.optimizers.Adagrad, None, None, 1e-4),
     ("nadam", keras.optimizers.Nadam, None, None, 1e-4),
     ("adamax", keras.optimizers.Adamax, None, None, 1e-4),
     # ...and from the weights before and after for these (weight decay).
     ("adamw", keras.optimizers.AdamW, None, None, 1e-4),
-    ("sgd_weight_decay", functools.partial(keras.optimizers.SGD, weight_decay=0.1), None, None, 1e-5),
+    (
+        "sgd_weight_decay",
+        functools.partial(keras.optimizers.SGD, weight_decay=0.1),
+        None,
+        None,
+        1e-5,
+    ),
 ]
 
 
@@ -215,7 +233,11 @@ def test_statistics_equal_a_hand_written_tape_loop(name, optimizer_class, clip, 
 # must compile and record the same numbers. Forced here on the CPU, with every
 # option on (histograms once failed to compile: bincount's length came from
 # the data).
-XLA_CASES = [c for c in CASES if c[0] in ("sgd", "adam", "adam_clipvalue", "sgd_global_clipnorm", "sgd_max_norm")]
+XLA_CASES = [
+    c
+    for c in CASES
+    if c[0] in ("sgd", "adam", "adam_clipvalue", "sgd_global_clipnorm", "sgd_max_norm")
+]
 
 
 @pytest.mark.parametrize(

@@ -170,7 +170,9 @@ def test_stop_on_nonfinite_loss_stops_after_that_very_batch():
     batches = []
     stopper = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: batches.append(b))
     monitor = GradientMonitor(stop_on_nonfinite=True)
-    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[monitor, stopper])
+    model.fit(
+        x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[monitor, stopper]
+    )
     assert batches == [0, 1, 2]
     assert monitor.events.query("kind == 'nonfinite'")["step"].tolist() == [3]
 

@@ -10,7 +10,14 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 LIVE_LABELS = {
     "slider": ["Depth"],
     "select_slider": ["Width", "Learning rate", "Batch size"],
-    "selectbox": ["Activation", "Initializer", "Optimizer", "Dataset", "Gradient clipping", "Normalization"],
+    "selectbox": [
+        "Activation",
+        "Initializer",
+        "Optimizer",
+        "Dataset",
+        "Gradient clipping",
+        "Normalization",
+    ],
     "toggle": ["Residual connections"],
     "number_input": ["Seed"],
     "button": ["Start training", "Pause", "Stop"],
@@ -120,8 +127,11 @@ def live_chart_updates(app):
     """What the page's live charts send (`gradflow/ui/figure_delta.py` has the format)."""
     import json
 
-    return [json.loads(element.proto.json) for element in app.get("bidi_component")
-            if element.proto.component_name.endswith("gradflow.live_chart")]
+    return [
+        json.loads(element.proto.json)
+        for element in app.get("bidi_component")
+        if element.proto.component_name.endswith("gradflow.live_chart")
+    ]
 
 
 def decoded(change):
@@ -149,7 +159,9 @@ def test_the_live_panel_is_drawn_empty_before_a_run():
     assert not app.get("plotly_chart")
 
 
-def test_with_more_pages_than_cores_plotly_waits_until_a_worker_has_the_run(page_environment, monkeypatch):
+def test_with_more_pages_than_cores_plotly_waits_until_a_worker_has_the_run(
+    page_environment, monkeypatch
+):
     # Issue #7: a class opening the page at once loaded 30 copies of Plotly at
     # once (1.1 s of each page's main thread), and its pages stalled for 30-40 s.
     import types
@@ -161,12 +173,17 @@ def test_with_more_pages_than_cores_plotly_waits_until_a_worker_has_the_run(page
     app = run_page("live_training.py")
     assert live_chart_updates(app) == [] and not app.get("plotly_chart")
     captions = [c.value for c in app.caption]
-    assert sum("appear here" in c for c in captions) == 2 and any("per layer" in c for c in captions)
+    assert sum("appear here" in c for c in captions) == 2 and any(
+        "per layer" in c for c in captions
+    )
 
     store = RunStore(page_environment)
     queued = store.create_run({"depth": 3}, name="in a class", status="queued")
-    monkeypatch.setattr(resources, "run_manager", lambda: types.SimpleNamespace(
-        prewarm=False, queued=lambda: [queued], running=lambda: {}))
+    monkeypatch.setattr(
+        resources,
+        "run_manager",
+        lambda: types.SimpleNamespace(prewarm=False, queued=lambda: [queued], running=lambda: {}),
+    )
     app = run_page("live_training.py", run=queued)
     assert live_chart_updates(app) == []
     assert sum("Waiting for the first training step" in c.value for c in app.caption) == 2
@@ -174,14 +191,17 @@ def test_with_more_pages_than_cores_plotly_waits_until_a_worker_has_the_run(page
     store.set_status(queued, "running")  # a worker has it: Plotly now, before the first step
     app = run_page("live_training.py", run=queued)
     updates = live_chart_updates(app)
-    assert len(updates) == 2 and all("Waiting for the first training step" in annotations(u["layout"])
-                                      for u in updates)
+    assert len(updates) == 2 and all(
+        "Waiting for the first training step" in annotations(u["layout"]) for u in updates
+    )
 
 
 def test_a_run_without_its_first_step_shows_empty_heatmaps(page_environment):
     from gradflow.store import RunStore
 
-    run_id = RunStore(page_environment).create_run({"depth": 3}, name="just started", status="running")
+    run_id = RunStore(page_environment).create_run(
+        {"depth": 3}, name="just started", status="running"
+    )
     app = run_page("live_training.py", run=run_id)
     updates = live_chart_updates(app)
     assert len(updates) == 2
@@ -195,10 +215,18 @@ def write_steps(store, run_id, first, last):
 
     steps = np.arange(first, last + 1)
     with store.writer(run_id) as writer:
-        writer.add_layer_stats(pd.DataFrame({
-            "step": steps, "layer": "dense_1", "layer_index": 0, "tensor": "kernel",
-            "max_abs": np.linspace(1e-3, 1.0, len(steps)) * steps, "l2_norm": 1.0,
-        }))
+        writer.add_layer_stats(
+            pd.DataFrame(
+                {
+                    "step": steps,
+                    "layer": "dense_1",
+                    "layer_index": 0,
+                    "tensor": "kernel",
+                    "max_abs": np.linspace(1e-3, 1.0, len(steps)) * steps,
+                    "l2_norm": 1.0,
+                }
+            )
+        )
         writer.progress(last)
 
 
@@ -211,7 +239,9 @@ def test_live_heatmaps_are_capped_and_a_tick_sends_only_the_new_columns(page_env
     last = 3 * LIVE_MAX_COLUMNS + 1
     write_steps(store, run_id, 1, last)
     app = run_page("live_training.py", run=run_id)
-    first = [u for u in live_chart_updates(app) if u.get("traces", [{}])[0].get("type") == "heatmap"]
+    first = [
+        u for u in live_chart_updates(app) if u.get("traces", [{}])[0].get("type") == "heatmap"
+    ]
     assert len(first) == 2 and all(u["base"] is None for u in first)
     widths = [decoded(u["arrays"]["0.z"]).shape[1] for u in first]
     assert all(LIVE_MAX_COLUMNS // 2 <= w <= LIVE_MAX_COLUMNS for w in widths)
@@ -252,20 +282,33 @@ def fragments_sharing_or_not_last_in_their_block(messages):
     its container as stale (gradflow/ui/fragments.py). Re-adding it is safe
     only if it is the last element of its block and the only fragment there.
     """
-    deltas = [(tuple(m.metadata.delta_path), m.delta.fragment_id) for m in messages
-              if m.WhichOneof("type") == "delta"]
+    deltas = [
+        (tuple(m.metadata.delta_path), m.delta.fragment_id)
+        for m in messages
+        if m.WhichOneof("type") == "delta"
+    ]
     containers = {}
     for path, fragment_id in deltas:
-        if fragment_id and (fragment_id not in containers or len(path) < len(containers[fragment_id])):
+        if fragment_id and (
+            fragment_id not in containers or len(path) < len(containers[fragment_id])
+        ):
             containers[fragment_id] = path
     problems = []
     for fragment_id, path in containers.items():
         parent = path[:-1]
-        siblings = {p[len(parent)] for p, _ in deltas if len(p) > len(parent) and p[:len(parent)] == parent}
+        siblings = {
+            p[len(parent)] for p, _ in deltas if len(p) > len(parent) and p[: len(parent)] == parent
+        }
         others = [f for f, p in containers.items() if f != fragment_id and p[:-1] == parent]
         if path[-1] != max(siblings) or others:
-            problems.append({"fragment": fragment_id[:8], "path": path, "block_children": sorted(siblings),
-                             "other_fragments_in_block": others})
+            problems.append(
+                {
+                    "fragment": fragment_id[:8],
+                    "path": path,
+                    "block_children": sorted(siblings),
+                    "other_fragments_in_block": others,
+                }
+            )
     return problems
 
 
@@ -283,14 +326,19 @@ def warming_trainer(monkeypatch):
 
 def tickers(messages):
     """The data of each ticker (`fragments.tick_after`) drawn, with the fragment that drew it."""
-    return [(m.delta.fragment_id, json.loads(m.delta.new_element.bidi_component.json)) for m in messages
-            if m.WhichOneof("type") == "delta"
-            and m.delta.new_element.bidi_component.component_name.endswith("gradflow.ticker")]
+    return [
+        (m.delta.fragment_id, json.loads(m.delta.new_element.bidi_component.json))
+        for m in messages
+        if m.WhichOneof("type") == "delta"
+        and m.delta.new_element.bidi_component.component_name.endswith("gradflow.ticker")
+    ]
 
 
 def paces(messages):
     """Seconds between a redraw and the next tick, for each ticker drawn that ticks."""
-    return [data["every_ms"] / 1000 for _, data in tickers(messages) if data["every_ms"] is not None]
+    return [
+        data["every_ms"] / 1000 for _, data in tickers(messages) if data["every_ms"] is not None
+    ]
 
 
 def test_the_live_page_is_one_fragment_last_and_alone_in_its_block(page_environment, monkeypatch):
@@ -308,14 +356,25 @@ def test_the_live_page_is_one_fragment_last_and_alone_in_its_block(page_environm
     assert len(fragment_ids) == 1, "buttons, readiness line and panel are one fragment"
     from gradflow.ui import live
 
-    assert paces(messages) == [live.WARMING_POLL_SECONDS], "the readiness line ticks (no run board here)"
+    assert paces(messages) == [live.WARMING_POLL_SECONDS], (
+        "the readiness line ticks (no run board here)"
+    )
     assert fragments_sharing_or_not_last_in_their_block(messages) == []
-    buttons = [m for m in messages if m.WhichOneof("type") == "delta"
-               and m.delta.new_element.WhichOneof("type") == "button"]
-    assert {b.delta.new_element.button.label for b in buttons} >= {"Start training", "Pause", "Stop"}
-    assert all(b.delta.fragment_id in fragment_ids for b in buttons
-               if b.delta.new_element.button.label in ("Start training", "Pause", "Stop", "Step once")), \
-        "the buttons follow the run too"
+    buttons = [
+        m
+        for m in messages
+        if m.WhichOneof("type") == "delta" and m.delta.new_element.WhichOneof("type") == "button"
+    ]
+    assert {b.delta.new_element.button.label for b in buttons} >= {
+        "Start training",
+        "Pause",
+        "Stop",
+    }
+    assert all(
+        b.delta.fragment_id in fragment_ids
+        for b in buttons
+        if b.delta.new_element.button.label in ("Start training", "Pause", "Stop", "Step once")
+    ), "the buttons follow the run too"
 
 
 def test_the_page_ticks_from_the_browser_at_the_pace_of_its_run(page_environment, monkeypatch):
@@ -340,8 +399,11 @@ def test_the_page_ticks_from_the_browser_at_the_pace_of_its_run(page_environment
     # Just started, no step yet: four ticks a second until the first is drawn.
     assert data["every_ms"] == 1000 * live.FIRST_POLL_SECONDS
     assert data["stall_ms"] >= 1000 * STALL_AFTER_S
-    assert any("Warming up the trainer" in m.delta.new_element.markdown.body for m in messages
-               if m.WhichOneof("type") == "delta"), "drawn again at the run's ticks, without a poller of its own"
+    assert any(
+        "Warming up the trainer" in m.delta.new_element.markdown.body
+        for m in messages
+        if m.WhichOneof("type") == "delta"
+    ), "drawn again at the run's ticks, without a poller of its own"
 
     write_steps(store, run_id, 1, 3)
     run_page("live_training.py", run=run_id)
@@ -351,14 +413,24 @@ def test_the_page_ticks_from_the_browser_at_the_pace_of_its_run(page_environment
     assert paces(messages) == [live.POLL_SECONDS]
 
     # An ended run with a warm trainer: nothing else on the page ticks.
-    monkeypatch.setattr(resources, "run_manager", lambda: types.SimpleNamespace(
-        prewarm=True, wait_warm=lambda timeout=None: True, warming=lambda: False, queued=lambda: [],
-        running=lambda: {}))
+    monkeypatch.setattr(
+        resources,
+        "run_manager",
+        lambda: types.SimpleNamespace(
+            prewarm=True,
+            wait_warm=lambda timeout=None: True,
+            warming=lambda: False,
+            queued=lambda: [],
+            running=lambda: {},
+        ),
+    )
     store.set_status(run_id, "running")
     app = run_page("live_training.py", run=run_id)  # this session follows the run
     store.set_status(run_id, "completed")
     app.run()
-    assert paces(messages) == [live.POLL_SECONDS], "once more after the end: a redraw a race may have dropped"
+    assert paces(messages) == [live.POLL_SECONDS], (
+        "once more after the end: a redraw a race may have dropped"
+    )
     app.run()
     assert paces(messages) == [], "then an ended run is not polled"
     [(_, idle)] = tickers(messages)
@@ -369,7 +441,9 @@ def test_the_page_ticks_from_the_browser_at_the_pace_of_its_run(page_environment
     assert not any(m.WhichOneof("type") == "auto_rerun" for m in messages)
 
 
-def test_a_queued_run_polls_slower_and_its_page_speeds_up_when_it_starts(page_environment, monkeypatch):
+def test_a_queued_run_polls_slower_and_its_page_speeds_up_when_it_starts(
+    page_environment, monkeypatch
+):
     # Issue #7: in a class most runs wait in the queue at first, and each of
     # their ticks costs the shared server a script run; a page whose run was
     # queued by another process (no run board knows it) ticks every
@@ -384,7 +458,9 @@ def test_a_queued_run_polls_slower_and_its_page_speeds_up_when_it_starts(page_en
     running = store.create_run({"depth": 3}, name="on its way", status="running")
     write_steps(store, running, 1, 3)
     workers = {}
-    manager = types.SimpleNamespace(prewarm=False, queued=lambda: [queued], running=lambda: dict(workers))
+    manager = types.SimpleNamespace(
+        prewarm=False, queued=lambda: [queued], running=lambda: dict(workers)
+    )
     monkeypatch.setattr(resources, "run_manager", lambda: manager)
     messages = full_run_messages(monkeypatch)
 

@@ -221,7 +221,9 @@ def test_workers_train_at_the_niceness_asked_for(tmp_path):
 
 @pytest.mark.parametrize("value", [-1, 20, 2.5, True, "10"])
 def test_a_bad_worker_niceness_names_the_argument(tmp_path, value):
-    with pytest.raises(ValueError, match=r"`worker_niceness` must be an integer from 0 .* to 19 .*got"):
+    with pytest.raises(
+        ValueError, match=r"`worker_niceness` must be an integer from 0 .* to 19 .*got"
+    ):
         RunManager(RunStore(tmp_path / "runs.db"), prewarm=False, worker_niceness=value)
 
 

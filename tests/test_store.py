@@ -66,7 +66,9 @@ def test_array_rows_store_the_same_as_a_frame(store):
     rows = tidy_rows([1, 2, 3])
     rows.loc[4, "max_abs"] = np.nan
     rows.loc[7, "l2_norm"] = np.inf
-    series = list(rows[["layer", "layer_index", "tensor", "variable"]].head(4).itertuples(index=False))
+    series = list(
+        rows[["layer", "layer_index", "tensor", "variable"]].head(4).itertuples(index=False)
+    )
     values = rows.reindex(columns=list(tables.STAT_COLUMNS)).to_numpy(np.float64).reshape(3, 4, -1)
     from_frame, from_arrays = store.create_run({}), store.create_run({})
     with store.writer(from_frame) as w:
@@ -82,7 +84,10 @@ def test_array_rows_store_the_same_as_a_frame(store):
         )
     pd.testing.assert_frame_equal(store.layer_stats(from_arrays), store.layer_stats(from_frame))
     assert np.isnan(store.layer_stats(from_arrays)["max_abs"].iloc[4])
-    with store.writer(from_arrays) as w, pytest.raises(ValueError, match=r"`values` must have the shape"):
+    with (
+        store.writer(from_arrays) as w,
+        pytest.raises(ValueError, match=r"`values` must have the shape"),
+    ):
         w.add_layer_stats_array([5, 6], values, series)
 
 
@@ -190,8 +195,9 @@ def test_progress_is_never_behind_the_newest_statistics(store):
         w.add_layer_stats(tidy_rows([1, 2, 5]))
     assert store.run_info(run_id)["progress_step"] == 5
     with store.writer(run_id) as w:
-        w.add_layer_stats_array([7, 8], np.zeros((2, 1, len(tables.STAT_COLUMNS))),
-                                [("dense", 0, "kernel", "")])
+        w.add_layer_stats_array(
+            [7, 8], np.zeros((2, 1, len(tables.STAT_COLUMNS))), [("dense", 0, "kernel", "")]
+        )
         w.progress(6)  # behind the statistics: ignored
     assert store.run_info(run_id)["progress_step"] == 8
     with store.writer(run_id) as w:
@@ -239,8 +245,9 @@ def test_a_reader_sees_series_added_after_it_first_read(store_path):
     assert new["tensor"].astype(str).tolist() == ["activation", "activation"]
     hist = reader.histograms(run_id, after_step=1)
     assert hist["layer"].astype(str).tolist() == ["out"]
-    np.testing.assert_array_equal(hist[[f"b{i}" for i in range(schema.HISTOGRAM_BINS)]]
-                                  .to_numpy()[0], counts * 3)
+    np.testing.assert_array_equal(
+        hist[[f"b{i}" for i in range(schema.HISTOGRAM_BINS)]].to_numpy()[0], counts * 3
+    )
 
 
 def test_a_new_run_in_a_deleted_runs_place_gets_its_own_names(store):
@@ -407,11 +414,17 @@ def test_arrow_reads_is_still_accepted_and_reads_the_same_frames(tmp_path):
     # every read goes through sqlite3 (see RunStore's docstring).
     store = RunStore(tmp_path / "runs.db")
     run_id = store.create_run({"depth": 2}, name="same either way")
-    rows = pd.DataFrame({
-        "step": [1, 1, 2, 2], "layer": ["a", "b", "a", "b"], "layer_index": [0, 1, 0, 1],
-        "tensor": ["kernel"] * 4, "variable": ["a/kernel", "b/kernel"] * 2,
-        "max_abs": [1.0, np.nan, np.inf, 2.0], "l2_norm": [3.0, 4.0, -np.inf, 5.0],
-    })
+    rows = pd.DataFrame(
+        {
+            "step": [1, 1, 2, 2],
+            "layer": ["a", "b", "a", "b"],
+            "layer_index": [0, 1, 0, 1],
+            "tensor": ["kernel"] * 4,
+            "variable": ["a/kernel", "b/kernel"] * 2,
+            "max_abs": [1.0, np.nan, np.inf, 2.0],
+            "l2_norm": [3.0, 4.0, -np.inf, 5.0],
+        }
+    )
     with store.writer(run_id) as writer:
         writer.add_layer_stats(rows)
     plain = store.layer_stats(run_id)

@@ -18,15 +18,22 @@ def sensitivity_bars(inputs, *, presentation=False):
         A `Chart`.
     """
     data = inputs[["layer", "layer_index", "max_abs"]].reset_index(drop=True)
-    figure = go.Figure(go.Bar(
-        x=[escape_label(name) for name in data["layer"]], y=data["max_abs"],
-        marker_color=line_colors(1)[0],
-    ))
+    figure = go.Figure(
+        go.Bar(
+            x=[escape_label(name) for name in data["layer"]],
+            y=data["max_abs"],
+            marker_color=line_colors(1)[0],
+        )
+    )
     figure.update_yaxes(type="log", title="max |d(sum of output) / d(input)|")
     figure.update_xaxes(title="layer (input side first)")
     figure.update_layout(title="Input sensitivity per layer")
-    return Chart(apply_style(figure, presentation), data, "input_sensitivity",
-                 "How strongly each layer's output reacts to the input. It usually shrinks or grows with depth.")
+    return Chart(
+        apply_style(figure, presentation),
+        data,
+        "input_sensitivity",
+        "How strongly each layer's output reacts to the input. It usually shrinks or grows with depth.",
+    )
 
 
 def jacobian_cost(cost, *, presentation=False):
@@ -41,17 +48,31 @@ def jacobian_cost(cost, *, presentation=False):
     """
     data = cost[["input_size", "jacobian_entries", "method", "milliseconds", "jacobian_megabytes"]]
     figure = go.Figure()
-    labels = {"vjp": "vector-Jacobian products (one tape per part)", "jacobian": "full Jacobians multiplied"}
-    for color, (method, group) in zip(line_colors(2), data.groupby("method", sort=False), strict=False):
-        figure.add_trace(go.Scatter(
-            x=group["jacobian_entries"], y=group["milliseconds"], mode="lines+markers",
-            name=labels.get(method, method), line_color=color,
-            text=[f"{int(s)}×{int(s)} input" for s in group["input_size"]],
-            hovertemplate="%{text}<br>%{x:.3s} Jacobian entries<br>%{y:.1f} ms<extra></extra>",
-        ))
+    labels = {
+        "vjp": "vector-Jacobian products (one tape per part)",
+        "jacobian": "full Jacobians multiplied",
+    }
+    for color, (method, group) in zip(
+        line_colors(2), data.groupby("method", sort=False), strict=False
+    ):
+        figure.add_trace(
+            go.Scatter(
+                x=group["jacobian_entries"],
+                y=group["milliseconds"],
+                mode="lines+markers",
+                name=labels.get(method, method),
+                line_color=color,
+                text=[f"{int(s)}×{int(s)} input" for s in group["input_size"]],
+                hovertemplate="%{text}<br>%{x:.3s} Jacobian entries<br>%{y:.1f} ms<extra></extra>",
+            )
+        )
     figure.update_xaxes(type="log", title="entries in the largest Jacobian")
     figure.update_yaxes(type="log", title="milliseconds per backward pass")
     figure.update_layout(title="The Jacobian way grows with size; chained VJPs barely notice")
     biggest = data["jacobian_megabytes"].max() if len(data) else np.nan
-    return Chart(apply_style(figure, presentation), data.reset_index(drop=True), "jacobian_cost",
-                 f"The largest Jacobian here takes {biggest:.1f} MB; vector-Jacobian products never form it.")
+    return Chart(
+        apply_style(figure, presentation),
+        data.reset_index(drop=True),
+        "jacobian_cost",
+        f"The largest Jacobian here takes {biggest:.1f} MB; vector-Jacobian products never form it.",
+    )

@@ -275,9 +275,9 @@ class RunManager:
         self._forget_started()
         # One warm worker waits (the readiest); any other exits.
         self._idle.sort(key=lambda proc: not proc.ready.is_set())
-        for proc in self._idle[int(self.prewarm):]:
+        for proc in self._idle[int(self.prewarm) :]:
             self._retire(proc)
-        del self._idle[int(self.prewarm):]
+        del self._idle[int(self.prewarm) :]
         if self.prewarm and not self._idle and not self._starting and self._spare_useful():
             self._idle.append(self._spawn())
 

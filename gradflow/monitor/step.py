@@ -234,8 +234,10 @@ def instrumented_train_step(plan):
         recorded_gradients = _unscaled(_filled(weight_gradients, variables), scale)
         activation_gradients = _unscaled(_filled(gradients[len(variables) :], activations), scale)
         finite = halted = summary = None
-        if plan.every == 1 and plan.replicas == 1 and (
-            plan.stop_on_nonfinite or _one_op_at_a_time()
+        if (
+            plan.every == 1
+            and plan.replicas == 1
+            and (plan.stop_on_nonfinite or _one_op_at_a_time())
         ):
             # Every step is summarized anyway: do it before the update. With
             # `stop_on_nonfinite`, finiteness is read off the statistics (no
@@ -667,7 +669,9 @@ class _UpdateCapture:
                 elif signs == {1.0}:
                     after = before + increments
                 else:
-                    after = before + tf.constant([[t[0][0]] for t in taken], tf.float32) * increments
+                    after = (
+                        before + tf.constant([[t[0][0]] for t in taken], tf.float32) * increments
+                    )
             else:
                 after = stack_rows([self.variables[i].value for i in group])
             # Two reductions, not one over a stack of both: stacking copies them.
@@ -685,7 +689,11 @@ class _WeightSegments:
     """
 
     def __init__(self, weights):
-        self.groups = weights.groups if isinstance(weights, Stacked) else ShapeGroups([t.shape for t in weights])
+        self.groups = (
+            weights.groups
+            if isinstance(weights, Stacked)
+            else ShapeGroups([t.shape for t in weights])
+        )
 
     def flat(self, tensors):
         if isinstance(tensors, Stacked):

@@ -32,7 +32,9 @@ class MinimalCell(keras.layers.Layer):
 
     def build(self, input_shape):
         self.kernel = self.add_weight(shape=(input_shape[-1], self.units), name="kernel")
-        self.recurrent_kernel = self.add_weight(shape=(self.units, self.units), name="recurrent_kernel")
+        self.recurrent_kernel = self.add_weight(
+            shape=(self.units, self.units), name="recurrent_kernel"
+        )
 
     def call(self, inputs, states):
         output = tf.tanh(inputs @ self.kernel + states[0] @ self.recurrent_kernel)
@@ -72,12 +74,14 @@ def _subclassed_rnn(rng):
 
 
 def _bidirectional_lstm(rng):
-    model = keras.Sequential([
-        keras.Input((20, 3)),
-        keras.layers.Bidirectional(keras.layers.LSTM(8, return_sequences=True)),
-        keras.layers.GRU(8),
-        keras.layers.Dense(1),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((20, 3)),
+            keras.layers.Bidirectional(keras.layers.LSTM(8, return_sequences=True)),
+            keras.layers.GRU(8),
+            keras.layers.Dense(1),
+        ]
+    )
     x = rng.normal(size=(16, 20, 3)).astype("float32")
     y = x.sum(axis=(1, 2))[:, None].astype("float32")
     return Example(model, x, y, "mse")
@@ -94,7 +98,9 @@ def _residual_cnn(rng):
     outputs = keras.layers.Dense(10, activation="softmax", name="output")(h)
     x = rng.random((32, 8, 8, 1), dtype=np.float32)
     y = rng.integers(0, 10, 32)
-    return Example(keras.Model(inputs, outputs, name="residual_cnn"), x, y, "sparse_categorical_crossentropy")
+    return Example(
+        keras.Model(inputs, outputs, name="residual_cnn"), x, y, "sparse_categorical_crossentropy"
+    )
 
 
 EXAMPLES = {

@@ -32,7 +32,7 @@ class VariableName:
 def _tensor_name(layer, variable):
     prefix = f"{layer.path}/"
     if variable.path.startswith(prefix):
-        return variable.path[len(prefix):]
+        return variable.path[len(prefix) :]
     return variable.name
 
 

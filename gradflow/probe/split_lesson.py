@@ -102,11 +102,15 @@ def split_backprop_lesson(sizes=(6, 8, 10, 12), batch_size=8, repeats=3, seed=0)
             largest = max(largest, int(np.prod(out.shape)) * int(np.prod(np.shape(h))))
             h = out
         for method, backprop in (("vjp", vjp), ("jacobian", jacobian)):
-            cost_rows.append({
-                "input_size": size, "jacobian_entries": largest, "method": method,
-                "milliseconds": _median_ms(lambda b=backprop, x=x, y=y: b(x, y), repeats),
-                "jacobian_megabytes": largest * 4 / 2**20 if method == "jacobian" else 0.0,
-            })
+            cost_rows.append(
+                {
+                    "input_size": size,
+                    "jacobian_entries": largest,
+                    "method": method,
+                    "milliseconds": _median_ms(lambda b=backprop, x=x, y=y: b(x, y), repeats),
+                    "jacobian_megabytes": largest * 4 / 2**20 if method == "jacobian" else 0.0,
+                }
+            )
         if index:
             continue
         chained, by_jacobian = vjp(x, y), jacobian(x, y)
@@ -114,19 +118,30 @@ def split_backprop_lesson(sizes=(6, 8, 10, 12), batch_size=8, repeats=3, seed=0)
         joint = iter(_joint_gradients(parts, x, y, loss_fn))
         for number, part in enumerate(parts):
             upstream = chained.upstream[number].numpy()
-            parts_rows.append({
-                "part": number + 1,
-                "layers": ", ".join(layer.name for layer in part.layers),
-                "output_shape": str(tuple(upstream.shape)),
-                "upstream_l2_norm": float(np.linalg.norm(upstream)),
-                "upstream_max_abs": float(np.abs(upstream).max()),
-                "weight_grad_l2_norm": float(np.sqrt(sum(np.sum(g.numpy() ** 2) for g in chained[number]))),
-            })
-            for variable, g_vjp, g_jac in zip(part.trainable_variables, chained[number], by_jacobian[number], strict=True):
+            parts_rows.append(
+                {
+                    "part": number + 1,
+                    "layers": ", ".join(layer.name for layer in part.layers),
+                    "output_shape": str(tuple(upstream.shape)),
+                    "upstream_l2_norm": float(np.linalg.norm(upstream)),
+                    "upstream_max_abs": float(np.abs(upstream).max()),
+                    "weight_grad_l2_norm": float(
+                        np.sqrt(sum(np.sum(g.numpy() ** 2) for g in chained[number]))
+                    ),
+                }
+            )
+            for variable, g_vjp, g_jac in zip(
+                part.trainable_variables, chained[number], by_jacobian[number], strict=True
+            ):
                 reference = next(joint).numpy()
-                agreement_rows.append({
-                    "part": number + 1, "variable": variable.path,
-                    "vjp": float(np.abs(g_vjp.numpy() - reference).max()),
-                    "jacobian": float(np.abs(g_jac.numpy() - reference).max()),
-                })
-    return SplitLesson(pd.DataFrame(parts_rows), pd.DataFrame(agreement_rows), pd.DataFrame(cost_rows), loss)
+                agreement_rows.append(
+                    {
+                        "part": number + 1,
+                        "variable": variable.path,
+                        "vjp": float(np.abs(g_vjp.numpy() - reference).max()),
+                        "jacobian": float(np.abs(g_jac.numpy() - reference).max()),
+                    }
+                )
+    return SplitLesson(
+        pd.DataFrame(parts_rows), pd.DataFrame(agreement_rows), pd.DataFrame(cost_rows), loss
+    )

@@ -167,13 +167,18 @@ class RunWriter:
             )
         if not len(steps) or not len(series):
             return
-        keys = [(str(layer), int(index), str(tensor), str(variable or ""))
-                for layer, index, tensor, variable in series]
+        keys = [
+            (str(layer), int(index), str(tensor), str(variable or ""))
+            for layer, index, tensor, variable in series
+        ]
         with self._buffer_lock:
             ids = np.array([self._series_id(key) for key in keys], dtype=np.int64)
             self._stats.append(
-                (np.repeat(steps, len(keys)), np.tile(ids, len(steps)),
-                 values.reshape(len(steps) * len(keys), -1))
+                (
+                    np.repeat(steps, len(keys)),
+                    np.tile(ids, len(steps)),
+                    values.reshape(len(steps) * len(keys), -1),
+                )
             )
             self._note_progress(steps)
         self._maybe_flush()

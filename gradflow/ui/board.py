@@ -117,8 +117,10 @@ class RunBoard:
 
     def board(self):
         """The board as it is now: `{"queue": [digest, ...], "warm": bool}`."""
-        return {"queue": [self.digest(run_id) for run_id in self.manager.queued()],
-                "warm": bool(self.manager.wait_warm(0))}
+        return {
+            "queue": [self.digest(run_id) for run_id in self.manager.queued()],
+            "warm": bool(self.manager.wait_warm(0)),
+        }
 
     def publish(self):
         """Writes the board when it changed since the last write; returns it."""
@@ -219,7 +221,9 @@ _WATCH_JS = """export default function ({ data, parentElement, setTriggerValue }
 @functools.cache
 def _component():
     return st.components.v2.component(
-        "gradflow.board_watch", js=_WATCH_JS, html="<span></span>",
+        "gradflow.board_watch",
+        js=_WATCH_JS,
+        html="<span></span>",
         # The place reads like a caption under the queue notice.
         css="span { font-size: 0.875rem; color: var(--st-text-color); opacity: 0.6; }",
     )
@@ -228,9 +232,15 @@ def _component():
 def _watch(board, key, **data):
     _component()(
         key=key,
-        data={"url": board.url, "every_ms": round(LOOK_EVERY_S * 1000),
-              "places_per_slower_look": PLACES_PER_SLOWER_LOOK, "slowest_looks": SLOWEST_LOOKS,
-              "ask_again_ms": round(ASK_AGAIN_AFTER_S * 1000), "failed_looks": FAILED_LOOKS_BEFORE_ASKING, **data},
+        data={
+            "url": board.url,
+            "every_ms": round(LOOK_EVERY_S * 1000),
+            "places_per_slower_look": PLACES_PER_SLOWER_LOOK,
+            "slowest_looks": SLOWEST_LOOKS,
+            "ask_again_ms": round(ASK_AGAIN_AFTER_S * 1000),
+            "failed_looks": FAILED_LOOKS_BEFORE_ASKING,
+            **data,
+        },
         # Any rerun does: the page (or fragment) reads the fact again itself.
         on_changed_change=_ignore,
     )

@@ -20,7 +20,8 @@ def image_export_available():
 def presentation_style():
     """The sidebar switch for slide-ready figures (large fonts, white background)."""
     return st.sidebar.toggle(
-        "Presentation style", key="ui.presentation",
+        "Presentation style",
+        key="ui.presentation",
         help="Large fonts and a colour-blind-safe palette, for projectors and handouts.",
     )
 
@@ -50,20 +51,38 @@ def export_buttons(chart, key):
     name = export.safe_filename(chart.title or key)
     with st.popover("Export", icon=":material/download:"):
         if image_export_available():
-            for fmt, mime in (("png", "image/png"), ("svg", "image/svg+xml"), ("pdf", "application/pdf")):
+            for fmt, mime in (
+                ("png", "image/png"),
+                ("svg", "image/svg+xml"),
+                ("pdf", "application/pdf"),
+            ):
                 st.download_button(
-                    fmt.upper(), data=functools.partial(_image, chart, fmt), file_name=f"{name}.{fmt}",
-                    mime=mime, key=f"{key}.{fmt}", on_click="ignore",
+                    fmt.upper(),
+                    data=functools.partial(_image, chart, fmt),
+                    file_name=f"{name}.{fmt}",
+                    mime=mime,
+                    key=f"{key}.{fmt}",
+                    on_click="ignore",
                 )
         else:
-            st.caption("PNG, SVG and PDF need Chromium on the server (see the README). HTML and CSV work.")
+            st.caption(
+                "PNG, SVG and PDF need Chromium on the server (see the README). HTML and CSV work."
+            )
         st.download_button(
-            "HTML", data=functools.partial(export.to_html, chart), file_name=f"{name}.html",
-            mime="text/html", key=f"{key}.html", on_click="ignore",
+            "HTML",
+            data=functools.partial(export.to_html, chart),
+            file_name=f"{name}.html",
+            mime="text/html",
+            key=f"{key}.html",
+            on_click="ignore",
         )
         st.download_button(
-            "CSV", data=functools.partial(export.to_csv, chart), file_name=f"{name}.csv",
-            mime="text/csv", key=f"{key}.csv", on_click="ignore",
+            "CSV",
+            data=functools.partial(export.to_csv, chart),
+            file_name=f"{name}.csv",
+            mime="text/csv",
+            key=f"{key}.csv",
+            on_click="ignore",
         )
 
 

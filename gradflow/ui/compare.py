@@ -13,8 +13,10 @@ _SELECTED = "compare.run_ids"
 _PICKER = "compare.picker"
 # Fields worth an A/B lesson, with the choices offered for each.
 VARIABLE_FIELDS = {
-    spec[0]: spec for spec in WIDGETS
-    if spec[0] in ("activation", "initializer", "optimizer", "normalization", "clipping", "rnn_cell")
+    spec[0]: spec
+    for spec in WIDGETS
+    if spec[0]
+    in ("activation", "initializer", "optimizer", "normalization", "clipping", "rnn_cell")
 }
 
 
@@ -25,13 +27,27 @@ def ab_launcher(config):
         st.warning("Fix the settings in the sidebar first.")
         return
     field_col, a_col, b_col = st.columns(3)
-    field = field_col.selectbox("Vary", list(VARIABLE_FIELDS), format_func=lambda f: VARIABLE_FIELDS[f][1],
-                                key="compare.field")
+    field = field_col.selectbox(
+        "Vary",
+        list(VARIABLE_FIELDS),
+        format_func=lambda f: VARIABLE_FIELDS[f][1],
+        key="compare.field",
+    )
     options = VARIABLE_FIELDS[field][3]
-    value_a = a_col.selectbox("A", options, index=options.index(getattr(config, field)) if getattr(config, field) in options else 0,
-                              key=f"compare.a.{field}")
-    default_b = "sigmoid" if field == "activation" and value_a != "sigmoid" else options[(options.index(value_a) + 1) % len(options)]
-    value_b = b_col.selectbox("B", options, index=options.index(default_b), key=f"compare.b.{field}")
+    value_a = a_col.selectbox(
+        "A",
+        options,
+        index=options.index(getattr(config, field)) if getattr(config, field) in options else 0,
+        key=f"compare.a.{field}",
+    )
+    default_b = (
+        "sigmoid"
+        if field == "activation" and value_a != "sigmoid"
+        else options[(options.index(value_a) + 1) % len(options)]
+    )
+    value_b = b_col.selectbox(
+        "B", options, index=options.index(default_b), key=f"compare.b.{field}"
+    )
     if st.button("Start comparison", type="primary"):
         if value_a == value_b:
             st.warning("A and B are the same: choose two different values.")
@@ -101,16 +117,29 @@ def _draw_charts(run_ids, was_active):
         return active
     ready = {name: frame for name, frame in stats.items() if not frame.empty}
     presentation = st.session_state.get("ui.presentation", False)
-    statistic = st.radio("Statistic", ["max_abs", "l2_norm"], horizontal=True, key="compare.statistic")
+    statistic = st.radio(
+        "Statistic", ["max_abs", "l2_norm"], horizontal=True, key="compare.statistic"
+    )
     # Each run gets half the width, as a live-page heatmap does: the same column cap.
-    show_live_chart(figures.compare_heatmaps(ready, statistic, "kernel", max_columns=LIVE_MAX_COLUMNS,
-                                             presentation=presentation), "compare.heatmaps")
+    show_live_chart(
+        figures.compare_heatmaps(
+            ready, statistic, "kernel", max_columns=LIVE_MAX_COLUMNS, presentation=presentation
+        ),
+        "compare.heatmaps",
+    )
     left, right = st.columns(2)
     with left:
-        show_live_chart(figures.compare_profiles(ready, statistic=statistic, tensor="kernel",
-                                                 presentation=presentation), "compare.profiles")
+        show_live_chart(
+            figures.compare_profiles(
+                ready, statistic=statistic, tensor="kernel", presentation=presentation
+            ),
+            "compare.profiles",
+        )
     with right:
         ready_metrics = {name: frame for name, frame in metrics.items() if not frame.empty}
         if ready_metrics:
-            show_live_chart(figures.compare_metrics(ready_metrics, "loss", presentation=presentation), "compare.loss")
+            show_live_chart(
+                figures.compare_metrics(ready_metrics, "loss", presentation=presentation),
+                "compare.loss",
+            )
     return active

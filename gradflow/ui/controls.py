@@ -15,7 +15,22 @@ from gradflow.lab.presets import PRESETS
 
 _WIDTHS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 _BATCH_SIZES = [1, 8, 16, 32, 64, 128, 256, 512, 1024]
-_LEARNING_RATES = [1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 100.0, 1000.0]
+_LEARNING_RATES = [
+    1e-5,
+    1e-4,
+    3e-4,
+    1e-3,
+    3e-3,
+    1e-2,
+    3e-2,
+    0.1,
+    0.3,
+    1.0,
+    3.0,
+    10.0,
+    100.0,
+    1000.0,
+]
 _STEPS = [50, 100, 200, 300, 500, 1000, 2000, 5000, 10000]
 
 # (field, label, kind, options). Options None means a number input.
@@ -23,18 +38,52 @@ _MAIN = [
     ("architecture", "Architecture", "select", ["mlp", "residual_mlp", "cnn", "rnn"]),
     ("depth", "Depth", "slider", (1, 100)),
     ("width", "Width", "select_slider", _WIDTHS),
-    ("activation", "Activation", "select",
-     ["relu", "leaky_relu", "elu", "selu", "gelu", "swish", "tanh", "sigmoid", "linear"]),
-    ("initializer", "Initializer", "select",
-     ["glorot_uniform", "glorot_normal", "he_uniform", "he_normal", "lecun_uniform",
-      "lecun_normal", "random_normal"]),
-    ("optimizer", "Optimizer", "select",
-     ["sgd", "momentum", "nesterov", "rmsprop", "adam", "adamw", "adagrad", "nadam"]),
+    (
+        "activation",
+        "Activation",
+        "select",
+        ["relu", "leaky_relu", "elu", "selu", "gelu", "swish", "tanh", "sigmoid", "linear"],
+    ),
+    (
+        "initializer",
+        "Initializer",
+        "select",
+        [
+            "glorot_uniform",
+            "glorot_normal",
+            "he_uniform",
+            "he_normal",
+            "lecun_uniform",
+            "lecun_normal",
+            "random_normal",
+        ],
+    ),
+    (
+        "optimizer",
+        "Optimizer",
+        "select",
+        ["sgd", "momentum", "nesterov", "rmsprop", "adam", "adamw", "adagrad", "nadam"],
+    ),
     ("learning_rate", "Learning rate", "select_slider", _LEARNING_RATES),
     ("batch_size", "Batch size", "select_slider", _BATCH_SIZES),
-    ("dataset", "Dataset", "select",
-     ["digits", "spirals", "circles", "moons", "xor", "gaussians", "regression", "adding",
-      "mnist", "fashion_mnist", "cifar10"]),
+    (
+        "dataset",
+        "Dataset",
+        "select",
+        [
+            "digits",
+            "spirals",
+            "circles",
+            "moons",
+            "xor",
+            "gaussians",
+            "regression",
+            "adding",
+            "mnist",
+            "fashion_mnist",
+            "cifar10",
+        ],
+    ),
     ("clipping", "Gradient clipping", "select", ["none", "value", "norm", "global_norm"]),
     ("normalization", "Normalization", "select", ["none", "batch", "layer"]),
     ("residual", "Residual connections", "toggle", None),
@@ -76,7 +125,11 @@ def _with_option(options, value):
     """Keep a value from a link or preset selectable even if it is not a usual choice."""
     if value is None or value in options:
         return list(options)
-    return sorted([*options, value]) if all(isinstance(o, (int, float)) for o in options) else [*options, value]
+    return (
+        sorted([*options, value])
+        if all(isinstance(o, (int, float)) for o in options)
+        else [*options, value]
+    )
 
 
 def load_config_into_widgets(config, prefix="cfg"):
@@ -179,7 +232,9 @@ def config_from_widgets(prefix="cfg"):
     Raises:
         ValueError: if a setting is invalid (the message names it).
     """
-    values = {field: _from_widget(field, st.session_state[_key(prefix, field)]) for field, *_ in WIDGETS}
+    values = {
+        field: _from_widget(field, st.session_state[_key(prefix, field)]) for field, *_ in WIDGETS
+    }
     return RunConfig(**values)
 
 
@@ -193,11 +248,14 @@ def _preset_picker(container, prefix):
     names = list(PRESETS)
     with container.expander("Lecture presets", expanded=False):
         st.selectbox(
-            "Preset", names, key=_key(prefix, "_preset"),
+            "Preset",
+            names,
+            key=_key(prefix, "_preset"),
             format_func=lambda name: PRESETS[name].title,
         )
         chosen = st.session_state.get(_key(prefix, "_preset"))
         if chosen in PRESETS:
             st.caption(PRESETS[chosen].description)
-        st.button("Load preset", key=_key(prefix, "_load_preset"),
-                  on_click=_apply_preset, args=(prefix,))
+        st.button(
+            "Load preset", key=_key(prefix, "_load_preset"), on_click=_apply_preset, args=(prefix,)
+        )

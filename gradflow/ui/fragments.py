@@ -131,8 +131,11 @@ def _restart_if_stalled(name, run_every, stall_after):
     alarm = _watchdog()(
         key=key,
         # `drawn` changes on every redraw, so the browser restarts the timer.
-        data={"after_ms": round(after * 1000), "retry_max_ms": round(STALL_RETRY_MAX_S * 1000),
-              "drawn": time.time()},
+        data={
+            "after_ms": round(after * 1000),
+            "retry_max_ms": round(STALL_RETRY_MAX_S * 1000),
+            "drawn": time.time(),
+        },
         on_stalled_change=_ignore,
     )
     if not alarm.stalled or alarm.stalled.get("at") == seen.get("alarm"):
@@ -140,16 +143,24 @@ def _restart_if_stalled(name, run_every, stall_after):
     seen["alarm"] = alarm.stalled.get("at")
     server_silent_s = now - last_drawn
     if server_silent_s < 0.9 * after:
-        _LOG.warning("gradflow: %s: the page saw no redraw for %.0f s, the server drew it %.1f s ago; "
-                     "slow, not stopped: left alone (issue #7).", name, alarm.stalled.get("silent_s", 0),
-                     server_silent_s)
+        _LOG.warning(
+            "gradflow: %s: the page saw no redraw for %.0f s, the server drew it %.1f s ago; "
+            "slow, not stopped: left alone (issue #7).",
+            name,
+            alarm.stalled.get("silent_s", 0),
+            server_silent_s,
+        )
         return
     if now - seen.get("restarted", float("-inf")) < STALL_RETRY_MAX_S:
         return  # restarted less than a minute ago; the browser asks again later
     seen["restarted"] = now
-    _LOG.warning("gradflow: %s had not been redrawn for %.0f s although it polls every %g s; "
-                 "redrawing the whole page to restart its polling (issue #7).",
-                 name, alarm.stalled.get("silent_s", 0), run_every)
+    _LOG.warning(
+        "gradflow: %s had not been redrawn for %.0f s although it polls every %g s; "
+        "redrawing the whole page to restart its polling (issue #7).",
+        name,
+        alarm.stalled.get("silent_s", 0),
+        run_every,
+    )
     st.rerun(scope="app")
 
 
@@ -237,9 +248,12 @@ def tick_after(seconds, key="gradflow.ticker"):
     _ticker()(
         key=key,
         # `drawn` changes on every redraw, so the browser restarts the timer.
-        data={"every_ms": None if every is None else round(every * 1000),
-              "stall_ms": None if every is None else round(_stalled_after(every) * 1000),
-              "retry_max_ms": round(STALL_RETRY_MAX_S * 1000), "drawn": time.time()},
+        data={
+            "every_ms": None if every is None else round(every * 1000),
+            "stall_ms": None if every is None else round(_stalled_after(every) * 1000),
+            "retry_max_ms": round(STALL_RETRY_MAX_S * 1000),
+            "drawn": time.time(),
+        },
         on_tick_change=_ignore,
     )
 

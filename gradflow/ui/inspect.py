@@ -13,7 +13,13 @@ import streamlit as st
 from gradflow import figures
 from gradflow.ui.charts import show_chart
 
-LOSSES = ["sparse_categorical_crossentropy", "categorical_crossentropy", "binary_crossentropy", "mse", "mae"]
+LOSSES = [
+    "sparse_categorical_crossentropy",
+    "categorical_crossentropy",
+    "binary_crossentropy",
+    "mse",
+    "mae",
+]
 _RESULT = "inspect.snapshot"
 
 
@@ -62,7 +68,9 @@ def model_source():
     """Widgets to choose a built-in example or upload files; stores the snapshot in the session."""
     from gradflow.probe.examples import EXAMPLES
 
-    source = st.radio("Model", ["Built-in example", "Upload my own"], horizontal=True, key="inspect.source")
+    source = st.radio(
+        "Model", ["Built-in example", "Upload my own"], horizontal=True, key="inspect.source"
+    )
     if source == "Built-in example":
         name = st.selectbox("Example", list(EXAMPLES), key="inspect.example")
         if st.button("Take snapshot", type="primary"):
@@ -70,8 +78,11 @@ def model_source():
                 st.session_state[_RESULT] = snapshot_of_example(name)
         return
     model_file = st.file_uploader("Keras model (.keras)", type=["keras"], key="inspect.model_file")
-    data_file = st.file_uploader("One batch (.npz with x and y, or .csv with a label column)",
-                                 type=["npz", "csv"], key="inspect.data_file")
+    data_file = st.file_uploader(
+        "One batch (.npz with x and y, or .csv with a label column)",
+        type=["npz", "csv"],
+        key="inspect.data_file",
+    )
     loss = st.selectbox("Loss", LOSSES, key="inspect.loss")
     if st.button("Take snapshot", type="primary", disabled=not (model_file and data_file)):
         with st.spinner("Checking the files and computing gradients…"):
@@ -88,15 +99,23 @@ def snapshot_report():
         return
     st.metric("Loss on this batch", f"{shot.loss:.4g}")
     presentation = st.session_state.get("ui.presentation", False)
-    weights, activations, inputs = st.tabs(["Weight gradients", "Activation gradients", "Input sensitivity"])
+    weights, activations, inputs = st.tabs(
+        ["Weight gradients", "Activation gradients", "Input sensitivity"]
+    )
     with weights:
         tensor = "kernel" if "kernel" in set(shot.weights["tensor"]) else figures.ALL_WEIGHTS
-        show_chart(figures.profile(shot.weights, step=0, tensor=tensor, presentation=presentation),
-                   "inspect.weights")
+        show_chart(
+            figures.profile(shot.weights, step=0, tensor=tensor, presentation=presentation),
+            "inspect.weights",
+        )
         st.dataframe(shot.weights, hide_index=True)
     with activations:
-        show_chart(figures.profile(shot.activations, step=0, tensor="activation", presentation=presentation),
-                   "inspect.activations")
+        show_chart(
+            figures.profile(
+                shot.activations, step=0, tensor="activation", presentation=presentation
+            ),
+            "inspect.activations",
+        )
         st.dataframe(shot.activations, hide_index=True)
     with inputs:
         from gradflow.figures.lessons import sensitivity_bars

@@ -86,8 +86,12 @@ _STATUS_TEXT = {
     "failed": ":material/cancel: Failed",
 }
 _VIEWS = ["Heatmaps", "Lines", "Profile", "Histograms", "Loss", "Alerts"]
-_TENSOR_LABELS = {"kernel": "Kernels", "bias": "Biases", "activation": "Activations",
-                  figures.ALL_WEIGHTS: "All weights"}
+_TENSOR_LABELS = {
+    "kernel": "Kernels",
+    "bias": "Biases",
+    "activation": "Activations",
+    figures.ALL_WEIGHTS: "All weights",
+}
 
 
 def current_run():
@@ -110,7 +114,10 @@ def open_run(run_id):
 
 def run_name(config):
     """A short name a student recognises in a list of runs."""
-    return config.name or f"{config.activation} · depth {config.depth} · {config.optimizer} lr={config.learning_rate:g}"
+    return (
+        config.name
+        or f"{config.activation} · depth {config.depth} · {config.optimizer} lr={config.learning_rate:g}"
+    )
 
 
 def live_page(config):
@@ -159,16 +166,28 @@ def control_buttons(config, run_id, status):
     store = resources.run_store()
     start, pause, stop, step = st.columns([2, 1, 1, 1])
     # A callback runs before the script: the click costs one run, not two.
-    start.button("Start training", type="primary", disabled=config is None, width="stretch",
-                 on_click=_start_run)
+    start.button(
+        "Start training",
+        type="primary",
+        disabled=config is None,
+        width="stretch",
+        on_click=_start_run,
+    )
     paused = status == "paused"
-    if pause.button("Resume" if paused else "Pause", disabled=status not in ("running", "paused"),
-                    width="stretch"):
+    if pause.button(
+        "Resume" if paused else "Pause",
+        disabled=status not in ("running", "paused"),
+        width="stretch",
+    ):
         store.request(run_id, "resume" if paused else "pause")
     if stop.button("Stop", disabled=status not in ACTIVE, width="stretch"):
         store.request(run_id, "stop")
-    if step.button("Step once", disabled=not paused, width="stretch",
-                   help="While paused: train exactly one more step."):
+    if step.button(
+        "Step once",
+        disabled=not paused,
+        width="stretch",
+        help="While paused: train exactly one more step.",
+    ):
         store.request(run_id, "step")
 
 
@@ -219,8 +238,11 @@ class _Cache:
     last_step: int = 0
 
 
-_NOTHING_READ = _Cache(pd.DataFrame(columns=list(schema.LAYER_STATS_COLUMNS)),
-                       pd.DataFrame(columns=list(schema.METRICS_COLUMNS)), pd.DataFrame())
+_NOTHING_READ = _Cache(
+    pd.DataFrame(columns=list(schema.LAYER_STATS_COLUMNS)),
+    pd.DataFrame(columns=list(schema.METRICS_COLUMNS)),
+    pd.DataFrame(),
+)
 
 
 def _appended(old, new):
@@ -256,7 +278,9 @@ def _read_new(store, run_id, progress_step=0):
         if len(new_stats):
             cache.layer_stats = _appended(cache.layer_stats, new_stats)
             cache.metrics = _appended(cache.metrics, store.metrics(run_id, after_step=after))
-            cache.histograms = _appended(cache.histograms, store.histograms(run_id, after_step=after))
+            cache.histograms = _appended(
+                cache.histograms, store.histograms(run_id, after_step=after)
+            )
     if len(cache.layer_stats):
         cache.last_step = int(cache.layer_stats["step"].max())
     st.session_state[key] = cache
@@ -278,8 +302,10 @@ def live_panel(info, key="live"):
         key: Prefix of the panel's widget keys.
     """
     if info is None:
-        st.info("Choose settings in the sidebar and press **Start training**. "
-                "Or load a lecture preset first.")
+        st.info(
+            "Choose settings in the sidebar and press **Start training**. "
+            "Or load a lecture preset first."
+        )
         _empty_heatmaps("The heatmaps of your run appear here.", plotly=_plotly_early())
         return None
     store = resources.run_store()
@@ -289,7 +315,9 @@ def live_panel(info, key="live"):
     queued = status == "queued" and not waiting
     # A run in this server's queue is watched from the browser on the run
     # board: no ticks until it leaves the queue (gradflow/ui/board.py).
-    watched = queued and resources.run_board() is not None and run_id in resources.run_manager().queued()
+    watched = (
+        queued and resources.run_board() is not None and run_id in resources.run_manager().queued()
+    )
     pace = None
     if active and not watched:
         pace = FIRST_POLL_SECONDS if waiting else QUEUED_POLL_SECONDS if queued else POLL_SECONDS
@@ -355,32 +383,58 @@ def _charts(info, cache, key):
     view = st.segmented_control("View", _VIEWS, default="Heatmaps", key=f"{key}.view") or "Heatmaps"
     tensors = _tensor_choices(stats)
     if view in ("Heatmaps", "Lines", "Profile", "Histograms"):
-        tensor = st.radio("Gradients of", tensors, format_func=_TENSOR_LABELS.get,
-                          horizontal=True, key=f"{key}.tensor")
+        tensor = st.radio(
+            "Gradients of",
+            tensors,
+            format_func=_TENSOR_LABELS.get,
+            horizontal=True,
+            key=f"{key}.tensor",
+        )
     if view == "Heatmaps":
         left, right = st.columns(2)
         for column, statistic, name in ((left, "max_abs", "max"), (right, "l2_norm", "norm")):
             with column:
-                show_live_chart(figures.heatmap(stats, statistic, tensor, max_columns=LIVE_MAX_COLUMNS,
-                                                power_of_two_blocks=True, presentation=presentation),
-                                f"{key}.{name}")
+                show_live_chart(
+                    figures.heatmap(
+                        stats,
+                        statistic,
+                        tensor,
+                        max_columns=LIVE_MAX_COLUMNS,
+                        power_of_two_blocks=True,
+                        presentation=presentation,
+                    ),
+                    f"{key}.{name}",
+                )
     elif view == "Lines":
-        statistic = st.radio("Statistic", ["max_abs", "l2_norm", "mean_abs"], horizontal=True,
-                             key=f"{key}.line_stat")
-        show_live_chart(figures.layer_lines(stats, statistic, tensor, power_of_two_blocks=True,
-                                            presentation=presentation), f"{key}.lines")
+        statistic = st.radio(
+            "Statistic", ["max_abs", "l2_norm", "mean_abs"], horizontal=True, key=f"{key}.line_stat"
+        )
+        show_live_chart(
+            figures.layer_lines(
+                stats, statistic, tensor, power_of_two_blocks=True, presentation=presentation
+            ),
+            f"{key}.lines",
+        )
     elif view == "Profile":
         steps = sorted(stats["step"].unique())
-        step = st.select_slider("Step", steps, value=steps[-1], key=f"{key}.profile_step") if len(steps) > 1 else steps[0]
-        show_live_chart(figures.profile(stats, step=step, tensor=tensor, presentation=presentation),
-                        f"{key}.profile")
+        step = (
+            st.select_slider("Step", steps, value=steps[-1], key=f"{key}.profile_step")
+            if len(steps) > 1
+            else steps[0]
+        )
+        show_live_chart(
+            figures.profile(stats, step=step, tensor=tensor, presentation=presentation),
+            f"{key}.profile",
+        )
     elif view == "Histograms":
         _histograms(cache.histograms, stats, tensor, key, presentation)
     elif view == "Loss":
         if cache.metrics.empty:
             st.caption("No metrics recorded yet.")
         else:
-            show_live_chart(figures.metrics_chart(cache.metrics, presentation=presentation), f"{key}.metrics")
+            show_live_chart(
+                figures.metrics_chart(cache.metrics, presentation=presentation), f"{key}.metrics"
+            )
     else:
         _alerts(store, run_id, stats)
     if status not in ACTIVE:
@@ -399,13 +453,21 @@ def _empty_heatmaps(message, plotly=True):
     # load Plotly before then (module docstring), else bordered boxes.
     presentation = st.session_state.get("ui.presentation", False)
     st.segmented_control("View", _VIEWS, default="Heatmaps", disabled=True)
-    st.radio("Gradients of", ["kernel", "bias", figures.ALL_WEIGHTS], format_func=_TENSOR_LABELS.get,
-             horizontal=True, disabled=True)
+    st.radio(
+        "Gradients of",
+        ["kernel", "bias", figures.ALL_WEIGHTS],
+        format_func=_TENSOR_LABELS.get,
+        horizontal=True,
+        disabled=True,
+    )
     for column, statistic in zip(st.columns(2), ("max_abs", "l2_norm"), strict=True):
         with column:
             if plotly:
-                show_live_chart(_empty_heatmap(message, statistic, presentation), f"live.empty.{statistic}",
-                                exports=False)
+                show_live_chart(
+                    _empty_heatmap(message, statistic, presentation),
+                    f"live.empty.{statistic}",
+                    exports=False,
+                )
             else:
                 with st.container(border=True, height=_EMPTY_HEIGHT):
                     st.caption(f"**{STATISTIC_LABELS[statistic]} per layer**")
@@ -428,11 +490,17 @@ def _lesson_pack_button(info, cache, key):
 
     def build():
         charts = export.run_charts(cache.layer_stats, cache.metrics, presentation=True)
-        return export.lesson_pack(charts, config=info.get("config"), title=f"gradflow: {info['name']}")
+        return export.lesson_pack(
+            charts, config=info.get("config"), title=f"gradflow: {info['name']}"
+        )
 
     st.download_button(
-        "Download lesson pack (.zip)", data=build, file_name=f"{export.safe_filename(info['name'])}-lesson.zip",
-        mime="application/zip", key=f"{key}.lesson_pack", on_click="ignore",
+        "Download lesson pack (.zip)",
+        data=build,
+        file_name=f"{export.safe_filename(info['name'])}-lesson.zip",
+        mime="application/zip",
+        key=f"{key}.lesson_pack",
+        on_click="ignore",
         help="Figures (PNG + interactive HTML), the data as CSV, the settings and a README, for slides and handouts.",
     )
 
@@ -465,26 +533,33 @@ def _status_line(info, cache, status, watched=False):
             st.info("All training slots are busy: this run starts when a slot frees.")
             watch_place(resources.run_board(), info["run_id"], ahead)
         else:
-            st.info(f"All training slots are busy: this run starts when a slot frees ({ahead} ahead of it).")
+            st.info(
+                f"All training slots are busy: this run starts when a slot frees ({ahead} ahead of it)."
+            )
     if status in ("failed", "interrupted") and info.get("message"):
         st.error(info["message"])
     if status == "diverged":
         origin = diagnosis.first_nonfinite(cache.layer_stats)
         where = f" It started at step {origin.step} in layer **{origin.layer}**." if origin else ""
-        st.error("The gradients became NaN or infinite, so training stopped." + where +
-                 " Try a smaller learning rate, gradient clipping, or normalization.")
+        st.error(
+            "The gradients became NaN or infinite, so training stopped."
+            + where
+            + " Try a smaller learning rate, gradient clipping, or normalization."
+        )
 
 
 def _histograms(histograms, stats, tensor, key, presentation):
     if histograms.empty:
         st.info("No histograms in this run: turn on **Record histograms** under More settings.")
         return
-    layers = (stats.sort_values("layer_index").drop_duplicates("layer")["layer"].tolist())
+    layers = stats.sort_values("layer_index").drop_duplicates("layer")["layer"].tolist()
     with_hist = [layer for layer in layers if layer in set(histograms["layer"])]
     layer = st.selectbox("Layer", with_hist, key=f"{key}.hist_layer")
     hist_tensor = "kernel" if tensor == figures.ALL_WEIGHTS else tensor
-    show_live_chart(figures.histogram_heatmap(histograms, layer, hist_tensor, presentation=presentation),
-                    f"{key}.hist")
+    show_live_chart(
+        figures.histogram_heatmap(histograms, layer, hist_tensor, presentation=presentation),
+        f"{key}.hist",
+    )
 
 
 def _alerts(store, run_id, stats):

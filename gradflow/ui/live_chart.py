@@ -108,7 +108,9 @@ def _plotly_gz(published):
 _ASSETS = {
     "plotly.min.js": lambda published: _plotly_js(),
     "plotly.min.js.gz": _plotly_gz,
-    "live_chart.js": lambda published: pathlib.Path(__file__).with_name("live_chart.js").read_bytes(),
+    "live_chart.js": lambda published: pathlib.Path(__file__)
+    .with_name("live_chart.js")
+    .read_bytes(),
 }
 # As `st.plotly_chart(..., width="stretch")`: the chart follows its column's width.
 _CONFIG = {**figures.PLOTLY_CONFIG, "responsive": True}
@@ -162,8 +164,11 @@ def publish_assets(app_dir):
             if published != content:
                 replace_file(path, content)
     except OSError as error:
-        _LOG.warning("gradflow: live charts fall back to st.plotly_chart: cannot write %s (%s).",
-                     target, error)
+        _LOG.warning(
+            "gradflow: live charts fall back to st.plotly_chart: cannot write %s (%s).",
+            target,
+            error,
+        )
         _Assets.failed = True
         return False
     _Assets.versions = versions
@@ -194,7 +199,9 @@ def static_url(name="", base_url_path=None):
     """The URL path of `name` in the published static folder (no version)."""
     if base_url_path is None:
         base_url_path = st.get_option("server.baseUrlPath")
-    path = "/".join(p for p in (base_url_path.strip("/"), "app", STATIC_FOLDER.as_posix(), name) if p)
+    path = "/".join(
+        p for p in (base_url_path.strip("/"), "app", STATIC_FOLDER.as_posix(), name) if p
+    )
     return f"/{path}"
 
 
@@ -213,8 +220,12 @@ def _component(base_url_path, versions):
 
     return st.components.v2.component(
         "gradflow.live_chart",
-        js=_LOADER % {"module": url("live_chart.js"), "plotly": url("plotly.min.js"),
-                      "plotly_gz": url("plotly.min.js.gz")},
+        js=_LOADER
+        % {
+            "module": url("live_chart.js"),
+            "plotly": url("plotly.min.js"),
+            "plotly_gz": url("plotly.min.js.gz"),
+        },
         # In the page's DOM, not a shadow root: Plotly puts its CSS in the
         # document's head, and tests find the chart as `.js-plotly-plot`.
         isolate_styles=False,
@@ -250,7 +261,9 @@ def show_live_chart(chart, key, exports=True):
     update["key"] = key
     versions = tuple(sorted((_Assets.versions or {}).items()))
     _component(st.get_option("server.baseUrlPath"), versions)(
-        key=f"{key}.plot", data=update, on_resend_change=functools.partial(forget, key),
+        key=f"{key}.plot",
+        data=update,
+        on_resend_change=functools.partial(forget, key),
     )
     # After the call: a rerun that stops inside it leaves the old record, and
     # the browser then asks for the whole figure.

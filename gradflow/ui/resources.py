@@ -77,8 +77,9 @@ def _run_board(folder, url):
     try:
         return RunBoard(run_manager(), folder, url)
     except OSError as error:  # a read-only or full disk: pages tick instead
-        logging.getLogger(__name__).warning("gradflow: no run board in %s (%s); waiting pages poll.",
-                                            folder, error)
+        logging.getLogger(__name__).warning(
+            "gradflow: no run board in %s (%s); waiting pages poll.", folder, error
+        )
         return None
 
 

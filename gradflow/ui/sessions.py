@@ -30,10 +30,12 @@ class SessionOwnership:
     def __init__(self, store, grace_seconds=GRACE_SECONDS):
         self.store = store
         self.grace_seconds = grace_seconds
-        self._owner = {}        # run_id -> session id
-        self._gone_since = {}   # run_id -> monotonic time its owner was first missed
+        self._owner = {}  # run_id -> session id
+        self._gone_since = {}  # run_id -> monotonic time its owner was first missed
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="gradflow-session-reaper", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, name="gradflow-session-reaper", daemon=True
+        )
         self._thread.start()
 
     def claim(self, run_id):
