@@ -10,6 +10,7 @@ import dataclasses
 
 import streamlit as st
 
+from gradflow.lab import config as lab_config
 from gradflow.lab.config import RunConfig
 from gradflow.lab.presets import PRESETS
 
@@ -38,54 +39,16 @@ _MAIN = [
     ("architecture", "Architecture", "select", ["mlp", "residual_mlp", "cnn", "rnn"]),
     ("depth", "Depth", "slider", (1, 100)),
     ("width", "Width", "select_slider", _WIDTHS),
-    (
-        "activation",
-        "Activation",
-        "select",
-        ["relu", "leaky_relu", "elu", "selu", "gelu", "swish", "tanh", "sigmoid", "linear"],
-    ),
-    (
-        "initializer",
-        "Initializer",
-        "select",
-        [
-            "glorot_uniform",
-            "glorot_normal",
-            "he_uniform",
-            "he_normal",
-            "lecun_uniform",
-            "lecun_normal",
-            "random_normal",
-        ],
-    ),
-    (
-        "optimizer",
-        "Optimizer",
-        "select",
-        ["sgd", "momentum", "nesterov", "rmsprop", "adam", "adamw", "adagrad", "nadam"],
-    ),
+    ("activation", "Activation", "select", list(lab_config.ACTIVATIONS)),
+    ("initializer", "Initializer", "select", list(lab_config.INITIALIZERS)),
+    ("optimizer", "Optimizer", "select", list(lab_config.OPTIMIZERS)),
     ("learning_rate", "Learning rate", "select_slider", _LEARNING_RATES),
     ("batch_size", "Batch size", "select_slider", _BATCH_SIZES),
-    (
-        "dataset",
-        "Dataset",
-        "select",
-        [
-            "digits",
-            "spirals",
-            "circles",
-            "moons",
-            "xor",
-            "gaussians",
-            "regression",
-            "adding",
-            "mnist",
-            "fashion_mnist",
-            "cifar10",
-        ],
-    ),
-    ("clipping", "Gradient clipping", "select", ["none", "value", "norm", "global_norm"]),
-    ("normalization", "Normalization", "select", ["none", "batch", "layer"]),
+    # "file" (a data set read from `data_path`) is for the library and the CLI:
+    # the dashboard has no widget for a path on the server.
+    ("dataset", "Dataset", "select", [d for d in lab_config.DATASETS if d != "file"]),
+    ("clipping", "Gradient clipping", "select", list(lab_config.CLIPPINGS)),
+    ("normalization", "Normalization", "select", list(lab_config.NORMALIZATIONS)),
     ("residual", "Residual connections", "toggle", None),
     ("seed", "Seed", "number", None),
 ]
@@ -95,7 +58,7 @@ _MORE = [
     ("init_stddev", "Init stddev (random_normal)", "number_float", None),
     ("dropout", "Dropout", "slider_float", (0.0, 0.9)),
     ("max_norm", "Max-norm constraint (0 = off)", "number_float", None),
-    ("rnn_cell", "Recurrent cell", "select", ["simple_rnn", "lstm", "gru"]),
+    ("rnn_cell", "Recurrent cell", "select", list(lab_config.RNN_CELLS)),
     ("record_every", "Record every N steps", "number", None),
     ("activations", "Record activation gradients", "toggle", None),
     ("histograms", "Record histograms", "toggle", None),
