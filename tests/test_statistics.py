@@ -242,15 +242,17 @@ def test_layer_outputs_of_any_batch_length_keep_their_own_rows():
     # batch). Those whose rows have the same size are reduced together, and
     # nothing may assume their first dimensions are equal when the step runs:
     # here they are 5, 0, 3, 2, 3 and 4 rows, between tensors of other shapes.
+    # A generator of its own: the module's `RNG` draws depend on which tests ran first.
+    rng = np.random.default_rng(5)
     arrays = [
-        RNG.normal(size=(5, 4, 2)).astype(np.float32),
+        rng.normal(size=(5, 4, 2)).astype(np.float32),
         np.zeros((0, 4, 2), np.float32),
         np.array([[[0.0, 1.0]] * 4, [[NAN, 2.0]] * 4, [[3.0, -INF]] * 4], np.float32),
         np.zeros((2, 4, 2), np.float32),
-        RNG.normal(size=(3, 8)).astype(np.float32),  # rows of the same size, another shape
-        (2e3 + RNG.normal(size=(4, 8)) * 1e-2).astype(np.float32),
+        rng.normal(size=(3, 8)).astype(np.float32),  # rows of the same size, another shape
+        (2e3 + rng.normal(size=(4, 8)) * 1e-2).astype(np.float32),
         np.float32(-3.0),  # a known shape, between them
-        RNG.normal(size=(6, 3)).astype(np.float32),  # the only rows of their size
+        rng.normal(size=(6, 3)).astype(np.float32),  # the only rows of their size
         np.array([0.0, 4.0, -1.0], np.float32),  # one entry per row
         np.zeros((3, 0), np.float32),  # rows of no entries
     ]
@@ -267,7 +269,11 @@ def test_layer_outputs_of_any_batch_length_keep_their_own_rows():
     assert statistics.shape == (len(arrays), len(schema.STATISTICS))
     for row, array in enumerate(arrays):
         expected = numpy_statistics(array)
-        np.testing.assert_allclose(statistics.numpy()[row], expected, rtol=1e-5, atol=1e-30)
+        # Around 2e3 +- 1e-2 a float32 mean can be off by one spacing of
+        # float32 there (eps = 1.2e-4), which adds eps^2 to the variance:
+        # (eps / std)^2 / 2 = 7e-5 of the std, whatever the kernel does.
+        rtol = 1e-4 if row == 5 else 1e-5
+        np.testing.assert_allclose(statistics.numpy()[row], expected, rtol=rtol, atol=1e-30)
         np.testing.assert_array_equal(histograms.numpy()[row], numpy_histogram(array))
 
 
