@@ -121,6 +121,16 @@ def _deviations_and_nonfinite(values, entries, mean, sum_abs, fused):
     if size is not None and size <= _BRANCH_ABOVE:
         return exact()
     squares = sum_of_squares(values, fused)[:, tf.newaxis]
+    return _one_pass_unless_unsafe(squares, entries, mean, sum_abs, exact)
+
+
+def _one_pass_unless_unsafe(squares, entries, mean, sum_abs, exact):
+    """`(sum g^2 - n mean^2, no NaN/Inf)` per tensor, or `exact()` when that is unsafe.
+
+    Safe when every entry is finite (a finite sum |g| proves it) and every
+    variance is at least `_ONE_PASS_SHARE` of its sum g^2. One branch for
+    all the tensors given: the arguments are per-tensor columns of one shape.
+    """
     one_pass = squares - entries * tf.square(mean)
     # All zeros: 0 >= 0, and the one-pass value is exact.
     holds = tf.logical_and(
@@ -434,12 +444,9 @@ def _raw_sums_of_batches(tensors):
         return deviations, entries - finite
 
     if branched:
-        one_pass = squares_or_finite - entries * tf.square(mean)
-        holds = tf.logical_and(
-            tf.reduce_all(tf.math.is_finite(sum_abs)),
-            tf.reduce_all(one_pass >= _ONE_PASS_SHARE * squares_or_finite),
+        deviations, nonfinite = _one_pass_unless_unsafe(
+            squares_or_finite, entries, mean, sum_abs, exact
         )
-        deviations, nonfinite = tf.cond(holds, lambda: (one_pass, tf.zeros_like(total)), exact)
     else:
         deviations, nonfinite = exact()
     # An empty tensor's max is the lowest float; `_finish` clamps it at 0.
