@@ -2,6 +2,7 @@
 
     python3 bench/bench_ring_read.py [--models lab,mlp5,mlp20,cnn] [--rounds 15]
                                      [--baseline DIR] [--out FILE]
+    python3 bench/bench_ring_read.py --first-reads [--steps-per-read 45] [--rounds 3]
 
 On the deferred path (`gradflow/monitor/deferred.py`) the train step only
 copies its gradients and weights into a ring; `GradientMonitor` reads the
@@ -18,6 +19,14 @@ rounds, alternating with this checkout's: a change to the read is measured
 side by side in one process. Reports the median over rounds, in ms per read
 and per recorded step, and checks that both reads return the same rows.
 Writes bench/results/ring-read.json (or --out).
+
+`--first-reads` measures what decides whether a run compiles its read at all
+(`deferred.COMPILE_WHEN_READS_LEFT`): on a fresh ring per round, holding
+`--steps-per-read` steps (45: one epoch of digits at batch 32, when the
+monitor reads at the epoch's end), the first read (op by op), later reads op
+by op, the compiled read's trace and first call, and later compiled reads;
+then how many reads the compile costs (compile / (op by op - compiled)).
+Writes bench/results/ring-first-reads.json (or --out).
 """
 
 import argparse
@@ -66,15 +75,93 @@ def timed_read(ring):
     return time.perf_counter() - start, stats
 
 
+def seconds(read):
+    start = time.perf_counter()
+    read()
+    return time.perf_counter() - start
+
+
+def first_reads(variables, steps_per_read, rounds):
+    """Seconds of each kind of read on fresh rings holding `steps_per_read` steps, medians."""
+    capacity = deferred.ring_capacity(variables, 64)
+    kinds = ("first", "op_by_op", "compile", "compiled")
+    times = {kind: [] for kind in kinds}
+    for seed in range(rounds):
+        ring = full_ring(deferred, variables, capacity, seed)
+        steps = np.zeros(capacity + 1, np.int64)
+        steps[:steps_per_read] = np.arange(1, steps_per_read + 1)
+        ring.steps.assign(steps)
+        # final_step=0: no steps left, so the ring never compiles; None: it does.
+        times["first"].append(seconds(lambda ring=ring: ring.read(0, final_step=0)))
+        times["op_by_op"].extend(
+            seconds(lambda ring=ring: ring.read(0, final_step=0)) for _ in range(3)
+        )
+        times["compile"].append(seconds(lambda ring=ring: ring.read(0)))
+        times["compiled"].extend(seconds(lambda ring=ring: ring.read(0)) for _ in range(3))
+        assert ring.compiled
+    medians = {kind: statistics.median(t) for kind, t in times.items()}
+    repaid = medians["compile"] / max(medians["op_by_op"] - medians["compiled"], 1e-9)
+    return {
+        "steps_per_read": steps_per_read,
+        "ms": {kind: 1e3 * m for kind, m in medians.items()},
+        "compile_costs_op_by_op_reads": repaid,
+        "all_ms": {kind: [1e3 * t for t in ts] for kind, ts in times.items()},
+    }
+
+
+def main_first_reads(args):
+    results = {}
+    for name in args.models.split(","):
+        variables = bench_monitor_step.build(name)[0].trainable_weights
+        results[name] = first_reads(variables, args.steps_per_read, args.rounds)
+        ms = results[name]["ms"]
+        print(
+            f"{name:<6} {args.steps_per_read} steps a read: first {ms['first']:.1f} ms, "
+            f"op by op {ms['op_by_op']:.1f} ms, compile {ms['compile']:.0f} ms, "
+            f"compiled {ms['compiled']:.2f} ms: the compile costs "
+            f"{results[name]['compile_costs_op_by_op_reads']:.0f} op-by-op reads"
+        )
+    return results, "ring-first-reads.json"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="lab,mlp5,mlp20,cnn")
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=None, help="15, or 3 with --first-reads")
     parser.add_argument("--baseline", default=None, help="another checkout to compare with")
+    parser.add_argument("--first-reads", action="store_true", help="what compiling the read costs")
+    parser.add_argument("--steps-per-read", type=int, default=45)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
+    if args.first_reads:
+        args.rounds = args.rounds or 3
+        results, default_out = main_first_reads(args)
+    else:
+        args.rounds = args.rounds or 15
+        results, default_out = main_full_rings(args)
+    out = pathlib.Path(
+        args.out or pathlib.Path(__file__).resolve().parent / "results" / default_out
+    )
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python3 bench/bench_ring_read.py " + " ".join(sys.argv[1:]),
+                "rounds": args.rounds,
+                "threads": 1,
+                "baseline": args.baseline,
+                **bench_monitor.machine_facts(),
+                "results": results,
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {out}")
+
+
+def main_full_rings(args):
     modules = {"read": deferred}
     if args.baseline:
         modules["baseline read"] = load_deferred(args.baseline)
@@ -112,25 +199,7 @@ def main():
         }
         line = "  ".join(f"{label} {1e3 * m:.2f} ms" for label, m in medians.items())
         print(f"{name:<6} {capacity:>4} steps  {line}  same rows: {same}")
-
-    out = pathlib.Path(
-        args.out or pathlib.Path(__file__).resolve().parent / "results" / "ring-read.json"
-    )
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "command": "python3 bench/bench_ring_read.py " + " ".join(sys.argv[1:]),
-                "rounds": args.rounds,
-                "threads": 1,
-                "baseline": args.baseline,
-                **bench_monitor.machine_facts(),
-                "results": results,
-            },
-            indent=2,
-        )
-    )
-    print(f"wrote {out}")
+    return results, "ring-read.json"
 
 
 if __name__ == "__main__":

@@ -125,6 +125,86 @@ def test_deferred_and_in_step_paths_record_the_same_numbers(
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def fit_epochs(model, epochs, monkeypatch, never_compile=False):
+    """`epochs` epochs of 4 steps, shuffled by a fixed seed; the monitor reads at each epoch's end."""
+    if never_compile:
+        monkeypatch.setattr(deferred, "COMPILE_WHEN_READS_LEFT", 10**9)
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(16, 3)).astype("float32")
+    y = (x[:, :1] - x[:, 1:2]).astype("float32")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    monitor = GradientMonitor(histograms=True)
+    model.fit(x, y, batch_size=4, epochs=epochs, shuffle=False, verbose=0, callbacks=[monitor])
+    monkeypatch.undo()
+    assert monitor._plan.deferred
+    return monitor
+
+
+def test_a_short_fit_reads_op_by_op_and_a_long_one_compiles_its_read(monkeypatch):
+    # Compiling the read costs about 25 op-by-op reads, so a fit that will
+    # end within `COMPILE_WHEN_READS_LEFT` reads never traces it.
+    short = fit_epochs(shared_shapes_model(), 3, monkeypatch)
+    ring = short._plan.buffer
+    assert not ring.compiled and ring._summarize.experimental_get_tracing_count() == 0
+    assert sorted(short.history["step"].unique()) == list(range(1, 13))
+
+    # 40 epochs: at the second read about 150 steps are left, at a few steps
+    # a read, so it compiles, once. Its rows equal those of reads op by op.
+    model = shared_shapes_model()
+    twin = keras.models.clone_model(model)
+    twin.set_weights(model.get_weights())
+    long = fit_epochs(model, 40, monkeypatch)
+    assert long._plan.buffer.compiled
+    assert long._plan.buffer._summarize.experimental_get_tracing_count() == 1
+    op_by_op = fit_epochs(twin, 40, monkeypatch, never_compile=True)
+    assert not op_by_op._plan.buffer.compiled
+
+    assert sorted(long.history["step"].unique()) == list(range(1, 161))
+    assert long.history[["step", "layer", "tensor"]].equals(
+        op_by_op.history[["step", "layer", "tensor"]]
+    )
+    columns = list(schema.STATISTICS + schema.EXTRA_COLUMNS)
+    np.testing.assert_allclose(
+        long.history[columns].to_numpy(dtype=float),
+        op_by_op.history[columns].to_numpy(dtype=float),
+        rtol=1e-5,
+        atol=1e-7,
+    )
+    np.testing.assert_allclose(long.metrics["value"], op_by_op.metrics["value"], rtol=1e-5)
+    np.testing.assert_array_equal(
+        np.stack(long.histogram_rows["counts"]), np.stack(op_by_op.histogram_rows["counts"])
+    )
+
+
+def test_the_read_compiles_unless_the_steps_left_take_few_reads():
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    gradients = [tf.ones_like(v) for v in layer.trainable_variables]
+
+    def ring_after_reads(final_step, reads=3, steps_per_read=5):
+        ring = deferred.DeferredRing(layer.trainable_variables, capacity=64)
+        step = 0
+        for _ in range(reads):
+            for _ in range(steps_per_read):
+                step += 1
+                packed = ring.pack(gradients, loss=1.0, learning_rate=tf.constant(0.1))
+                ring.write(tf.constant(step, tf.int64), packed)
+            ring.read(step - steps_per_read, final_step)
+            if _ == 0:
+                assert not ring.compiled  # the first read is always op by op
+        return ring
+
+    limit = deferred.COMPILE_WHEN_READS_LEFT
+    assert ring_after_reads(final_step=None).compiled  # no plan: compile
+    # At the second read, 10 steps were read in 2 reads: 5 a read.
+    assert not ring_after_reads(final_step=10 + 5 * limit).compiled
+    assert ring_after_reads(final_step=10 + 5 * limit + 5).compiled
+    # Decided once: a later read with few steps left stays compiled.
+    ring = ring_after_reads(final_step=None, reads=2)
+    ring.read(0, final_step=0)
+    assert ring.compiled
+
+
 class OwnStep(keras.Sequential):
     def train_step(self, data):
         return super().train_step(data)

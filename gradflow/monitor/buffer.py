@@ -115,8 +115,12 @@ class RingBuffer:
         # Written last: a slot's step says its other values are complete.
         _write_slot(self.steps, slot, step)
 
-    def read(self, after_step):
+    def read(self, after_step, final_step=None):
         """Return the records newer than `after_step`, oldest first (eager).
+
+        `final_step` is accepted for the deferred ring's sake and not used:
+        this ring's statistics were computed in the step, so there is no
+        read to compile.
 
         Returns:
             A tuple `(steps, stats, metrics, histograms)` of numpy arrays with

@@ -248,6 +248,9 @@ class GradientMonitor(keras.callbacks.Callback):
 
         self._clipping = not self._plan.probing and clipping_optimizer(model.optimizer) is not None
         self._last_step = int(model.optimizer.iterations.numpy())
+        planned = _planned_steps(self.params)
+        # Lets a short run skip compiling the deferred ring's read.
+        self._final_step = None if planned is None else self._last_step + planned
         self._last_read = time.monotonic()
         self._batches_since_read = 0
         self._pending_logs = []
@@ -347,7 +350,9 @@ class GradientMonitor(keras.callbacks.Callback):
         return self._nonfinite_step if halts else None
 
     def _read_ring(self):
-        steps, stats, metrics, histograms = self._plan.buffer.read(self._last_step)
+        steps, stats, metrics, histograms = self._plan.buffer.read(
+            self._last_step, self._final_step
+        )
         if len(steps) == 0:
             return
         if self._layout is None:

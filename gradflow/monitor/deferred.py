@@ -58,6 +58,15 @@ _MAX_GROWTH = 4
 MAX_RING_BYTES = 64 * 2**20
 
 
+# Reads are op by op until the reads still to come would repay compiling
+# them. On the lab's MLP (45 steps a read, one TensorFlow thread) a compiled
+# read took 2 ms against 15 ms op by op, but tracing and first running it
+# took 0.37 s, about 25 op-by-op reads (`bench/bench_ring_read.py
+# --first-reads`). The lab's default 300-step run reads about 8 times: it
+# would spend a third of its training time compiling the read.
+COMPILE_WHEN_READS_LEFT = 30
+
+
 def ring_capacity(variables, capacity, activation_rows=0, histograms=False):
     """Steps a deferred ring holds: `capacity`, or more while the ring stays under `RING_BYTES`."""
     slot = _slot_bytes(variables, activation_rows, histograms)
@@ -161,7 +170,9 @@ class DeferredRing:
         width = self._activations_at + _activation_width(self.activation_rows, histograms)
         self.raw = _local_variable(np.zeros([capacity + 1, width], np.float32), tf.float32)
         self.halted = _local_variable(0, tf.int32)
-        self._read_before = False
+        self._reads = 0
+        self._steps_read = 0
+        self.compiled = False  # whether reads run the compiled call (once set, for good)
         self._summarize = tf.function(
             self._summarize_slots,
             input_signature=[tf.TensorSpec([None], tf.int32)],
@@ -214,11 +225,19 @@ class DeferredRing:
 
     # When read ------------------------------------------------------------------
 
-    def read(self, after_step):
+    def read(self, after_step, final_step=None):
         """Return the records newer than `after_step`, oldest first (eager).
 
         Only those slots are summarized: a read every 0.2 s of a slow model
         costs what its new steps cost, not what the whole ring would.
+
+        Args:
+            after_step: Steps up to this one were read before.
+            final_step: The step training is planned to end at, when known
+                (`fit`'s epochs times its steps per epoch). A run that will
+                end within a few reads keeps reading op by op instead of
+                compiling the read (`COMPILE_WHEN_READS_LEFT`). Defaults to
+                `None`: compile from the second read on.
 
         Returns:
             `(steps, stats, metrics, histograms)` as `RingBuffer.read` does.
@@ -229,12 +248,9 @@ class DeferredRing:
         if fresh.size == 0:
             return steps[:0], None, None, None
         fresh = fresh[np.argsort(steps[fresh])]
-        # The first read runs op by op: a lab run's first step is published
-        # at once and waited for, and tracing the compiled call there took
-        # the warm start to 0.9-2.4 s instead of 0.5 s (`bench/bench_runner.py`).
-        # Later reads use the compiled call.
-        summarize = self._summarize if self._read_before else self._summarize_slots
-        self._read_before = True
+        newest = int(steps[fresh[-1]])
+        compiled = self._compiles(fresh.size, None if final_step is None else final_step - newest)
+        summarize = self._summarize if compiled else self._summarize_slots
         stats, metrics, histograms = summarize(tf.constant(fresh, tf.int32))
         stats = stats.numpy()
         # Fresh steps follow one another (every step is recorded, and the
@@ -247,6 +263,24 @@ class DeferredRing:
         stats[gaps, :, len(schema.STATISTICS) :] = np.nan
         histograms = None if histograms is None else histograms.numpy()
         return steps, stats, metrics.numpy(), histograms
+
+    def _compiles(self, fresh, steps_left):
+        """Whether this read runs the compiled call; decides once for good.
+
+        The first read runs op by op: a lab run's first step is published at
+        once and waited for, and tracing the compiled call there took the
+        warm start to 0.9-2.4 s instead of 0.5 s (`bench/bench_runner.py`).
+        After it, the read is compiled unless the steps left, at the steps
+        per read seen so far, take at most `COMPILE_WHEN_READS_LEFT` reads.
+        """
+        self._reads += 1
+        self._steps_read += fresh
+        if not self.compiled and self._reads > 1:
+            steps_per_read = self._steps_read / self._reads
+            self.compiled = (
+                steps_left is None or steps_left / steps_per_read > COMPILE_WHEN_READS_LEFT
+            )
+        return self.compiled
 
     def _weight_pieces(self):
         return self._flat([tf.cast(self.variables[i].value, tf.float32) for i in self._order])
