@@ -83,6 +83,24 @@ def train(model, steps_per_execution, monkeypatch, in_step, activations=False):
     return monitor
 
 
+def assert_same_records(monitor, other):
+    """Two monitors kept the same rows, metrics and histograms (up to float32 rounding)."""
+    keys = ["step", "layer", "tensor"]
+    assert monitor.history[keys].equals(other.history[keys])
+    columns = list(schema.STATISTICS + schema.EXTRA_COLUMNS)
+    np.testing.assert_allclose(
+        monitor.history[columns].to_numpy(dtype=float),
+        other.history[columns].to_numpy(dtype=float),
+        rtol=1e-5,
+        atol=1e-7,
+    )
+    assert monitor.metrics[["step", "name"]].equals(other.metrics[["step", "name"]])
+    np.testing.assert_allclose(monitor.metrics["value"], other.metrics["value"], rtol=1e-5)
+    counts = np.stack(monitor.histogram_rows["counts"])
+    np.testing.assert_array_equal(counts, np.stack(other.histogram_rows["counts"]))
+    assert counts.sum() > 0
+
+
 @pytest.mark.parametrize(
     "steps_per_execution,activations",
     [(1, False), (3, False), (1, True), (3, True)],
@@ -104,23 +122,7 @@ def test_deferred_and_in_step_paths_record_the_same_numbers(
     assert sorted(fast.history["step"].unique()) == list(range(1, 152))
     tensors = set(fast.history["tensor"])
     assert ("activation" in tensors) is activations
-    columns = list(schema.STATISTICS + schema.EXTRA_COLUMNS)
-    np.testing.assert_allclose(
-        fast.history[columns].to_numpy(dtype=float),
-        slow.history[columns].to_numpy(dtype=float),
-        rtol=1e-5,
-        atol=1e-7,
-    )
-    assert fast.history[["step", "layer", "tensor"]].equals(
-        slow.history[["step", "layer", "tensor"]]
-    )
-    metrics_fast, metrics_slow = fast.metrics, slow.metrics
-    assert metrics_fast[["step", "name"]].equals(metrics_slow[["step", "name"]])
-    np.testing.assert_allclose(metrics_fast["value"], metrics_slow["value"], rtol=1e-5)
-    counts_fast = np.stack(fast.histogram_rows["counts"])
-    counts_slow = np.stack(slow.histogram_rows["counts"])
-    np.testing.assert_array_equal(counts_fast, counts_slow)
-    assert counts_fast.sum() > 0
+    assert_same_records(fast, slow)
     for a, b in zip(model.get_weights(), twin.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
@@ -160,20 +162,7 @@ def test_a_short_fit_reads_op_by_op_and_a_long_one_compiles_its_read(monkeypatch
     assert not op_by_op._plan.buffer.compiled
 
     assert sorted(long.history["step"].unique()) == list(range(1, 161))
-    assert long.history[["step", "layer", "tensor"]].equals(
-        op_by_op.history[["step", "layer", "tensor"]]
-    )
-    columns = list(schema.STATISTICS + schema.EXTRA_COLUMNS)
-    np.testing.assert_allclose(
-        long.history[columns].to_numpy(dtype=float),
-        op_by_op.history[columns].to_numpy(dtype=float),
-        rtol=1e-5,
-        atol=1e-7,
-    )
-    np.testing.assert_allclose(long.metrics["value"], op_by_op.metrics["value"], rtol=1e-5)
-    np.testing.assert_array_equal(
-        np.stack(long.histogram_rows["counts"]), np.stack(op_by_op.histogram_rows["counts"])
-    )
+    assert_same_records(long, op_by_op)
 
 
 def test_the_read_compiles_unless_the_steps_left_take_few_reads():
