@@ -16,9 +16,11 @@ Measures, interleaved and reported as medians:
   the bare script with only GradientMonitor writing to a store, which
   separates the monitor's own cost from the runner's. Each speed also comes
   as CPU ms per step of the training process, every thread counted (the
-  worker's from /proc), over the same steps: on this VM the host's other
-  work moves wall-clock time from one fit to the next by 10-20%, CPU time
-  less; `runner_vs_bare_fit_cpu` is the target's ratio taken from it.
+  worker's from /proc), over the same steps, and `runner_vs_bare_fit_cpu`
+  is the target's ratio taken from it. On this VM wall-clock speed moves by
+  10-20% from one fit to the next; CPU time was added in the hope that it
+  moves less, but in its first run it moved as much (the bare fit 2.4-3.1
+  ms a step between repetitions).
 Writes bench/results/runner.json.
 """
 
@@ -110,8 +112,7 @@ def runner_steps_per_s(manager, config):
     soon as the run has its first step; that worker imports TensorFlow and
     traces a model (seconds of CPU) beside the run on the same cores. The
     third figure leaves that out (None when the spare was not warm before the
-    run ended). CPU time moves less than wall-clock time on this VM when other
-    work shares the host; it counts every thread of the worker (the store
+    run ended). The CPU time counts every thread of the worker (the store
     writer's too).
     """
     run_id = manager.start(config)
