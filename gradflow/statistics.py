@@ -46,6 +46,14 @@ _ONE_PASS_SHARE = 0.05
 # their group's size is judged by this many rows. (At 32, the small CNN's
 # outputs, 6,200 entries a row, branched and were no faster for it.)
 _BATCH_GUESS = 16
+# Counting a mask (zeros, finite entries) in float32 writes 4 bytes an entry
+# and reads them back. A large one is counted in uint8 blocks of at most this
+# many entries (a block's count fits in a byte), then the blocks in float32:
+# 0.085 ms instead of 0.13 ms per 2^18 entries on one core (a third of a
+# large tensor's statistics went to its zero count). Small masks keep the
+# three-op count: the block's two extra ops cost more than they save.
+_BLOCK_AT_MOST = 255
+_BLOCK_AT_LEAST = 32
 
 
 def _dense_float(tensor):
@@ -98,7 +106,7 @@ def _raw_sums(stacked, fused=False):
     sum_abs = tf.reduce_sum(magnitude, axis=1, keepdims=True)
     # reduce_max does not promise to propagate NaN; `_finish` uses sum |g|.
     max_abs = tf.reduce_max(magnitude, axis=1, keepdims=True)
-    zeros = tf.reduce_sum(tf.cast(tf.equal(values, 0.0), tf.float32), axis=1, keepdims=True)
+    zeros = _count_per_row(tf.equal(values, 0.0), keepdims=True)
     deviations, nonfinite = _deviations_and_nonfinite(values, entries, mean, sum_abs, fused)
     return tf.concat([entries, total, sum_abs, deviations, max_abs, zeros, nonfinite], axis=1)
 
@@ -170,8 +178,32 @@ def _finish(raw):
 
 def _nonfinite_counts(values):
     """NaN/Inf entries per row of `[k, entries]`."""
-    infinite = tf.logical_not(tf.math.is_finite(values))
-    return tf.reduce_sum(tf.cast(infinite, tf.float32), axis=1, keepdims=True)
+    return _count_per_row(tf.logical_not(tf.math.is_finite(values)), keepdims=True)
+
+
+def _count_per_row(mask, keepdims=False, rows_guess=None):
+    """True entries per row of a boolean `[k, entries]` mask, as float32 `[k]` (or `[k, 1]`).
+
+    A large mask whose rows split into blocks of `_BLOCK_AT_LEAST` to
+    `_BLOCK_AT_MOST` entries is counted in uint8 per block first (see
+    there). `rows_guess`: the rows to judge its size by when `k` is unknown.
+    """
+    width = mask.shape[1]
+    rows = mask.shape[0] if mask.shape[0] is not None else rows_guess
+    block = _block_size(width) if width is not None and rows is not None else None
+    if block is None or rows * width <= _BRANCH_ABOVE:
+        return tf.reduce_sum(tf.cast(mask, tf.float32), axis=1, keepdims=keepdims)
+    blocks = tf.reshape(tf.cast(mask, tf.uint8), [-1, width // block, block])
+    per_block = tf.reduce_sum(blocks, axis=2)
+    return tf.reduce_sum(tf.cast(per_block, tf.float32), axis=1, keepdims=keepdims)
+
+
+def _block_size(width):
+    """The largest divisor of `width` in [`_BLOCK_AT_LEAST`, `_BLOCK_AT_MOST`], else None."""
+    for block in range(min(width, _BLOCK_AT_MOST), _BLOCK_AT_LEAST - 1, -1):
+        if width % block == 0:
+            return block
+    return None
 
 
 def _in_order(rows, order, axis=0):
@@ -394,7 +426,7 @@ def _raw_sums_of_batches(tensors):
                 [
                     tf.reduce_sum(values, axis=1),
                     tf.reduce_sum(magnitude, axis=1),
-                    tf.reduce_sum(tf.cast(tf.equal(values, 0.0), tf.float32), axis=1),
+                    _count_per_row(tf.equal(values, 0.0), rows_guess=_BATCH_GUESS),
                     tf.reduce_sum(tf.square(values), axis=1)
                     if branched
                     else _finite_per_row(values),
@@ -456,7 +488,7 @@ def _raw_sums_of_batches(tensors):
 
 
 def _finite_per_row(values):
-    return tf.reduce_sum(tf.cast(tf.math.is_finite(values), tf.float32), axis=1)
+    return _count_per_row(tf.math.is_finite(values), rows_guess=_BATCH_GUESS)
 
 
 def summarize_rows(rows, histogram=False):

@@ -226,6 +226,36 @@ def test_rows_of_a_matrix_match_numpy_on_every_path(array):
         np.testing.assert_allclose(statistics[row], numpy_statistics(values), rtol=1e-5, atol=1e-30)
 
 
+@pytest.mark.parametrize(
+    "width, rows, block",
+    [
+        (255 * 700, 2, 255),  # every block full: a count of 255 still fits a byte
+        (250 * 600, 1, 250),
+        (131_101, 2, None),  # a prime width: no block divides it, counted in float32
+        (64, 4, 64),  # too small to count in blocks
+    ],
+)
+def test_mask_counts_per_row_are_exact_in_blocks_or_not(width, rows, block):
+    from gradflow import statistics
+
+    assert statistics._block_size(width) == block
+    rng = np.random.default_rng(width)
+    mask = rng.random((rows, width)) < 0.4
+    mask[0] = True  # all true: the uint8 blocks at their fullest
+    for keepdims in (False, True):
+        counted = statistics._count_per_row(tf.constant(mask), keepdims=keepdims).numpy()
+        expected = mask.sum(axis=1).astype(np.float32)
+        np.testing.assert_array_equal(counted, expected[:, None] if keepdims else expected)
+    # Rows unknown while traced (layer outputs), judged by a guess; and under XLA.
+    for jit in (False, True):
+        counted = tf.function(
+            lambda m: statistics._count_per_row(m, rows_guess=16),
+            input_signature=[tf.TensorSpec([None, width], tf.bool)],
+            jit_compile=jit,
+        )(tf.constant(mask)).numpy()
+        np.testing.assert_array_equal(counted, mask.sum(axis=1))
+
+
 def test_empty_list_is_refused():
     with pytest.raises(ValueError, match="`tensors`"):
         summarize([])
