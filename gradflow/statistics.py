@@ -50,8 +50,10 @@ _BATCH_GUESS = 16
 # and reads them back. A large one is counted in uint8 blocks of at most this
 # many entries (a block's count fits in a byte), then the blocks in float32:
 # 0.085 ms instead of 0.13 ms per 2^18 entries on one core (a third of a
-# large tensor's statistics went to its zero count). Small masks keep the
-# three-op count: the block's two extra ops cost more than they save.
+# large tensor's statistics went to its zero count; in a whole train step
+# the gain is within this machine's noise, docs/architecture.md). Small masks
+# keep the three-op count: on them the block's two extra ops would weigh more
+# than the bytes they save (not measured).
 _BLOCK_AT_MOST = 255
 _BLOCK_AT_LEAST = 32
 
