@@ -6,7 +6,7 @@
 `bench_monitor_step.py` says how much the monitor adds to a step; this says
 where. Each model's plain step and monitored step (`--variant`, one of
 `bench_monitor_step.VARIANTS`) are built as there (one TensorFlow thread, one
-fixed batch), warmed up, then run `--steps` times under TensorFlow's profiler.
+fixed batch, warmed up there), then run `--steps` times under TensorFlow's profiler.
 The trace's host plane is read back (the profiler's XSpace protobuf) and every
 op's time is summed per op type, per step. The table shows the types whose
 time differs most, with their counts, so a change in the recording block can
@@ -77,9 +77,10 @@ def op_times(logdir, steps):
 
 
 def profile(step, batch, steps):
-    """Wall ms per step (unprofiled, median of 5 runs) and the op table of a profiled run."""
-    for _ in range(5):
-        step(batch)
+    """Wall ms per step (unprofiled, median of 5 runs) and the op table of a profiled run.
+
+    `step` comes warmed up from `bench_monitor_step.compiled_step`.
+    """
     walls = []
     for _ in range(5):
         start = time.perf_counter()

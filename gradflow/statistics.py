@@ -186,14 +186,16 @@ def _nonfinite_counts(values):
 def _count_per_row(mask, keepdims=False, rows_guess=None):
     """True entries per row of a boolean `[k, entries]` mask, as float32 `[k]` (or `[k, 1]`).
 
-    A large mask whose rows split into blocks of `_BLOCK_AT_LEAST` to
-    `_BLOCK_AT_MOST` entries is counted in uint8 per block first (see
-    there). `rows_guess`: the rows to judge its size by when `k` is unknown.
+    A mask above `_BRANCH_ABOVE` entries whose rows split into blocks of
+    `_BLOCK_AT_LEAST` to `_BLOCK_AT_MOST` entries is counted in uint8 per
+    block first (see there). `rows_guess`: the rows to judge its size by
+    when `k` is unknown.
     """
     width = mask.shape[1]
     rows = mask.shape[0] if mask.shape[0] is not None else rows_guess
-    block = _block_size(width) if width is not None and rows is not None else None
-    if block is None or rows * width <= _BRANCH_ABOVE:
+    large = width is not None and rows is not None and rows * width > _BRANCH_ABOVE
+    block = _block_size(width) if large else None
+    if block is None:
         return tf.reduce_sum(tf.cast(mask, tf.float32), axis=1, keepdims=keepdims)
     blocks = tf.reshape(tf.cast(mask, tf.uint8), [-1, width // block, block])
     per_block = tf.reduce_sum(blocks, axis=2)
