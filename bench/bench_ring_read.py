@@ -21,11 +21,13 @@ and per recorded step, and checks that both reads return the same rows.
 Writes bench/results/ring-read.json (or --out).
 
 `--first-reads` measures what decides whether a run compiles its read at all
-(`deferred.COMPILE_WHEN_READS_LEFT`): on a fresh ring per round, holding
+(`deferred.COMPILE_WHEN_SECONDS_LEFT`): on a fresh ring per round, holding
 `--steps-per-read` steps (45: one epoch of digits at batch 32, when the
-monitor reads at the epoch's end), the first read (op by op), later reads op
-by op, the compiled read's trace and first call, and later compiled reads;
-then how many reads the compile costs (compile / (op by op - compiled)).
+monitor reads at the epoch's end), the first read (in NumPy), later reads in
+NumPy, the same read op by op in TensorFlow (what a ring with histograms
+does), the compiled read's trace and first call, and later compiled reads;
+then how many reads the compile costs (compile / (NumPy or op by op -
+compiled)).
 Writes bench/results/ring-first-reads.json (or --out).
 """
 
@@ -84,27 +86,39 @@ def seconds(read):
 def first_reads(variables, steps_per_read, rounds):
     """Seconds of each kind of read on fresh rings holding `steps_per_read` steps, medians."""
     capacity = deferred.ring_capacity(variables, 64)
-    kinds = ("first", "op_by_op", "compile", "compiled")
+    kinds = ("first", "numpy", "op_by_op", "compile", "compiled")
     times = {kind: [] for kind in kinds}
     for seed in range(rounds):
         ring = full_ring(deferred, variables, capacity, seed)
         steps = np.zeros(capacity + 1, np.int64)
         steps[:steps_per_read] = np.arange(1, steps_per_read + 1)
         ring.steps.assign(steps)
-        # final_step=0: no steps left, so the ring never compiles; None: it does.
+        slots = tf.constant(np.arange(steps_per_read), tf.int32)
+
+        def op_by_op(ring=ring, slots=slots):
+            return [t.numpy() for t in ring._summarize_slots(slots) if t is not None]
+
+        # final_step=0: no steps left, so the ring never compiles and reads
+        # in NumPy (no histograms here).
         times["first"].append(seconds(lambda ring=ring: ring.read(0, final_step=0)))
-        times["op_by_op"].extend(
+        times["numpy"].extend(
             seconds(lambda ring=ring: ring.read(0, final_step=0)) for _ in range(3)
         )
+        assert not ring.compiled
+        times["op_by_op"].extend(seconds(op_by_op) for _ in range(3))
+        ring.compiled = True
         times["compile"].append(seconds(lambda ring=ring: ring.read(0)))
         times["compiled"].extend(seconds(lambda ring=ring: ring.read(0)) for _ in range(3))
-        assert ring.compiled
     medians = {kind: statistics.median(t) for kind, t in times.items()}
-    repaid = medians["compile"] / max(medians["op_by_op"] - medians["compiled"], 1e-9)
+
+    def repaid_by(kind):
+        return medians["compile"] / max(medians[kind] - medians["compiled"], 1e-9)
+
     return {
         "steps_per_read": steps_per_read,
         "ms": {kind: 1e3 * m for kind, m in medians.items()},
-        "compile_costs_op_by_op_reads": repaid,
+        "compile_costs_numpy_reads": repaid_by("numpy"),
+        "compile_costs_op_by_op_reads": repaid_by("op_by_op"),
         "all_ms": {kind: [1e3 * t for t in ts] for kind, ts in times.items()},
     }
 
@@ -117,9 +131,10 @@ def main_first_reads(args):
         ms = results[name]["ms"]
         print(
             f"{name:<6} {args.steps_per_read} steps a read: first {ms['first']:.1f} ms, "
-            f"op by op {ms['op_by_op']:.1f} ms, compile {ms['compile']:.0f} ms, "
-            f"compiled {ms['compiled']:.2f} ms: the compile costs "
-            f"{results[name]['compile_costs_op_by_op_reads']:.0f} op-by-op reads"
+            f"NumPy {ms['numpy']:.1f} ms, op by op {ms['op_by_op']:.1f} ms, "
+            f"compile {ms['compile']:.0f} ms, compiled {ms['compiled']:.2f} ms: the compile "
+            f"costs {results[name]['compile_costs_numpy_reads']:.0f} NumPy reads, "
+            f"{results[name]['compile_costs_op_by_op_reads']:.0f} op by op"
         )
     return results, "ring-first-reads.json"
 
@@ -178,8 +193,9 @@ def main_full_rings(args):
         }
         times = {label: [] for label in rings}
         outputs = {}
-        for label, ring in rings.items():  # first read (op by op), then the compiled one traced
+        for label, ring in rings.items():  # first read (not compiled), then the compiled one traced
             timed_read(ring)
+            ring.compiled = True
             outputs[label] = timed_read(ring)[1]
         for _ in range(args.rounds):
             for label, ring in rings.items():

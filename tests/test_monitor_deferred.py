@@ -65,7 +65,7 @@ def shared_shapes_model():
     )
 
 
-def train(model, steps_per_execution, monkeypatch, in_step, activations=False):
+def train(model, steps_per_execution, monkeypatch, in_step, activations=False, histograms=True):
     if in_step:
         monkeypatch.setattr(deferred, "MAX_PARAMETERS", 0)
     rng = np.random.default_rng(5)
@@ -76,7 +76,7 @@ def train(model, steps_per_execution, monkeypatch, in_step, activations=False):
     model.compile(
         optimizer=keras.optimizers.Adam(0.01), loss="mse", steps_per_execution=steps_per_execution
     )
-    monitor = GradientMonitor(histograms=True, activations=activations)
+    monitor = GradientMonitor(histograms=histograms, activations=activations)
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
     monkeypatch.undo()
     assert monitor._plan.deferred is not in_step
@@ -96,18 +96,29 @@ def assert_same_records(monitor, other):
     )
     assert monitor.metrics[["step", "name"]].equals(other.metrics[["step", "name"]])
     np.testing.assert_allclose(monitor.metrics["value"], other.metrics["value"], rtol=1e-5)
+    if not monitor.histograms:
+        assert monitor.histogram_rows.empty and other.histogram_rows.empty
+        return
     counts = np.stack(monitor.histogram_rows["counts"])
     np.testing.assert_array_equal(counts, np.stack(other.histogram_rows["counts"]))
     assert counts.sum() > 0
 
 
 @pytest.mark.parametrize(
-    "steps_per_execution,activations",
-    [(1, False), (3, False), (1, True), (3, True)],
-    ids=["weights", "weights-3-per-execution", "activations", "activations-3-per-execution"],
+    "steps_per_execution,activations,histograms",
+    [(1, False, True), (3, False, True), (1, True, True), (3, True, True), (1, False, False)]
+    + [(3, True, False)],
+    ids=[
+        "weights",
+        "weights-3-per-execution",
+        "activations",
+        "activations-3-per-execution",
+        "weights-numpy-reads",
+        "activations-3-per-execution-numpy-reads",
+    ],
 )
 def test_deferred_and_in_step_paths_record_the_same_numbers(
-    steps_per_execution, activations, monkeypatch
+    steps_per_execution, activations, histograms, monkeypatch
 ):
     # 151 steps: the ring (64 executions) wraps twice, and reads come both
     # every 64 executions and every 0.2 s, so the weights after a step come
@@ -116,8 +127,11 @@ def test_deferred_and_in_step_paths_record_the_same_numbers(
     model = shared_shapes_model()
     twin = keras.models.clone_model(model)
     twin.set_weights(model.get_weights())
-    fast = train(model, steps_per_execution, monkeypatch, in_step=False, activations=activations)
-    slow = train(twin, steps_per_execution, monkeypatch, in_step=True, activations=activations)
+    # Without histograms the deferred reads run in NumPy (uncompiled, as
+    # in a short fit) or compiled: the 0.2 s reads decide which.
+    options = {"activations": activations, "histograms": histograms}
+    fast = train(model, steps_per_execution, monkeypatch, in_step=False, **options)
+    slow = train(twin, steps_per_execution, monkeypatch, in_step=True, **options)
 
     assert sorted(fast.history["step"].unique()) == list(range(1, 152))
     tensors = set(fast.history["tensor"])
@@ -127,45 +141,70 @@ def test_deferred_and_in_step_paths_record_the_same_numbers(
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def fit_epochs(model, epochs, monkeypatch, never_compile=False):
-    """`epochs` epochs of 4 steps, shuffled by a fixed seed; the monitor reads at each epoch's end."""
-    if never_compile:
-        monkeypatch.setattr(deferred, "COMPILE_WHEN_READS_LEFT", 10**9)
+def fit_epochs(model, epochs, monkeypatch, compiles=None, histograms=True):
+    """`epochs` epochs of 4 steps, shuffled by a fixed seed; the monitor reads at each epoch's end.
+
+    `compiles`: True makes the read compile at its second read, False never,
+    None leaves the rule as it is.
+    """
+    if compiles is not None:
+        monkeypatch.setattr(deferred, "COMPILE_WHEN_SECONDS_LEFT", 0.0 if compiles else np.inf)
     rng = np.random.default_rng(11)
     x = rng.normal(size=(16, 3)).astype("float32")
     y = (x[:, :1] - x[:, 1:2]).astype("float32")
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    monitor = GradientMonitor(histograms=True)
+    monitor = GradientMonitor(histograms=histograms)
     model.fit(x, y, batch_size=4, epochs=epochs, shuffle=False, verbose=0, callbacks=[monitor])
     monkeypatch.undo()
     assert monitor._plan.deferred
     return monitor
 
 
-def test_a_short_fit_reads_op_by_op_and_a_long_one_compiles_its_read(monkeypatch):
-    # Compiling the read costs about 25 op-by-op reads, so a fit that will
-    # end within `COMPILE_WHEN_READS_LEFT` reads never traces it.
-    short = fit_epochs(shared_shapes_model(), 3, monkeypatch)
-    ring = short._plan.buffer
-    assert not ring.compiled and ring._summarize.experimental_get_tracing_count() == 0
-    assert sorted(short.history["step"].unique()) == list(range(1, 13))
-
-    # 40 epochs: at the second read about 150 steps are left, at a few steps
-    # a read, so it compiles, once. Its rows equal those of reads op by op.
+def twins():
     model = shared_shapes_model()
     twin = keras.models.clone_model(model)
     twin.set_weights(model.get_weights())
-    long = fit_epochs(model, 40, monkeypatch)
+    return model, twin
+
+
+def test_a_short_fit_never_compiles_its_read(monkeypatch):
+    # Compiling the read costs about 0.4 s: a fit that will end within a
+    # few reads never traces it, with histograms (reads op by op) or without
+    # (reads in NumPy).
+    for histograms in (True, False):
+        short = fit_epochs(shared_shapes_model(), 3, monkeypatch, histograms=histograms)
+        ring = short._plan.buffer
+        assert not ring.compiled and ring._summarize.experimental_get_tracing_count() == 0
+        assert sorted(short.history["step"].unique()) == list(range(1, 13))
+
+
+@pytest.mark.parametrize("histograms", [True, False], ids=["op-by-op", "numpy"])
+def test_a_compiled_read_records_what_an_uncompiled_one_does(histograms, monkeypatch):
+    # 40 epochs, a read at each epoch's end: the first two reads are never
+    # compiled, the third compiles (the threshold set to 0), once.
+    model, twin = twins()
+    long = fit_epochs(model, 40, monkeypatch, compiles=True, histograms=histograms)
     assert long._plan.buffer.compiled
     assert long._plan.buffer._summarize.experimental_get_tracing_count() == 1
-    op_by_op = fit_epochs(twin, 40, monkeypatch, never_compile=True)
-    assert not op_by_op._plan.buffer.compiled
+    uncompiled = fit_epochs(twin, 40, monkeypatch, compiles=False, histograms=histograms)
+    assert not uncompiled._plan.buffer.compiled
+    assert uncompiled._plan.buffer._summarize.experimental_get_tracing_count() == 0
 
     assert sorted(long.history["step"].unique()) == list(range(1, 161))
-    assert_same_records(long, op_by_op)
+    assert_same_records(long, uncompiled)
 
 
-def test_the_read_compiles_unless_the_steps_left_take_few_reads():
+def test_compiling_repays_itself_over_the_reads_to_come():
+    limit = deferred.COMPILE_WHEN_SECONDS_LEFT
+    # 10 ms for 10 steps so far: 1 ms a step.
+    assert not deferred.repays_compiling(int(limit * 1000) - 1, seconds=0.01, steps_read=10)
+    assert deferred.repays_compiling(int(limit * 1000) + 1, seconds=0.01, steps_read=10)
+    # Steps to come unknown: once the reads so far took what compiling costs.
+    assert not deferred.repays_compiling(None, deferred.COMPILE_AFTER_SECONDS / 2, 10)
+    assert deferred.repays_compiling(None, deferred.COMPILE_AFTER_SECONDS, 10)
+
+
+def test_the_read_compiles_from_its_third_read_at_the_earliest(monkeypatch):
     layer = keras.layers.Dense(2)
     layer.build((None, 3))
     gradients = [tf.ones_like(v) for v in layer.trainable_variables]
@@ -173,25 +212,31 @@ def test_the_read_compiles_unless_the_steps_left_take_few_reads():
     def ring_after_reads(final_step, reads=3, steps_per_read=5):
         ring = deferred.DeferredRing(layer.trainable_variables, capacity=64)
         step = 0
-        for _ in range(reads):
+        for read in range(reads):
             for _ in range(steps_per_read):
                 step += 1
                 packed = ring.pack(gradients, loss=1.0, learning_rate=tf.constant(0.1))
                 ring.write(tf.constant(step, tf.int64), packed)
             ring.read(step - steps_per_read, final_step)
-            if _ == 0:
-                assert not ring.compiled  # the first read is always op by op
+            if read < 2:
+                # The first read is not timed: nothing to judge by until the third.
+                assert not ring.compiled
         return ring
 
-    limit = deferred.COMPILE_WHEN_READS_LEFT
-    assert ring_after_reads(final_step=None).compiled  # no plan: compile
-    # At the second read, 10 steps were read in 2 reads: 5 a read.
-    assert not ring_after_reads(final_step=10 + 5 * limit).compiled
-    assert ring_after_reads(final_step=10 + 5 * limit + 5).compiled
-    # Decided once: a later read with few steps left stays compiled.
-    ring = ring_after_reads(final_step=None, reads=2)
+    monkeypatch.setattr(deferred, "COMPILE_WHEN_SECONDS_LEFT", 0.0)
+    monkeypatch.setattr(deferred, "COMPILE_AFTER_SECONDS", 0.0)
+    assert ring_after_reads(final_step=1000).compiled
+    assert ring_after_reads(final_step=None).compiled
+    # No steps left: nothing to repay.
+    assert not ring_after_reads(final_step=0).compiled
+    # Decided once: a later read with no steps left stays compiled.
+    ring = ring_after_reads(final_step=None)
     ring.read(0, final_step=0)
     assert ring.compiled
+    monkeypatch.setattr(deferred, "COMPILE_WHEN_SECONDS_LEFT", np.inf)
+    monkeypatch.setattr(deferred, "COMPILE_AFTER_SECONDS", np.inf)
+    assert not ring_after_reads(final_step=1000, reads=5).compiled
+    assert not ring_after_reads(final_step=None, reads=5).compiled
 
 
 class OwnStep(keras.Sequential):

@@ -3,9 +3,12 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from gradflow import schema
-from gradflow.statistics import summarize, summarize_rows
+from gradflow.statistics import summarize, summarize_rows, summarize_rows_numpy
 
 NAN = np.nan
 INF = np.inf
@@ -224,6 +227,75 @@ def test_rows_of_a_matrix_match_numpy_on_every_path(array):
     statistics = compiled(tf.constant(rows)).numpy()
     for row, values in enumerate(rows):
         np.testing.assert_allclose(statistics[row], numpy_statistics(values), rtol=1e-5, atol=1e-30)
+
+
+FLOAT32_CASES = [c for c in CASES if c[1].dtype == np.float32 and c[1].ndim > 0]
+
+
+@pytest.mark.parametrize("array", [c[1] for c in FLOAT32_CASES], ids=[c[0] for c in FLOAT32_CASES])
+def test_the_numpy_kernel_matches_numpy_and_the_tensorflow_kernel(array):
+    # `summarize_rows_numpy` is the deferred ring's read when it is not
+    # compiled: the same statistics as `summarize_rows`, NaN and Inf included,
+    # on both sides of the large-group branch (the huge cases reach it: three
+    # rows of 360,000 entries).
+    rows = np.stack([array.ravel(), 3.0 * array.ravel(), array.ravel()])
+    statistics = summarize_rows_numpy(rows)
+    assert statistics.dtype == np.float32 and statistics.shape == (3, len(schema.STATISTICS))
+    kernel = summarize_rows(tf.constant(rows))[0].numpy()
+    # 6,000 +- 0.03 (the scaled row of `large_offset_small_spread`): the
+    # float32 mean's rounding alone moves the std by 1e-4 in both kernels
+    # (9e-5 in TensorFlow's), each summing in its own order.
+    with np.errstate(invalid="ignore"):  # the std of a row with Inf
+        rtol = 3e-4 if np.abs(rows).max() > 1e5 * np.std(rows[1]) else 1e-5
+    for row, values in enumerate(rows):
+        np.testing.assert_allclose(statistics[row], numpy_statistics(values), rtol=rtol, atol=1e-30)
+    np.testing.assert_allclose(statistics, kernel, rtol=rtol, atol=1e-30)
+
+
+def test_the_numpy_kernel_reduces_the_last_axis_of_a_strided_view():
+    # The ring's read hands it `[steps, tensors, entries]` views of column
+    # slices, and empty rows must give zeros as in TensorFlow.
+    ring = RNG.normal(size=(4, 50)).astype(np.float32)
+    view = ring[:, 10:40].reshape(4, 3, 10)
+    assert not view.flags.c_contiguous
+    statistics = summarize_rows_numpy(view)
+    assert statistics.shape == (4, 3, len(schema.STATISTICS))
+    for step in range(4):
+        for tensor in range(3):
+            np.testing.assert_allclose(
+                statistics[step, tensor], numpy_statistics(view[step, tensor]), rtol=1e-5
+            )
+    np.testing.assert_array_equal(summarize_rows_numpy(np.zeros((2, 0), np.float32)), 0.0)
+
+
+_ENTRIES = st.one_of(
+    st.floats(-1e6, 1e6, width=32),
+    st.sampled_from([0.0, -0.0, np.nan, np.inf, -np.inf, 1e-38, -1e-40, 1e-45, 3e38]),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=hnp.arrays(
+        np.float32, hnp.array_shapes(min_dims=2, max_dims=2, max_side=40), elements=_ENTRIES
+    )
+)
+def test_the_numpy_kernel_equals_the_tensorflow_kernel_on_any_rows(rows):
+    # Subnormal entries too (below 1.2e-38): TensorFlow flushes them to zero.
+    expected = summarize_rows(tf.constant(rows))[0].numpy()
+    statistics = summarize_rows_numpy(rows)
+    # NaN where TensorFlow has NaN, Inf where it has Inf, the rest equal up
+    # to the order of float32 sums: a constant row's std is 0 or one ulp of
+    # its mean, so the tolerance scales with each row's largest entry.
+    np.testing.assert_array_equal(np.isnan(statistics), np.isnan(expected))
+    np.testing.assert_array_equal(np.isinf(statistics), np.isinf(expected))
+    with np.errstate(invalid="ignore"):
+        scale = np.nanmax(np.where(np.isfinite(rows), np.abs(rows), 0.0), axis=1, initial=0.0)
+    atol = np.broadcast_to(1e-6 + 1e-6 * scale[:, np.newaxis], expected.shape)
+    finite = np.isfinite(expected)
+    with np.errstate(invalid="ignore"):  # Inf - Inf where both are Inf
+        close = np.abs(statistics - expected) <= atol + 1e-4 * np.abs(expected)
+    assert close[finite].all(), (statistics, expected)
 
 
 @pytest.mark.parametrize(

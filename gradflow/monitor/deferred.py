@@ -5,10 +5,14 @@ about two hundred small ops in every step. So for small models the step does
 only this: one concat of the gradients it applies and the weights before the
 update, with the loss and the learning rate, written into one slot of a
 `[capacity, 2 x parameters + 2]` ring (an in-place scatter). When the
-callback reads the ring (when it is full or 0.2 s after the last read), one
-compiled call computes the statistics of every new slot at once with the
-same kernel as the in-step path (`gradflow.statistics.summarize_rows`), so
-those ops are paid once per read, not once per step.
+callback reads the ring (when it is full or 0.2 s after the last read), the
+statistics of every new slot are computed at once, so their ops are paid once
+per read, not once per step: in NumPy
+(`gradflow.statistics.summarize_rows_numpy`) while the reads still to come
+would not repay compiling, then in one compiled call of the in-step path's
+kernel (`gradflow.statistics.summarize_rows`). With histograms, whose bins NumPy's
+logarithm could round differently, the uncompiled read runs that kernel op by
+op.
 
 The weights after step t are the weights before step t + 1, the next slot;
 for the newest step they are the model's weights as they are at the read,
@@ -24,6 +28,8 @@ cannot sit in fixed slots. Their statistics (and histograms) are a fixed
 weights still take the cheap copy.
 """
 
+import time
+
 import numpy as np
 import tensorflow as tf
 
@@ -35,7 +41,13 @@ from gradflow.monitor.buffer import (
     _write_slot,
     pad_rows,
 )
-from gradflow.statistics import ShapeGroups, summarize, summarize_rows
+from gradflow.statistics import (
+    ShapeGroups,
+    sum_of_squares_numpy,
+    summarize,
+    summarize_rows,
+    summarize_rows_numpy,
+)
 
 _NAN = float("nan")
 
@@ -58,13 +70,22 @@ _MAX_GROWTH = 4
 MAX_RING_BYTES = 64 * 2**20
 
 
-# Reads are op by op until the reads still to come would repay compiling
-# them. On the lab's MLP (45 steps a read, one TensorFlow thread) a compiled
-# read took 2 ms against 15 ms op by op, but tracing and first running it
-# took 0.37 s, about 25 op-by-op reads (`bench/bench_ring_read.py
-# --first-reads`). The lab's default 300-step run reads about 8 times: it
-# would spend a third of its training time compiling the read.
-COMPILE_WHEN_READS_LEFT = 30
+# A read that is not compiled runs in NumPy (`_summarize_in_numpy`; with
+# histograms, op by op in TensorFlow), and compiling it pays off only over many
+# reads. 45 steps a read on one TensorFlow thread (`python3
+# bench/bench_ring_read.py --first-reads`): the lab's MLP 3.4 ms in NumPy, 18 ms
+# op by op, 2.5 ms compiled after 0.41 s of tracing and first running the
+# compiled call; the 5-layer MLP 6.3 / 22 / 4.8 ms after 0.41 s; the CNN 8.0 /
+# 32 / 6.5 ms after 0.64 s. Compiling breaks even when the NumPy reads still to
+# come would take 1.5-3.3 s (about 450, 275 and 400 reads), op by op 0.5-0.8 s.
+# The lab's default 300-step run reads about 8 times. So the read compiles when
+# the reads to come, at what the uncompiled ones took per step so far, would
+# take more than this many seconds.
+COMPILE_WHEN_SECONDS_LEFT = 2.0
+# When the steps to come are unknown (a dataset of unknown length), the read
+# compiles once the uncompiled reads have taken about what compiling costs:
+# never more than twice the better choice's time.
+COMPILE_AFTER_SECONDS = 0.5
 
 
 def ring_capacity(variables, capacity, activation_rows=0, histograms=False):
@@ -122,6 +143,24 @@ def _runs(shapes):
     return [tuple(run) for run in runs]
 
 
+def repays_compiling(steps_left, seconds, steps_read):
+    """Whether compiling the read repays itself, from what uncompiled reads took so far.
+
+    Args:
+        steps_left: Steps still to be read (`None` when unknown).
+        seconds: Seconds the uncompiled reads took so far.
+        steps_read: Steps they read.
+
+    Returns:
+        With `steps_left` known: whether reading them as so far would take
+        more than `COMPILE_WHEN_SECONDS_LEFT`. Unknown: whether the reads so
+        far took `COMPILE_AFTER_SECONDS` (what compiling costs, about).
+    """
+    if steps_left is None:
+        return seconds >= COMPILE_AFTER_SECONDS
+    return steps_left * seconds / max(steps_read, 1) > COMPILE_WHEN_SECONDS_LEFT
+
+
 class DeferredRing:
     """Raw gradients and weights of each recorded step, summarized when read.
 
@@ -171,7 +210,9 @@ class DeferredRing:
         self.raw = _local_variable(np.zeros([capacity + 1, width], np.float32), tf.float32)
         self.halted = _local_variable(0, tf.int32)
         self._reads = 0
-        self._steps_read = 0
+        # Steps read, and seconds taken, by reads that were not compiled.
+        self._uncompiled_steps = 0
+        self._uncompiled_seconds = 0.0
         self.compiled = False  # whether reads run the compiled call (once set, for good)
         self._summarize = tf.function(
             self._summarize_slots,
@@ -229,15 +270,16 @@ class DeferredRing:
         """Return the records newer than `after_step`, oldest first (eager).
 
         Only those slots are summarized: a read every 0.2 s of a slow model
-        costs what its new steps cost, not what the whole ring would.
+        costs what its new steps cost, not what the whole ring would. A read
+        runs in NumPy (op by op in TensorFlow with histograms) until
+        compiling it would repay itself over the reads still to come
+        (`COMPILE_WHEN_SECONDS_LEFT`).
 
         Args:
             after_step: Steps up to this one were read before.
             final_step: The step training is planned to end at, when known
-                (`fit`'s epochs times its steps per epoch). A run that will
-                end within a few reads keeps reading op by op instead of
-                compiling the read (`COMPILE_WHEN_READS_LEFT`). Defaults to
-                `None`: compile from the second read on.
+                (`fit`'s epochs times its steps per epoch). Defaults to
+                `None`: unknown (`COMPILE_AFTER_SECONDS` decides).
 
         Returns:
             `(steps, stats, metrics, histograms)` as `RingBuffer.read` does.
@@ -249,10 +291,23 @@ class DeferredRing:
             return steps[:0], None, None, None
         fresh = fresh[np.argsort(steps[fresh])]
         newest = int(steps[fresh[-1]])
-        compiled = self._compiles(fresh.size, None if final_step is None else final_step - newest)
-        summarize = self._summarize if compiled else self._summarize_slots
-        stats, metrics, histograms = summarize(tf.constant(fresh, tf.int32))
-        stats = stats.numpy()
+        self._decide_compiling(None if final_step is None else final_step - newest)
+        start = time.perf_counter()
+        if self.compiled or self.histograms:
+            summarize = self._summarize if self.compiled else self._summarize_slots
+            stats, metrics, histograms = summarize(tf.constant(fresh, tf.int32))
+            stats, metrics = stats.numpy(), metrics.numpy()
+            histograms = None if histograms is None else histograms.numpy()
+        else:
+            stats, metrics = self._summarize_in_numpy(fresh)
+            histograms = None
+        # The first read (often of one step, published at once) pays for
+        # first uses: 10 ms for one step of the lab's MLP against 5 ms for
+        # 45 later. It would make the steps to come look dear.
+        if not self.compiled and self._reads > 0:
+            self._uncompiled_seconds += time.perf_counter() - start
+            self._uncompiled_steps += fresh.size
+        self._reads += 1
         # Fresh steps follow one another (every step is recorded, and the
         # ring is read before it wraps), so the weights after a step are the
         # next row's weights before it, and after the newest step, or the one
@@ -261,26 +316,21 @@ class DeferredRing:
         steps = steps[fresh]
         gaps = np.flatnonzero(np.diff(steps) != 1)
         stats[gaps, :, len(schema.STATISTICS) :] = np.nan
-        histograms = None if histograms is None else histograms.numpy()
-        return steps, stats, metrics.numpy(), histograms
+        return steps, stats, metrics, histograms
 
-    def _compiles(self, fresh, steps_left):
-        """Whether this read runs the compiled call; decides once for good.
+    def _decide_compiling(self, steps_left):
+        """Whether this read and every later one run the compiled call; decided once for good.
 
-        The first read runs op by op: a lab run's first step is published at
-        once and waited for, and tracing the compiled call there took the
+        The first read is never compiled: a lab run's first step is published
+        at once and waited for, and tracing the compiled call there took the
         warm start to 0.9-2.4 s instead of 0.5 s (`bench/bench_runner.py`).
-        After it, the read is compiled unless the steps left, at the steps
-        per read seen so far, take at most `COMPILE_WHEN_READS_LEFT` reads.
+        Nor the second: the first is not timed, so nothing is known yet.
         """
-        self._reads += 1
-        self._steps_read += fresh
-        if not self.compiled and self._reads > 1:
-            steps_per_read = self._steps_read / self._reads
-            self.compiled = (
-                steps_left is None or steps_left / steps_per_read > COMPILE_WHEN_READS_LEFT
-            )
-        return self.compiled
+        if self.compiled or self._uncompiled_steps == 0:
+            return
+        self.compiled = repays_compiling(
+            steps_left, self._uncompiled_seconds, self._uncompiled_steps
+        )
 
     def _weight_pieces(self):
         return self._flat([tf.cast(self.variables[i].value, tf.float32) for i in self._order])
@@ -326,6 +376,79 @@ class DeferredRing:
         )
         after_squares = tf.concat([before_squares[1:], now_squares], axis=0)
         return tf.stack([before_squares, after_squares, change_squares], axis=-1)
+
+    def _summarize_in_numpy(self, slots):
+        """`_summarize_slots` without histograms, in NumPy: `(stats, metrics)` arrays."""
+        parameters = self.parameters
+        count = len(slots)
+        # Only the chosen slots are copied out of the ring.
+        chosen = tf.gather(self.raw, tf.constant(slots, tf.int32)).numpy()
+        stats, squares = [], []
+        offset = 0
+        for group in self.groups:
+            tensors = len(group)
+            entries = int(np.prod(self.variables[group[0]].shape))
+            width = tensors * entries
+            # A view: splitting the last axis of a column slice copies nothing.
+            gradients = chosen[:, offset : offset + width].reshape(count, tensors, entries)
+            stats.append(summarize_rows_numpy(gradients))
+            before = chosen[:, parameters + offset : parameters + offset + width]
+            squares.append(self._weight_squares_in_numpy(before, group, count))
+            offset += width
+        stats = self._rows_in_numpy(stats)  # [count, variables, statistics]
+        with np.errstate(all="ignore"):
+            norm_before, norm_after, norm_change = np.moveaxis(
+                np.sqrt(self._rows_in_numpy(squares)), -1, 0
+            )
+            update_ratio = np.where(
+                norm_before > 0, norm_change / np.maximum(norm_before, 1e-30), _NAN
+            )
+            global_norm = np.sqrt(
+                np.sum(np.square(stats[:, :, schema.STATISTICS.index("l2_norm")]), axis=1)
+            )
+        missing = np.full([count, self.rows], _NAN, np.float32)
+        # In `schema.EXTRA_COLUMNS` order; no constraint and no clipping here.
+        extras = np.stack([norm_after, missing, update_ratio, missing, missing], axis=-1)
+        rows = np.concatenate([stats, extras.astype(np.float32)], axis=-1)
+        metrics = np.concatenate(
+            [
+                chosen[:, 2 * parameters : self._activations_at],
+                global_norm[:, np.newaxis],
+                np.full([count, 2], _NAN, np.float32),
+            ],
+            axis=1,
+        ).astype(np.float32)
+        if self.activation_rows:
+            statistics = len(schema.STATISTICS)
+            at, activations = self._activations_at, self.activation_rows
+            recorded = chosen[:, at : at + activations * statistics]
+            recorded = recorded.reshape(count, activations, statistics)
+            extras = np.full([count, activations, len(ROW_COLUMNS) - statistics], _NAN, np.float32)
+            rows = np.concatenate([rows, np.concatenate([recorded, extras], axis=-1)], axis=1)
+        return rows, metrics
+
+    def _weight_squares_in_numpy(self, before, group, count):
+        """`_weight_squares` in NumPy, from the group's `[count, k x entries]` weights before."""
+        tensors = len(group)
+        before = before.reshape(count, tensors, -1)
+        now = np.stack(
+            [np.asarray(self.variables[i].numpy(), np.float32).reshape(-1) for i in group]
+        )
+        before_squares = sum_of_squares_numpy(before)
+        now_squares = sum_of_squares_numpy(now)[np.newaxis]
+        change_squares = np.concatenate(
+            [
+                sum_of_squares_numpy(before[1:] - before[:-1], overwrite=True),
+                sum_of_squares_numpy(now - before[-1], overwrite=True)[np.newaxis],
+            ]
+        )
+        after_squares = np.concatenate([before_squares[1:], now_squares])
+        return np.stack([before_squares, after_squares, change_squares], axis=-1)
+
+    def _rows_in_numpy(self, per_group):
+        """`_rows` for NumPy arrays."""
+        joined = np.concatenate(per_group, axis=1)
+        return joined if self._position is None else joined[:, self._position]
 
     def _summarize_slots(self, slots):
         parameters = self.parameters
