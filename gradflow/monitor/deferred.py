@@ -196,6 +196,13 @@ class DeferredRing:
         )
         self._order = [i for group in self.groups for i in group]
         self._runs = _runs([shapes[i] for i in self._order])
+        # Each group, its first gradient column in a slot, and entries per tensor.
+        self._columns = []
+        offset = 0
+        for group in self.groups:
+            entries = int(np.prod(shapes[group[0]]))
+            self._columns.append((group, offset, entries))
+            offset += len(group) * entries
         # Where each variable's row lands among the groups' joined results.
         position = np.argsort(self._order)
         self._position = None if self._order == sorted(self._order) else position
@@ -384,17 +391,14 @@ class DeferredRing:
         # Only the chosen slots are copied out of the ring.
         chosen = tf.gather(self.raw, tf.constant(slots, tf.int32)).numpy()
         stats, squares = [], []
-        offset = 0
-        for group in self.groups:
+        for group, offset, entries in self._columns:
             tensors = len(group)
-            entries = int(np.prod(self.variables[group[0]].shape))
             width = tensors * entries
             # A view: splitting the last axis of a column slice copies nothing.
             gradients = chosen[:, offset : offset + width].reshape(count, tensors, entries)
             stats.append(summarize_rows_numpy(gradients))
             before = chosen[:, parameters + offset : parameters + offset + width]
             squares.append(self._weight_squares_in_numpy(before, group, count))
-            offset += width
         stats = self._rows_in_numpy(stats)  # [count, variables, statistics]
         with np.errstate(all="ignore"):
             norm_before, norm_after, norm_change = np.moveaxis(
@@ -457,10 +461,8 @@ class DeferredRing:
         chosen = tf.gather(self.raw, slots)
 
         stats, histograms, squares = [], [], []
-        offset = 0
-        for group in self.groups:
+        for group, offset, entries in self._columns:
             tensors = len(group)
-            entries = int(np.prod(self.variables[group[0]].shape))
             width = tensors * entries
             # Each group's columns are sliced out of `chosen` once (a slice
             # across columns is a copy; slicing all gradients first, then the
@@ -475,7 +477,6 @@ class DeferredRing:
                     tf.reshape(group_histograms, [count, tensors, schema.HISTOGRAM_BINS])
                 )
             squares.append(self._weight_squares(chosen, group, offset, width, count))
-            offset += width
 
         stats = self._rows(stats)  # [count, variables, statistics]
         norm_before, norm_after, norm_change = tf.unstack(
