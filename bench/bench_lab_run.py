@@ -3,7 +3,8 @@
     python3 bench/bench_lab_run.py [--rounds 6] [--fits 2] [--steps 300] [--baseline DIR]
 
 The dashboard's default run (a 4 x 32 ReLU MLP on digits, 300 steps, batch
-32, validation after each 45-step epoch, one TensorFlow thread) is short, so
+32, validation after each 45-step epoch, one TensorFlow thread, fed by the
+lab's input pipelines, `gradflow.lab.batches`, where the checkout has them) is short, so
 what the monitor costs once per fit or once per read weighs more there than
 in the long fits of `bench_monitor.py`. Each fit gets a fresh model; a plain
 `fit` and a `fit` with `GradientMonitor(store=..., stop_on_nonfinite=True)`
@@ -77,8 +78,13 @@ with tempfile.TemporaryDirectory() as folder:
             callbacks = [clock]
             if mode == "monitor":
                 callbacks.insert(0, GradientMonitor(store=store, stop_on_nonfinite=True))
-            model.fit(data.x_train, data.y_train, batch_size=config.batch_size, epochs=epochs,
-                      validation_data=(data.x_val, data.y_val), verbose=0, callbacks=callbacks)
+            try:  # the lab's own input pipelines, where the checkout has them
+                from gradflow.lab.batches import fit_inputs
+                inputs = fit_inputs(data, config.batch_size, config.seed)
+            except ImportError:  # a checkout before the twenty-third session
+                inputs = dict(x=data.x_train, y=data.y_train, batch_size=config.batch_size,
+                              validation_data=(data.x_val, data.y_val))
+            model.fit(**inputs, epochs=epochs, verbose=0, callbacks=callbacks)
             pair[mode] = clock.seconds
             if mode == "monitor":
                 pair["reads"] = in_reads[0]

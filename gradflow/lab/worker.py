@@ -77,6 +77,7 @@ def execute(store, run_id):
 
 
 def _train(store, run_id):
+    from gradflow.lab.batches import fit_inputs
     from gradflow.lab.config import RunConfig
     from gradflow.lab.control import FirstStepPublisher, RunControl
     from gradflow.lab.datasets import load_dataset
@@ -86,8 +87,8 @@ def _train(store, run_id):
     config = RunConfig.from_dict(store.run_info(run_id)["config"])
     data = load_dataset(config)
     model = build_model(config, data)  # Seeds weights, shuffling and dropout.
-    steps_per_epoch = math.ceil(len(data.x_train) / config.batch_size)
-    epochs = config.epochs or math.ceil(config.steps / steps_per_epoch)
+    inputs = fit_inputs(data, config.batch_size, config.seed)
+    epochs = config.epochs or math.ceil(config.steps / inputs["steps_per_epoch"])
     monitor = GradientMonitor(
         every=config.record_every,
         activations=config.activations,
@@ -105,11 +106,8 @@ def _train(store, run_id):
         on_pause=monitor.flush,
     )
     model.fit(
-        data.x_train,
-        data.y_train,
-        batch_size=config.batch_size,
+        **inputs,
         epochs=epochs,
-        validation_data=(data.x_val, data.y_val),
         verbose=0,
         callbacks=[monitor, FirstStepPublisher(monitor), control],
     )
@@ -163,13 +161,16 @@ def _warm_up():
     import keras
     import numpy as np
 
-    import gradflow.lab.datasets  # noqa: F401  (pulls in scikit-learn)
     import gradflow.lab.models  # noqa: F401
+    from gradflow.lab.batches import fit_inputs
+    from gradflow.lab.datasets import Dataset  # pulls in scikit-learn
     from gradflow.monitor import GradientMonitor
 
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
     x, y = np.zeros((4, 2), "float32"), np.zeros((4, 1), "float32")
+    # A run's input pipelines, so that their ops have been used once too.
+    data = Dataset(x, y, x, y, n_classes=None, task="regression", input_shape=(2,), description="")
     # Tracing the instrumented step once makes the first real trace faster.
     # Both paths: the statistics in the step (taken here because not every
     # step is recorded; with activations and histograms) and the deferred
@@ -181,7 +182,7 @@ def _warm_up():
     ):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model.fit(x, y, validation_data=(x, y), verbose=0, callbacks=[monitor])
+            model.fit(**fit_inputs(data, 4, seed=0), verbose=0, callbacks=[monitor])
     # Layer-name counters start again from zero, as in a cold process.
     keras.backend.clear_session()
 
