@@ -5,15 +5,15 @@ epoch, and `evaluate` builds another for the validation data at every
 epoch's end. The lab's default run (digits, batch 32: 45 steps an epoch,
 then 12 validation batches) spent about half of its time there, not
 training: a median 14 ms to start each epoch's pipeline, 62 ms for the
-epoch's 45 steps and 39 ms for validation, against 45 ms and 12 ms with the
-pipelines below (one TensorFlow thread; an ad-hoc script of the
-twenty-third session, measured by `bench/bench_runner.py`'s bare fits).
+epoch's 45 steps and 39 ms for validation, against 0, 45 and 12 ms with the
+pipelines below (one TensorFlow thread, an ad-hoc script of the twenty-third
+session; `bench/bench_runner.py` times a bare `fit` both ways).
 
 `fit_inputs` makes the pipelines once, endless, and tells `fit` how many
 batches make an epoch (`steps_per_epoch`, `validation_steps`), so that
 Keras keeps one iterator of each for the whole run. An epoch is still one
-pass over the training examples in a fresh order, with the same batches as
-Keras's (the last one smaller when the batch size does not divide the
+pass over the training examples in a fresh order, in batches of the sizes
+Keras makes (the last one smaller when the batch size does not divide the
 examples), and every validation is one pass over the validation examples.
 
 Example:
