@@ -169,8 +169,10 @@ def _warm_up():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
     x, y = np.zeros((4, 2), "float32"), np.zeros((4, 1), "float32")
-    # A run's input pipelines, so that their ops have been used once too.
+    # A run's input pipelines, so that their ops have been used once too. Made
+    # once: each fit starts its own iterators over them.
     data = Dataset(x, y, x, y, n_classes=None, task="regression", input_shape=(2,), description="")
+    inputs = fit_inputs(data, 4, seed=0)
     # Tracing the instrumented step once makes the first real trace faster.
     # Both paths: the statistics in the step (taken here because not every
     # step is recorded; with activations and histograms) and the deferred
@@ -182,7 +184,7 @@ def _warm_up():
     ):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model.fit(**fit_inputs(data, 4, seed=0), verbose=0, callbacks=[monitor])
+            model.fit(**inputs, verbose=0, callbacks=[monitor])
     # Layer-name counters start again from zero, as in a cold process.
     keras.backend.clear_session()
 
