@@ -4,7 +4,8 @@
 
 The dashboard's default run (a 4 x 32 ReLU MLP on digits, 300 steps, batch
 32, validation after each 45-step epoch, one TensorFlow thread, fed by the
-lab's input pipelines, `gradflow.lab.batches`, where the checkout has them) is short, so
+lab's input pipelines, `gradflow.lab.batches`, and with the worker's steps
+per call of the compiled function, where the checkout has them) is short, so
 what the monitor costs once per fit or once per read weighs more there than
 in the long fits of `bench_monitor.py`. Each fit gets a fresh model; a plain
 `fit` and a `fit` with `GradientMonitor(store=..., stop_on_nonfinite=True)`
@@ -84,6 +85,11 @@ with tempfile.TemporaryDirectory() as folder:
             except ImportError:  # a checkout before the twenty-third session
                 inputs = dict(x=data.x_train, y=data.y_train, batch_size=config.batch_size,
                               validation_data=(data.x_val, data.y_val))
+            try:  # the worker's steps per call, where the checkout has them
+                from gradflow.lab.batches import steps_per_execution
+                model.steps_per_execution = steps_per_execution(inputs["steps_per_epoch"], steps)
+            except ImportError:  # a checkout before the twenty-fourth session
+                pass
             model.fit(**inputs, epochs=epochs, verbose=0, callbacks=callbacks)
             pair[mode] = clock.seconds
             if mode == "monitor":

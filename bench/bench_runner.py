@@ -7,9 +7,13 @@ Measures, interleaved and reported as medians:
   read from the store, with a pre-warmed worker (target <= 2 s) and cold;
 - training speed of the default lab model (4 x 32 ReLU MLP on digits, batch
   32, one TF thread): inside the runner (GradientMonitor + RunControl +
-  store) against the same `model.fit` in a bare script (target >= 0.9x).
-  Both feed `fit` the lab's input pipelines (`gradflow.lab.batches`), so
-  the ratio is what the runner itself costs; a third bare fit is given the
+  store) against the same plain `model.fit` in a bare script (target >=
+  0.9x). Both feed `fit` the lab's input pipelines (`gradflow.lab.batches`);
+  the runner also runs several steps per call of the compiled function
+  (`steps_per_execution`, 5 for the default run), a plain fit one, so a
+  fourth bare fit takes the runner's steps per call
+  (`runner_vs_bare_fit_runner_steps_per_call`: what the monitor, the
+  control and the store cost beyond that choice); a third bare fit is given the
   arrays, as a user's own script would (Keras then makes its batches anew
   every epoch, which made that fit about half as fast on this model), and
   `runner_vs_bare_fit_from_arrays` compares the runner with it;
@@ -18,8 +22,9 @@ Measures, interleaved and reported as medians:
   then; needs a run long enough, e.g. `--steps 10000`). With reused
   workers (the library's default, `runs_per_worker=25`) no spare is
   started while the one slot is busy, so that figure is absent; and
-  the bare script with only GradientMonitor writing to a store, which
-  separates the monitor's own cost from the runner's. Each speed also comes
+  the bare script with only GradientMonitor writing to a store, with the
+  runner's steps per call, which separates the monitor's own cost from the
+  runner's. Each speed also comes
   as CPU ms per step of the training process, every thread counted (the
   worker's from /proc), over the same steps, and `runner_vs_bare_fit_cpu`
   is the target's ratio taken from it. On this VM wall-clock speed moves by
@@ -65,8 +70,10 @@ model = build_model(config, data)
 class Clock(keras.callbacks.Callback):
     steps = 0
     def on_train_batch_end(self, batch, logs=None):
-        self.steps += 1
-        if self.steps == 1:
+        first = self.steps == 0
+        self.steps += self.model.steps_per_execution  # Keras calls back once a call
+        if first:
+            self.first = self.steps
             self.start = time.perf_counter()
             self.cpu_start = time.process_time()
         if self.steps >= config.steps:
@@ -87,9 +94,14 @@ else:  # the lab's own pipelines, as the runner has them
     from gradflow.lab.batches import fit_inputs
     inputs = fit_inputs(data, config.batch_size, config.seed)
 epochs = math.ceil(config.steps / math.ceil(len(data.x_train) / config.batch_size))
+if sys.argv[2] in ("calls", "monitor"):  # the runner's steps per call
+    from gradflow.lab.batches import steps_per_execution
+    model.steps_per_execution = steps_per_execution(inputs["steps_per_epoch"], config.steps)
 model.fit(**inputs, epochs=epochs, verbose=0, callbacks=callbacks)
-print(json.dumps({"steps_per_s": (clock.steps - 1) / clock.seconds,
-                  "cpu_ms_per_step": 1e3 * clock.cpu_seconds / (clock.steps - 1)}))
+steps = clock.steps - clock.first
+print(json.dumps({"steps_per_s": steps / clock.seconds,
+                  "cpu_ms_per_step": 1e3 * clock.cpu_seconds / steps,
+                  "steps_per_execution": model.steps_per_execution}))
 """
 
 
@@ -181,10 +193,12 @@ def main():
         "bare_fit_steps_per_s": [],
         "bare_fit_with_monitor_steps_per_s": [],
         "bare_fit_from_arrays_steps_per_s": [],
+        "bare_fit_runner_steps_per_call_steps_per_s": [],
         "runner_cpu_ms_per_step": [],
         "bare_fit_cpu_ms_per_step": [],
         "bare_fit_with_monitor_cpu_ms_per_step": [],
         "bare_fit_from_arrays_cpu_ms_per_step": [],
+        "bare_fit_runner_steps_per_call_cpu_ms_per_step": [],
     }
     with tempfile.TemporaryDirectory() as folder:
         store = RunStore(pathlib.Path(folder) / "runs.db")
@@ -204,6 +218,7 @@ def main():
                     times["runner_steps_per_s_once_the_next_spare_is_warm"].append(spare_warm)
                 for mode, name, path in (
                     ("bare", "bare_fit", None),
+                    ("calls", "bare_fit_runner_steps_per_call", None),
                     ("monitor", "bare_fit_with_monitor", pathlib.Path(folder) / "bare.db"),
                     ("arrays", "bare_fit_from_arrays", None),
                 ):
@@ -213,8 +228,15 @@ def main():
         finally:
             warm.shutdown()
             cold.shutdown()
+    from gradflow.lab.batches import fit_inputs, steps_per_execution
+    from gradflow.lab.datasets import load_dataset
+
+    lab_batches = fit_inputs(load_dataset(speed_config), speed_config.batch_size, 0)
     result = {
         "command": "python3 bench/bench_runner.py " + " ".join(sys.argv[1:]),
+        "runner_steps_per_execution": steps_per_execution(
+            lab_batches["steps_per_epoch"], speed_config.steps
+        ),
         "repeats": args.repeats,
         "steps": args.steps,
         "load_average_1min": os.getloadavg()[0],
@@ -233,6 +255,11 @@ def main():
     # makes the batches from the arrays, anew every epoch).
     result["runner_vs_bare_fit_from_arrays"] = (
         result["runner_steps_per_s"] / result["bare_fit_from_arrays_steps_per_s"]
+    )
+    # The same fit with the runner's steps per call: what the runner costs
+    # beyond that choice (the monitor, the control, the store).
+    result["runner_vs_bare_fit_runner_steps_per_call"] = (
+        result["runner_steps_per_s"] / result["bare_fit_runner_steps_per_call_steps_per_s"]
     )
     result["runner_vs_bare_fit_with_monitor"] = (
         result["runner_steps_per_s"] / result["bare_fit_with_monitor_steps_per_s"]

@@ -65,12 +65,41 @@ def test_the_same_seed_gives_the_same_batches_and_another_seed_others():
 
 def test_each_validation_is_one_pass_in_order():
     inputs = fit_inputs(numbered(20, 11), batch_size=4, seed=0)
-    assert inputs["validation_steps"] == 3
-    batches = iter(inputs["validation_data"])
+    assert "validation_steps" not in inputs  # the pass ends by itself
     for _ in range(3):  # one pass per epoch's validation, always from the first example
-        labels = [next(batches)[1].numpy() for _ in range(inputs["validation_steps"])]
+        labels = [y.numpy() for _, y in inputs["validation_data"]]
         assert [len(b) for b in labels] == [4, 4, 3]
         assert np.concatenate(labels).tolist() == list(range(11))
+
+
+@pytest.mark.parametrize(
+    "steps_per_epoch, total_steps, expected",
+    [
+        (45, 300, 5),  # the lab's default run: gcd 15, at most 300 // 50 = 6
+        (45, 9000, 9),  # long runs: at most MAX_STEPS_PER_EXECUTION
+        (45, 60, 1),  # short runs keep a metric point a step
+        (23, 10_000, 1),  # digits in batches of 64: a prime epoch
+        (3, 150, 3),
+        (12, 1, 1),
+    ],
+)
+def test_steps_per_execution_divides_epochs_and_runs(steps_per_epoch, total_steps, expected):
+    from gradflow.lab.batches import MAX_STEPS_PER_EXECUTION, steps_per_execution
+
+    k = steps_per_execution(steps_per_epoch, total_steps)
+    assert k == expected
+    assert steps_per_epoch % k == 0 and total_steps % k == 0
+    assert 1 <= k <= MAX_STEPS_PER_EXECUTION
+
+
+@pytest.mark.parametrize("argument", [0, -1, 2.0, True, None])
+def test_steps_per_execution_names_a_bad_argument(argument):
+    from gradflow.lab.batches import steps_per_execution
+
+    with pytest.raises(ValueError, match="`steps_per_epoch`"):
+        steps_per_execution(argument, 100)
+    with pytest.raises(ValueError, match="`total_steps`"):
+        steps_per_execution(45, argument)
 
 
 @pytest.mark.parametrize("batch_size", [0, -3, 2.5, "32", None, True])
@@ -79,7 +108,8 @@ def test_a_bad_batch_size_is_named(batch_size):
         fit_inputs(numbered(10, 2), batch_size=batch_size, seed=0)
 
 
-def test_fit_takes_whole_epochs_and_validates_like_keras_from_arrays():
+@pytest.mark.parametrize("steps_per_execution", [1, 5])
+def test_fit_takes_whole_epochs_and_validates_like_keras_from_arrays(steps_per_execution):
     import keras
 
     keras.utils.set_random_seed(0)
@@ -90,7 +120,11 @@ def test_fit_takes_whole_epochs_and_validates_like_keras_from_arrays():
     data.x_val = rng.normal(size=(13, 3)).astype("float32")
     data.y_val = rng.normal(size=13).astype("float32")
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01),
+        loss="mse",
+        steps_per_execution=steps_per_execution,
+    )
 
     seen = []
     batches = keras.callbacks.LambdaCallback(
@@ -99,7 +133,8 @@ def test_fit_takes_whole_epochs_and_validates_like_keras_from_arrays():
     history = model.fit(
         **fit_inputs(data, batch_size=10, seed=0), epochs=3, verbose=0, callbacks=[batches]
     )
-    assert seen == [0, 1, 2, 3, 4] * 3
+    # Keras calls back once a call, with the call's last batch.
+    assert seen == list(range(steps_per_execution - 1, 5, steps_per_execution)) * 3
     assert int(model.optimizer.iterations.numpy()) == 15
     # The last epoch's validation loss: Keras's own evaluate, from the arrays.
     expected = model.evaluate(data.x_val, data.y_val, batch_size=10, verbose=0)

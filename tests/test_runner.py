@@ -71,6 +71,32 @@ def test_same_config_and_seed_give_identical_statistics(store):
     assert not np.array_equal(a["l2_norm"].to_numpy(), other["l2_norm"].to_numpy())
 
 
+def test_several_steps_per_call_train_exactly_as_one_step_per_call(store, monkeypatch):
+    import gradflow.lab.batches
+
+    # digits in batches of 512: 3 steps an epoch; 150 steps -> 3 steps a call.
+    config = RunConfig(depth=2, width=8, steps=150, batch_size=512, dropout=0.2, seed=5)
+    fast = gradflow.train(config, store=store)
+    monkeypatch.setattr(gradflow.lab.batches, "MAX_STEPS_PER_EXECUTION", 1)
+    plain = gradflow.train(config, store=store)
+    assert fast.status == plain.status == "completed"
+    a, b = fast.layer_stats, plain.layer_stats
+    assert sorted(a["step"].unique()) == list(range(1, 151))
+    np.testing.assert_allclose(a[NUMERIC].to_numpy(), b[NUMERIC].to_numpy(), rtol=1e-6)
+
+    def metric(run, name):
+        return run.metrics.query("name == @name").set_index("step")["value"]
+
+    # The loss of every step; validation at every epoch's end.
+    for name in ("loss", "val_loss"):
+        np.testing.assert_allclose(metric(fast, name), metric(plain, name), rtol=1e-6)
+    assert len(metric(fast, "val_loss")) == 50
+    # Keras reports accuracy once a call: every third step, equal there.
+    accuracy = metric(fast, "accuracy")
+    assert accuracy.index.tolist() == list(range(3, 151, 3))
+    np.testing.assert_allclose(accuracy, metric(plain, "accuracy").loc[accuracy.index], rtol=1e-6)
+
+
 @pytest.mark.parametrize(
     "config, status, message",
     [

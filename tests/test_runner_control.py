@@ -99,3 +99,73 @@ def test_first_recorded_step_is_in_the_store_when_its_batch_ends(store_path, eve
     model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[monitor, publisher, Look()])
     assert publisher.published
     assert seen[every] == [every]
+
+
+def fit_in_calls_of_three(control, callbacks=(), steps_per_call=3):
+    """12 steps of the tiny model, 3 batches an epoch, `steps_per_call` steps a call."""
+    model = tiny_model()
+    model.steps_per_execution = steps_per_call
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 3)).astype("float32")
+    y = (x.sum(axis=1, keepdims=True)).astype("float32")
+    model.fit(x, y, batch_size=4, epochs=4, verbose=0, callbacks=[*callbacks, control])
+    return int(model.optimizer.iterations.numpy())
+
+
+@pytest.mark.parametrize(
+    "requests, steps, status, paused_at",
+    [
+        # Paused at the end of the first call; each "step" is one optimizer
+        # step, inside the next call; then resumed to the limit.
+        (["pause", "step", "step", "resume"], 12, "running", [3, 4, 5]),
+        # Stopped between two steps of a call: the call ends there.
+        (["pause", "step", "stop"], 4, "paused", [3, 4]),
+        (["pause", "step", "step", "step", "stop"], 6, "paused", [3, 4, 5, 6]),
+    ],
+)
+def test_a_step_is_one_optimizer_step_with_several_steps_per_call(
+    store_path, requests, steps, status, paused_at
+):
+    store = RunStore(store_path)
+    run_id = store.create_run({})
+    for action in requests:
+        store.request(run_id, action)
+    paused = []
+    control = RunControl(
+        store,
+        run_id,
+        max_steps=12,
+        poll_interval=0.01,
+        on_pause=lambda: paused.append(control.steps),
+    )
+    done = fit_in_calls_of_three(control)
+    assert (done, control.steps) == (steps, steps)
+    assert paused == paused_at
+    assert store.status(run_id) == status
+    assert store.pending_request(run_id) is None
+
+
+def test_stepping_inside_calls_records_the_steps_of_an_uninterrupted_run(store_path):
+    """The monitor's statistics, paused and stepped inside calls of 3, equal one step a call's."""
+    from gradflow.monitor import GradientMonitor
+
+    store = RunStore(store_path)
+    histories = []
+    for steps_per_call, requests in (
+        (1, []),
+        (3, ["pause", "step", "step", "step", "step", "resume"]),
+    ):
+        run_id = store.create_run({})
+        for action in requests:
+            store.request(run_id, action)
+        monitor = GradientMonitor(stop_on_nonfinite=True)
+        control = RunControl(
+            store, run_id, max_steps=12, poll_interval=0.01, on_pause=monitor.flush
+        )
+        assert fit_in_calls_of_three(control, [monitor], steps_per_call) == 12
+        assert store.pending_request(run_id) is None
+        histories.append(monitor.history)
+    plain, stepped = histories
+    assert sorted(stepped["step"].unique()) == list(range(1, 13))
+    numeric = ["step", "l2_norm", "max_abs", "weight_norm", "update_ratio"]
+    np.testing.assert_allclose(stepped[numeric].to_numpy(), plain[numeric].to_numpy(), rtol=1e-6)

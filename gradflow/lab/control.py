@@ -16,6 +16,14 @@ class RunControl(keras.callbacks.Callback):
     `"stop"`. It also stops training after `max_steps` optimizer steps, and
     as soon as the loss is NaN or infinite.
 
+    With `model.steps_per_execution` above 1, Keras calls the callbacks once
+    every few steps: a pause, a stop and the step limit take effect at the
+    end of such a call (`max_steps` should be a multiple of it), but a
+    `"step"` is still one optimizer step. For that the control wraps the
+    model's train function: while stepping, a call runs its steps one at a
+    time through a one-step version of the same function (traced on the
+    first `"step"`), pausing after each.
+
     Example:
 
     ```python
@@ -62,19 +70,74 @@ class RunControl(keras.callbacks.Callback):
         self.steps = 0
         self.stop_reason = None
         self.nonfinite_step = None
-        self._pause_after_step = False
+        self._stepping = False
 
     def on_train_begin(self, logs=None):
         self.steps = 0
+        self._stepping = False
         self._next_poll = 0.0
         self._next_heartbeat = time.monotonic() + self.heartbeat_interval
+        self._wrap_train_function()
+
+    def on_train_end(self, logs=None):
+        model = self.model
+        if model.train_function is self._train_function:
+            # The next fit builds its own again.
+            model.train_function = None
+
+    def _wrap_train_function(self):
+        """Puts `_train_function` in place of the model's; it counts steps and can step one at a time."""
+        model = self.model
+        self._steps_per_call = max(1, int(model.steps_per_execution))
+        self._whole_call = model.train_function
+        self._one_step = self._whole_call if self._steps_per_call == 1 else None
+        model.train_function = self._train_function
+
+    def _train_function(self, iterator):
+        if not self._stepping:
+            logs = self._whole_call(iterator)
+            self.steps += self._steps_per_call
+            return logs
+        if self._one_step is None:
+            self._one_step = self._one_step_function()
+        for done in range(1, self._steps_per_call + 1):
+            logs = self._step_once(iterator)
+            self.steps += 1
+            if done < self._steps_per_call and self._stepping:
+                self._pause()
+                if self.stop_reason is not None:
+                    # Keras takes this call for a whole one: keep its
+                    # metrics, which belong to this step, out of the logs.
+                    return {"loss": logs["loss"]} if "loss" in logs else {}
+        # The call's last step pauses in `on_train_batch_end`, once the other
+        # callbacks have seen its logs.
+        return logs
+
+    def _one_step_function(self):
+        """The model's current train function, built again for one step per call."""
+        model = self.model
+        model.steps_per_execution = 1
+        try:
+            model.make_train_function(force=True)
+            return model.train_function
+        finally:
+            model.steps_per_execution = self._steps_per_call
+            model.train_function = self._train_function
+
+    def _step_once(self, iterator):
+        # Keras's train function reads `steps_per_execution` when it is
+        # traced, at its first call.
+        model = self.model
+        model.steps_per_execution = 1
+        try:
+            return self._one_step(iterator)
+        finally:
+            model.steps_per_execution = self._steps_per_call
 
     def on_train_batch_end(self, batch, logs=None):
-        self.steps += 1
         if self.max_steps is not None and self.steps >= self.max_steps:
             self.model.stop_training = True
-        if self._pause_after_step:
-            self._pause_after_step = False
+        if self._stepping:
             self._pause()
             return
         now = time.monotonic()
@@ -105,7 +168,8 @@ class RunControl(keras.callbacks.Callback):
         self.model.stop_training = True
 
     def _pause(self):
-        """Waits between two steps until asked to resume, step or stop."""
+        """Waits between two steps until asked to resume, step (one more, then pause) or stop."""
+        self._stepping = False
         if self.on_pause is not None:
             self.on_pause()
         self.store.set_status(self.run_id, "paused", only_from=("running",))
@@ -119,7 +183,7 @@ class RunControl(keras.callbacks.Callback):
                 self._stop("stop")
                 return
             if action == "step":
-                self._pause_after_step = True
+                self._stepping = True
                 return
             if time.monotonic() - last_heartbeat >= self.heartbeat_interval:
                 last_heartbeat = time.monotonic()
@@ -161,11 +225,14 @@ class FirstStepPublisher(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.published = False
+        # The first recorded step comes at the latest `every` steps from here.
+        self._first_recorded = int(self.model.optimizer.iterations.numpy()) + self.monitor.every
 
     def on_train_batch_end(self, batch, logs=None):
         if self.published:
             return
-        if int(self.model.optimizer.iterations.numpy()) % self.monitor.every:
-            return  # not a recorded step
+        # With several steps per call, a call may end past a recorded step.
+        if int(self.model.optimizer.iterations.numpy()) < self._first_recorded:
+            return  # no recorded step yet
         self.monitor.flush()
         self.published = True

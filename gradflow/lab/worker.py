@@ -77,7 +77,7 @@ def execute(store, run_id):
 
 
 def _train(store, run_id):
-    from gradflow.lab.batches import fit_inputs
+    from gradflow.lab.batches import fit_inputs, steps_per_execution
     from gradflow.lab.config import RunConfig
     from gradflow.lab.control import FirstStepPublisher, RunControl
     from gradflow.lab.datasets import load_dataset
@@ -89,6 +89,10 @@ def _train(store, run_id):
     model = build_model(config, data)  # Seeds weights, shuffling and dropout.
     inputs = fit_inputs(data, config.batch_size, config.seed)
     epochs = config.epochs or math.ceil(config.steps / inputs["steps_per_epoch"])
+    total_steps = config.steps if config.epochs is None else epochs * inputs["steps_per_epoch"]
+    # Several steps per call of the compiled function; the same steps, batches
+    # and statistics as one per call (`tests/test_runner.py`).
+    model.steps_per_execution = steps_per_execution(inputs["steps_per_epoch"], total_steps)
     monitor = GradientMonitor(
         every=config.record_every,
         activations=config.activations,
@@ -177,11 +181,14 @@ def _warm_up():
     # Both paths: the statistics in the step (taken here because not every
     # step is recorded; with activations and histograms) and the deferred
     # ring of small models, which the lab's default run takes and whose
-    # first read, op by op, is waited for (its ops' first use).
-    for monitor in (
-        GradientMonitor(histograms=True, activations=True, stop_on_nonfinite=True, every=2),
-        GradientMonitor(stop_on_nonfinite=True),
+    # first read, op by op, is waited for (its ops' first use); the latter
+    # also with several steps per call, as longer runs take it.
+    for monitor, steps_per_call in (
+        (GradientMonitor(histograms=True, activations=True, stop_on_nonfinite=True, every=2), 1),
+        (GradientMonitor(stop_on_nonfinite=True), 1),
+        (GradientMonitor(stop_on_nonfinite=True), 2),
     ):
+        model.steps_per_execution = steps_per_call
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.fit(**inputs, verbose=0, callbacks=[monitor])
