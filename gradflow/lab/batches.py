@@ -98,9 +98,10 @@ def steps_per_execution(steps_per_epoch, total_steps):
 
     The lab's default model takes about 0.55 ms a step inside its compiled
     function and 1.35 ms in a bare `fit`: most of a step is Keras's work
-    around every call (callbacks, the iterator, logs). Running several steps per call (`model.steps_per_execution`)
-    shares that cost among them: the default lab run trained about twice as
-    fast with 5 (twenty-fourth session, an ad-hoc script).
+    around every call (callbacks, the iterator, logs). Running several
+    steps per call (`model.steps_per_execution`) shares that cost among
+    them: with 5, the runner trained the default model 1.5 times as fast as
+    a plain `fit` (`bench/bench_runner.py`, twenty-fourth session).
 
     The number divides the steps of an epoch and the run's total, so that
     every epoch ends, and the run stops, on a call's last step: the steps,
