@@ -34,7 +34,8 @@ def fit(model, control, epochs=50):
         (["pause", "step", "stop"], 6, 2, "stop", "paused", 2),
     ],
 )
-def test_requests_and_step_limit(store_path, requests, max_steps, steps, reason, status, pauses):
+def controlled_run(store_path, requests, max_steps):
+    """A run with `requests` waiting, and a RunControl that notes its step at every pause."""
     store = RunStore(store_path)
     run_id = store.create_run({})
     for action in requests:
@@ -47,6 +48,11 @@ def test_requests_and_step_limit(store_path, requests, max_steps, steps, reason,
         poll_interval=0.01,
         on_pause=lambda: paused.append(control.steps),
     )
+    return store, run_id, control, paused
+
+
+def test_requests_and_step_limit(store_path, requests, max_steps, steps, reason, status, pauses):
+    store, run_id, control, paused = controlled_run(store_path, requests, max_steps)
     done, _ = fit(tiny_model(), control)
     assert (done, control.steps, control.stop_reason) == (steps, steps, reason)
     assert store.status(run_id) == status
@@ -126,18 +132,7 @@ def fit_in_calls_of_three(control, callbacks=(), steps_per_call=3):
 def test_a_step_is_one_optimizer_step_with_several_steps_per_call(
     store_path, requests, steps, status, paused_at
 ):
-    store = RunStore(store_path)
-    run_id = store.create_run({})
-    for action in requests:
-        store.request(run_id, action)
-    paused = []
-    control = RunControl(
-        store,
-        run_id,
-        max_steps=12,
-        poll_interval=0.01,
-        on_pause=lambda: paused.append(control.steps),
-    )
+    store, run_id, control, paused = controlled_run(store_path, requests, max_steps=12)
     done = fit_in_calls_of_three(control)
     assert (done, control.steps) == (steps, steps)
     assert paused == paused_at
