@@ -24,16 +24,6 @@ def fit(model, control, epochs=50):
     return int(model.optimizer.iterations.numpy()), history
 
 
-@pytest.mark.parametrize(
-    "requests, max_steps, steps, reason, status, pauses",
-    [
-        ([], 7, 7, None, "running", 0),
-        (["stop"], 7, 1, "stop", "running", 0),
-        # Paused at step 1, two single steps, then resumed until the limit.
-        (["pause", "step", "step", "resume"], 6, 6, None, "running", 3),
-        (["pause", "step", "stop"], 6, 2, "stop", "paused", 2),
-    ],
-)
 def controlled_run(store_path, requests, max_steps):
     """A run with `requests` waiting, and a RunControl that notes its step at every pause."""
     store = RunStore(store_path)
@@ -51,6 +41,16 @@ def controlled_run(store_path, requests, max_steps):
     return store, run_id, control, paused
 
 
+@pytest.mark.parametrize(
+    "requests, max_steps, steps, reason, status, pauses",
+    [
+        ([], 7, 7, None, "running", 0),
+        (["stop"], 7, 1, "stop", "running", 0),
+        # Paused at step 1, two single steps, then resumed until the limit.
+        (["pause", "step", "step", "resume"], 6, 6, None, "running", 3),
+        (["pause", "step", "stop"], 6, 2, "stop", "paused", 2),
+    ],
+)
 def test_requests_and_step_limit(store_path, requests, max_steps, steps, reason, status, pauses):
     store, run_id, control, paused = controlled_run(store_path, requests, max_steps)
     done, _ = fit(tiny_model(), control)
