@@ -174,8 +174,7 @@ def bare_steps_per_s(config, mode, path):
         env=env,
         check=True,
     )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    return result["steps_per_s"], result["cpu_ms_per_step"]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main():
@@ -200,6 +199,7 @@ def main():
         "bare_fit_from_arrays_cpu_ms_per_step": [],
         "bare_fit_runner_steps_per_call_cpu_ms_per_step": [],
     }
+    steps_per_call = None
     with tempfile.TemporaryDirectory() as folder:
         store = RunStore(pathlib.Path(folder) / "runs.db")
         warm = RunManager(store, max_running=1, threads_per_run=1, prewarm=True)
@@ -222,21 +222,17 @@ def main():
                     ("monitor", "bare_fit_with_monitor", pathlib.Path(folder) / "bare.db"),
                     ("arrays", "bare_fit_from_arrays", None),
                 ):
-                    speed, cpu_ms = bare_steps_per_s(speed_config, mode, path)
-                    times[f"{name}_steps_per_s"].append(speed)
-                    times[f"{name}_cpu_ms_per_step"].append(cpu_ms)
+                    bare = bare_steps_per_s(speed_config, mode, path)
+                    times[f"{name}_steps_per_s"].append(bare["steps_per_s"])
+                    times[f"{name}_cpu_ms_per_step"].append(bare["cpu_ms_per_step"])
+                    if mode == "calls":  # as the worker chooses them for this run
+                        steps_per_call = bare["steps_per_execution"]
         finally:
             warm.shutdown()
             cold.shutdown()
-    from gradflow.lab.batches import fit_inputs, steps_per_execution
-    from gradflow.lab.datasets import load_dataset
-
-    lab_batches = fit_inputs(load_dataset(speed_config), speed_config.batch_size, 0)
     result = {
         "command": "python3 bench/bench_runner.py " + " ".join(sys.argv[1:]),
-        "runner_steps_per_execution": steps_per_execution(
-            lab_batches["steps_per_epoch"], speed_config.steps
-        ),
+        "runner_steps_per_execution": steps_per_call,
         "repeats": args.repeats,
         "steps": args.steps,
         "load_average_1min": os.getloadavg()[0],

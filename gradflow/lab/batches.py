@@ -52,8 +52,7 @@ def fit_inputs(data, batch_size, seed):
         A dict with `x`, `steps_per_epoch`, `validation_data` and `shuffle`
         (False: the pipeline shuffles).
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
+    _positive_int("batch_size", batch_size)
     return {
         "x": training_batches(data.x_train, data.y_train, batch_size, seed),
         "steps_per_epoch": math.ceil(len(data.x_train) / batch_size),
@@ -96,8 +95,9 @@ MIN_CALLS_PER_RUN = 50
 def steps_per_execution(steps_per_epoch, total_steps):
     """How many steps each call of a lab run's train function should run.
 
-    The lab's default model takes about 0.55 ms a step inside its compiled
-    function and 1.35 ms in a bare `fit`: most of a step is Keras's work
+    The lab's default model took about 0.55 ms a step inside its compiled
+    function and 1.35 ms in a bare `fit` (twenty-third session,
+    `bench/bench_monitor_step.py` and `bench/bench_runner.py`): most was Keras's work
     around every call (callbacks, the iterator, logs). Running several
     steps per call (`model.steps_per_execution`) shares that cost among
     them: with 5, the runner trained the default model 1.5 times as fast as
@@ -125,9 +125,13 @@ def steps_per_execution(steps_per_epoch, total_steps):
     Returns:
         An int from 1 to `MAX_STEPS_PER_EXECUTION`.
     """
-    for name, value in (("steps_per_epoch", steps_per_epoch), ("total_steps", total_steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+    _positive_int("steps_per_epoch", steps_per_epoch)
+    _positive_int("total_steps", total_steps)
     common = math.gcd(steps_per_epoch, total_steps)
     limit = min(MAX_STEPS_PER_EXECUTION, max(1, total_steps // MIN_CALLS_PER_RUN))
     return max(d for d in range(1, limit + 1) if common % d == 0)
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")

@@ -114,15 +114,11 @@ class RunControl(keras.callbacks.Callback):
         return logs
 
     def _one_step_function(self):
-        """The model's current train function, built again for one step per call."""
+        """A new trace of the model's current train function; `_step_once` runs it one step a call."""
         model = self.model
-        model.steps_per_execution = 1
-        try:
-            model.make_train_function(force=True)
-            return model.train_function
-        finally:
-            model.steps_per_execution = self._steps_per_call
-            model.train_function = self._train_function
+        model.make_train_function(force=True)
+        one_step, model.train_function = model.train_function, self._train_function
+        return one_step
 
     def _step_once(self, iterator):
         # Keras's train function reads `steps_per_execution` when it is
