@@ -10,19 +10,10 @@ import math
 
 import numpy as np
 
+from gradflow.checks import positive_int
 from gradflow.figures.grid import LayerGrid
 
 DEFAULT_MAX_COLUMNS = 1000
-
-
-def check_max_columns(max_columns):
-    """Raise ValueError unless `max_columns` is a positive integer."""
-    if (
-        isinstance(max_columns, bool)
-        or not isinstance(max_columns, (int, np.integer))
-        or max_columns < 1
-    ):
-        raise ValueError(f"`max_columns` must be a positive integer, got {max_columns!r}.")
 
 
 def block_size(n_columns, max_columns, power_of_two=False):
@@ -76,7 +67,7 @@ def decimate_max(grid, max_columns=DEFAULT_MAX_COLUMNS, *, power_of_two_blocks=F
     Raises:
         ValueError: if `max_columns` is not a positive integer.
     """
-    check_max_columns(max_columns)
+    max_columns = positive_int("max_columns", max_columns)
     n_cols = grid.values.shape[1]
     block = block_size(n_cols, max_columns, power_of_two_blocks)
     if block <= 1:
@@ -116,7 +107,7 @@ def decimate_envelope(steps, values, max_points=DEFAULT_MAX_COLUMNS):
     Raises:
         ValueError: if `max_points` is not a positive integer.
     """
-    check_max_columns(max_points)
+    max_points = positive_int("max_points", max_points)
     steps = np.asarray(steps)
     values = np.asarray(values, dtype=np.float64)
     n = len(values)

@@ -5,6 +5,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from gradflow import schema
+from gradflow.checks import positive_int
 from gradflow.figures import decimate, logscale, style
 from gradflow.figures.chart import Chart
 
@@ -111,7 +112,7 @@ def histogram_heatmap(
     with np.errstate(invalid="ignore", divide="ignore"):
         shares = np.where(totals > 0, counts / totals, 0.0).T  # [bins, steps]
     present = np.ones_like(shares, dtype=bool)
-    decimate.check_max_columns(max_columns)
+    max_columns = positive_int("max_columns", max_columns)
     block = -(-steps.size // max_columns)
     step_first, step_last = steps, steps
     if block > 1:

@@ -38,6 +38,8 @@ import math
 
 import tensorflow as tf
 
+from gradflow.checks import positive_int
+
 
 def fit_inputs(data, batch_size, seed):
     """Keyword arguments for `model.fit`: a run's training and validation batches.
@@ -52,7 +54,7 @@ def fit_inputs(data, batch_size, seed):
         A dict with `x`, `steps_per_epoch`, `validation_data` and `shuffle`
         (False: the pipeline shuffles).
     """
-    _positive_int("batch_size", batch_size)
+    batch_size = positive_int("batch_size", batch_size)
     return {
         "x": training_batches(data.x_train, data.y_train, batch_size, seed),
         "steps_per_epoch": math.ceil(len(data.x_train) / batch_size),
@@ -125,13 +127,8 @@ def steps_per_execution(steps_per_epoch, total_steps):
     Returns:
         An int from 1 to `MAX_STEPS_PER_EXECUTION`.
     """
-    _positive_int("steps_per_epoch", steps_per_epoch)
-    _positive_int("total_steps", total_steps)
+    steps_per_epoch = positive_int("steps_per_epoch", steps_per_epoch)
+    total_steps = positive_int("total_steps", total_steps)
     common = math.gcd(steps_per_epoch, total_steps)
     limit = min(MAX_STEPS_PER_EXECUTION, max(1, total_steps // MIN_CALLS_PER_RUN))
     return max(d for d in range(1, limit + 1) if common % d == 0)
-
-
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")

@@ -5,6 +5,8 @@ import time
 
 import keras
 
+from gradflow.checks import positive_int, positive_number
+
 
 class RunControl(keras.callbacks.Callback):
     """Obeys pause, resume, step and stop requests that arrive through the run store.
@@ -45,6 +47,10 @@ class RunControl(keras.callbacks.Callback):
         steps: optimizer steps done in this `fit`.
         stop_reason: None, `"stop"` (asked to), or `"nonfinite"` (the loss
             was NaN or infinite at step `nonfinite_step`).
+
+    Raises:
+        ValueError: `max_steps` is not a positive integer or None, or an
+            interval is not a positive number of seconds.
     """
 
     def __init__(
@@ -57,15 +63,13 @@ class RunControl(keras.callbacks.Callback):
         on_pause=None,
     ):
         super().__init__()
-        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
-            raise ValueError(f"`max_steps` must be a positive integer or None, got {max_steps!r}.")
-        if not poll_interval > 0:
-            raise ValueError(f"`poll_interval` must be a positive number, got {poll_interval!r}.")
         self.store = store
         self.run_id = run_id
-        self.max_steps = max_steps
-        self.poll_interval = float(poll_interval)
-        self.heartbeat_interval = float(heartbeat_interval)
+        self.max_steps = positive_int("max_steps", max_steps, allow_none=True)
+        self.poll_interval = positive_number("poll_interval", poll_interval, unit="of seconds")
+        self.heartbeat_interval = positive_number(
+            "heartbeat_interval", heartbeat_interval, unit="of seconds"
+        )
         self.on_pause = on_pause
         self.steps = 0
         self.stop_reason = None

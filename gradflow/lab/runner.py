@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 
+from gradflow.checks import positive_int, positive_number
 from gradflow.store import ACTIVE_STATUSES, RunStore
 
 _PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parent.parent.parent)
@@ -77,6 +78,9 @@ class RunManager:
         runs_per_worker: how many runs one worker process trains, one after
             another, before a fresh one takes its place; default 25. 1 gives
             every run a new process (and pays TensorFlow's import each time).
+
+    Raises:
+        ValueError: an argument is out of range; the message names it.
     """
 
     _managers = {}
@@ -94,14 +98,14 @@ class RunManager:
     ):
         self.store = store if isinstance(store, RunStore) else RunStore(store)
         cpus = os.cpu_count() or 1
-        self.max_running = _positive_int("max_running", max_running or cpus)
-        self.threads_per_run = _positive_int(
+        self.max_running = positive_int("max_running", max_running or cpus)
+        self.threads_per_run = positive_int(
             "threads_per_run", threads_per_run or max(1, cpus // self.max_running)
         )
         self.worker_niceness = _niceness(worker_niceness)
-        self.runs_per_worker = _positive_int("runs_per_worker", runs_per_worker)
+        self.runs_per_worker = positive_int("runs_per_worker", runs_per_worker)
         self.prewarm = bool(prewarm)
-        self.poll_interval = float(poll_interval)
+        self.poll_interval = positive_number("poll_interval", poll_interval, unit="of seconds")
         self._queue = collections.deque()
         self._running = {}
         # Warm workers without a run: the spare, or one whose run just ended.
@@ -438,10 +442,4 @@ def _niceness(value):
             f"`worker_niceness` must be an integer from 0 (same priority as the server) "
             f"to 19 (lowest), got {value!r}."
         )
-    return value
-
-
-def _positive_int(name, value):
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
     return value

@@ -11,6 +11,7 @@ import pandas as pd
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from gradflow import schema
+from gradflow.checks import positive_int
 from gradflow.diagnosis import diagnose
 from gradflow.monitor import trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS
@@ -137,9 +138,9 @@ class GradientMonitor(keras.callbacks.Callback):
         rules=None,
     ):
         super().__init__()
-        self.every = _positive_int("every", every)
+        self.every = positive_int("every", every)
         self.probe_every = (
-            self.every if probe_every is None else _positive_int("probe_every", probe_every)
+            self.every if probe_every is None else positive_int("probe_every", probe_every)
         )
         if store is None and run_id is not None:
             raise ValueError(
@@ -522,9 +523,3 @@ def _planned_steps(params):
     if params.get("steps") and params.get("epochs"):
         return int(params["steps"]) * int(params["epochs"])
     return None
-
-
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-    return int(value)

@@ -32,6 +32,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from gradflow.checks import positive_int
 from gradflow.probe import capture
 from gradflow.probe.sensitivity import restored_state, to_tensors
 from gradflow.probe.snapshot import check_batch_sizes, resolve_loss
@@ -120,14 +121,10 @@ class ChainedBackprop:
                 )
         if method not in METHODS:
             raise ValueError(f"`method` must be one of {METHODS}, got {method!r}.")
-        if not isinstance(max_jacobian_entries, int) or max_jacobian_entries < 1:
-            raise ValueError(
-                f"`max_jacobian_entries` must be a positive integer, got {max_jacobian_entries!r}."
-            )
+        self.max_jacobian_entries = positive_int("max_jacobian_entries", max_jacobian_entries)
         self.models = list(models)
         self.loss_fn = resolve_loss(self.models[-1], loss)
         self.method = method
-        self.max_jacobian_entries = max_jacobian_entries
         self.training = bool(training)
         self._checked_shapes = set()
         backward = self._vjp if method == "vjp" else self._jacobian
@@ -361,8 +358,7 @@ def split_cnn(input_shape=(8, 8, 1), filters=4, seed=0):
             "`input_shape` must be (height, width, channels) with height and width "
             f"at least 5 (two 3x3 convolutions), got {input_shape!r}."
         )
-    if not isinstance(filters, int) or filters < 1:
-        raise ValueError(f"`filters` must be a positive integer, got {filters!r}.")
+    filters = positive_int("filters", filters)
 
     def conv(offset):
         return keras.layers.Conv2D(
@@ -402,8 +398,7 @@ def toy_batch(batch_size=8, input_shape=(8, 8, 1), seed=0):
         A tuple `(x, y)` of float32 arrays, shapes `(batch_size, *input_shape)`
         and `(batch_size, 1)`.
     """
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
+    batch_size = positive_int("batch_size", batch_size)
     rng = np.random.default_rng(seed)
     x = rng.random((batch_size, *input_shape), dtype=np.float32)
     y = (x.mean(axis=tuple(range(1, x.ndim))) > 0.5).astype(np.float32)[:, None]

@@ -15,6 +15,7 @@ import os
 
 import numpy as np
 
+from gradflow.checks import positive_int
 from gradflow.safety import archives
 from gradflow.safety.errors import UnsafeInputError
 
@@ -62,13 +63,9 @@ def load_arrays(path, *, max_bytes=50 * 2**20, max_rows=1_000_000, max_elements=
         UnsafeInputError: the file was refused; the message says why.
         ValueError: a limit argument is not a positive integer.
     """
-    for name, value in (
-        ("max_bytes", max_bytes),
-        ("max_rows", max_rows),
-        ("max_elements", max_elements),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+    max_bytes = positive_int("max_bytes", max_bytes)
+    max_rows = positive_int("max_rows", max_rows)
+    max_elements = positive_int("max_elements", max_elements)
     suffix = os.path.splitext(os.fspath(path))[1].lower()
     if suffix not in _SUFFIXES:
         raise UnsafeInputError(

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 
+from gradflow.checks import positive_int, positive_number
 from gradflow.safety import archives
 from gradflow.safety.errors import UnsafeInputError
 from gradflow.safety.keras_config import check_model_config
@@ -90,11 +91,11 @@ def safe_load_model(
             found, where, and what to do.
         ValueError: an argument is out of range.
     """
-    _check_positive("max_bytes", max_bytes)
-    _check_positive("max_entries", max_entries)
-    _check_positive("max_weight_entries", max_weight_entries)
-    _check_positive("timeout", timeout, number=True)
-    _check_positive("memory_limit", memory_limit)
+    max_bytes = positive_int("max_bytes", max_bytes)
+    max_entries = positive_int("max_entries", max_entries)
+    max_weight_entries = positive_int("max_weight_entries", max_weight_entries)
+    timeout = positive_number("timeout", timeout, unit="of seconds")
+    memory_limit = positive_int("memory_limit", memory_limit)
 
     with tempfile.TemporaryDirectory(prefix="gradflow-upload-") as private:
         copy = os.path.join(private, "model.keras")
@@ -279,10 +280,3 @@ def _parse_json(archive, name, limit):
         return json.loads(data)
     except (ValueError, RecursionError) as e:
         raise UnsafeInputError(f"{name} in the model file is not valid JSON: {e}.") from e
-
-
-def _check_positive(name, value, number=False):
-    kinds = (int, float) if number else (int,)
-    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
-        allowed = "a positive number" if number else "a positive integer"
-        raise ValueError(f"`{name}` must be {allowed}, got {value!r}.")

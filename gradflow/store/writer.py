@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 from gradflow import schema
+from gradflow.checks import positive_number
 from gradflow.store import blocks, tables
 
 _SERIES_KEY = ("layer", "layer_index", "tensor", "variable")
@@ -44,15 +45,14 @@ class RunWriter:
             training thread never waits on the disk and rows reach the store
             even when no new rows arrive. When False, `add_*` calls write
             once the interval has passed.
+
+    Raises:
+        ValueError: if `flush_interval` is not a positive number of seconds.
     """
 
     def __init__(self, path, run_key, run_id, flush_interval=0.5, background_flush=True):
-        if not flush_interval > 0:
-            raise ValueError(
-                f"`flush_interval` must be a positive number of seconds, got {flush_interval!r}."
-            )
         self.run_id = run_id
-        self.flush_interval = float(flush_interval)
+        self.flush_interval = positive_number("flush_interval", flush_interval, unit="of seconds")
         self._run = run_key
         self._conn = tables.connect(path)
         # Re-entrant: `batch()` holds it around the add calls it contains.

@@ -1,0 +1,62 @@
+"""Argument checks shared by the library: one wording for one kind of mistake.
+
+Every public function that takes a count or a limit checks it here, so that
+`True`, `2.0`, `"3"` or `-1` meet the same message everywhere: the argument's
+name, the value given and what is allowed. NumPy integers and floats count as
+numbers (a value read from an array is often one); booleans do not, although
+Python makes `True` an integer, since `every=True` is a mistake, not a 1.
+"""
+
+import math
+import numbers
+
+import numpy as np
+
+
+def positive_int(name, value, allow_none=False):
+    """Returns `value` as an `int` if it is a whole number of at least 1.
+
+    Args:
+        name: the argument's name, for the message.
+        value: what the caller gave.
+        allow_none: whether `None` ("no limit", "the default") is allowed;
+            it is then returned as is.
+
+    Raises:
+        ValueError: naming the argument and showing the value, if it is not a
+            positive integer (or None, where allowed).
+    """
+    if value is None and allow_none:
+        return None
+    if _is_bool(value) or not isinstance(value, numbers.Integral) or value < 1:
+        allowed = "a positive integer or None" if allow_none else "a positive integer"
+        raise ValueError(f"`{name}` must be {allowed}, got {value!r}.")
+    return int(value)
+
+
+def positive_number(name, value, unit=""):
+    """Returns `value` as a `float` if it is a finite number above 0.
+
+    Args:
+        name: the argument's name, for the message.
+        value: what the caller gave.
+        unit: words after "a positive number" in the message, e.g.
+            "of seconds".
+
+    Raises:
+        ValueError: naming the argument and showing the value, if it is not a
+            finite positive number.
+    """
+    if (
+        _is_bool(value)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or not value > 0
+    ):
+        allowed = f"a positive number {unit}".rstrip()
+        raise ValueError(f"`{name}` must be {allowed}, got {value!r}.")
+    return float(value)
+
+
+def _is_bool(value):
+    return isinstance(value, (bool, np.bool_))
