@@ -4,7 +4,8 @@ Every public function that takes a count or a limit checks it here, so that
 `True`, `2.0`, `"3"` or `-1` meet the same message everywhere: the argument's
 name, the value given and what is allowed. NumPy integers and floats count as
 numbers (a value read from an array is often one); booleans do not, although
-Python makes `True` an integer, since `every=True` is a mistake, not a 1.
+Python makes `True` an integer, since `every=True` is a mistake, not a 1. A
+switch takes only True or False: `activations="no"` is a mistake too, not a yes.
 """
 
 import math
@@ -56,6 +57,21 @@ def positive_number(name, value, unit=""):
         allowed = f"a positive number {unit}".rstrip()
         raise ValueError(f"`{name}` must be {allowed}, got {value!r}.")
     return float(value)
+
+
+def flag(name, value):
+    """Returns `value` as a `bool` if it is True or False.
+
+    `bool("no")` is True, so a string or a number meant as a switch would
+    silently turn it on.
+
+    Raises:
+        ValueError: naming the argument and showing the value, if it is not
+            True or False.
+    """
+    if not _is_bool(value):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}.")
+    return bool(value)
 
 
 def _is_bool(value):

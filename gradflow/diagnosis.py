@@ -25,6 +25,7 @@ events[["step", "layer", "kind", "message"]]
 
 import dataclasses
 import math
+import numbers
 
 import numpy as np
 import pandas as pd
@@ -80,7 +81,8 @@ class Thresholds:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # NumPy numbers count (a threshold computed from a table is one).
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
                 raise TypeError(f"`{field.name}` must be a number, got {value!r}.")
             if not value > 0 or not math.isfinite(value):
                 raise ValueError(f"`{field.name}` must be a positive finite number, got {value!r}.")
@@ -201,15 +203,28 @@ def _layer_norms(table):
     if weights.empty or "l2_norm" not in weights.columns:
         return pd.DataFrame(columns=["step", "layer", "layer_index", "norm"])
     squares = pd.to_numeric(weights["l2_norm"], errors="coerce") ** 2
+    broken = squares.isna()
+    if "nonfinite" in weights.columns:
+        broken |= pd.to_numeric(weights["nonfinite"], errors="coerce") > 0
+    else:
+        broken |= ~np.isfinite(squares)
     norms = (
-        weights.assign(_square=squares)
-        .groupby(["step", "layer", "layer_index"], as_index=False, sort=True, observed=True)[
-            "_square"
-        ]
-        .sum(min_count=1)
+        weights.assign(_square=squares, _broken=broken)
+        .groupby(["step", "layer", "layer_index"], as_index=False, sort=True, observed=True)
+        .agg(_square=("_square", "sum"), _broken=("_broken", "any"))
     )
     norms["norm"] = np.sqrt(norms.pop("_square"))
-    return norms[np.isfinite(norms["norm"])].reset_index(drop=True)
+    # A norm of +inf over entries that are all finite overflowed float32's
+    # sum of squares (a norm above about 1.8e19): exploding, not broken.
+    # NaN/Inf entries are the non-finite rule's.
+    keep = ~norms.pop("_broken") & (np.isfinite(norms["norm"]) | (norms["norm"] == np.inf))
+    return norms[keep].reset_index(drop=True)
+
+
+def _norm_text(norm):
+    if norm == np.inf:  # every entry finite, the sum of their squares not
+        return "beyond float32's range (above 1.8e+19)"
+    return f"{norm:.1e}"
 
 
 def _onsets(flagged, keys=("layer",)):
@@ -292,9 +307,9 @@ def _exploding(norms, thresholds):
                 row.layer,
                 "exploding",
                 (
-                    f"Layer {row.layer}: gradient norm {row.norm:.1e} at step {row.step} is above "
-                    f"{thresholds.exploding_norm:.0e} — gradients are exploding; try a smaller "
-                    "learning rate or gradient clipping."
+                    f"Layer {row.layer}: gradient norm {_norm_text(row.norm)} at step {row.step} "
+                    f"is above {thresholds.exploding_norm:.0e} — gradients are exploding; try a "
+                    "smaller learning rate or gradient clipping."
                 ),
             )
         )
@@ -306,7 +321,8 @@ def _exploding(norms, thresholds):
     ].sort_values("_then")
     lookup = ordered.assign(_then=ordered["step"] - window).sort_values("_then")
     grown = pd.merge_asof(lookup, earlier, on="_then", by="layer", direction="backward")
-    grown = grown[grown["then_norm"] > 0]
+    # Growth needs two finite norms; one beyond float32's range is reported above.
+    grown = grown[(grown["then_norm"] > 0) & np.isfinite(grown["then_norm"] * grown["norm"])]
     if grown.empty:
         return events
     grown = grown.assign(factor=grown["norm"] / grown["then_norm"])
@@ -379,7 +395,10 @@ def _saturation(table, norms, thresholds):
             "out_size": above["size"],
         }
     ).dropna(subset=["layer"])
-    frame = frame[(frame["out_size"] > 0) & np.isfinite(frame["in_size"])]
+    # An input gradient of exactly 0 is units that pass nothing back at all
+    # (dead ReLUs, or a sigmoid past float32's reach): the dead-unit rule
+    # reports those, from the share of zero entries.
+    frame = frame[(frame["out_size"] > 0) & (frame["in_size"] > 0) & np.isfinite(frame["in_size"])]
     # A layer whose weights get no gradient at all is vanishing, not saturated.
     frame = frame.merge(norms[["step", "layer", "norm"]], on=["step", "layer"], how="left")
     frame = frame[~(frame["norm"] < thresholds.vanishing_norm)]

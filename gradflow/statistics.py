@@ -17,6 +17,10 @@ one vector and used segment operations; those kernels are single-threaded on
 CPU and the concatenation copies every entry, which made it slower still.
 Measured with `python3 bench/bench_statistics.py`.
 
+The sums are float32, as the gradients are: an L2 norm above about 1.8e19
+overflows to +inf although every entry is finite (`nonfinite` stays 0, which
+tells the two apart); `gradflow.diagnose` reports such a layer as exploding.
+
 Layer outputs (activation gradients) have a first dimension that is unknown
 while the step is traced, so they cannot be stacked safely; those with rows
 of equal size are joined along the first axis instead, and only their
@@ -597,8 +601,9 @@ def sum_of_squares_numpy(values, overwrite=False):
     with a large mean (`tests/test_statistics.py`). `overwrite=True` squares
     `values` in place (a temporary of the caller's) instead of a copy.
     """
-    squares = np.square(values, out=values if overwrite else None)
-    return squares.sum(axis=-1)
+    with np.errstate(over="ignore", invalid="ignore"):  # Inf and NaN are data here
+        squares = np.square(values, out=values if overwrite else None)
+        return squares.sum(axis=-1)
 
 
 def _log_histogram(values, per_row=False):

@@ -409,6 +409,7 @@ def test_train_step_is_restored_after_fit():
 
 def graph_ops(function):
     """Op types in every graph behind Keras's `model.train_function`, nested functions included."""
+    function = getattr(function, "__wrapped__", function)  # the monitor's guard around it
     functions = [
         cell.cell_contents
         for cell in function.__closure__ or ()

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from gradflow.checks import positive_int, positive_number
+from gradflow.checks import flag, positive_int, positive_number
 from gradflow.store import ACTIVE_STATUSES, RunStore
 
 _PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parent.parent.parent)
@@ -104,7 +104,7 @@ class RunManager:
         )
         self.worker_niceness = _niceness(worker_niceness)
         self.runs_per_worker = positive_int("runs_per_worker", runs_per_worker)
-        self.prewarm = bool(prewarm)
+        self.prewarm = flag("prewarm", prewarm)
         self.poll_interval = positive_number("poll_interval", poll_interval, unit="of seconds")
         self._queue = collections.deque()
         self._running = {}

@@ -8,11 +8,12 @@ import warnings
 import keras
 import numpy as np
 import pandas as pd
+import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from gradflow import schema
-from gradflow.checks import positive_int
-from gradflow.diagnosis import diagnose
+from gradflow.checks import flag, positive_int
+from gradflow.diagnosis import Thresholds, diagnose
 from gradflow.monitor import trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS
 from gradflow.monitor.records import (
@@ -26,6 +27,7 @@ from gradflow.monitor.step import (
     clipping_optimizer,
     instrumented_train_step,
     probed_train_step,
+    step_counter,
 )
 from gradflow.monitor.tensorboard import SummaryWriter
 
@@ -119,8 +121,16 @@ class GradientMonitor(keras.callbacks.Callback):
             origin.
         run_id: The run written in `store`, or `None`.
 
+    If training raises (a KeyboardInterrupt, a bad batch), the steps
+    recorded before are kept, the model gets Keras's own train step back, and
+    a run the monitor created in `store` ends `interrupted` or `failed`.
+
     Raises:
-        ValueError: if `every` or `probe_every` is not a positive integer.
+        ValueError: if `every` or `probe_every` is not a positive integer, a
+            switch is not True or False, `store`, `run_name` or `rules` is of
+            the wrong kind, or `run_id` comes without `store`; at the start
+            of `fit`, if the model is not compiled or a second
+            `GradientMonitor` is given to the same `fit`.
     """
 
     def __init__(
@@ -146,13 +156,30 @@ class GradientMonitor(keras.callbacks.Callback):
             raise ValueError(
                 f"`run_id` needs a `store` to write to, got run_id={run_id!r} and store=None."
             )
-        self.activations = bool(activations)
-        self.histograms = bool(histograms)
-        self.stop_on_nonfinite = bool(stop_on_nonfinite)
+        if store is not None and not (
+            isinstance(store, (str, os.PathLike)) or hasattr(store, "writer")
+        ):
+            raise ValueError(
+                "`store` must be a gradflow.RunStore, the path of one, or None, got "
+                f"{type(store).__name__} {store!r}."
+            )
+        for name, value in (("run_name", run_name), ("tensorboard_dir", tensorboard_dir)):
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ValueError(
+                    f"`{name}` must be a string or None, got {type(value).__name__} {value!r}."
+                )
+        if rules is not None and not isinstance(rules, Thresholds):
+            raise ValueError(
+                "`rules` must be a gradflow.diagnosis.Thresholds or None, got "
+                f"{type(rules).__name__} {rules!r}: e.g. `rules=Thresholds(vanishing_norm=1e-6)`."
+            )
+        self.activations = flag("activations", activations)
+        self.histograms = flag("histograms", histograms)
+        self.stop_on_nonfinite = flag("stop_on_nonfinite", stop_on_nonfinite)
         self.tensorboard_dir = tensorboard_dir
         self.run_name = run_name
         self.run_id = run_id
-        self.close_run = bool(close_run)
+        self.close_run = flag("close_run", close_run)
         self.rules = rules
         self._store = store
         self._writer = None
@@ -211,6 +238,18 @@ class GradientMonitor(keras.callbacks.Callback):
             raise ValueError(
                 "GradientMonitor needs a compiled model; call `model.compile()` first."
             )
+        # Every callback of one `fit` gets the same `params` dict. Each
+        # monitor rebuilds the train step, so a second one would silently
+        # leave the first with nothing.
+        owner = model.__dict__.get(_OWNER)
+        if owner is not None and owner[0] is not self and owner[1] is self.params:
+            error = ValueError(
+                "Two GradientMonitors were given to one `fit`, and only one can record it "
+                "(each rebuilds the train step). Use one monitor with the options of both."
+            )
+            owner[0]._abandon(error)  # `fit` ends here: leave the model as it was
+            raise error
+        object.__setattr__(model, _OWNER, (self, self.params))
         strategy = model.distribute_strategy
         self._is_chief = bool(getattr(strategy.extended, "should_checkpoint", True))
         executions_per_read = (
@@ -246,9 +285,10 @@ class GradientMonitor(keras.callbacks.Callback):
         # attribute shadows the class's method until `on_train_end`.
         object.__setattr__(model, "train_step", step)
         model.make_train_function(force=True)
+        model.train_function = self._guarded(model.train_function)
 
         self._clipping = not self._plan.probing and clipping_optimizer(model.optimizer) is not None
-        self._last_step = int(model.optimizer.iterations.numpy())
+        self._last_step = int(step_counter(model.optimizer).numpy())
         planned = _planned_steps(self.params)
         # Lets a short run skip compiling the deferred ring's read.
         self._final_step = None if planned is None else self._last_step + planned
@@ -273,7 +313,12 @@ class GradientMonitor(keras.callbacks.Callback):
         if compiled:
             # `batch` is the last step of this execution within the epoch;
             # reading `optimizer.iterations` here would wait for the step.
-            self._pending_logs.append((self._epoch_start_step + batch + 1, compiled))
+            # Keras reports a short last execution of an epoch (6 batches at
+            # 4 steps per execution) as if it were whole: it ends the epoch.
+            done = batch + 1
+            if self.params.get("steps"):
+                done = min(done, int(self.params["steps"]))
+            self._pending_logs.append((self._epoch_start_step + done, compiled))
         # With `stop_on_nonfinite`, the step that meets a non-finite gradient
         # records itself and halts: it and every step after it leave the
         # weights and `optimizer.iterations` alone. Reading the ring finds
@@ -299,8 +344,71 @@ class GradientMonitor(keras.callbacks.Callback):
             self._add_metrics(self._current_step(), values)
 
     def on_train_end(self, logs=None):
-        self._collect()
+        try:
+            self._collect()
+        finally:
+            self._restore_model()
+        if self._plan.dropped_activations:
+            warnings.warn(
+                f"GradientMonitor recorded the outputs of {self._plan.activation_slots} layer "
+                f"calls and left out {self._plan.dropped_activations} more.",
+                stacklevel=2,
+            )
+        try:
+            self._diagnose()
+        except Exception as error:  # A rule's fault must not lose the run.
+            warnings.warn(
+                f"GradientMonitor: the diagnosis rules failed ({type(error).__name__}: "
+                f"{error}); the recorded statistics are complete.",
+                stacklevel=2,
+            )
+        status, message = "completed", None
+        if self._nonfinite_step is not None:
+            status = "diverged"
+            message = self._events[0][3] if self._events else None
+        self._close_outputs(status, message)
+
+    # Internals ---------------------------------------------------------------
+
+    def _guarded(self, compiled):
+        """`compiled` (Keras's train function) that, when it raises, keeps what was recorded.
+
+        Keras calls no callback when `fit` raises (a KeyboardInterrupt, a bad
+        batch, out of memory): without this the model would keep the
+        instrumented step and a stored run would say "running" for ever.
+        """
+
+        def train_function(iterator):
+            try:
+                return compiled(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                raise  # The end of the data: Keras ends the epoch.
+            except BaseException as error:
+                self._abandon(error)
+                raise
+
+        train_function.__wrapped__ = compiled
+        return train_function
+
+    def _abandon(self, error):
+        """Keep the steps recorded before `error`, put the model back, close the run."""
+        try:
+            self._collect()
+        except Exception:  # The error being raised matters more.
+            pass
+        self._restore_model()
+        if isinstance(error, KeyboardInterrupt):
+            status, message = "interrupted", "Training was interrupted (KeyboardInterrupt)."
+        else:
+            status = "failed"
+            message = f"Training failed: {type(error).__name__}: {error}"[:500]
+        self._close_outputs(status, message)
+
+    def _restore_model(self):
         model = self.model
+        if model.__dict__.get(_OWNER, (None,))[0] is not self:
+            return  # Done already.
+        model.__dict__.pop(_OWNER, None)
         model.__dict__.pop("train_step", None)
         if self._saved_train_step is not None:
             object.__setattr__(model, "train_step", self._saved_train_step)
@@ -308,28 +416,21 @@ class GradientMonitor(keras.callbacks.Callback):
         model.train_function = None
         # Nothing uses our step now: let it, and the ring it captured, be freed.
         trace_gradients.forget(self._plan.custom_gradients)
-        if self._plan.dropped_activations:
-            warnings.warn(
-                f"GradientMonitor recorded the outputs of {self._plan.activation_slots} layer "
-                f"calls and left out {self._plan.dropped_activations} more.",
-                stacklevel=2,
-            )
-        self._diagnose()
-        if self._summaries is not None:
-            self._summaries.close()
-        if self._writer is not None:
-            if self.close_run:
-                status, message = "completed", None
-                if self._nonfinite_step is not None:
-                    status = "diverged"
-                    message = self._events[0][3] if self._events else None
-                self._writer.close(status, message)
-            else:
-                self._writer.flush()
-                self._writer.close()
-            self._writer = None
 
-    # Internals ---------------------------------------------------------------
+    def _close_outputs(self, status, message):
+        """Close the TensorBoard files and the store writer; `status` only if this run is ours."""
+        summaries, self._summaries = self._summaries, None
+        writer, self._writer = self._writer, None
+        try:
+            if summaries is not None:
+                summaries.close()
+        finally:
+            if writer is not None:
+                if self.close_run:
+                    writer.close(status, message)
+                else:
+                    writer.flush()
+                    writer.close()
 
     def _collect(self):
         """Read the ring, keep the new records, and pass them on."""
@@ -388,7 +489,7 @@ class GradientMonitor(keras.callbacks.Callback):
             return
 
     def _current_step(self):
-        return int(self.model.optimizer.iterations.numpy())
+        return int(step_counter(self.model.optimizer).numpy())
 
     def _add_metrics(self, step, values):
         self._metric_rows.extend((step, name, value) for name, value in values.items())
@@ -509,6 +610,10 @@ class GradientMonitor(keras.callbacks.Callback):
             if kind == "nonfinite" and self._nonfinite_step is not None:
                 continue  # the monitor reported it already, when it happened
             self._add_event(int(step), layer, kind, message)
+
+
+# The `(monitor, params)` of the monitor recording a model's current `fit`.
+_OWNER = "_gradflow_monitor"
 
 
 def _is_finite(value):

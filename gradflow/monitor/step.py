@@ -185,6 +185,9 @@ def instrumented_train_step(plan):
         plan.prepare(variables)
         activations = _take_activations(plan, outputs)
         gradients = tape.gradient(scaled_loss, variables + activations)
+        _fill_output_gradients(
+            gradients, len(variables), activations, (x, y, y_pred, sample_weight), plan
+        )
         weight_gradients = gradients[: len(variables)]
         scale = _loss_scale(optimizer)
         learning_rate = _scalar(optimizer.learning_rate)
@@ -240,17 +243,19 @@ def instrumented_train_step(plan):
             and (plan.stop_on_nonfinite or _one_op_at_a_time())
         ):
             # Every step is summarized anyway: do it before the update. With
-            # `stop_on_nonfinite`, finiteness is read off the statistics (no
-            # pass of its own; the kernel's L2 norm is finite exactly when
-            # every entry is). With one inter-op thread nothing runs beside
-            # the update anyway, and once the statistics have read the
-            # gradients the optimizer's ops may reuse their buffers (faster
-            # in side-by-side runs of both orders on the lab's 4x32 MLP).
+            # `stop_on_nonfinite`, finiteness is read off the statistics' count
+            # of NaN/Inf entries (no pass of its own; not off the L2 norm,
+            # which overflows float32 for finite entries above about 1e19 and
+            # would halt a step that is not broken). With one inter-op thread
+            # nothing runs beside the update anyway, and once the statistics
+            # have read the gradients the optimizer's ops may reuse their
+            # buffers (faster in side-by-side runs of both orders on the
+            # lab's 4x32 MLP).
             summary = summarize(recorded_gradients + activation_gradients, plan.histograms)
             before_update.append(summary[0])
             if plan.stop_on_nonfinite:
-                norms = summary[0][: len(variables), schema.STATISTICS.index("l2_norm")]
-                finite = tf.reduce_all(tf.math.is_finite(norms))
+                counts = summary[0][: len(variables), schema.STATISTICS.index("nonfinite")]
+                finite = tf.reduce_all(tf.equal(counts, 0.0))
         elif plan.stop_on_nonfinite:
             finite = _all_finite(weight_gradients)
         if plan.stop_on_nonfinite and plan.replicas == 1:
@@ -267,7 +272,7 @@ def instrumented_train_step(plan):
             weight_norms = changes[1]
 
         # Record gradient statistics
-        step = tf.cast(optimizer.iterations, tf.int64)
+        step = tf.cast(step_counter(optimizer), tf.int64)
         when = None  # every step
         if plan.every > 1:
             when = tf.equal(tf.math.floormod(step, plan.every), 0)
@@ -341,7 +346,7 @@ def _deferred_tail(plan, batch, loss, learning_rate, gradients, variables, activ
         _, halted = _update_unless_nonfinite(plan, update, plan.buffer.all_finite(packed), [], [])
     else:
         update()
-    plan.buffer.write(tf.cast(optimizer.iterations, tf.int64), packed, halted)
+    plan.buffer.write(tf.cast(step_counter(optimizer), tf.int64), packed, halted)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
@@ -362,7 +367,7 @@ def _update_unless_nonfinite(plan, update, finite, constrained_variables, unchan
 
     def skip():
         def halt():
-            optimizer.iterations.assign_add(1)
+            step_counter(optimizer).assign_add(1)
             plan.buffer.halted.assign(1)
 
         tf.cond(halted, lambda: None, halt)
@@ -412,7 +417,7 @@ def probed_train_step(plan, original_train_step, probe_every):
 
     def train_step(data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        upcoming = tf.cast(optimizer.iterations, tf.int64) + 1
+        upcoming = tf.cast(step_counter(optimizer), tf.int64) + 1
         when = tf.equal(tf.math.floormod(upcoming, probe_every), 0)
         if plan.replicas > 1:
             # The all-reduce cannot sit inside a cond under tf.distribute.
@@ -743,12 +748,66 @@ def _unscaled(gradients, scale):
     return [None if g is None else g / tf.cast(scale, g.dtype) for g in gradients]
 
 
+def step_counter(optimizer):
+    """The variable that counts train steps (batches), which names the monitor's steps.
+
+    That is `optimizer.iterations`, except with `gradient_accumulation_steps`:
+    there `iterations` counts updates (batches // N), and every batch still
+    computes gradients worth recording, so the monitor counts batches, with
+    the raw counter behind `iterations`.
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if getattr(inner, "gradient_accumulation_steps", None):
+        return inner._iterations
+    return optimizer.iterations
+
+
 def clipping_optimizer(optimizer):
     """The optimizer whose `_clip_gradients` runs, or None without clipping."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if any(value for value in (inner.clipnorm, inner.clipvalue, inner.global_clipnorm)):
         return inner
     return None
+
+
+def _fill_output_gradients(gradients, start, activations, batch, plan):
+    """Put dLoss/d(output) in place for outputs the loss reached through their logits.
+
+    Keras's cross-entropies read a softmax or sigmoid output's logits directly
+    (for stability), which leaves the output tensor itself off the gradient
+    path: its gradient comes back None, and would be recorded as all zeros
+    (and called dead units). As `gradflow.snapshot` does, the same loss on a
+    copy of the output values gives dLoss/d(output) as a student would define
+    it. Only such outputs pay for it, and only with activation gradients on.
+    The update is untouched: it uses the weight gradients alone.
+    """
+    missing = [
+        i
+        for i, t in enumerate(activations)
+        if gradients[start + i] is None and hasattr(t, "_keras_logits")
+    ]
+    if not missing:
+        return
+    model, optimizer = plan.model, plan.optimizer
+    x, y, y_pred, sample_weight = batch
+    flat = tree.flatten(y_pred)
+    with tf.GradientTape() as tape:
+        copies = [tf.identity(t) for t in flat]
+        tape.watch(copies)
+        loss = model._compute_loss(
+            x=x,
+            y=y,
+            y_pred=tree.pack_sequence_as(y_pred, copies),
+            sample_weight=sample_weight,
+            training=True,
+        )
+        # The same scale as the other gradients, which are unscaled later.
+        loss = optimizer.scale_loss(loss)
+    found = tape.gradient(loss, copies)
+    for i in missing:
+        for output, gradient in zip(flat, found, strict=True):
+            if output is activations[i]:
+                gradients[start + i] = gradient
 
 
 def _filled(gradients, sources):

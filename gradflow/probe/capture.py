@@ -24,6 +24,13 @@ _OPAQUE_LAYERS = (
 )
 
 
+def check_model(model):
+    """Returns `model` if it is a Keras model (or layer); raises a TypeError naming what it is."""
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(f"`model` must be a Keras model, got {type(model).__name__} {model!r:.80}.")
+    return model
+
+
 def leaf_layers(model):
     """List the layers whose outputs gradflow records, with their paths.
 

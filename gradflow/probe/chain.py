@@ -32,7 +32,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from gradflow.checks import positive_int
+from gradflow.checks import flag, positive_int
 from gradflow.probe import capture
 from gradflow.probe.sensitivity import restored_state, to_tensors
 from gradflow.probe.snapshot import check_batch_sizes, resolve_loss
@@ -125,7 +125,7 @@ class ChainedBackprop:
         self.models = list(models)
         self.loss_fn = resolve_loss(self.models[-1], loss)
         self.method = method
-        self.training = bool(training)
+        self.training = flag("training", training)
         self._checked_shapes = set()
         backward = self._vjp if method == "vjp" else self._jacobian
         self._compiled = tf.function(backward)

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
+from gradflow.checks import flag
 from gradflow.probe import capture
 from gradflow.probe.naming import layer_order
 from gradflow.statistics import summarize
@@ -137,8 +138,8 @@ class InputSensitivity:
     """
 
     def __init__(self, model, training=False):
-        self.model = model
-        self.training = bool(training)
+        self.model = capture.check_model(model)
+        self.training = flag("training", training)
         self._called = None
         self._compiled = tf.function(self._maxima)
 

@@ -22,6 +22,7 @@ import pandas as pd
 import tensorflow as tf
 
 from gradflow import schema
+from gradflow.checks import flag
 from gradflow.probe import capture, sensitivity
 from gradflow.probe.naming import layer_order, variable_names
 from gradflow.statistics import summarize
@@ -113,18 +114,56 @@ def resolve_loss(model, loss):
 
 
 def check_batch_sizes(x, y):
-    """Raise a ValueError naming both shapes if `x` and `y` disagree on the batch."""
+    """Raise a ValueError naming the shapes if `x` or `y` is empty or they disagree on the batch."""
     sizes = {}
     for name, data in (("x", x), ("y", y)):
         for tensor in tf.nest.flatten(data):
             if tensor.shape.rank == 0:
                 raise ValueError(f"`{name}` must have a batch dimension, got a scalar {tensor}.")
+            if tensor.shape[0] == 0:
+                # The mean loss of no samples is NaN, and every gradient 0.
+                raise ValueError(
+                    f"`{name}` holds no samples (shape {tuple(tensor.shape)}); give at least one."
+                )
             sizes.setdefault(tensor.shape[0], (name, tuple(tensor.shape)))
     if len(sizes) > 1:
         seen = ", ".join(f"`{n}` of shape {s}" for n, s in sizes.values())
         raise ValueError(
             f"`x` and `y` must hold the same number of samples (first dimension), got {seen}."
         )
+
+
+def check_input_shape(model, x):
+    """Raise a ValueError naming both shapes if `x` cannot be the input of `model`.
+
+    Only for a model with one declared input (Sequential or Functional);
+    Keras's own error comes from inside the traced graph, wrapped in a
+    traceback of its source lines.
+    """
+    try:
+        declared = tf.nest.flatten(model.inputs)  # a subclassed model has none
+    except (AttributeError, ValueError):
+        return
+    if len(declared) != 1 or not isinstance(x, tf.Tensor):
+        return
+    expected = tuple(declared[0].shape)
+    given = tuple(x.shape)
+    fits = len(given) == len(expected) and all(
+        e is None or e == g for e, g in zip(expected[1:], given[1:], strict=True)
+    )
+    if not fits:
+        per_sample = expected[1:]
+        raise ValueError(
+            f"`x` has shape {given}, but model {model.name!r} takes inputs of shape "
+            f"(batch, {', '.join('any' if d is None else str(d) for d in per_sample)}): "
+            f"{_per_sample_words(given[1:])} against {_per_sample_words(per_sample)}."
+        )
+
+
+def _per_sample_words(shape):
+    if len(shape) == 1:
+        return f"{'any number of' if shape[0] is None else shape[0]} features a sample"
+    return f"samples of shape {shape}"
 
 
 def _mean_loss(loss_fn, y, y_pred):
@@ -163,15 +202,16 @@ class GradientProbe:
 
     Raises:
         ValueError: if `loss` is None and the model is not compiled (see
-            `resolve_loss`).
+            `resolve_loss`), or a switch is not True or False.
+        TypeError: if `model` is not a Keras model.
     """
 
     def __init__(self, model, loss=None, training=False, histograms=True, sensitivity=True):
-        self.model = model
+        self.model = capture.check_model(model)
         self.loss_fn = resolve_loss(model, loss)
-        self.training = bool(training)
-        self.histograms = bool(histograms)
-        self.sensitivity = bool(sensitivity)
+        self.training = flag("training", training)
+        self.histograms = flag("histograms", histograms)
+        self.sensitivity = flag("sensitivity", sensitivity)
         # Python-side layout of each traced graph, keyed by the input signature.
         self._layouts = {}
         self._last_layout = None
@@ -240,12 +280,14 @@ class GradientProbe:
             A `Snapshot`.
 
         Raises:
-            ValueError: if `x` and `y` hold different numbers of samples.
+            ValueError: if `x` and `y` hold different numbers of samples, or
+                no samples, or `x` does not fit the model's input shape.
             TypeError: if `x` or `y` is not array-like.
         """
         x = sensitivity.to_tensors(x, "x")
         y = sensitivity.to_tensors(y, "y")
         check_batch_sizes(x, y)
+        check_input_shape(self.model, x)
         capture.ensure_built(self.model, x)
         with sensitivity.restored_state(self.model, enabled=self.training):
             loss, statistics, histograms, maxima = self._compiled(x, y)
@@ -349,8 +391,9 @@ def snapshot(model, x, y, loss=None, training=False, histograms=True, sensitivit
     Raises:
         ValueError: if `loss` is None and the model is not compiled, if the
             loss name is unknown, or if `x` and `y` hold different numbers of
-            samples.
-        TypeError: if `x` or `y` is not array-like, or `loss` not callable.
+            samples, or no samples.
+        TypeError: if `model` is not a Keras model, `x` or `y` is not
+            array-like, or `loss` not callable.
     """
     probe = GradientProbe(
         model, loss=loss, training=training, histograms=histograms, sensitivity=sensitivity

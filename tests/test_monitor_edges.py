@@ -1,0 +1,346 @@
+"""GradientMonitor where a practitioner's own setup strays from the plain case.
+
+Each test here began as a fault found by using the library the way the
+README invites, on models and `fit` options it does not mention: a softmax
+output under cross-entropy, two monitors, an error in the middle of training,
+a short last execution, gradient accumulation, a gradient too large for
+float32's sum of squares, and constructor arguments of the wrong kind.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pandas as pd
+import pytest
+import tensorflow as tf
+
+from gradflow import diagnosis, schema
+from gradflow.monitor import GradientMonitor
+from gradflow.monitor import callback as monitor_callback
+from gradflow.store import RunStore
+
+N, BATCH, CLASSES = 32, 8, 3
+
+
+def data(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(N, 5)).astype("float32")
+    y = rng.integers(0, CLASSES, N)
+    return x, y
+
+
+def classifier(output_activation="softmax", units=CLASSES, seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(6, activation="tanh", name="hidden"),
+            keras.layers.Dense(units, activation=output_activation, name="out"),
+        ]
+    )
+
+
+def rows(monitor, layer, tensor):
+    history = monitor.history
+    return history[(history["layer"] == layer) & (history["tensor"] == tensor)].sort_values("step")
+
+
+@pytest.mark.parametrize(
+    "activation,loss",
+    [
+        ("softmax", "sparse_categorical_crossentropy"),
+        ("sigmoid", "binary_crossentropy"),
+    ],
+)
+def test_output_gradient_is_dloss_doutput_when_the_loss_reads_logits(activation, loss):
+    """Keras's cross-entropies read a softmax/sigmoid output's logits, off the output's path.
+
+    The monitor once recorded that output's gradient as all zeros (and then
+    called its units dead). The reference is dLoss/d(output) by hand.
+    """
+    x, y = data()
+    units = CLASSES if activation == "softmax" else 1
+    targets = y if activation == "softmax" else (y > 0).astype("float32")[:, None]
+    model = classifier(activation, units)
+    model.compile(keras.optimizers.SGD(0.0), loss)  # the weights stay put
+    monitor = GradientMonitor(activations=True)
+    model.fit(x, targets, batch_size=N, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
+
+    p = model.predict(x, verbose=0).astype("float64")
+    if activation == "softmax":
+        onehot = np.eye(CLASSES)[y]
+        # Keras's loss on probabilities is -log(p_y / sum p): d/dp = 1 - onehot / p_y.
+        expected = (1 - onehot / p) / N
+    else:
+        expected = (p - targets) / (p * (1 - p)) / N  # d mean BCE / dp
+    recorded = rows(monitor, "out", schema.ACTIVATION).iloc[0]
+    np.testing.assert_allclose(recorded["l2_norm"], np.linalg.norm(expected), rtol=1e-4)
+    np.testing.assert_allclose(recorded["max_abs"], np.abs(expected).max(), rtol=1e-4)
+    assert recorded["zero_fraction"] == 0.0
+    assert "dead_relu" not in set(monitor.events["kind"])
+
+
+def test_two_monitors_in_one_fit_are_refused():
+    x, y = data()
+    model = classifier()
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match="Two GradientMonitors were given to one `fit`"):
+        model.fit(x, y, verbose=0, callbacks=[GradientMonitor(), GradientMonitor(every=2)])
+    # The first monitor's step is gone: a plain fit trains with Keras's own.
+    model.fit(x, y, verbose=0)
+    assert "train_step" not in model.__dict__
+
+
+class FailingBatches(keras.utils.PyDataset):
+    """Batches of (x, y) that raise on batch `fail_at` (0-based) of the first epoch."""
+
+    def __init__(self, x, y, fail_at):
+        super().__init__()
+        self.x, self.y, self.fail_at = x, y, fail_at
+
+    def __len__(self):
+        return len(self.x) // BATCH
+
+    def __getitem__(self, index):
+        if index == self.fail_at:
+            raise RuntimeError("the disk went away")
+        return self.x[index * BATCH : (index + 1) * BATCH], self.y[
+            index * BATCH : (index + 1) * BATCH
+        ]
+
+
+def test_an_error_inside_training_keeps_the_recorded_steps_and_closes_the_run(tmp_path):
+    x, y = data()
+    store = RunStore(tmp_path / "runs.db")
+    model = classifier()
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    monitor = GradientMonitor(store=store)
+    with pytest.raises(Exception, match="the disk went away"):
+        model.fit(FailingBatches(x, y, fail_at=3), epochs=1, verbose=0, callbacks=[monitor])
+
+    trained = int(model.optimizer.iterations.numpy())
+    assert trained == 3
+    assert sorted(monitor.history["step"].unique()) == [1, 2, 3]
+    info = store.run_info(monitor.run_id)
+    assert info["status"] == "failed"
+    assert "the disk went away" in info["message"]
+    stored = store.layer_stats(monitor.run_id)
+    assert sorted(stored["step"].unique()) == [1, 2, 3]
+    # The model is Keras's own again: a plain fit records nothing more.
+    assert "train_step" not in model.__dict__
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert sorted(monitor.history["step"].unique()) == [1, 2, 3]
+
+
+class InterruptedModel(keras.Sequential):
+    """A model whose train function raises KeyboardInterrupt on its `interrupt_at`-th call.
+
+    Ctrl-C arrives while the train function runs (that is where `fit`
+    spends its time); raising it from inside that function is the same
+    thing, at a known step.
+    """
+
+    interrupt_at = 4
+
+    def make_train_function(self, force=False):
+        super().make_train_function(force)
+        keras_function = self.train_function
+        calls = []
+
+        def train_function(iterator):
+            calls.append(1)
+            if len(calls) == self.interrupt_at:
+                raise KeyboardInterrupt
+            return keras_function(iterator)
+
+        self.train_function = train_function
+        return train_function
+
+
+def test_keyboard_interrupt_marks_the_run_interrupted_and_keeps_its_steps(tmp_path):
+    x, y = data()
+    keras.utils.set_random_seed(0)
+    model = InterruptedModel(
+        [keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(CLASSES)]
+    )
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    store = RunStore(tmp_path / "runs.db")
+    monitor = GradientMonitor(store=store)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[monitor])
+    assert sorted(monitor.history["step"].unique()) == [1, 2, 3]
+    info = store.run_info(monitor.run_id)
+    assert info["status"] == "interrupted"
+    assert sorted(store.layer_stats(monitor.run_id)["step"].unique()) == [1, 2, 3]
+    assert "train_step" not in model.__dict__
+
+
+def test_a_failing_diagnosis_rule_warns_and_loses_nothing(tmp_path, monkeypatch):
+    def broken_rules(*args, **kwargs):
+        raise ZeroDivisionError("float division by zero")
+
+    monkeypatch.setattr(monitor_callback, "diagnose", broken_rules)
+    x, y = data()
+    model = classifier()
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    store = RunStore(tmp_path / "runs.db")
+    monitor = GradientMonitor(store=store)
+    with pytest.warns(UserWarning, match="the diagnosis rules failed"):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[monitor])
+    assert store.run_info(monitor.run_id)["status"] == "completed"
+    assert sorted(store.layer_stats(monitor.run_id)["step"].unique()) == [1, 2, 3, 4]
+
+
+def test_compiled_metrics_of_a_short_last_execution_land_on_steps_that_ran():
+    """6 batches an epoch at 4 steps per execution: calls of 4 and 2 steps."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(48, 5)).astype("float32")
+    y = rng.integers(0, CLASSES, 48)
+    model = classifier()
+    model.compile(
+        "sgd", "sparse_categorical_crossentropy", metrics=["accuracy"], steps_per_execution=4
+    )
+    monitor = GradientMonitor()
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[monitor])
+    accuracy = monitor.metrics.query("name == 'accuracy'")
+    assert accuracy["step"].tolist() == [4, 6, 10, 12]
+
+
+def test_gradient_accumulation_records_every_batch_under_its_own_step():
+    x, y = data()
+    model = classifier("linear")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss)
+    start = [v.numpy() for v in model.trainable_variables]
+    monitor = GradientMonitor()
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
+
+    # Reference: every batch's own gradient; the weights move after batches 2 and 4.
+    reference = keras.models.clone_model(model)
+    reference.set_weights(start)
+    kernel = reference.trainable_variables[0]
+    expected, summed = [], None
+    for b in range(N // BATCH):
+        xb, yb = x[b * BATCH : (b + 1) * BATCH], y[b * BATCH : (b + 1) * BATCH]
+        with tf.GradientTape() as tape:
+            value = loss(yb, reference(xb, training=True))
+        grads = tape.gradient(value, reference.trainable_variables)
+        expected.append(float(tf.norm(grads[0])))
+        summed = grads if summed is None else [s + g for s, g in zip(summed, grads, strict=True)]
+        if b % 2 == 1:
+            for v, g in zip(reference.trainable_variables, summed, strict=True):
+                v.assign_sub(0.1 * g / 2)
+            summed = None
+    recorded = rows(monitor, "hidden", "kernel")
+    assert recorded["step"].tolist() == [1, 2, 3, 4]
+    np.testing.assert_allclose(recorded["l2_norm"], expected, rtol=1e-5)
+    # Only the batches that close an accumulation move the weights.
+    assert (recorded["update_ratio"].to_numpy()[[0, 2]] == 0).all()
+    assert (recorded["update_ratio"].to_numpy()[[1, 3]] > 0).all()
+    np.testing.assert_allclose(kernel.numpy(), model.trainable_variables[0].numpy(), rtol=1e-5)
+
+
+class Amplify(keras.layers.Layer):
+    """Identity forward; multiplies the gradient passing back by 1e25 (finite, but huge)."""
+
+    def call(self, x):
+        @tf.custom_gradient
+        def amplified(x):
+            return tf.identity(x), lambda upstream: upstream * 1e25
+
+        return amplified(x)
+
+
+def test_a_finite_gradient_too_large_for_float32_squares_is_exploding_not_broken():
+    """|g| ~ 1e25: the float32 sum of squares overflows, every entry is finite.
+
+    The step must not halt as if it were non-finite, the row keeps a zero
+    NaN/Inf count, and the rules call the layer exploding.
+    """
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(4, name="below"),
+            Amplify(name="amplify"),
+            keras.layers.Dense(1, name="top"),
+        ]
+    )
+    model.compile(keras.optimizers.SGD(0.0), "mse")
+    x = np.random.default_rng(0).normal(size=(8, 5)).astype("float32")
+    y = np.ones((8, 1), "float32")
+    # Activations keep the statistics in the step, where the halt reads them.
+    monitor = GradientMonitor(stop_on_nonfinite=True, activations=True)
+    model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[monitor])
+    assert int(model.optimizer.iterations.numpy()) == 3  # no halt
+    below = rows(monitor, "below", "kernel")
+    assert (below["nonfinite"] == 0).all()
+    assert np.isfinite(below["max_abs"]).all() and (below["max_abs"] > 1e20).all()
+    events = monitor.events
+    assert "nonfinite" not in set(events["kind"])
+    exploding = events[(events["kind"] == "exploding") & (events["layer"] == "below")]
+    assert "beyond float32's range" in exploding["message"].iloc[0]
+
+
+def test_diagnose_tells_overflowed_norms_from_broken_ones():
+    table = pd.DataFrame(
+        {
+            "step": [1, 1],
+            "layer": ["overflowed", "broken"],
+            "layer_index": [0, 1],
+            "tensor": ["kernel", "kernel"],
+            "l2_norm": [np.inf, np.inf],
+            "nonfinite": [0, 3],
+        }
+    )
+    found = diagnosis.diagnose(table)
+    assert found.query("kind == 'exploding'")["layer"].tolist() == ["overflowed"]
+
+
+def test_a_layer_that_passes_back_nothing_is_not_called_saturated():
+    """An input gradient of exactly 0 once divided by zero in the saturation rule."""
+    table = pd.DataFrame(
+        {
+            "step": [1, 1, 1],
+            "layer": ["dead", "relu", "relu"],
+            "layer_index": [0, 1, 1],
+            "tensor": [schema.ACTIVATION, schema.ACTIVATION, "kernel"],
+            "l2_norm": [0.0, 1.0, 1.0],
+            "mean_abs": [0.0, 0.5, 0.5],
+            "zero_fraction": [1.0, 0.0, 0.0],
+            "nonfinite": [0, 0, 0],
+        }
+    )
+    found = diagnosis.diagnose(table)
+    assert found["kind"].tolist() == ["dead_relu"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"activations": "no"}, "`activations` must be True or False, got 'no'"),
+        ({"stop_on_nonfinite": 1}, "`stop_on_nonfinite` must be True or False, got 1"),
+        ({"store": 123}, "`store` must be a gradflow.RunStore, the path of one, or None"),
+        ({"tensorboard_dir": 123}, "`tensorboard_dir` must be a string or None"),
+        ({"rules": {"vanishing_norm": 1e-6}}, "`rules` must be a gradflow.diagnosis.Thresholds"),
+    ],
+)
+def test_constructor_refuses_arguments_of_the_wrong_kind(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GradientMonitor(**kwargs)
+
+
+def test_snapshot_refuses_an_empty_batch_and_a_missing_model():
+    from gradflow import snapshot
+
+    x, y = data()
+    model = classifier()
+    with pytest.raises(ValueError, match=r"`x` holds no samples \(shape \(0, 5\)\)"):
+        snapshot(model, x[:0], y[:0], loss="sparse_categorical_crossentropy")
+    with pytest.raises(TypeError, match="`model` must be a Keras model, got NoneType"):
+        snapshot(None, x, y, loss="mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no NumPy overflow warning leaks either
+        shot = snapshot(model, x, y, loss="sparse_categorical_crossentropy")
+    assert len(shot.weights) == 4
