@@ -23,8 +23,8 @@ Measures, interleaved and reported as medians:
   workers (the library's default, `runs_per_worker=25`) no spare is
   started while the one slot is busy, so that figure is absent; and
   the bare script with only GradientMonitor writing to a store, with the
-  runner's steps per call, which separates the monitor's own cost from the
-  runner's. Each speed also comes
+  runner's steps per call and `stop_on_nonfinite=True` as the worker has
+  them, which separates the monitor's own cost from the runner's. Each speed also comes
   as CPU ms per step of the training process, every thread counted (the
   worker's from /proc), over the same steps, and `runner_vs_bare_fit_cpu`
   is the target's ratio taken from it. On this VM wall-clock speed moves by
@@ -86,7 +86,9 @@ callbacks = [clock]
 if sys.argv[2] == "monitor":
     from gradflow.monitor import GradientMonitor
     from gradflow.store import RunStore
-    callbacks.insert(0, GradientMonitor(store=RunStore(sys.argv[3])))
+    # As the worker has it: a lab run stops at the first non-finite gradient.
+    monitor = GradientMonitor(store=RunStore(sys.argv[3]), stop_on_nonfinite=True)
+    callbacks.insert(0, monitor)
 if sys.argv[2] == "arrays":  # what a user's script gives fit: Keras builds the batches
     inputs = dict(x=data.x_train, y=data.y_train, batch_size=config.batch_size,
                   validation_data=(data.x_val, data.y_val))

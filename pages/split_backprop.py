@@ -26,9 +26,14 @@ if lesson is not None:
     st.dataframe(lesson.parts, hide_index=True)
     st.subheader("Chained tapes against one joint tape")
     worst = lesson.agreement[["vjp", "jacobian"]].max()
+    jacobians = (
+        "the Jacobians too large to form at this size"
+        if worst.isna()["jacobian"]
+        else f"{worst['jacobian']:.1e} (Jacobians)"
+    )
     st.success(
-        f"Largest difference from one joint tape: {worst['vjp']:.1e} (VJP), "
-        f"{worst['jacobian']:.1e} (Jacobians): the same gradients, up to float32 rounding."
+        f"Largest difference from one joint tape: {worst['vjp']:.1e} (VJP), {jacobians}: "
+        "the same gradients, up to float32 rounding."
     )
     st.dataframe(lesson.agreement, hide_index=True)
     st.subheader("Why nobody multiplies full Jacobians")

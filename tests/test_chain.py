@@ -170,6 +170,21 @@ def test_split_cnn_is_the_documented_teaching_model():
         split_cnn(input_shape=(3, 3, 1))
 
 
+def test_split_lesson_skips_jacobians_past_the_limit_and_still_agrees():
+    """A size whose largest Jacobian is over the limit runs the VJP way alone."""
+    from gradflow.probe.split_lesson import split_backprop_lesson
+
+    # The largest Jacobians: 147,456 entries at 6x6, 589,824 at 8x8.
+    lesson = split_backprop_lesson(sizes=(6, 8), repeats=1, max_jacobian_entries=300_000)
+    cost = lesson.cost.set_index(["input_size", "method"])
+    assert cost.loc[(6, "jacobian"), "formed"] and not cost.loc[(8, "jacobian"), "formed"]
+    assert np.isnan(cost.loc[(8, "jacobian"), "milliseconds"])
+    assert cost.loc[(8, "vjp"), "milliseconds"] > 0
+    assert lesson.agreement[["vjp", "jacobian"]].max().max() < 1e-5
+    alone = split_backprop_lesson(sizes=(8,), repeats=1, max_jacobian_entries=300_000)
+    assert alone.agreement["jacobian"].isna().all() and (alone.agreement["vjp"] < 1e-5).all()
+
+
 def test_training_pass_leaves_batchnorm_statistics_alone():
     parts = [
         keras.Sequential(

@@ -123,6 +123,16 @@ def test_split_backprop_page_runs_the_lesson():
     assert any("Largest difference" in s.value for s in app.success)
 
 
+def test_split_backprop_page_takes_a_size_too_large_for_jacobians():
+    """At 16x16 the largest Jacobian is over the 20-million-entry limit: once a crash."""
+    app = run_page("split_backprop.py")
+    app.multiselect[0].set_value([16])
+    next(b for b in app.button if b.label == "Run the lesson").click()
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert any("too large to form" in s.value for s in app.success)
+
+
 def live_chart_updates(app):
     """What the page's live charts send (`gradflow/ui/figure_delta.py` has the format)."""
     import json

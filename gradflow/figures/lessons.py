@@ -1,6 +1,7 @@
 """Figures for the teaching pages: input sensitivity bars and the Jacobian's cost."""
 
 import numpy as np
+import pandas as pd
 import plotly.graph_objects as go
 
 from gradflow.figures.chart import Chart
@@ -69,10 +70,25 @@ def jacobian_cost(cost, *, presentation=False):
     figure.update_xaxes(type="log", title="entries in the largest Jacobian")
     figure.update_yaxes(type="log", title="milliseconds per backward pass")
     figure.update_layout(title="The Jacobian way grows with size; chained VJPs barely notice")
-    biggest = data["jacobian_megabytes"].max() if len(data) else np.nan
+    formed = cost["formed"] if "formed" in cost.columns else pd.Series(True, index=cost.index)
+    jacobians = data[data["method"] == "jacobian"]
+    built = jacobians[formed.loc[jacobians.index].astype(bool)]
+    biggest = built["jacobian_megabytes"].max() if len(built) else np.nan
+    description = (
+        f"The largest Jacobian here takes {biggest:.1f} MB; vector-Jacobian products never form it."
+    )
+    skipped = jacobians[~formed.loc[jacobians.index].astype(bool)]
+    if len(skipped):
+        first = skipped.iloc[0]
+        size = int(first["input_size"])
+        description += (
+            f" From {size}×{size} on, the largest Jacobian would take "
+            f"{first['jacobian_megabytes']:.0f} MB ({first['jacobian_entries'] / 1e6:.1f} million "
+            "entries), too many to form: that way stops there, the chained VJPs go on."
+        )
     return Chart(
         apply_style(figure, presentation),
         data.reset_index(drop=True),
         "jacobian_cost",
-        f"The largest Jacobian here takes {biggest:.1f} MB; vector-Jacobian products never form it.",
+        description,
     )

@@ -6,6 +6,7 @@ is one batch, no weight update.
 """
 
 import pathlib
+import re
 import tempfile
 
 import streamlit as st
@@ -61,7 +62,41 @@ def snapshot_of_upload(model_file, data_file, loss):
     try:
         return gradflow.snapshot(model, x, y, loss=loss), None
     except (ValueError, TypeError) as error:
-        return None, f"The batch does not fit this model: {error}"
+        return None, f"The batch does not fit this model: {plain_error(error)}{_loss_hint(error)}"
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_MESSAGE_LIMIT = 400
+
+
+def plain_error(error):
+    """The sentence of an error that a person needs, without the traceback around it.
+
+    An error raised while TensorFlow traces a function comes as "in user
+    code:", the source lines it passed through (with this server's paths),
+    then the original error; Keras adds terminal colour codes and the
+    arguments of the call. Only the original message is kept, on one line.
+    """
+    text = _ANSI.sub("", str(error))
+    if "in user code:" in text:
+        starts = list(re.finditer(r"^\s*\w+(?:Error|Exception): ", text, flags=re.MULTILINE))
+        if starts:
+            text = text[starts[-1].end() :]
+    text = text.split("Arguments received by")[0]
+    text = re.sub(r"Exception encountered when calling \S+\.", "", text)
+    text = " ".join(text.split())
+    if text and text[-1] not in ".!?…":
+        text += "."
+    return text if len(text) <= _MESSAGE_LIMIT else text[: _MESSAGE_LIMIT - 1] + "…"
+
+
+def _loss_hint(error):
+    if "`target` and `output`" not in str(error):
+        return ""
+    return (
+        " Check the loss against the labels: sparse_categorical_crossentropy takes one class "
+        "number per sample, categorical_crossentropy one one-hot row per sample."
+    )
 
 
 def model_source():
