@@ -42,6 +42,22 @@ LAYER_STATS_COLUMNS = KEY_COLUMNS + STATISTICS + EXTRA_COLUMNS
 
 ACTIVATION = "activation"
 
+
+def tensor_kind(name):
+    """The kind of a variable from its tensor name: `"kernel"` for `"lstm_cell/kernel"` too.
+
+    A recurrent layer keeps its weights in a cell (`simple_rnn_cell/kernel`,
+    `forward_lstm/lstm_cell/recurrent_kernel`); its input kernel belongs
+    with every other layer's kernel in a "Kernels" heatmap.
+    """
+    return str(name).rsplit("/", 1)[-1]
+
+
+def is_tensor(name, wanted):
+    """Whether tensor `name` is `wanted`: the same name, or of kind `wanted` (`tensor_kind`)."""
+    return name == wanted or tensor_kind(name) == wanted
+
+
 # Per-step scalars of a run, in long form: step, name, value.
 # Well-known names: loss, accuracy, learning_rate, global_norm,
 # global_norm_clipped, clipped (1.0 when clipping changed the gradients),

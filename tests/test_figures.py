@@ -170,6 +170,34 @@ def test_all_weights_combines_every_variable_of_a_layer(statistic, combine):
         assert z[index, step - 1] == pytest.approx(math.log10(combine(group[statistic].to_numpy())))
 
 
+@pytest.mark.parametrize("categorical", [False, True])
+def test_a_recurrent_layer_s_cell_kernel_is_a_kernel(categorical):
+    """An RNN keeps its weights in a cell: `simple_rnn_cell/kernel` once fell out of "Kernels"."""
+    frame = pd.DataFrame(
+        {
+            "step": [1, 1, 1, 1],
+            "layer": ["simple_rnn", "simple_rnn", "simple_rnn", "output"],
+            "layer_index": [0, 0, 0, 1],
+            "tensor": [
+                "simple_rnn_cell/kernel",
+                "simple_rnn_cell/recurrent_kernel",
+                "simple_rnn_cell/bias",
+                "kernel",
+            ],
+            "max_abs": [0.1, 10.0, 0.3, 0.2],
+        }
+    )
+    if categorical:
+        frame = frame.astype({"tensor": "category", "layer": "category"})
+    grid = figures.layer_grid(frame, "max_abs", "kernel")
+    assert grid.layer == ["simple_rnn", "output"]
+    np.testing.assert_array_equal(grid.values[:, 0], [0.1, 0.2])  # not the recurrent kernel
+    recurrent = figures.layer_grid(frame, "max_abs", "recurrent_kernel")
+    assert recurrent.layer == ["simple_rnn"] and recurrent.values[0, 0] == 10.0
+    exact = figures.layer_grid(frame, "max_abs", "simple_rnn_cell/bias")
+    assert exact.values[0, 0] == 0.3
+
+
 def test_categorical_columns_from_the_store_give_the_same_heatmap():
     frame = make_layer_stats(tensors=("kernel", "bias", "activation"))
     categorical = frame.astype({"layer": "category", "tensor": "category", "variable": "category"})

@@ -114,6 +114,21 @@ def test_inspect_page_snapshots_a_built_in_subclassed_rnn():
     assert {"rnn", "head/dense"} <= set(activations["layer"])
 
 
+def test_number_boxes_refuse_what_start_would_and_errors_use_the_labels():
+    """A 0 in Record every N steps once greyed out Start with a message in code names."""
+    app = run_page("live_training.py")
+    boxes = {box.label: box for box in app.number_input}
+    assert boxes["Record every N steps"].min == 1
+    assert 0 < boxes["Clip threshold"].min <= 1e-6
+    assert boxes["Max-norm constraint (0 = off)"].min == 0
+    assert boxes["Seed"].max == 2**31 - 1
+    from gradflow.ui.controls import _in_words
+
+    assert _in_words("`record_every` must be an integer from 1 to 1000000, got 0.") == (
+        "**Record every N steps** must be an integer from 1 to 1000000, got 0."
+    )
+
+
 def test_split_backprop_page_runs_the_lesson():
     app = run_page("split_backprop.py")
     app.multiselect[0].set_value([6, 8])

@@ -144,6 +144,22 @@ def test_layer_stats_filters(store, after_step, tensors, expected_steps, expecte
     assert got["step"].dtype == np.int64 and got["max_abs"].dtype == np.float64
 
 
+def test_tensor_filter_takes_a_kind_for_a_recurrent_cell(store):
+    run_id = store.create_run({})
+    rows = pd.concat(
+        [
+            tidy_rows(
+                [1], layers=("rnn",), tensors=("rnn_cell/kernel", "rnn_cell/recurrent_kernel")
+            ),
+            tidy_rows([1], layers=("out",), tensors=("kernel",)).assign(layer_index=1),
+        ]
+    )
+    with store.writer(run_id) as w:
+        w.add_layer_stats(rows)
+    got = store.layer_stats(run_id, tensors=["kernel"])
+    assert sorted(got["tensor"].astype(str)) == ["kernel", "rnn_cell/kernel"]
+
+
 def test_columns_selects_statistics_and_rejects_unknown(store):
     run_id = store.create_run({})
     with store.writer(run_id) as w:

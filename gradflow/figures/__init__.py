@@ -23,6 +23,7 @@ from gradflow.figures.histogram import BIN_COLUMNS, histogram_heatmap
 from gradflow.figures.lines import layer_lines, metrics_chart
 from gradflow.figures.profile import profile
 from gradflow.figures.style import OKABE_ITO, PLOTLY_CONFIG, apply_style, escape_label
+from gradflow.schema import tensor_kind
 
 __all__ = [
     "ALL_WEIGHTS",
@@ -44,4 +45,5 @@ __all__ = [
     "layer_lines",
     "metrics_chart",
     "profile",
+    "tensor_kind",
 ]

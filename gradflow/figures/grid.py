@@ -97,21 +97,27 @@ def check_layer_stats(layer_stats, statistic, argument="layer_stats"):
 def tensor_mask(layer_stats, tensor):
     """Boolean numpy mask of the rows of one tensor kind (or all weights).
 
+    A kind matches a tensor name equal to it or ending in `/kind`
+    (`schema.is_tensor`); a full name such as `"lstm_cell/kernel"` matches itself.
+
     Raises:
         ValueError: if the frame has rows but none of kind `tensor`.
     """
     column = layer_stats["tensor"]
+    # Compare the few distinct names once and index by code instead of
+    # materialising millions of strings (the run store returns categoricals).
     if isinstance(column.dtype, pd.CategoricalDtype):
-        # The run store returns categoricals: compare the few categories once
-        # and index by code instead of materialising millions of strings.
-        categories = np.asarray(column.cat.categories, dtype=object)
-        wanted = categories != schema.ACTIVATION if tensor == ALL_WEIGHTS else categories == tensor
-        codes = column.cat.codes.to_numpy()
-        mask = np.append(wanted, False)[codes]  # code -1 (missing) -> False
+        codes, names = column.cat.codes.to_numpy(), column.cat.categories
     else:
-        kinds = column.to_numpy()
-        mask = kinds != schema.ACTIVATION if tensor == ALL_WEIGHTS else kinds == tensor
-    mask = np.asarray(mask, dtype=bool)
+        codes, names = pd.factorize(column)
+    names = np.asarray(names, dtype=object)
+    if tensor == ALL_WEIGHTS:
+        wanted = names != schema.ACTIVATION
+    else:
+        wanted = np.array([schema.is_tensor(n, tensor) for n in names], dtype=bool).reshape(
+            len(names)
+        )
+    mask = np.append(wanted, False)[codes]  # code -1 (missing) -> False
     if len(column) and not mask.any():
         available = sorted(set(column.dropna().astype(str).unique()))
         if any(k != schema.ACTIVATION for k in available):

@@ -385,7 +385,8 @@ class RunStore:
             run_id: the run.
             after_step: only rows with `step > after_step` (for live polling);
                 default None reads all.
-            tensors: only these tensor names (e.g. `["kernel"]`), default all.
+            tensors: only these tensors, by name or kind (`["kernel"]` also
+                takes an RNN cell's `simple_rnn_cell/kernel`), default all.
             columns: the statistic columns to read, default all of
                 `tables.STAT_COLUMNS`; fewer columns read faster.
 
@@ -424,7 +425,8 @@ class RunStore:
         if tensors is not None:
             tensors = [tensors] if isinstance(tensors, str) else list(tensors)
             frame = series.frame
-            ids = frame.loc[frame["tensor"].isin(tensors), "series"].to_numpy(dtype=np.int64)
+            wanted = frame["tensor"].map(lambda n: any(schema.is_tensor(n, t) for t in tensors))
+            ids = frame.loc[wanted.astype(bool), "series"].to_numpy(dtype=np.int64)
             chosen = np.isin(data["series"], ids)
             keep = chosen if keep is None else keep & chosen
         if keep is not None and not keep.all():

@@ -65,6 +65,7 @@ _MORE = [
 ]
 
 _FIELD_NAMES = {f.name for f in dataclasses.fields(RunConfig)}
+_FIELD_META = {f.name: f.metadata for f in dataclasses.fields(RunConfig)}
 WIDGETS = [spec for spec in _MAIN + _MORE if spec[0] in _FIELD_NAMES]
 
 
@@ -124,9 +125,40 @@ def _render(container, prefix, field, label, kind, options):
     elif kind == "toggle":
         container.toggle(label, key=key)
     elif kind == "number":
-        container.number_input(label, min_value=0, step=1, key=key)
+        low, high = _bounds(field, value)
+        container.number_input(label, min_value=int(low), max_value=int(high), step=1, key=key)
     elif kind == "number_float":
-        container.number_input(label, min_value=0.0, format="%g", key=key)
+        low, high = _bounds(field, value)
+        container.number_input(label, min_value=low, max_value=high, format="%g", key=key)
+
+
+# The smallest value a box accepts where RunConfig wants "greater than 0".
+_ABOVE_ZERO = 1e-6
+
+
+def _bounds(field, value=None):
+    """`(min, max)` for a number box, from RunConfig's own range, so the box refuses what
+    Start would (a student typing 0 sees the box stop at its minimum, not a greyed-out button).
+
+    A valid value already in the box (from a link) widens them: Streamlit
+    raises for a value outside a box's range.
+    """
+    meta = _FIELD_META[field]
+    low, high = float(meta["low"]), float(meta["high"])
+    if field == "max_norm":
+        low = 0.0  # 0 is "off" in the form
+    elif meta["kind"] == "float" and meta.get("low_open"):
+        low += _ABOVE_ZERO
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        low, high = min(low, value), max(high, value)
+    return low, high
+
+
+def _in_words(message):
+    """A RunConfig error with each `field` named as its widget is labelled."""
+    for field, label, *_ in WIDGETS:
+        message = message.replace(f"`{field}`", f"**{label}**")
+    return message
 
 
 def training_form(prefix="cfg", container=None, sync_url=True):
@@ -156,6 +188,8 @@ def training_form(prefix="cfg", container=None, sync_url=True):
             st.session_state[_key(prefix, field)] = _to_widget(field, getattr(last, field))
     if st.session_state.get(_key(prefix, "_warning")):
         container.warning(st.session_state[_key(prefix, "_warning")])
+    # Above the settings, where the eye is when Start turns grey.
+    problem = container.empty()
 
     _preset_picker(container, prefix)
     main = [s for s in WIDGETS if s in _MAIN]
@@ -169,7 +203,7 @@ def training_form(prefix="cfg", container=None, sync_url=True):
     try:
         config = config_from_widgets(prefix)
     except ValueError as error:
-        container.error(str(error), icon=":material/error:")
+        problem.error(_in_words(str(error)), icon=":material/error:")
         return None
     st.session_state[remembered] = config
     if sync_url:

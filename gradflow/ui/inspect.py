@@ -138,7 +138,8 @@ def snapshot_report():
         ["Weight gradients", "Activation gradients", "Input sensitivity"]
     )
     with weights:
-        tensor = "kernel" if "kernel" in set(shot.weights["tensor"]) else figures.ALL_WEIGHTS
+        kinds = {figures.tensor_kind(t) for t in shot.weights["tensor"]}
+        tensor = "kernel" if "kernel" in kinds else figures.ALL_WEIGHTS
         show_chart(
             figures.profile(shot.weights, step=0, tensor=tensor, presentation=presentation),
             "inspect.weights",

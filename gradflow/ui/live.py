@@ -507,7 +507,8 @@ def _lesson_pack_button(info, cache, key):
 
 def _tensor_choices(stats):
     present = set(stats["tensor"].unique())
-    choices = [t for t in ("kernel", "bias") if t in present]
+    kinds = {figures.tensor_kind(t) for t in present}  # an RNN's cell/kernel is a kernel
+    choices = [t for t in ("kernel", "bias") if t in kinds]
     if present - {"activation"}:
         choices.append(figures.ALL_WEIGHTS)
     if "activation" in present:
