@@ -255,6 +255,46 @@ def write_steps(store, run_id, first, last):
         writer.progress(last)
 
 
+def test_alerts_come_in_network_order_and_none_is_hidden(page_environment):
+    """12 vanishing layers: dense_2 before dense_10, and the seven past the first five listed."""
+    import numpy as np
+    import pandas as pd
+
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 12}, name="deep sigmoid", status="completed")
+    layers = [f"dense_{i}" for i in range(1, 13)]
+    with store.writer(run_id) as writer:
+        writer.add_layer_stats(
+            pd.DataFrame(
+                {
+                    "step": 5,
+                    "layer": layers,
+                    "layer_index": np.arange(12),
+                    "tensor": "kernel",
+                    "max_abs": 1e-9,
+                    "l2_norm": 1e-9,
+                    "nonfinite": 0,
+                }
+            )
+        )
+        writer.progress(5)
+    from streamlit.testing.v1 import AppTest
+
+    app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
+    app.query_params["run"] = run_id
+    app.session_state["live.view"] = "Alerts"
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    shown = [w.value.split(":")[0] for w in app.warning if w.value.startswith("Layer dense_")]
+    assert shown == [f"Layer dense_{i}" for i in range(1, 6)]
+    [more] = [e for e in app.expander if "more vanishing alerts" in e.label]
+    assert more.label == "7 more vanishing alerts"
+    table = more.dataframe[0].value
+    assert table["layer"].tolist() == [f"dense_{i}" for i in range(6, 13)]
+
+
 def test_live_heatmaps_are_capped_and_a_tick_sends_only_the_new_columns(page_environment):
     from gradflow.store import RunStore
     from gradflow.ui.live import LIVE_MAX_COLUMNS
@@ -344,7 +384,11 @@ def warming_trainer(monkeypatch):
     from gradflow.ui import resources
 
     warming = types.SimpleNamespace(
-        prewarm=True, wait_warm=lambda timeout=None: False, warming=lambda: True, queued=lambda: []
+        prewarm=True,
+        wait_warm=lambda timeout=None: False,
+        warming=lambda: True,
+        queued=lambda: [],
+        running=lambda: [],
     )
     monkeypatch.setattr(resources, "run_manager", lambda: warming)
 
@@ -424,11 +468,19 @@ def test_the_page_ticks_from_the_browser_at_the_pace_of_its_run(page_environment
     # Just started, no step yet: four ticks a second until the first is drawn.
     assert data["every_ms"] == 1000 * live.FIRST_POLL_SECONDS
     assert data["stall_ms"] >= 1000 * STALL_AFTER_S
+    assert not any(
+        "Warming up the trainer" in m.delta.new_element.markdown.body
+        for m in messages
+        if m.WhichOneof("type") == "delta"
+    ), "the spare warming beside a training run is the next start's: not this run's line"
+    store.set_status(run_id, "queued")
+    run_page("live_training.py", run=run_id)
     assert any(
         "Warming up the trainer" in m.delta.new_element.markdown.body
         for m in messages
         if m.WhichOneof("type") == "delta"
-    ), "drawn again at the run's ticks, without a poller of its own"
+    ), "a queued run waits for it: drawn again at the run's ticks, without a poller of its own"
+    store.set_status(run_id, "running")
 
     write_steps(store, run_id, 1, 3)
     run_page("live_training.py", run=run_id)

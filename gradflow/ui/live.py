@@ -151,7 +151,7 @@ def _live(config):
             st.query_params.pop("run", None)
     status = info["status"] if info else None
     control_buttons(config, run_id, status)
-    paces = [_trainer_readiness(polls=status not in ACTIVE)]
+    paces = [_trainer_readiness(status)]
     if run_id is not None and info is None:
         st.warning("That run no longer exists (or the link is wrong).")
     else:
@@ -199,15 +199,21 @@ def _start_run():
     open_run(resources.run_manager().start(config, name=run_name(config)))
 
 
-def _trainer_readiness(polls=True):
+def _trainer_readiness(status=None):
     """The trainer line; returns the ticks it needs (seconds), or None.
 
     A fresh server spends a few seconds importing TensorFlow in its spare
     worker; say so, so that a slow first start does not look like a hang.
+    Not while the open run trains: the spare warming then is the one for
+    the next start, and the line read as if this run were still loading.
+
+    Args:
+        status: the open run's status, or None.
     """
     manager = resources.run_manager()
-    if not manager.prewarm:
+    if not manager.prewarm or status in ("running", "paused"):
         return None
+    polls = status not in ACTIVE
     board = resources.run_board()
     if manager.wait_warm(0):
         st.caption(":material/bolt: Trainer ready", help="A worker process is warm and waiting.")
@@ -568,10 +574,19 @@ def _alerts(store, run_id, stats):
     if events.empty:
         st.success("No alerts: no vanishing, exploding, dead or non-finite gradients detected.")
         return
-    events = events.drop_duplicates(subset=["kind", "layer", "message"]).sort_values("step")
+    events = events.drop_duplicates(subset=["kind", "layer", "message"])
+    # Layers in network order (input first), not as strings: dense_2 before dense_10.
+    order = stats.drop_duplicates("layer").set_index("layer")["layer_index"]
+    events = events.assign(_order=events["layer"].map(order).astype(float).fillna(-1.0))
+    events = events.sort_values(["step", "_order"], kind="stable")
     for kind, group in events.groupby("kind", sort=False):
         show = st.error if kind in ("nonfinite", "exploding") else st.warning
         for row in group.head(5).itertuples():
             show(row.message)
         if len(group) > 5:
-            st.caption(f"… and {len(group) - 5} more {kind} alerts.")
+            with st.expander(f"{len(group) - 5} more {kind} alerts"):
+                st.dataframe(
+                    group.iloc[5:][["step", "layer", "message"]],
+                    hide_index=True,
+                    width="stretch",
+                )
