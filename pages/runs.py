@@ -3,12 +3,12 @@
 import streamlit as st
 
 from gradflow.ui import resources
-from gradflow.ui.live import open_run
+from gradflow.ui.live import RUNS_TABLE_COLUMNS, show_on_live_page
 
 st.title("Runs")
 st.caption(
     "Runs started here, with `gradflow train`, or logged by `GradientMonitor(store=...)` in your own "
-    "script all land in the same store, and running ones update live."
+    "script all land in the same store. Open one to watch it live."
 )
 
 store = resources.run_store()
@@ -17,18 +17,20 @@ if runs.empty:
     st.info("No runs yet. Start one on the **Live training** page.")
     st.stop()
 
+if st.button("Refresh", icon=":material/refresh:"):
+    st.rerun()
 st.dataframe(
     runs[["name", "status", "source", "progress_step", "total_steps", "created_at", "run_id"]],
     hide_index=True,
     width="stretch",
+    column_config=RUNS_TABLE_COLUMNS,
 )
 
 labels = {row.run_id: f"{row.name} · {row.status} · {row.run_id}" for row in runs.itertuples()}
 chosen = st.selectbox("Run", list(labels), format_func=labels.get)
 open_col, rename_col, delete_col = st.columns([1, 2, 1])
 if open_col.button("Open in Live training"):
-    open_run(chosen)
-    st.switch_page("pages/live_training.py")
+    show_on_live_page(chosen)
 with rename_col.form("rename", border=False):
     new_name = st.text_input(
         "New name", value=str(runs.set_index("run_id").loc[chosen, "name"]), max_chars=80

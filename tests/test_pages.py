@@ -101,6 +101,26 @@ def test_runs_page_lists_runs_from_the_store(page_environment):
     assert run_id in app.dataframe[0].value["run_id"].tolist()
 
 
+def test_a_run_opened_from_the_runs_page_brings_its_settings(page_environment):
+    """ "Open in Live training" once left the form on other settings and the link bare."""
+    from gradflow.lab.config import RunConfig
+    from gradflow.store import RunStore
+    from gradflow.ui.controls import lab_config_of
+
+    store = RunStore(page_environment)
+    config = RunConfig(depth=20, activation="sigmoid", learning_rate=0.05)
+    lab = store.create_run(config, name="deep sigmoid", source="lab")
+    script = store.create_run({"model": "mine"}, name="from my script", source="monitor")
+    assert lab_config_of(store.run_info(lab)) == config
+    assert lab_config_of(store.run_info(script)) is None
+    # What the Live page reads back from the link that `show_on_live_page` builds.
+    app = run_page("live_training.py", run=lab, **config.to_query())
+    assert next(s for s in app.slider if s.label == "Depth").value == 20
+    assert next(s for s in app.selectbox if s.label == "Activation").value == "sigmoid"
+    table = run_page("runs.py")
+    assert "Started (UTC)" in str(table.dataframe[0].proto)
+
+
 def test_inspect_page_snapshots_a_built_in_subclassed_rnn():
     app = run_page("inspect_model.py")
     example = next(s for s in app.selectbox if s.label == "Example")

@@ -121,7 +121,7 @@ def compare_heatmaps(
     )
     plain_title = (
         title
-        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({tensor}): "
+        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({style.tensor_label(tensor)}): "
         + " vs ".join(name for name, _ in named)
     )
     shown_title = style.escape_label(plain_title)
@@ -187,7 +187,10 @@ def compare_profiles(
         pieces.append(piece)
     columns = ["run", "layer_index", "layer", "step", statistic]
     data = pd.concat(pieces, ignore_index=True) if pieces else pd.DataFrame(columns=columns)
-    plain_title = title or f"{style.STATISTIC_LABELS.get(statistic, statistic)} by depth ({tensor})"
+    plain_title = (
+        title
+        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} by depth ({style.tensor_label(tensor)})"
+    )
     description = f"{statistic} of the {tensor} gradients against layer depth (0 = input side), one line per run."
     if data.empty:
         return Chart(

@@ -192,7 +192,8 @@ def heatmap(
     )
     log_min, log_max = logscale.log_range(layer_grid.values[layer_grid.present], zmin, zmax)
     plain_title = (
-        title or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({tensor})"
+        title
+        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({style.tensor_label(tensor)})"
     )
     description = (
         f"Heatmap of {statistic} of the {tensor} gradients: one row per layer (input at the "

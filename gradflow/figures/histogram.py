@@ -94,9 +94,11 @@ def histogram_heatmap(
         TypeError, ValueError: see `histogram_counts`.
     """
     steps, counts = histogram_counts(histograms, layer, tensor)
-    plain_title = title or f"Distribution of |gradient| over training: {layer} ({tensor})"
+    plain_title = (
+        title or f"Distribution of |gradient| over training: {layer} ({style.tensor_label(tensor)})"
+    )
     description = (
-        f"Histogram of log10 |gradient| of {layer} ({tensor}) at each step: colour is the share "
+        f"Histogram of log10 |gradient| of {layer} ({style.tensor_label(tensor)}) at each step: colour is the share "
         "of entries per bin (log scale); the bottom row holds exact zeros and values below 1e-12."
     )
     columns = ["step", "step_last", "bin", "log10_center", "share"]

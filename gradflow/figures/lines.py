@@ -97,7 +97,7 @@ def layer_lines(
     )
     plain_title = (
         title
-        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer over training ({tensor})"
+        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer over training ({style.tensor_label(tensor)})"
     )
     description = (
         f"{statistic} of the {tensor} gradients of each layer over steps, log scale. "

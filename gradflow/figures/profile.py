@@ -100,7 +100,7 @@ def profile(
     for statistic in statistics:
         grid_lib.check_layer_stats(layer_stats, statistic)
     shown_step = resolve_step(layer_stats, tensor, step)
-    plain_title = title or f"Gradient flow at step {shown_step} ({tensor})"
+    plain_title = title or f"Gradient flow at step {shown_step} ({style.tensor_label(tensor)})"
     description = (
         f"Per-layer {' and '.join(statistics)} of the {tensor} gradients at step {shown_step}, "
         "input layer on the left, log scale: the classic gradient-flow picture."

@@ -144,6 +144,20 @@ def apply_style(figure, presentation=False):
 
 
 # Words for axis titles and colour bars; unknown columns show their own name.
+# Tensor kinds as a title says them ("all_weights" is `grid.ALL_WEIGHTS`).
+_TENSOR_WORDS = {
+    "kernel": "kernels",
+    "bias": "biases",
+    "activation": "layer outputs",
+    "all_weights": "all weights",
+}
+
+
+def tensor_label(tensor):
+    """A tensor kind in a title's words: `"all_weights"` -> `"all weights"`."""
+    return _TENSOR_WORDS.get(tensor, tensor)
+
+
 STATISTIC_LABELS = {
     "max_abs": "max |gradient|",
     "l2_norm": "gradient L2 norm",

@@ -118,7 +118,11 @@ def _draw_charts(run_ids, was_active):
     ready = {name: frame for name, frame in stats.items() if not frame.empty}
     presentation = st.session_state.get("ui.presentation", False)
     statistic = st.radio(
-        "Statistic", ["max_abs", "l2_norm"], horizontal=True, key="compare.statistic"
+        "Statistic",
+        ["max_abs", "l2_norm"],
+        format_func=figures.style.STATISTIC_LABELS.get,
+        horizontal=True,
+        key="compare.statistic",
     )
     # Each run gets half the width, as a live-page heatmap does: the same column cap.
     show_live_chart(

@@ -100,6 +100,17 @@ def load_config_into_widgets(config, prefix="cfg"):
     """Put a `RunConfig`'s values into the form's widgets (call before they render)."""
     for field, *_ in WIDGETS:
         st.session_state[_key(prefix, field)] = _to_widget(field, getattr(config, field))
+    st.session_state[_key(prefix, "_config")] = config
+
+
+def lab_config_of(info):
+    """The `RunConfig` a stored run was trained with, or None (a `GradientMonitor` run)."""
+    if info is None or info.get("source") == "monitor":
+        return None
+    try:
+        return RunConfig.from_dict(info.get("config"))
+    except (ValueError, TypeError):
+        return None
 
 
 def _initial_config():

@@ -112,6 +112,34 @@ def open_run(run_id):
     session_ownership().claim(run_id)
 
 
+# The Runs table's columns in a student's words (the store's names are for code).
+RUNS_TABLE_COLUMNS = {
+    "name": "Name",
+    "status": "Status",
+    "source": "Started from",
+    "progress_step": "Step",
+    "total_steps": "Planned steps",
+    "created_at": st.column_config.DatetimeColumn("Started (UTC)", format="YYYY-MM-DD HH:mm:ss"),
+    "run_id": "Run id",
+}
+
+
+def show_on_live_page(run_id):
+    """Go to the Live training page with `run_id` open and its settings in the form.
+
+    The link keeps both, so a reload keeps the run, and Start training trains
+    what the page shows. Runs logged by a user's own `GradientMonitor` have
+    no lab settings: the form keeps its own.
+    """
+    open_run(run_id)
+    query = {"run": run_id}
+    config = controls.lab_config_of(resources.run_store().run_info(run_id))
+    if config is not None:
+        controls.load_config_into_widgets(config)
+        query.update(config.to_query())
+    st.switch_page("pages/live_training.py", query_params=query)
+
+
 def run_name(config):
     """A short name a student recognises in a list of runs."""
     return (
@@ -413,7 +441,11 @@ def _charts(info, cache, key):
                 )
     elif view == "Lines":
         statistic = st.radio(
-            "Statistic", ["max_abs", "l2_norm", "mean_abs"], horizontal=True, key=f"{key}.line_stat"
+            "Statistic",
+            ["max_abs", "l2_norm", "mean_abs"],
+            format_func=STATISTIC_LABELS.get,
+            horizontal=True,
+            key=f"{key}.line_stat",
         )
         show_live_chart(
             figures.layer_lines(
