@@ -504,6 +504,16 @@ def test_histogram_heatmap_shows_log_share_per_bin():
     assert set(chart.data["bin"]) == {10, 12}
 
 
+def test_histogram_axis_labels_of_the_open_ended_bins_stand_alone():
+    """ ">=1e4" was drawn over "1e4", and "<1e-12" over "1e-12": half a bin apart."""
+    chart = figures.histogram_heatmap(histogram_rows(range(1, 3)), "dense")
+    axis = chart.figure.layout.yaxis
+    values, texts = list(axis.tickvals), list(axis.ticktext)
+    assert texts[0] == "&lt;1e-12" and texts[-1] == "&gt;=1e4"
+    gaps = np.diff(values)
+    assert (gaps >= 1.0).all(), list(zip(texts, values, strict=True))
+
+
 def test_histogram_long_layout_and_decimation_keep_a_rare_bin():
     wide = histogram_rows(range(1, 401))
     wide.loc[wide["step"] == 123, "b33"] = 1  # one huge entry, once

@@ -121,6 +121,41 @@ def test_a_run_opened_from_the_runs_page_brings_its_settings(page_environment):
     assert "Started (UTC)" in str(table.dataframe[0].proto)
 
 
+def test_run_names_show_as_typed_and_twins_can_be_told_apart(page_environment):
+    from gradflow.store import RunStore
+    from gradflow.ui.charts import plain_markdown
+
+    assert plain_markdown("# Big **bold** :red[red] $x^2$") == (
+        r"\# Big \*\*bold\*\* \:red\[red\] \$x^2\$"
+    )
+    store = RunStore(page_environment)
+    first = store.create_run({"depth": 3}, name="sigmoid · depth 20", status="completed")
+    second = store.create_run({"depth": 3}, name="sigmoid · depth 20", status="completed")
+    app = run_page("compare.py")
+    picker = next(m for m in app.multiselect if m.label == "Runs to compare")
+    labels = [option for option in picker.options]
+    assert len(set(labels)) == len(labels)
+    assert any(first in label for label in labels) and any(second in label for label in labels)
+
+
+def test_inspect_shows_a_snapshot_only_beside_what_it_was_taken_of():
+    """The example's results once stayed under the empty upload form, unlabelled."""
+    app = run_page("inspect_model.py")
+    next(b for b in app.button if b.label == "Take snapshot").click()
+    app.run()
+    assert [m.label for m in app.metric] == ["Loss on this batch"]
+    app.radio[0].set_value("Upload my own")
+    app.run()
+    assert not app.exception and list(app.metric) == []
+    app.radio[0].set_value("Built-in example")
+    app.run()
+    assert [m.label for m in app.metric] == ["Loss on this batch"]
+    example = next(s for s in app.selectbox if s.label == "Example")
+    example.set_value(next(o for o in example.options if o != example.value))
+    app.run()
+    assert list(app.metric) == [], "another example: not its snapshot"
+
+
 def test_inspect_page_snapshots_a_built_in_subclassed_rnn():
     app = run_page("inspect_model.py")
     example = next(s for s in app.selectbox if s.label == "Example")

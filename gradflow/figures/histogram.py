@@ -146,8 +146,19 @@ def histogram_heatmap(
     ytickvals, yticktext = logscale.decade_ticks(
         schema.HISTOGRAM_LOW, schema.HISTOGRAM_HIGH, max_ticks=9
     )
-    ytickvals = [centers[0], *ytickvals, centers[-1]]
-    yticktext = [f"<1e{int(schema.HISTOGRAM_LOW)}", *yticktext, f">=1e{int(schema.HISTOGRAM_HIGH)}"]
+    # The two open-ended bins sit half a bin past the range's ends: a decade
+    # tick at an end would be drawn over their labels.
+    inner = [
+        (v, t)
+        for v, t in zip(ytickvals, yticktext, strict=True)
+        if schema.HISTOGRAM_LOW < v < schema.HISTOGRAM_HIGH
+    ]
+    ytickvals = [centers[0], *(v for v, _ in inner), centers[-1]]
+    yticktext = [
+        f"<1e{int(schema.HISTOGRAM_LOW)}",
+        *(t for _, t in inner),
+        f">=1e{int(schema.HISTOGRAM_HIGH)}",
+    ]
     figure.update_layout(
         title=style.escape_label(plain_title),
         xaxis_title="step"

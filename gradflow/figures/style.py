@@ -7,6 +7,7 @@ colour-blind-safe colours (Okabe-Ito for lines, viridis for heatmaps).
 """
 
 import html
+import textwrap
 
 import plotly.colors
 import plotly.graph_objects as go
@@ -140,10 +141,27 @@ def apply_style(figure, presentation=False):
         figure.update_traces(line_width=4, selector=dict(type="scatter", mode="lines"))
         figure.update_traces(marker_size=14, selector=dict(mode="markers"))
         figure.update_annotations(font_size=font_size)
+        _wrap_axis_titles(figure)
     return figure
 
 
-# Words for axis titles and colour bars; unknown columns show their own name.
+# At slide font size, a projector's 1366 px shows two charts side by side of
+# about this many characters across: longer axis titles were cut at both ends.
+_AXIS_TITLE_CHARACTERS = 26
+
+
+def _wrap_axis_titles(figure):
+    """Break long axis titles into lines (Plotly draws a title on one line, and cuts it)."""
+    for name in list(figure.layout.to_plotly_json()):
+        if not name.startswith(("xaxis", "yaxis")):
+            continue
+        axis = figure.layout[name]
+        text = axis.title.text
+        if text and len(text) > _AXIS_TITLE_CHARACTERS and "<br>" not in text:
+            lines = textwrap.wrap(text, _AXIS_TITLE_CHARACTERS, break_long_words=False)
+            axis.title.text = "<br>".join(lines)
+
+
 # Tensor kinds as a title says them ("all_weights" is `grid.ALL_WEIGHTS`).
 _TENSOR_WORDS = {
     "kernel": "kernels",
@@ -158,6 +176,7 @@ def tensor_label(tensor):
     return _TENSOR_WORDS.get(tensor, tensor)
 
 
+# Words for axis titles and colour bars; unknown columns show their own name.
 STATISTIC_LABELS = {
     "max_abs": "max |gradient|",
     "l2_norm": "gradient L2 norm",

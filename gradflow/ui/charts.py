@@ -5,10 +5,22 @@ download data), so a live page does not render images it will never send.
 """
 
 import functools
+import re
 
 import streamlit as st
 
 from gradflow import export, figures
+
+_MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>$~:])")
+
+
+def plain_markdown(text):
+    """`text` escaped so that Streamlit's markdown shows it as typed.
+
+    Run names come from students: `# heading`, `:red[...]` or `$x^2$` in a
+    name must not turn into a heading, colour or formula in a status line.
+    """
+    return _MARKDOWN_SPECIALS.sub(r"\\\1", str(text))
 
 
 @functools.cache

@@ -1,5 +1,6 @@
 """The Compare page's pieces: an A/B launcher and side-by-side charts of several runs."""
 
+import pandas as pd
 import streamlit as st
 
 from gradflow import figures
@@ -74,6 +75,12 @@ def run_picker():
     if runs.empty:
         return []
     labels = {row.run_id: f"{row.name} ({row.status})" for row in runs.itertuples()}
+    # Two runs of the same settings read the same: their ids tell them apart.
+    repeated = pd.Series(list(labels.values())).duplicated(keep=False).to_numpy()
+    labels = {
+        run_id: f"{label} · {run_id}" if twin else label
+        for (run_id, label), twin in zip(labels.items(), repeated, strict=True)
+    }
     if _PICKER not in st.session_state:
         st.session_state[_PICKER] = [r for r in st.session_state.get(_SELECTED, []) if r in labels]
     # Keep only runs that still exist (one may have been deleted on the Runs page).

@@ -263,7 +263,8 @@ def _preset_picker(container, prefix):
         )
         chosen = st.session_state.get(_key(prefix, "_preset"))
         if chosen in PRESETS:
-            st.caption(PRESETS[chosen].description)
+            # The sidebar's box cuts a long title: the caption has it whole.
+            st.caption(f"**{PRESETS[chosen].title}.** {PRESETS[chosen].description}")
         st.button(
             "Load preset", key=_key(prefix, "_load_preset"), on_click=_apply_preset, args=(prefix,)
         )

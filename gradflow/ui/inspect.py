@@ -22,6 +22,9 @@ LOSSES = [
     "mae",
 ]
 _RESULT = "inspect.snapshot"
+# What the last snapshot was taken of, and what the widgets choose now.
+_TAKEN_OF = "inspect.snapshot_of"
+_SHOWN = "inspect.chosen"
 
 
 def _save_upload(upload, folder):
@@ -106,11 +109,16 @@ def model_source():
     source = st.radio(
         "Model", ["Built-in example", "Upload my own"], horizontal=True, key="inspect.source"
     )
+    # A snapshot belongs to what it was taken of: another source or example
+    # hides it (it stays in the session, and comes back with its choice).
+    st.session_state[_SHOWN] = source
     if source == "Built-in example":
         name = st.selectbox("Example", list(EXAMPLES), key="inspect.example")
+        st.session_state[_SHOWN] = f"{source}: {name}"
         if st.button("Take snapshot", type="primary"):
             with st.spinner("Computing gradients for one batch…"):
                 st.session_state[_RESULT] = snapshot_of_example(name)
+                st.session_state[_TAKEN_OF] = st.session_state[_SHOWN]
         return
     model_file = st.file_uploader("Keras model (.keras)", type=["keras"], key="inspect.model_file")
     data_file = st.file_uploader(
@@ -122,10 +130,13 @@ def model_source():
     if st.button("Take snapshot", type="primary", disabled=not (model_file and data_file)):
         with st.spinner("Checking the files and computing gradients…"):
             st.session_state[_RESULT] = snapshot_of_upload(model_file, data_file, loss)
+            st.session_state[_TAKEN_OF] = st.session_state[_SHOWN]
 
 
 def snapshot_report():
     """Tables and charts of the session's last snapshot."""
+    if st.session_state.get(_TAKEN_OF) != st.session_state.get(_SHOWN):
+        return
     shot, message = st.session_state.get(_RESULT, (None, None))
     if message:
         st.error(message)

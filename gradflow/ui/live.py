@@ -52,7 +52,7 @@ from gradflow import diagnosis, export, figures, schema
 from gradflow.figures.style import STATISTIC_LABELS, no_data_figure
 from gradflow.ui import controls, resources
 from gradflow.ui.board import watch_place, watch_warm
-from gradflow.ui.charts import image_export_available
+from gradflow.ui.charts import image_export_available, plain_markdown
 from gradflow.ui.fragments import isolated_fragment, tick_after
 from gradflow.ui.live_chart import show_live_chart
 from gradflow.ui.sessions import session_ownership
@@ -561,7 +561,7 @@ def _status_line(info, cache, status, watched=False):
     parts = [_STATUS_TEXT.get(status, status), f"step {step}" + (f" / {total}" if total else "")]
     if len(loss):
         parts.append(f"loss {loss.iloc[-1]:.4g}")
-    st.markdown(f"**{info['name']}** — " + " · ".join(parts))
+    st.markdown(f"**{plain_markdown(info['name'])}** — " + " · ".join(parts))
     if total:
         st.progress(min(step / total, 1.0))
     if status == "queued":
