@@ -152,14 +152,15 @@ _AXIS_TITLE_CHARACTERS = 26
 
 def _wrap_axis_titles(figure):
     """Break long axis titles into lines (Plotly draws a title on one line, and cuts it)."""
-    for name in list(figure.layout.to_plotly_json()):
-        if not name.startswith(("xaxis", "yaxis")):
-            continue
-        axis = figure.layout[name]
+
+    def wrap(axis):
         text = axis.title.text
         if text and len(text) > _AXIS_TITLE_CHARACTERS and "<br>" not in text:
             lines = textwrap.wrap(text, _AXIS_TITLE_CHARACTERS, break_long_words=False)
             axis.title.text = "<br>".join(lines)
+
+    figure.for_each_xaxis(wrap)
+    figure.for_each_yaxis(wrap)
 
 
 # Tensor kinds as a title says them ("all_weights" is `grid.ALL_WEIGHTS`).

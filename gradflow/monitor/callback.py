@@ -296,6 +296,8 @@ class GradientMonitor(keras.callbacks.Callback):
         self._batches_since_read = 0
         self._pending_logs = []
         self._epoch_start_step = self._last_step
+        # A short last execution is reported as whole (see on_train_batch_end).
+        self._steps_per_epoch = int(self.params.get("steps") or 0) or math.inf
         self._layout = None
         if self._is_chief:
             self._open_store()
@@ -315,9 +317,7 @@ class GradientMonitor(keras.callbacks.Callback):
             # reading `optimizer.iterations` here would wait for the step.
             # Keras reports a short last execution of an epoch (6 batches at
             # 4 steps per execution) as if it were whole: it ends the epoch.
-            done = batch + 1
-            if self.params.get("steps"):
-                done = min(done, int(self.params["steps"]))
+            done = min(batch + 1, self._steps_per_epoch)
             self._pending_logs.append((self._epoch_start_step + done, compiled))
         # With `stop_on_nonfinite`, the step that meets a non-finite gradient
         # records itself and halts: it and every step after it leave the
