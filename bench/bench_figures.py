@@ -9,8 +9,10 @@ interleaved repetitions:
 - `heatmap(tensor="all_weights")` on kernel + bias rows (10M rows);
 - `layer_lines` on 10 layers;
 - `DataFrame.pivot` + `max` per block, the plain-pandas way, as a baseline;
-- PNG export of the decimated heatmap (one Chromium start per call) and of a
-  batch of 4 figures with one browser start.
+- PNG export of the decimated heatmap with a fresh browser (the shared
+  renderer closed first, as after `IDLE_SECONDS` without an export) and
+  with the browser the renderer keeps open between exports (what every
+  export after the first in a burst takes), and of a batch of 4 figures.
 
 Target: a figure build <= 300 ms. Run: `python3 bench/bench_figures.py`
 (writes bench/results/figures.json).
@@ -119,17 +121,17 @@ def main():
         figures.layer_lines(kernels_cat, layers=[0, 50, 99]),
         chart,
     ]
-    image_times = {
-        "PNG export, 1 heatmap (browser start included)": [],
-        "PNG export, batch of 4 figures (one browser)": [],
-    }
+    fresh, warm, batch = (
+        "PNG export, 1 heatmap, fresh browser (its start included)",
+        "PNG export, 1 heatmap, browser kept open",
+        "PNG export, batch of 4 figures, browser kept open",
+    )
+    image_times = {fresh: [], warm: [], batch: []}
     for _ in range(IMAGE_REPEATS):
-        image_times["PNG export, 1 heatmap (browser start included)"].append(
-            timed(lambda: export.to_image(chart, "png"))
-        )
-        image_times["PNG export, batch of 4 figures (one browser)"].append(
-            timed(lambda: export.to_images(small, "png"))
-        )
+        export.RENDERER.close()
+        image_times[fresh].append(timed(lambda: export.to_image(chart, "png")))
+        image_times[warm].append(timed(lambda: export.to_image(chart, "png")))
+        image_times[batch].append(timed(lambda: export.to_images(small, "png")))
     times.update(image_times)
 
     medians = {name: statistics.median(values) for name, values in times.items()}

@@ -3,7 +3,8 @@
 Static images are rendered by kaleido 1.x in a headless Chromium. gradflow
 never lets kaleido download a browser: it uses `$GRADFLOW_CHROMIUM`,
 `$BROWSER_PATH` or a Chromium/Chrome found on the PATH, and otherwise raises
-`ExportError` saying what to install. HTML pages embed plotly.js, so they
+`ExportError` saying what to install. The browser stays open between
+exports and closes when idle (`gradflow.image_renderer`). HTML pages embed plotly.js, so they
 open offline; CSV holds exactly the values drawn, safe to open in a
 spreadsheet.
 
@@ -17,7 +18,6 @@ export.export_run(store, run_id, "zip", "out/")
 ```
 """
 
-import asyncio
 import io
 import json
 import math
@@ -25,7 +25,6 @@ import os
 import pathlib
 import re
 import shutil
-import threading
 import zipfile
 
 import numpy as np
@@ -34,6 +33,7 @@ import plotly.io
 
 from gradflow import figures
 from gradflow.figures import style
+from gradflow.image_renderer import ImageRenderer
 
 IMAGE_FORMATS = ("png", "svg", "pdf")
 EXPORT_FORMATS = (*IMAGE_FORMATS, "html", "csv", "zip")
@@ -44,6 +44,11 @@ _DEFAULT_WIDTH = 1100
 _DEFAULT_HEIGHT = 600
 # Spreadsheets run a cell starting with these as a formula (CSV injection).
 _FORMULA_PREFIXES = ("=", "+", "-", "@", "\t", "\r")
+
+
+# One browser for the process's image exports, kept open between them
+# (`gradflow.image_renderer`: starting it is most of an export's time).
+RENDERER = ImageRenderer()
 
 
 class ExportError(RuntimeError):
@@ -86,30 +91,8 @@ def _check_format(format, allowed, argument="format"):
         raise ValueError(f"`{argument}` must be one of {list(allowed)}, got {format!r}.")
 
 
-def _run_in_fresh_loop(coroutine_function):
-    """Run an async function to completion even if the caller has a loop running.
-
-    Streamlit and Jupyter may already run an asyncio loop in this thread, so
-    the rendering gets its own thread and loop.
-    """
-    outcome = {}
-
-    def target():
-        try:
-            outcome["value"] = asyncio.run(coroutine_function())
-        except BaseException as error:  # re-raised in the caller's thread
-            outcome["error"] = error
-
-    thread = threading.Thread(target=target, name="gradflow-export")
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
-
-
 def to_images(figure_list, format="png", *, width=None, height=None, scale=None):
-    """Render several figures to image bytes with one browser start.
+    """Render several figures to image bytes in the process's one browser.
 
     Example:
 
@@ -159,16 +142,8 @@ def to_images(figure_list, format="png", *, width=None, height=None, scale=None)
             )
         )
 
-    import kaleido  # deferred: only image export needs it
-
-    async def render_all():
-        # mathjax=False: the default loads MathJax from a CDN, which fails
-        # offline and is not needed (gradflow figures use no LaTeX).
-        async with kaleido.Kaleido(path=browser, mathjax=False, n=1) as renderer:
-            return [await renderer.calc_fig(spec, opts=opts) for spec, opts in specs]
-
     try:
-        return _run_in_fresh_loop(render_all)
+        return RENDERER.render(browser, specs)
     except Exception as error:
         raise ExportError(f"Rendering {format.upper()} with {browser} failed: {error}") from error
 
