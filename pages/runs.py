@@ -3,28 +3,21 @@
 import streamlit as st
 
 from gradflow.ui import resources
-from gradflow.ui.live import RUNS_TABLE_COLUMNS, show_on_live_page
+from gradflow.ui.live import show_on_live_page
+from gradflow.ui.runs_table import runs_table
 
 st.title("Runs")
 st.caption(
     "Runs started here, with `gradflow train`, or logged by `GradientMonitor(store=...)` in your own "
-    "script all land in the same store. Open one to watch it live."
+    "script all land in the same store. The table follows them as they train; open one to watch "
+    "its gradients live."
 )
 
 store = resources.run_store()
 runs = store.runs()
+runs_table(store, runs)
 if runs.empty:
-    st.info("No runs yet. Start one on the **Live training** page.")
     st.stop()
-
-if st.button("Refresh", icon=":material/refresh:"):
-    st.rerun()
-st.dataframe(
-    runs[["name", "status", "source", "progress_step", "total_steps", "created_at", "run_id"]],
-    hide_index=True,
-    width="stretch",
-    column_config=RUNS_TABLE_COLUMNS,
-)
 
 labels = {row.run_id: f"{row.name} · {row.status} · {row.run_id}" for row in runs.itertuples()}
 chosen = st.selectbox("Run", list(labels), format_func=labels.get)

@@ -14,10 +14,23 @@ STALE = "() => document.querySelectorAll('[data-stale=\"true\"]').length"
 
 
 @pytest.fixture(scope="module")
-def dashboard(tmp_path_factory, artifacts_dir):
-    db = tmp_path_factory.mktemp("smoke") / "runs.db"
-    with streamlit_server(db, log_path=artifacts_dir / "smoke-server.log") as (url, _):
+def smoke_db(tmp_path_factory):
+    return tmp_path_factory.mktemp("smoke") / "runs.db"
+
+
+@pytest.fixture(scope="module")
+def dashboard(smoke_db, artifacts_dir):
+    with streamlit_server(smoke_db, log_path=artifacts_dir / "smoke-server.log") as (url, _):
         yield url
+
+
+def wait_until(condition, seconds=40.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
 
 
 def test_dashboard_renders_in_chromium(chromium, dashboard, artifacts_dir):
@@ -75,4 +88,28 @@ def test_quick_overlapping_changes_leave_the_page_settled(chromium, dashboard, a
                 f"url {page.url}, wanted activation={activation} depth={wanted}"
             )
     assert page.locator("[data-testid='stException']").count() == 0
+    page.close()
+
+
+def test_runs_table_follows_a_script_run_by_itself(chromium, dashboard, smoke_db, artifacts_dir):
+    """A run logged from another process appears, counts its steps and ends on
+    the open Runs page with no click (the table once needed a Refresh button)."""
+    from gradflow.store import RunStore
+
+    page = chromium.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(f"{dashboard}/runs")
+    page.get_by_role("heading", name="Runs").first.wait_for(timeout=60_000)
+    store = RunStore(smoke_db)
+    run_id = store.create_run({"model": "mine"}, name="my script", source="monitor")
+    picker = page.get_by_role("combobox", name="Run")
+    # Idle, the table polls every 10 s; the picker follows through a full rerun.
+    assert wait_until(
+        lambda: picker.count() == 1 and picker.input_value() == f"my script · running · {run_id}"
+    ), page.inner_text("body")
+    store.heartbeat(run_id, step=4321)
+    assert wait_until(lambda: page.locator("td[role=gridcell]", has_text="4321").count() == 1)
+    store.set_status(run_id, "completed")
+    assert wait_until(lambda: picker.input_value() == f"my script · completed · {run_id}")
+    assert page.locator("[data-testid='stException']").count() == 0
+    page.screenshot(path=str(artifacts_dir / "smoke-runs.png"), full_page=True)
     page.close()

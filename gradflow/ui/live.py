@@ -112,18 +112,6 @@ def open_run(run_id):
     session_ownership().claim(run_id)
 
 
-# The Runs table's columns in a student's words (the store's names are for code).
-RUNS_TABLE_COLUMNS = {
-    "name": "Name",
-    "status": "Status",
-    "source": "Started from",
-    "progress_step": "Step",
-    "total_steps": "Planned steps",
-    "created_at": st.column_config.DatetimeColumn("Started (UTC)", format="YYYY-MM-DD HH:mm:ss"),
-    "run_id": "Run id",
-}
-
-
 def show_on_live_page(run_id):
     """Go to the Live training page with `run_id` open and its settings in the form.
 

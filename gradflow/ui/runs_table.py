@@ -1,0 +1,58 @@
+"""The Runs page's table, which follows the store by itself.
+
+Runs reach the store from the dashboard, from `gradflow train` and from a
+user's own script with `GradientMonitor(store=...)`; the table must show a
+script's run appear and its step count grow without a click. It is a
+fragment that reads the store again every `ACTIVE_POLL_SECONDS` while a run
+is queued, running or paused, and every `IDLE_POLL_SECONDS` otherwise (a
+run from another process may start at any time; one small query). When a
+run appears, disappears or changes status, the whole page reruns once, so
+the run picker and the buttons below the table show it too.
+"""
+
+import streamlit as st
+
+from gradflow.store import ACTIVE_STATUSES
+from gradflow.ui.fragments import isolated_fragment, tick_after
+
+ACTIVE_POLL_SECONDS = 2.0
+IDLE_POLL_SECONDS = 10.0
+
+# The columns in a student's words (the store's names are for code).
+COLUMNS = {
+    "name": "Name",
+    "status": "Status",
+    "source": "Started from",
+    "progress_step": "Step",
+    "total_steps": "Planned steps",
+    "created_at": st.column_config.DatetimeColumn("Started (UTC)", format="YYYY-MM-DD HH:mm:ss"),
+    "run_id": "Run id",
+}
+
+
+def runs_table(store, runs):
+    """Draw the table of `runs` (from `store.runs()`), kept up to date from `store`.
+
+    Args:
+        store: The `RunStore` to poll.
+        runs: The runs the page read in this full run; the picker below the
+            table lists them.
+    """
+    isolated_fragment(_table)(store, _statuses(runs))
+
+
+def _statuses(runs):
+    return tuple(zip(runs["run_id"], runs["status"], strict=True))
+
+
+def _table(store, drawn):
+    runs = store.runs()
+    if _statuses(runs) != drawn:
+        # A run came, went or changed status: the picker must know.
+        st.rerun(scope="app")
+    if runs.empty:
+        st.info("No runs yet. Start one on the **Live training** page.")
+    else:
+        st.dataframe(runs[list(COLUMNS)], hide_index=True, width="stretch", column_config=COLUMNS)
+    active = runs["status"].isin(ACTIVE_STATUSES).any()
+    tick_after(ACTIVE_POLL_SECONDS if active else IDLE_POLL_SECONDS, key="runs.ticker")
