@@ -629,3 +629,35 @@ def test_server_settings_from_the_environment_name_a_bad_value(monkeypatch):
     monkeypatch.setenv("GRADFLOW_MAX_RUNNING", "two")
     with pytest.raises(ValueError, match=r"GRADFLOW_MAX_RUNNING must be a whole number, got 'two'"):
         _setting("GRADFLOW_MAX_RUNNING", 0)
+
+
+def heatmap_parents(app):
+    """For each live heatmap of the page: whether it sits in a column."""
+
+    def walk(node, in_column):
+        kind = getattr(node, "type", None)
+        if getattr(node, "proto", None) is not None and kind == "bidi_component":
+            if node.proto.component_name.endswith("gradflow.live_chart"):
+                yield in_column
+        for child in getattr(node, "children", {}).values():
+            yield from walk(child, in_column or kind == "column")
+
+    return list(walk(app._tree, False))
+
+
+@pytest.mark.parametrize("presentation, in_columns", [(False, True), (True, False)])
+def test_presentation_style_stacks_the_heatmaps(page_environment, presentation, in_columns):
+    """Side by side, Presentation style's large fonts left each heatmap about 65 px at 1024 px."""
+    from streamlit.testing.v1 import AppTest
+
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 1}, name="for the slides", status="completed")
+    write_steps(store, run_id, 1, 20)
+    app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
+    app.query_params["run"] = run_id
+    app.session_state["ui.presentation"] = presentation
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert heatmap_parents(app) == [in_columns, in_columns]

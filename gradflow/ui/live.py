@@ -413,7 +413,7 @@ def _charts(info, cache, key):
             key=f"{key}.tensor",
         )
     if view == "Heatmaps":
-        left, right = st.columns(2)
+        left, right = _heatmap_places(presentation)
         for column, statistic, name in ((left, "max_abs", "max"), (right, "l2_norm", "norm")):
             with column:
                 show_live_chart(
@@ -467,6 +467,18 @@ def _charts(info, cache, key):
         _lesson_pack_button(info, cache, key)
 
 
+def _heatmap_places(presentation):
+    """Where the max and the norm heatmap go: side by side, or one above the other.
+
+    Presentation style's large fonts take their width from the plot: side by
+    side at 1024 px, each heatmap kept about 65 px for its cells. One above
+    the other, each has the page's width.
+    """
+    if presentation:
+        return st.container(), st.container()
+    return st.columns(2)
+
+
 def _empty_panel(active, plotly=True):
     st.caption("The first statistics appear after the first recorded step.")
     if active:
@@ -486,7 +498,9 @@ def _empty_heatmaps(message, plotly=True):
         horizontal=True,
         disabled=True,
     )
-    for column, statistic in zip(st.columns(2), ("max_abs", "l2_norm"), strict=True):
+    for column, statistic in zip(
+        _heatmap_places(presentation), ("max_abs", "l2_norm"), strict=True
+    ):
         with column:
             if plotly:
                 show_live_chart(
