@@ -117,3 +117,34 @@ def test_integer_input_is_explained():
     )
     with pytest.raises(ValueError, match="int32.*Embedding|Embedding.*int32"):
         input_sensitivity(model, np.zeros((2, 4), "int32"))
+
+
+def test_softmax_outputs_are_noted_not_read_as_deaf():
+    """A softmax output sums to 1, so d(sum)/dx is 0 for any input: the table
+    and the chart say so instead of suggesting the layer ignores its input."""
+    from gradflow.figures.lessons import sensitivity_bars
+
+    hidden = keras.layers.Dense(4, activation="tanh", name="hidden")
+    model = keras.Sequential(
+        [
+            keras.Input((3,)),
+            hidden,
+            keras.layers.Dense(3, name="logits"),
+            keras.layers.Softmax(name="probabilities"),
+        ]
+    )
+    x = np.random.default_rng(2).normal(size=(4, 3))
+    table = input_sensitivity(model, x)
+    rows = table.set_index("layer")
+    assert rows.loc["probabilities", "max_abs"] < 1e-6  # 0 up to rounding
+    assert "softmax" in rows.loc["probabilities", "note"]
+    assert rows.loc["hidden", "note"] == "" and rows.loc["logits", "note"] == ""
+    assert rows.loc["hidden", "max_abs"] > 1e-3
+    assert "softmax" in sensitivity_bars(table).description
+
+    dense_softmax = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(2, activation="softmax")]
+    )
+    assert "softmax" in input_sensitivity(dense_softmax, x)["note"].iloc[0]
+    assert "note" not in input_sensitivity(deep_tanh_mlp()[0], x)
+    assert "softmax" not in sensitivity_bars(input_sensitivity(deep_tanh_mlp()[0], x)).description

@@ -21,13 +21,24 @@ import tensorflow as tf
 
 from gradflow.checks import flag
 from gradflow.probe import capture
-from gradflow.probe.naming import layer_order
+from gradflow.probe.capture import leaf_layers
 from gradflow.statistics import summarize
 
 INTEGER_INPUT_NOTE = (
     "the model input is not a float tensor (integer ids, e.g. for an Embedding), "
     "so d(layer output)/d(input) is not defined"
 )
+SOFTMAX_NOTE = (
+    "a softmax output sums to 1 whatever the input, so d(sum of output)/d(input) is 0 "
+    "by construction: this row says nothing about the layer"
+)
+
+
+def sums_to_one(layer):
+    """Whether `layer`'s output sums to 1 along its last axis (a softmax), so its input sensitivity is 0."""
+    if isinstance(layer, keras.layers.Softmax):
+        return True
+    return getattr(layer, "activation", None) is keras.activations.softmax
 
 
 def differentiable_inputs(x):
@@ -179,17 +190,25 @@ class InputSensitivity:
 
 
 def sensitivity_table(model, called_paths, maxima, note=""):
-    """The `.inputs` table: one row per layer call, indexed like the weights."""
-    index = {path: i for i, path in enumerate(layer_order(model))}
+    """The `.inputs` table: one row per layer call, indexed like the weights.
+
+    A `note` column says why a row's value means nothing: `note` for every
+    row (e.g. integer inputs), else `SOFTMAX_NOTE` for softmax outputs.
+    """
+    leaves = leaf_layers(model)
+    index = {path: i for i, (path, _) in enumerate(leaves)}
+    layers = dict(leaves)
+    paths = [p.split("#")[0] for p in called_paths]
     table = pd.DataFrame(
         {
             "layer": called_paths,
-            "layer_index": [index[p.split("#")[0]] for p in called_paths],
+            "layer_index": [index[p] for p in paths],
             "max_abs": maxima,
         }
     )
-    if note:
-        table["note"] = note
+    notes = [note or (SOFTMAX_NOTE if sums_to_one(layers[p]) else "") for p in paths]
+    if any(notes):
+        table["note"] = notes
     return table
 
 
