@@ -48,6 +48,16 @@ def free_port():
         return sock.getsockname()[1]
 
 
+def wait_until(condition, seconds=40.0):
+    """Poll `condition` every 0.1 s for up to `seconds`; its last value."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
 def wait_healthy(url, timeout=90.0, process=None):
     """Wait until Streamlit's health endpoint answers `ok`."""
     deadline = time.monotonic() + timeout

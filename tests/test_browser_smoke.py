@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from tests.browser import streamlit_server
+from tests.browser import streamlit_server, wait_until
 
 pytestmark = pytest.mark.browser
 
@@ -22,15 +22,6 @@ def smoke_db(tmp_path_factory):
 def dashboard(smoke_db, artifacts_dir):
     with streamlit_server(smoke_db, log_path=artifacts_dir / "smoke-server.log") as (url, _):
         yield url
-
-
-def wait_until(condition, seconds=40.0):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
 
 
 def test_dashboard_renders_in_chromium(chromium, dashboard, artifacts_dir):

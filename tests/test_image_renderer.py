@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import PIL.Image
 import plotly.graph_objects as go
@@ -15,6 +14,7 @@ import pytest
 
 from gradflow import export
 from gradflow.image_renderer import ImageRenderer
+from tests.browser import wait_until
 
 BROWSER = export.find_browser()
 pytestmark = pytest.mark.skipif(BROWSER is None, reason="no Chromium/Chrome installed")
@@ -66,15 +66,6 @@ def zombie(pid):
         return True
 
 
-def wait_until(condition, seconds=20.0):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
-
-
 @pytest.fixture
 def renderer():
     renderer = ImageRenderer()
@@ -94,10 +85,11 @@ def test_close_ends_the_browser_and_its_thread(renderer):
     renderer.render(BROWSER, [png_spec(300)])
     tree = process_tree(renderer.browser_pid)
     assert len(tree) > 1  # the wrapper and Chromium's own processes
+    thread = renderer._thread
     renderer.close()
     assert renderer.browser_pid is None
     assert wait_until(lambda: not alive(tree))
-    assert not [t for t in threading.enumerate() if t.name == "gradflow-image-renderer"]
+    assert not thread.is_alive()
     # A later export starts a fresh browser.
     assert png_width(renderer.render(BROWSER, [png_spec(320)])[0]) == 320
     assert renderer.starts == 2
