@@ -258,6 +258,10 @@ class GradientMonitor(keras.callbacks.Callback):
             else _EXECUTIONS_PER_READ_DISTRIBUTED
         )
         self._steps_per_execution = max(1, int(model.steps_per_execution))
+        self._saved_train_step = model.__dict__.get("train_step")
+        if self._reuse_last_step(model):
+            self._begin_fit()
+            return
         self._plan = StepPlan(
             model,
             self._steps_per_execution * executions_per_read,
@@ -266,8 +270,8 @@ class GradientMonitor(keras.callbacks.Callback):
             self.histograms,
             self.stop_on_nonfinite,
         )
-        self._saved_train_step = model.__dict__.get("train_step")
-        if type(model).train_step is TensorFlowTrainer.train_step:
+        instrumented = type(model).train_step is TensorFlowTrainer.train_step
+        if instrumented:
             step = instrumented_train_step(self._plan)
         else:
             warnings.warn(
@@ -285,8 +289,40 @@ class GradientMonitor(keras.callbacks.Callback):
         # attribute shadows the class's method until `on_train_end`.
         object.__setattr__(model, "train_step", step)
         model.make_train_function(force=True)
-        model.train_function = self._guarded(model.train_function)
+        compiled = model.train_function
+        model.train_function = self._guarded(compiled)
+        if instrumented:
+            object.__setattr__(
+                model, _LAST_STEP, (_ReuseKey(self, model), self._plan, step, compiled)
+            )
+        self._begin_fit()
 
+    def _reuse_last_step(self, model):
+        """Take the train step the model's last monitored `fit` traced, if nothing it depends on changed.
+
+        Tracing the instrumented step takes most of a short `fit`'s time
+        (0.45 s a `fit` on the 5-layer MLP of `bench/bench_monitor.py`,
+        against 0.075 s for a plain `fit` of 20 steps), and users call `fit`
+        in loops, one epoch at a time, or again from a notebook cell. So a
+        `fit` whose monitor options, optimizer, loss, metrics, steps per
+        execution, XLA setting and trainable variables are those of the
+        model's last monitored `fit` runs the compiled function that `fit`
+        built (`_ReuseKey`); anything else traces anew.
+        """
+        last = model.__dict__.get(_LAST_STEP)
+        # No ring yet: the last `fit` ended before its first trace.
+        if last is None or last[1].buffer is None or last[0] != _ReuseKey(self, model):
+            return False
+        _, self._plan, step, compiled = last
+        # A fresh start: nothing halted, no step of the last `fit` left to read.
+        self._plan.buffer.halted.assign(0)
+        self._plan.buffer.steps.assign(tf.zeros_like(self._plan.buffer.steps))
+        object.__setattr__(model, "train_step", step)
+        model.train_function = self._guarded(compiled)
+        return True
+
+    def _begin_fit(self):
+        model = self.model
         self._clipping = not self._plan.probing and clipping_optimizer(model.optimizer) is not None
         self._last_step = int(step_counter(model.optimizer).numpy())
         planned = _planned_steps(self.params)
@@ -614,6 +650,46 @@ class GradientMonitor(keras.callbacks.Callback):
 
 # The `(monitor, params)` of the monitor recording a model's current `fit`.
 _OWNER = "_gradflow_monitor"
+# `(key, plan, train_step, compiled train function)` of the model's last
+# monitored `fit`, which a later one may reuse (`_reuse_last_step`).
+_LAST_STEP = "_gradflow_last_step"
+
+
+class _ReuseKey:
+    """What a traced instrumented step depends on; equal when a later `fit` may reuse it.
+
+    Settings compare by value, Keras objects by identity: `compile()` makes a
+    new loss and metrics container (and a new optimizer unless it is given
+    the same one), and freezing a layer changes the trainable variables.
+    """
+
+    def __init__(self, monitor, model):
+        self.settings = (
+            monitor.activations,
+            monitor.every,
+            monitor.histograms,
+            monitor.stop_on_nonfinite,
+            int(model.steps_per_execution),
+            model.jit_compile,
+            model.run_eagerly,
+        )
+        self.objects = (
+            model.optimizer,
+            getattr(model, "_compile_loss", None),
+            getattr(model, "_compile_metrics", None),
+            model.distribute_strategy,
+            *model.trainable_weights,
+        )
+
+    def __eq__(self, other):
+        return (
+            isinstance(other, _ReuseKey)
+            and self.settings == other.settings
+            and len(self.objects) == len(other.objects)
+            and all(a is b for a, b in zip(self.objects, other.objects, strict=True))
+        )
+
+    __hash__ = None
 
 
 def _is_finite(value):

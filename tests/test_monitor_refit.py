@@ -1,0 +1,121 @@
+"""`fit` called again and again with a GradientMonitor: the traced step is reused, and still right.
+
+Users call `fit` in loops (one epoch at a time, or again from a notebook
+cell); tracing the instrumented step took most of each short `fit`. A later
+`fit` reuses the step its model's last monitored `fit` traced, unless
+something it depends on changed. Every case is checked against the
+hand-written tape loop of `tests/test_monitor.py`.
+"""
+
+import keras
+import numpy as np
+import pandas as pd
+import pytest
+
+from gradflow.monitor import GradientMonitor
+from gradflow.monitor import step as step_module
+from tests.test_monitor import (
+    BATCH,
+    assert_matches_reference,
+    copy_of,
+    make_data,
+    make_model,
+    reference_run,
+)
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """How many times an instrumented step has been traced (its Python body runs only then)."""
+    count = {"n": 0}
+    original = step_module._take_activations
+
+    def counting(plan, outputs):
+        count["n"] += 1
+        return original(plan, outputs)
+
+    monkeypatch.setattr(step_module, "_take_activations", counting)
+    return count
+
+
+class Joined:
+    """The records of several monitors, one after the other, as one monitor's."""
+
+    def __init__(self, monitors):
+        self.history = pd.concat([m.history for m in monitors], ignore_index=True)
+        self.metrics = pd.concat([m.metrics for m in monitors], ignore_index=True)
+
+
+@pytest.mark.parametrize("same_monitor", [True, False], ids=["same monitor", "new monitor"])
+def test_fits_in_a_loop_trace_once_and_match_the_reference(traces, same_monitor):
+    x, y = make_data()
+    model = make_model()
+    reference = copy_of(model)
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    monitors = [GradientMonitor(activations=True)]
+    for epoch in range(3):
+        if not same_monitor and epoch:
+            monitors.append(GradientMonitor(activations=True))
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitors[-1]])
+    assert traces["n"] == 1
+    rows, metrics = reference_run(reference, keras.optimizers.Adam(0.05), x, y, epochs=3)
+    recorded = monitors[0] if same_monitor else Joined(monitors)
+    assert sorted(recorded.history["step"].unique()) == list(range(1, 10))
+    assert_matches_reference(recorded, rows, metrics, rtol=1e-4)
+    for a, b in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_recompile_or_a_frozen_layer_traces_anew(traces):
+    x, y = make_data()
+    model = make_model()
+    reference = copy_of(model)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    options = dict(activations=True)
+    model.fit(
+        x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[GradientMonitor(**options)]
+    )
+    reference_run(reference, keras.optimizers.SGD(0.05), x, y, epochs=1)
+    assert traces["n"] == 1
+
+    # A new optimizer (its own iterations: the steps start at 1 again).
+    model.compile(optimizer=keras.optimizers.SGD(0.02), loss="mse")
+    monitor = GradientMonitor(**options)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    assert traces["n"] == 2
+    rows, metrics = reference_run(reference, keras.optimizers.SGD(0.02), x, y, epochs=1)
+    assert_matches_reference(monitor, rows, metrics, rtol=1e-5)
+
+    # The same optimizer, a frozen first layer: its kernel and bias drop out.
+    model.layers[0].trainable = False
+    monitor = GradientMonitor(**options)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    assert traces["n"] == 3
+    weights = monitor.history.query("tensor != 'activation'")
+    assert set(weights["layer"]) == {"d1", "d2"}
+
+    # Other monitor options: traced anew too.
+    monitor = GradientMonitor(every=2, **options)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    assert traces["n"] == 4
+
+
+def test_a_fit_after_a_halted_one_trains_again(traces):
+    """`stop_on_nonfinite` halted the last fit; the reused step must not stay halted."""
+    x, y = make_data()
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    good = model.get_weights()
+    bad = np.full_like(x, np.nan)
+    first = GradientMonitor(stop_on_nonfinite=True)
+    model.fit(bad, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[first])
+    assert first._nonfinite_step == 1
+    np.testing.assert_array_equal(model.get_weights()[0], good[0])  # the update was skipped
+
+    second = GradientMonitor(stop_on_nonfinite=True)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[second])
+    assert traces["n"] == 1
+    assert second._nonfinite_step is None
+    assert sorted(second.history["step"].unique()) == [2, 3, 4]
+    assert np.isfinite(second.history["l2_norm"]).all()
+    assert not np.allclose(model.get_weights()[0], good[0])  # it trained
