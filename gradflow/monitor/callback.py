@@ -60,6 +60,11 @@ class GradientMonitor(keras.callbacks.Callback):
     constraint such as `keras.constraints.MaxNorm`. Per step it keeps the
     loss, the learning rate and the global gradient norm.
 
+    Calling `fit` again (an epoch at a time, a notebook cell run again) with
+    this or a new monitor of the same options reuses the step the model's
+    last monitored `fit` traced, unless the optimizer, loss, metrics, steps
+    per execution, XLA setting or trainable variables have changed since.
+
     It works with compiled metrics, sample weights, validation data,
     `steps_per_execution > 1` (every step is recorded) and `tf.distribute`
     strategies (the per-replica gradients are all-reduced first, so the
