@@ -305,9 +305,9 @@ class GradientMonitor(keras.callbacks.Callback):
     def _reuse_last_step(self, model):
         """Take the train step the model's last monitored `fit` traced, if nothing it depends on changed.
 
-        Tracing the instrumented step takes most of a short `fit`'s time
-        (0.45 s a `fit` on the 5-layer MLP of `bench/bench_monitor.py`,
-        against 0.075 s for a plain `fit` of 20 steps), and users call `fit`
+        Tracing the instrumented step took most of a short `fit`'s time (a
+        20-step `fit` of the 5-layer MLP 0.48-0.50 s with a monitor, 0.12 s
+        reusing it, 0.075 s plain: `python3 bench/bench_refit.py`), and users call `fit`
         in loops, one epoch at a time, or again from a notebook cell. So a
         `fit` whose monitor options, optimizer, loss, metrics, steps per
         execution, XLA setting and trainable variables are those of the
