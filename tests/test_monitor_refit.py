@@ -119,3 +119,97 @@ def test_a_fit_after_a_halted_one_trains_again(traces):
     assert sorted(second.history["step"].unique()) == [2, 3, 4]
     assert np.isfinite(second.history["l2_norm"]).all()
     assert not np.allclose(model.get_weights()[0], good[0])  # it trained
+
+
+def clip_by_norm(model):
+    model.optimizer.clipnorm = 0.01
+
+
+def constrain_first_kernel(model):
+    model.layers[0].kernel.constraint = keras.constraints.MaxNorm(0.1)
+
+
+def learning_rate_schedule(model):
+    model.optimizer.learning_rate = keras.optimizers.schedules.ExponentialDecay(0.05, 1, 0.5)
+
+
+def recompile_same_optimizer(model):
+    model.compile(optimizer=model.optimizer, loss="mse")
+
+
+CHANGES = [clip_by_norm, constrain_first_kernel, learning_rate_schedule, recompile_same_optimizer]
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=[c.__name__ for c in CHANGES])
+def test_what_the_step_reads_when_traced_makes_it_trace_anew(traces, change):
+    """Settings the step reads once, when traced: a stale step would ignore them
+    (found by an audit: the weights then drifted from Keras's by up to 0.7)."""
+    x, y = make_data()
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[GradientMonitor()])
+    change(model)
+    twin = copy_of(model)  # the same weights, trained by Keras's own step below
+    twin.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    twin.optimizer.build(twin.trainable_variables)
+    twin.optimizer.iterations.assign(model.optimizer.iterations)
+    change(twin)
+    for variable, original in zip(twin.trainable_variables, model.trainable_variables, strict=True):
+        variable.constraint = original.constraint
+    monitor = GradientMonitor()
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    twin.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert traces["n"] == 2
+    for a, b in zip(model.get_weights(), twin.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_frozen_layer_without_trainable_weights_trains_as_keras_does(traces):
+    """Freezing BatchNormalization(center=False, scale=False) changes no trainable
+    variable, but the step must stop updating its moving statistics."""
+    x, y = make_data()
+    model = keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(4, name="d0"),
+            keras.layers.BatchNormalization(center=False, scale=False, name="norm"),
+            keras.layers.Dense(1, name="d1"),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[GradientMonitor()])
+    norm = model.get_layer("norm")
+    norm.trainable = False
+    moving = norm.moving_mean.numpy().copy()
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[GradientMonitor()])
+    assert traces["n"] == 2
+    np.testing.assert_array_equal(norm.moving_mean.numpy(), moving)
+
+
+def test_a_recompile_without_a_loss_logs_the_loss_keras_logs(traces):
+    """`compile()` with the same optimizer and no loss (the model's own `add_loss`)
+    keeps the loss and metrics containers but makes a new loss tracker: a stale
+    step fed the old one, and `fit` logged a loss of 0."""
+
+    def build():
+        keras.utils.set_random_seed(0)
+        regularizer = keras.regularizers.L2(0.5)
+        return keras.Sequential(
+            [keras.Input((3,)), keras.layers.Dense(5, activity_regularizer=regularizer)]
+        )
+
+    x, _ = make_data()
+    logged = {}
+    for monitored in (True, False):
+        model = build()
+        optimizer = keras.optimizers.SGD(0.01)
+        model.compile(optimizer=optimizer)
+        callbacks = [GradientMonitor()] if monitored else []
+        model.fit(x, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks[:])
+        model.compile(optimizer=optimizer)
+        callbacks = [GradientMonitor()] if monitored else []
+        history = model.fit(x, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks)
+        logged[monitored] = history.history["loss"][0]
+    assert traces["n"] == 2
+    np.testing.assert_allclose(logged[True], logged[False], rtol=1e-5)
+    assert logged[True] > 0

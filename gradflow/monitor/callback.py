@@ -663,12 +663,19 @@ _LAST_STEP = "_gradflow_last_step"
 class _ReuseKey:
     """What a traced instrumented step depends on; equal when a later `fit` may reuse it.
 
-    Settings compare by value, Keras objects by identity: `compile()` makes a
-    new loss and metrics container (and a new optimizer unless it is given
-    the same one), and freezing a layer changes the trainable variables.
+    Settings compare by value, Keras objects by identity. The step reads, when
+    it is traced: the optimizer and its settings (clipping, weight decay,
+    loss scaling, ...; not its learning rate, a variable the step reads at
+    every call, unless a schedule replaced it); the compiled loss, metrics
+    and loss tracker (`compile()` makes new ones, even when given the same
+    optimizer); every layer's `trainable` flag (a frozen BatchNormalization
+    has no trainable weights to show it); the trainable variables and their
+    constraints.
     """
 
     def __init__(self, monitor, model):
+        optimizer = model.optimizer
+        variables = model.trainable_weights
         self.settings = (
             monitor.activations,
             monitor.every,
@@ -677,13 +684,18 @@ class _ReuseKey:
             int(model.steps_per_execution),
             model.jit_compile,
             model.run_eagerly,
+            _optimizer_settings(optimizer),
+            tuple(layer.trainable for layer in model._flatten_layers()),
         )
         self.objects = (
-            model.optimizer,
+            optimizer,
+            getattr(optimizer, "_learning_rate", None),
             getattr(model, "_compile_loss", None),
             getattr(model, "_compile_metrics", None),
+            getattr(model, "_loss_tracker", None),
             model.distribute_strategy,
-            *model.trainable_weights,
+            *variables,
+            *(variable.constraint for variable in variables),
         )
 
     def __eq__(self, other):
@@ -695,6 +707,16 @@ class _ReuseKey:
         )
 
     __hash__ = None
+
+
+def _optimizer_settings(optimizer):
+    """The optimizer's config without its learning rate; a fresh object (never equal) if it has none."""
+    try:
+        config = dict(optimizer.get_config())
+    except Exception:  # a custom optimizer without a config: never reuse
+        return object()
+    config.pop("learning_rate", None)
+    return config
 
 
 def _is_finite(value):
