@@ -213,3 +213,32 @@ def test_a_recompile_without_a_loss_logs_the_loss_keras_logs(traces):
     assert traces["n"] == 2
     np.testing.assert_allclose(logged[True], logged[False], rtol=1e-5)
     assert logged[True] > 0
+
+
+def test_a_fit_a_callback_broke_is_closed_by_the_next_one(tmp_path):
+    """Keras calls no callback when another callback raises, so that fit left the
+    model instrumented (and its run "running"); the next monitor once saved that
+    step as the model's own and put it back for good, halting later plain fits."""
+    from gradflow.store import RunStore
+
+    class Broken(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                raise RuntimeError("a bug in someone's callback")
+
+    x, y = make_data()
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    store = RunStore(tmp_path / "runs.db")
+    first = GradientMonitor(store=store, stop_on_nonfinite=True)
+    with pytest.raises(RuntimeError, match="someone's callback"):
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[first, Broken()])
+    second = GradientMonitor(store=store)
+    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[second])
+    assert store.status(first.run_id) == "failed"
+    assert "outside the train step" in store.run_info(first.run_id)["message"]
+    assert store.status(second.run_id) == "completed"
+    assert "train_step" not in model.__dict__
+    # A plain fit now runs Keras's own step, which does not halt on a NaN.
+    model.fit(np.full_like(x, np.nan), y, batch_size=BATCH, verbose=0)
+    assert not np.isfinite(model.get_weights()[0]).any()

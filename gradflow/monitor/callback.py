@@ -254,6 +254,13 @@ class GradientMonitor(keras.callbacks.Callback):
             )
             owner[0]._abandon(error)  # `fit` ends here: leave the model as it was
             raise error
+        if owner is not None and owner[1] is not self.params:
+            # An earlier `fit` ended without `on_train_end`: Keras calls no
+            # callback when another callback raises. Close that run and give
+            # the model its own step back before this `fit` saves it.
+            owner[0]._abandon(
+                RuntimeError("`fit` ended with an error outside the train step (in a callback?)")
+            )
         object.__setattr__(model, _OWNER, (self, self.params))
         strategy = model.distribute_strategy
         self._is_chief = bool(getattr(strategy.extended, "should_checkpoint", True))
