@@ -62,8 +62,10 @@ class GradientMonitor(keras.callbacks.Callback):
 
     Calling `fit` again (an epoch at a time, a notebook cell run again) with
     this or a new monitor of the same options reuses the step the model's
-    last monitored `fit` traced, unless the optimizer, loss, metrics, steps
-    per execution, XLA setting or trainable variables have changed since.
+    last monitored `fit` traced, unless something that step read when it was
+    traced has changed since: the optimizer or its settings, the loss and
+    metrics, steps per execution, XLA, a layer's `trainable` flag, the
+    trainable variables or their constraints.
 
     It works with compiled metrics, sample weights, validation data,
     `steps_per_execution > 1` (every step is recorded) and `tf.distribute`
@@ -316,10 +318,9 @@ class GradientMonitor(keras.callbacks.Callback):
         20-step `fit` of the 5-layer MLP 0.48-0.50 s with a monitor, 0.12 s
         reusing it, 0.075 s plain: `python3 bench/bench_refit.py`), and users call `fit`
         in loops, one epoch at a time, or again from a notebook cell. So a
-        `fit` whose monitor options, optimizer, loss, metrics, steps per
-        execution, XLA setting and trainable variables are those of the
-        model's last monitored `fit` runs the compiled function that `fit`
-        built (`_ReuseKey`); anything else traces anew.
+        `fit` for which nothing in `_ReuseKey` changed since the model's
+        last monitored `fit` runs the compiled function that `fit` built;
+        anything else traces anew.
         """
         last = model.__dict__.get(_LAST_STEP)
         # No ring yet: the last `fit` ended before its first trace.
