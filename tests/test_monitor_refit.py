@@ -242,3 +242,44 @@ def test_a_fit_a_callback_broke_is_closed_by_the_next_one(tmp_path):
     # A plain fit now runs Keras's own step, which does not halt on a NaN.
     model.fit(np.full_like(x, np.nan), y, batch_size=BATCH, verbose=0)
     assert not np.isfinite(model.get_weights()[0]).any()
+
+
+def test_one_monitor_across_a_freeze_keeps_both_fits_records():
+    """The second fit records fewer rows a step; `history` once failed to join them."""
+    x, y = make_data()
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    monitor = GradientMonitor(histograms=True)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    model.layers[0].trainable = False
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    history = monitor.history
+    layers_per_step = history.groupby("step")["layer"].apply(lambda s: sorted(set(s)))
+    assert layers_per_step.loc[3] == ["d0", "d1", "d2"]
+    assert layers_per_step.loc[4] == ["d1", "d2"] and layers_per_step.loc[6] == ["d1", "d2"]
+    assert sorted(monitor.metrics.query("name == 'loss'")["step"]) == [1, 2, 3, 4, 5, 6]
+    histograms = monitor.histogram_rows
+    assert set(histograms.query("step == 5")["layer"]) == {"d1", "d2"}
+
+
+def test_one_monitor_given_to_several_fits_halts_each_at_its_own_nan():
+    x, y = make_data()
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    monitor = GradientMonitor(stop_on_nonfinite=True)
+    bad = np.full_like(x, np.nan)
+    for data in (bad, x, bad):
+        before = model.get_weights()
+        model.fit(data, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+        after = model.get_weights()
+        assert all(np.isfinite(w).all() for w in after)  # each NaN fit halted
+        if data is x:
+            assert not np.allclose(after[0], before[0])  # the good fit trained
+    events = monitor.events
+    nonfinite = events[events["kind"] == "nonfinite"]
+    assert len(nonfinite) == 2 and len(events) == len(
+        events.drop_duplicates(["step", "layer", "kind"])
+    )
+    # Each halting fit keeps its halted step's metric, the good fit all three
+    # (once dropped: the first fit's halt seemed to apply to later steps).
+    assert sorted(monitor.metrics.query("name == 'mae'")["step"]) == [1, 2, 3, 4, 5]

@@ -1,5 +1,6 @@
 """`GradientMonitor`: per-layer gradient statistics of `model.fit`, every step."""
 
+import itertools
 import math
 import os
 import time
@@ -348,6 +349,9 @@ class GradientMonitor(keras.callbacks.Callback):
         # A short last execution is reported as whole (see on_train_batch_end).
         self._steps_per_epoch = int(self.params.get("steps") or 0) or math.inf
         self._layout = None
+        # Each `fit` halts at its own first non-finite step (a monitor given
+        # to several fits); the events of earlier fits stay.
+        self._nonfinite_step = None
         if self._is_chief:
             self._open_store()
             if self.tensorboard_dir is not None:
@@ -511,7 +515,8 @@ class GradientMonitor(keras.callbacks.Callback):
                 self._plan.names, self._plan.activation_paths, self._plan.layer_order
             )
         self._last_step = int(steps[-1])
-        self._blocks.append((steps, stats, metrics, histograms))
+        # With its layout: a later `fit` of this monitor may have other rows (a frozen layer).
+        self._blocks.append((steps, stats, metrics, histograms, self._layout))
         self._frames = None
         self._check_nonfinite(steps, stats)
         if self._writer is not None or self._summaries is not None:
@@ -552,7 +557,7 @@ class GradientMonitor(keras.callbacks.Callback):
             self._writer.add_event(step, layer, kind, message)
 
     def _publish(self, steps, stats, metrics, histograms):
-        histogram_rows = self._histogram_rows([(steps, stats, metrics, histograms)])
+        histogram_rows = self._histogram_rows([(steps, stats, metrics, histograms, self._layout)])
         if self._writer is not None:
             self._write(steps, stats, metrics, histogram_rows)
         if self._summaries is not None:
@@ -588,17 +593,17 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def _histogram_rows(self, blocks=None):
         rows = []
-        for steps, _, _, histograms in self._blocks if blocks is None else blocks:
+        for steps, _, _, histograms, layout in self._blocks if blocks is None else blocks:
             if histograms is None:
                 continue
             for step, block in zip(steps, histograms, strict=False):
-                for i in range(len(self._layout)):
+                for i in range(len(layout)):
                     rows.append(
                         (
                             int(step),
-                            self._layout.layers[i],
-                            self._layout.layer_indices[i],
-                            self._layout.tensors[i],
+                            layout.layers[i],
+                            layout.layer_indices[i],
+                            layout.tensors[i],
                             block[i].astype(np.int64),
                         )
                     )
@@ -607,11 +612,25 @@ class GradientMonitor(keras.callbacks.Callback):
     def _tables(self):
         if self._frames is None:
             if self._blocks:
-                steps = np.concatenate([b[0] for b in self._blocks])
-                stats = np.concatenate([b[1] for b in self._blocks])
-                metrics = np.concatenate([b[2] for b in self._blocks])
-                history = layer_stats_frame(steps, stats, self._layout)
-                step_metrics = metrics_frame(steps, metrics, STEP_METRICS, self._metric_names())
+                # One frame per run of blocks that share a layout (usually one).
+                histories, metric_frames = [], []
+                for _, run in itertools.groupby(self._blocks, key=lambda b: id(b[4])):
+                    run = list(run)
+                    layout = run[0][4]
+                    steps = np.concatenate([b[0] for b in run])
+                    histories.append(
+                        layer_stats_frame(steps, np.concatenate([b[1] for b in run]), layout)
+                    )
+                    metric_frames.append(
+                        metrics_frame(
+                            steps,
+                            np.concatenate([b[2] for b in run]),
+                            STEP_METRICS,
+                            self._metric_names(),
+                        )
+                    )
+                history = pd.concat(histories, ignore_index=True)
+                step_metrics = pd.concat(metric_frames, ignore_index=True)
             else:
                 history = pd.DataFrame(columns=list(schema.LAYER_STATS_COLUMNS))
                 step_metrics = pd.DataFrame(columns=list(schema.METRICS_COLUMNS))
@@ -653,12 +672,17 @@ class GradientMonitor(keras.callbacks.Callback):
         if history.empty:
             return
         found = diagnose(history, self.rules)
+        # The rules read the whole history: with a monitor given to several
+        # fits, what an earlier fit's end reported is found again.
+        known = {(step, layer, kind) for step, layer, kind, _ in self._events}
+        reported_nonfinite = any(kind == "nonfinite" for _, _, kind, _ in self._events)
         for step, layer, kind, message in found[list(schema.EVENTS_COLUMNS)].itertuples(
             index=False
         ):
-            if kind == "nonfinite" and self._nonfinite_step is not None:
+            if kind == "nonfinite" and reported_nonfinite:
                 continue  # the monitor reported it already, when it happened
-            self._add_event(int(step), layer, kind, message)
+            if (int(step), layer, kind) not in known:
+                self._add_event(int(step), layer, kind, message)
 
 
 # The `(monitor, params)` of the monitor recording a model's current `fit`.
