@@ -31,28 +31,28 @@ def png_width(data):
     return PIL.Image.open(io.BytesIO(data)).size[0]
 
 
-def children():
+def parents():
     """{pid: parent pid} of every process now running (Linux /proc)."""
-    parents = {}
+    found = {}
     for entry in pathlib.Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text()
             except OSError:  # ended meanwhile
                 continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    return parents
+            found[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return found
 
 
 def process_tree(pid):
     """`pid` and every process below it."""
-    parents = children()
+    parent_of = parents()
     tree, grew = {pid}, True
     while grew:
-        below = {child for child, parent in parents.items() if parent in tree} - tree
+        below = {child for child, parent in parent_of.items() if parent in tree} - tree
         grew = bool(below)
         tree |= below
-    return tree & set(parents)
+    return tree & set(parent_of)
 
 
 def alive(pids):

@@ -30,8 +30,7 @@ def sensitivity_bars(inputs, *, presentation=False):
     figure.update_xaxes(title="layer (input side first)")
     figure.update_layout(title="Input sensitivity per layer")
     description = "How strongly each layer's output reacts to the input. It usually shrinks or grows with depth."
-    notes = inputs["note"] if "note" in inputs else pd.Series([], dtype=object)
-    if notes.str.contains("softmax").any():
+    if "note" in inputs and inputs["note"].str.contains("softmax").any():
         description += (
             " A softmax output sums to 1 whatever the input, so its bar is 0 by construction"
             " (missing on the log scale; see the table's note), not a sign that it ignores the input."

@@ -274,7 +274,9 @@ class GradientMonitor(keras.callbacks.Callback):
         )
         self._steps_per_execution = max(1, int(model.steps_per_execution))
         self._saved_train_step = model.__dict__.get("train_step")
-        if self._reuse_last_step(model):
+        # Made once: the optimizer's config and every layer are read for it.
+        reuse_key = _ReuseKey(self, model)
+        if self._reuse_last_step(model, reuse_key):
             self._begin_fit()
             return
         self._plan = StepPlan(
@@ -307,12 +309,10 @@ class GradientMonitor(keras.callbacks.Callback):
         compiled = model.train_function
         model.train_function = self._guarded(compiled)
         if instrumented:
-            object.__setattr__(
-                model, _LAST_STEP, (_ReuseKey(self, model), self._plan, step, compiled)
-            )
+            object.__setattr__(model, _LAST_STEP, (reuse_key, self._plan, step, compiled))
         self._begin_fit()
 
-    def _reuse_last_step(self, model):
+    def _reuse_last_step(self, model, key):
         """Take the train step the model's last monitored `fit` traced, if nothing it depends on changed.
 
         Tracing the instrumented step took most of a short `fit`'s time (a
@@ -325,7 +325,7 @@ class GradientMonitor(keras.callbacks.Callback):
         """
         last = model.__dict__.get(_LAST_STEP)
         # No ring yet: the last `fit` ended before its first trace.
-        if last is None or last[1].buffer is None or last[0] != _ReuseKey(self, model):
+        if last is None or last[1].buffer is None or last[0] != key:
             return False
         _, self._plan, step, compiled = last
         # A fresh start: nothing halted, no step of the last `fit` left to read.
