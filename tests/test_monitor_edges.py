@@ -344,3 +344,67 @@ def test_snapshot_refuses_an_empty_batch_and_a_missing_model():
         warnings.simplefilter("error")  # no NumPy overflow warning leaks either
         shot = snapshot(model, x, y, loss="sparse_categorical_crossentropy")
     assert len(shot.weights) == 4
+
+
+@pytest.fixture
+def mixed_precision():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def loss_scaled_regressor(initial_scale):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(16, activation="relu", name="hidden"),
+            keras.layers.Dense(1, dtype="float32", name="out"),
+        ]
+    )
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01), initial_scale=initial_scale
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    return model, optimizer
+
+
+def test_loss_scale_overflows_are_skipped_batches_not_nans(mixed_precision):
+    """Mixed precision: LossScaleOptimizer skips a batch whose scaled gradients
+    overflow float16 and halves its scale. Once, that attempt's Inf statistics
+    overwrote the step before's record (it does not advance `iterations`), and
+    `stop_on_nonfinite` halted training at the first overflow as if it were a NaN."""
+    x, _ = data()
+    y = x.sum(axis=1, keepdims=True)
+    model, optimizer = loss_scaled_regressor(initial_scale=2.0**24)
+    monitor = GradientMonitor(stop_on_nonfinite=True)
+    epochs = 5
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=[monitor])
+    batches = epochs * N // BATCH
+    skipped = int(np.log2(2.0**24 / float(optimizer.dynamic_scale.numpy())))
+    assert 0 < skipped < batches  # some overflowed, and training went on after them
+    applied = int(optimizer.iterations.numpy())
+    assert applied == batches - skipped
+    history = monitor.history
+    assert sorted(history["step"].unique()) == list(range(1, applied + 1))
+    assert history.groupby("step").size().nunique() == 1  # one record a step
+    assert np.isfinite(history[["max_abs", "l2_norm"]].to_numpy()).all()
+    assert (history["nonfinite"] == 0).all()
+    events = monitor.events
+    assert "nonfinite" not in set(events["kind"])
+    notes = events[events["message"].str.startswith("Loss-scale overflow")]
+    counted = notes["message"].str.extract(r"(\d+) batch")[0].astype(int).sum()
+    assert counted == skipped
+
+
+def test_a_nan_under_loss_scaling_still_halts_at_its_step(mixed_precision):
+    x, _ = data()
+    y = x.sum(axis=1, keepdims=True)
+    x[2 * BATCH + 1, 0] = np.nan  # the third batch: a NaN loss, not an overflow
+    model, optimizer = loss_scaled_regressor(initial_scale=2.0**8)
+    monitor = GradientMonitor(stop_on_nonfinite=True)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    nonfinite = monitor.events.query("kind == 'nonfinite'")
+    assert nonfinite["step"].tolist() == [3]
+    assert sorted(monitor.history["step"].unique()) == [1, 2, 3]
+    assert all(np.isfinite(w).all() for w in model.get_weights())

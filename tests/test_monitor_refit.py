@@ -244,6 +244,36 @@ def test_a_fit_a_callback_broke_is_closed_by_the_next_one(tmp_path):
     assert not np.isfinite(model.get_weights()[0]).any()
 
 
+@pytest.mark.parametrize("next_call", ["fit", "train_on_batch"])
+def test_a_plain_call_after_a_callback_broke_a_monitored_fit_runs_keras_step(tmp_path, next_call):
+    """Once, the plain `fit` right after such an error ran the instrumented step:
+    it halted on a NaN, and the run said "running" until a monitored `fit` came."""
+    from gradflow.store import RunStore
+
+    class Broken(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise RuntimeError("a bug in someone's callback")
+
+    x, y = make_data()
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    store = RunStore(tmp_path / "runs.db")
+    monitor = GradientMonitor(store=store, stop_on_nonfinite=True)
+    with pytest.raises(RuntimeError, match="someone's callback"):
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor, Broken()])
+    assert store.status(monitor.run_id) == "running"  # nothing of gradflow has run since
+    bad = np.full_like(x, np.nan)
+    if next_call == "fit":
+        model.fit(bad, y, batch_size=BATCH, verbose=0)
+    else:
+        model.train_on_batch(bad[:BATCH], y[:BATCH])
+    assert not np.isfinite(model.get_weights()[0]).any()  # Keras's step: no halt
+    assert store.status(monitor.run_id) == "failed"
+    assert "outside the train step" in store.run_info(monitor.run_id)["message"]
+    assert {"train_step", "make_train_function"}.isdisjoint(model.__dict__)
+    assert len(monitor.history) > 0  # the step recorded before the error is kept
+
+
 def test_one_monitor_across_a_freeze_keeps_both_fits_records():
     """The second fit records fewer rows a step; `history` once failed to join them."""
     x, y = make_data()

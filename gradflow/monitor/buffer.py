@@ -97,6 +97,9 @@ class RingBuffer:
             # Set by the step when it met a non-finite gradient and
             # `stop_on_nonfinite` asked to halt: later steps then do nothing.
             self.halted = _local_variable(0, tf.int32)
+            # Batches a `LossScaleOptimizer` skipped for overflow (mixed
+            # precision), which the ring does not record.
+            self.overflows = _local_variable(0, tf.int64)
 
     def write(self, step, stats, metrics, histograms=None):
         """Store one step (graph code, inside the train step).

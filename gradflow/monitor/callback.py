@@ -258,12 +258,11 @@ class GradientMonitor(keras.callbacks.Callback):
             owner[0]._abandon(error)  # `fit` ends here: leave the model as it was
             raise error
         if owner is not None and owner[1] is not self.params:
-            # An earlier `fit` ended without `on_train_end`: Keras calls no
-            # callback when another callback raises. Close that run and give
-            # the model its own step back before this `fit` saves it.
-            owner[0]._abandon(
-                RuntimeError("`fit` ended with an error outside the train step (in a callback?)")
-            )
+            # An earlier `fit` ended without `on_train_end` and this `fit` did
+            # not call `make_train_function` first (`_watch_for_the_next_fit`
+            # handles the trainers that do). Close that run and give the model
+            # its own step back before this `fit` saves it.
+            owner[0]._abandon(RuntimeError(_ENDED_OUTSIDE_THE_STEP))
         object.__setattr__(model, _OWNER, (self, self.params))
         strategy = model.distribute_strategy
         self._is_chief = bool(getattr(strategy.extended, "should_checkpoint", True))
@@ -337,6 +336,7 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def _begin_fit(self):
         model = self.model
+        self._watch_for_the_next_fit()
         self._clipping = not self._plan.probing and clipping_optimizer(model.optimizer) is not None
         self._last_step = int(step_counter(model.optimizer).numpy())
         planned = _planned_steps(self.params)
@@ -352,6 +352,7 @@ class GradientMonitor(keras.callbacks.Callback):
         # Each `fit` halts at its own first non-finite step (a monitor given
         # to several fits); the events of earlier fits stay.
         self._nonfinite_step = None
+        self._overflows_seen, self._overflow_step = self._overflows(), self._last_step
         if self._is_chief:
             self._open_store()
             if self.tensorboard_dir is not None:
@@ -443,6 +444,26 @@ class GradientMonitor(keras.callbacks.Callback):
         train_function.__wrapped__ = compiled
         return train_function
 
+    def _watch_for_the_next_fit(self):
+        """Give the model its own step back if it trains again before this `fit` ends.
+
+        Keras calls no callback when another callback raises (or a Ctrl-C
+        lands in one), so `fit` can end with the model still holding the
+        instrumented step, and a plain `fit` after it would run that step: it
+        would halt on a NaN and fill a ring no one reads. Keras's `fit` and
+        `train_on_batch` call `make_train_function` before anything else, so
+        an instance attribute shadowing it sees the next one begin, closes
+        this run as failed and lets Keras build its own step.
+        """
+        model = self.model
+
+        def make_train_function(force=False):
+            model.__dict__.pop("make_train_function", None)
+            self._abandon(RuntimeError(_ENDED_OUTSIDE_THE_STEP))
+            return model.make_train_function(force=force)
+
+        object.__setattr__(model, "make_train_function", make_train_function)
+
     def _abandon(self, error):
         """Keep the steps recorded before `error`, put the model back, close the run."""
         try:
@@ -463,6 +484,7 @@ class GradientMonitor(keras.callbacks.Callback):
             return  # Done already.
         model.__dict__.pop(_OWNER, None)
         model.__dict__.pop("train_step", None)
+        model.__dict__.pop("make_train_function", None)
         if self._saved_train_step is not None:
             object.__setattr__(model, "train_step", self._saved_train_step)
         # Make the next fit (or train_on_batch) build Keras's own step again.
@@ -491,6 +513,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self._batches_since_read = 0
         if self._plan.buffer is not None:  # None until the step is traced
             self._read_ring()
+            self._note_overflows()
         halted_at = self._halted_step()
         for step, compiled in self._pending_logs:
             # The batches `fit` ran after a halt changed nothing: their
@@ -541,6 +564,35 @@ class GradientMonitor(keras.callbacks.Callback):
             if self.stop_on_nonfinite:
                 self.model.stop_training = True
             return
+
+    def _overflows(self):
+        """How many batches the model's `LossScaleOptimizer` has skipped in monitored steps."""
+        overflows = getattr(self._plan.buffer, "overflows", None)
+        return 0 if overflows is None else int(overflows.numpy())
+
+    def _note_overflows(self):
+        """An `info` event for the batches skipped for loss-scale overflow since the last read.
+
+        Their gradients are not in the history (nothing was applied), so the
+        event says where the missing batches went.
+        """
+        count, step = self._overflows(), self._current_step()
+        skipped, self._overflows_seen = count - self._overflows_seen, count
+        since, self._overflow_step = self._overflow_step, step
+        if skipped <= 0:
+            return
+        scale = float(self.model.optimizer.dynamic_scale.numpy())
+        batches = "1 batch" if skipped == 1 else f"{skipped} batches"
+        self._add_event(
+            step,
+            None,
+            "info",
+            f"Loss-scale overflow: {batches} between step {since} and step {step + 1} had "
+            "gradients beyond float16's range at the loss scale, so LossScaleOptimizer skipped "
+            f"{'its' if skipped == 1 else 'their'} update and halved the scale (now "
+            f"{scale:g}). This is normal while mixed-precision training finds its scale; "
+            "skipped batches are not in the history.",
+        )
 
     def _current_step(self):
         return int(step_counter(self.model.optimizer).numpy())
@@ -684,6 +736,8 @@ class GradientMonitor(keras.callbacks.Callback):
             if (int(step), layer, kind) not in known:
                 self._add_event(int(step), layer, kind, message)
 
+
+_ENDED_OUTSIDE_THE_STEP = "`fit` ended with an error outside the train step (in a callback?)"
 
 # The `(monitor, params)` of the monitor recording a model's current `fit`.
 _OWNER = "_gradflow_monitor"

@@ -237,6 +237,13 @@ def instrumented_train_step(plan):
         recorded_gradients = _unscaled(_filled(weight_gradients, variables), scale)
         activation_gradients = _unscaled(_filled(gradients[len(variables) :], activations), scale)
         finite = halted = summary = None
+        loss_scaled = (
+            isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and plan.replicas == 1
+        )
+        if loss_scaled:
+            # An attempt that does not update does not advance `iterations`:
+            # numbered after the update, it would take the step before's number.
+            attempted_step = tf.cast(step_counter(optimizer), tf.int64) + 1
         if (
             plan.every == 1
             and plan.replicas == 1
@@ -253,11 +260,17 @@ def instrumented_train_step(plan):
             # lab's 4x32 MLP).
             summary = summarize(recorded_gradients + activation_gradients, plan.histograms)
             before_update.append(summary[0])
-            if plan.stop_on_nonfinite:
+            if plan.stop_on_nonfinite or loss_scaled:
                 counts = summary[0][: len(variables), schema.STATISTICS.index("nonfinite")]
                 finite = tf.reduce_all(tf.equal(counts, 0.0))
-        elif plan.stop_on_nonfinite:
+        elif plan.stop_on_nonfinite or loss_scaled:
             finite = _all_finite(weight_gradients)
+        overflowed = None
+        if loss_scaled:
+            finite, overflowed = _overflow_or_nonfinite(finite, loss, scale)
+            plan.buffer.overflows.assign_add(tf.cast(overflowed, tf.int64))
+            if not plan.stop_on_nonfinite:
+                finite = None
         if plan.stop_on_nonfinite and plan.replicas == 1:
             # A skipped update changes nothing: no change, the weights as before.
             unchanged = [] if updates is None else [tf.zeros_like(before_norms), before_norms]
@@ -272,18 +285,19 @@ def instrumented_train_step(plan):
             weight_norms = changes[1]
 
         # Record gradient statistics
-        step = tf.cast(step_counter(optimizer), tf.int64)
+        step = attempted_step if loss_scaled else tf.cast(step_counter(optimizer), tf.int64)
         when = None  # every step
         if plan.every > 1:
             when = tf.equal(tf.math.floormod(step, plan.every), 0)
             if finite is not None:  # the non-finite step, also off the grid
                 when = tf.logical_or(when, tf.logical_not(finite))
-        if halted is not None:  # nothing after a halt
-            when = (
-                tf.logical_not(halted)
-                if when is None
-                else tf.logical_and(when, tf.logical_not(halted))
-            )
+        for skip in (halted, overflowed):  # nothing after a halt; no overflowed attempt
+            if skip is not None:
+                when = (
+                    tf.logical_not(skip)
+                    if when is None
+                    else tf.logical_and(when, tf.logical_not(skip))
+                )
         clipping = clipping_optimizer(optimizer)
         _record(
             plan,
@@ -740,6 +754,29 @@ def _loss_scale(optimizer):
             return optimizer.initial_scale
         return tf.identity(optimizer.dynamic_scale.value)
     return optimizer.loss_scale_factor
+
+
+def _overflow_or_nonfinite(finite, loss, scale):
+    """Tell a loss-scale overflow from a non-finite gradient the model made.
+
+    With mixed precision, `LossScaleOptimizer` multiplies the loss by a
+    scale that it halves whenever the scaled gradients overflow float16,
+    skipping that batch's update; such an attempt says nothing about the
+    model, and is neither recorded (its gradients are not applied) nor a
+    reason to halt. Gradients that are still non-finite with a finite loss
+    at a scale of 1 or less, or with a non-finite loss, are the model's.
+
+    Returns:
+        `(finite, overflowed)`: bool scalars; `finite` is False only for
+        the model's own non-finite gradients.
+    """
+    nonfinite = tf.logical_not(finite)
+    models_own = tf.logical_or(
+        tf.logical_not(tf.math.is_finite(tf.cast(loss, tf.float32))),
+        tf.cast(scale, tf.float32) <= 1.0,
+    )
+    overflowed = tf.logical_and(nonfinite, tf.logical_not(models_own))
+    return tf.logical_not(tf.logical_and(nonfinite, models_own)), overflowed
 
 
 def _unscaled(gradients, scale):
