@@ -274,6 +274,32 @@ def test_a_plain_call_after_a_callback_broke_a_monitored_fit_runs_keras_step(tmp
     assert len(monitor.history) > 0  # the step recorded before the error is kept
 
 
+def test_one_monitor_given_to_several_fits_keeps_its_stored_run_current(tmp_path):
+    """The stored run once said "completed" while the second `fit` wrote to it,
+    and its planned steps stayed the first fit's (progress past 100%)."""
+    from gradflow.store import RunStore
+
+    x, y = make_data()
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    store = RunStore(tmp_path / "runs.db")
+    statuses = []
+
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            statuses.append(store.status(monitor.run_id))
+
+    monitor = GradientMonitor(store=store)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[monitor])
+    first = store.run_info(monitor.run_id)
+    assert (first["status"], first["total_steps"]) == ("completed", 3)
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[monitor, Watch()])
+    assert statuses and set(statuses) == {"running"}
+    info = store.run_info(monitor.run_id)
+    assert (info["status"], info["total_steps"]) == ("completed", 9)
+    assert info["progress_step"] == 9
+
+
 def test_one_monitor_across_a_freeze_keeps_both_fits_records():
     """The second fit records fewer rows a step; `history` once failed to join them."""
     x, y = make_data()

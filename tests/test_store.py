@@ -311,6 +311,8 @@ def test_runs_listing_rename_tag_delete(store):
         (lambda s, r: s.set_status(r, "done"), "`status`"),
         (lambda s, r: s.request(r, "rewind"), "`action`"),
         (lambda s, r: s.rename(r, " "), "`name`"),
+        (lambda s, r: s.set_total_steps(r, -1), "`total_steps`"),
+        (lambda s, r: s.set_total_steps(r, 2.5), "`total_steps`"),
         (lambda s, r: s.create_run({}, source="web"), "`source`"),
         (lambda s, r: s.create_run([1]), "`config`"),
         (lambda s, r: s.writer(r, flush_interval=0), "`flush_interval`"),

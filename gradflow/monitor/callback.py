@@ -187,6 +187,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self.tensorboard_dir = tensorboard_dir
         self.run_name = run_name
         self.run_id = run_id
+        self._created_run = False  # whether `run_id` is a run this monitor made
         self.close_run = flag("close_run", close_run)
         self.rules = rules
         self._store = store
@@ -451,13 +452,17 @@ class GradientMonitor(keras.callbacks.Callback):
         lands in one), so `fit` can end with the model still holding the
         instrumented step, and a plain `fit` after it would run that step: it
         would halt on a NaN and fill a ring no one reads. Keras's `fit` and
-        `train_on_batch` call `make_train_function` before anything else, so
+        `train_on_batch` call `make_train_function()` before anything else, so
         an instance attribute shadowing it sees the next one begin, closes
-        this run as failed and lets Keras build its own step.
+        this run as failed and lets Keras build its own step. A call with
+        `force=True` is a retrace inside this `fit` (the lab's `RunControl`
+        stepping one step at a time), which must build the instrumented step.
         """
         model = self.model
 
         def make_train_function(force=False):
+            if force:
+                return type(model).make_train_function(model, force=True)
             model.__dict__.pop("make_train_function", None)
             self._abandon(RuntimeError(_ENDED_OUTSIDE_THE_STEP))
             return model.make_train_function(force=force)
@@ -711,12 +716,16 @@ class GradientMonitor(keras.callbacks.Callback):
                 "activations": self.activations,
                 "histograms": self.histograms,
             }
+            # The step the run ends at: a model trained before starts past 0.
             self.run_id = store.create_run(
-                config,
-                name=self.run_name,
-                source="monitor",
-                total_steps=_planned_steps(self.params),
+                config, name=self.run_name, source="monitor", total_steps=self._final_step
             )
+            self._created_run = True
+        elif self._created_run:
+            # The same monitor given to another `fit`: its run trains on, further.
+            # (A run given by `run_id` is its owner's to keep: the lab's worker.)
+            store.set_status(self.run_id, "running", pid=os.getpid())
+            store.set_total_steps(self.run_id, self._final_step)
         self._writer = store.writer(self.run_id)
 
     def _diagnose(self):

@@ -266,6 +266,23 @@ class RunStore:
             raise ValueError(f"`name` must be a non-empty string, got {name!r}.")
         self._update(run_id, "name", name.strip())
 
+    def set_total_steps(self, run_id, total_steps):
+        """Sets the step a run is planned to end at (None: not known).
+
+        A `GradientMonitor` given to another `fit` trains its run on, so the
+        run's end moves.
+
+        Raises:
+            ValueError: if `total_steps` is not None or a non-negative integer.
+        """
+        if total_steps is not None and (
+            isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0
+        ):
+            raise ValueError(
+                f"`total_steps` must be None or an integer >= 0, got {total_steps!r}."
+            )
+        self._update(run_id, "total_steps", total_steps)
+
     def tag(self, run_id, tags):
         """Replaces a run's tags.
 
