@@ -202,7 +202,8 @@ def _layer_norms(table):
     weights = table[table["tensor"] != schema.ACTIVATION]
     if weights.empty or "l2_norm" not in weights.columns:
         return pd.DataFrame(columns=["step", "layer", "layer_index", "norm"])
-    squares = pd.to_numeric(weights["l2_norm"], errors="coerce") ** 2
+    # float64: a float32 norm above 1.8e19 would overflow its own square.
+    squares = pd.to_numeric(weights["l2_norm"], errors="coerce").astype("float64") ** 2
     broken = squares.isna()
     if "nonfinite" in weights.columns:
         broken |= pd.to_numeric(weights["nonfinite"], errors="coerce") > 0
@@ -214,8 +215,8 @@ def _layer_norms(table):
         .agg(_square=("_square", "sum"), _broken=("_broken", "any"))
     )
     norms["norm"] = np.sqrt(norms.pop("_square"))
-    # A norm of +inf over entries that are all finite overflowed float32's
-    # sum of squares (a norm above about 1.8e19): exploding, not broken.
+    # A norm of +inf over entries that are all finite is beyond float32
+    # itself (above 3.4e38): exploding, not broken.
     # NaN/Inf entries are the non-finite rule's.
     keep = ~norms.pop("_broken") & (np.isfinite(norms["norm"]) | (norms["norm"] == np.inf))
     return norms[keep].reset_index(drop=True)
@@ -223,7 +224,7 @@ def _layer_norms(table):
 
 def _norm_text(norm):
     if norm == np.inf:  # every entry finite, the sum of their squares not
-        return "beyond float32's range (above 1.8e+19)"
+        return "beyond float32's range (above 3.4e+38)"
     return f"{norm:.1e}"
 
 

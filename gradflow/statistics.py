@@ -17,9 +17,14 @@ one vector and used segment operations; those kernels are single-threaded on
 CPU and the concatenation copies every entry, which made it slower still.
 Measured with `python3 bench/bench_statistics.py`.
 
-The sums are float32, as the gradients are: an L2 norm above about 1.8e19
-overflows to +inf although every entry is finite (`nonfinite` stays 0, which
-tells the two apart); `gradflow.diagnose` reports such a layer as exploding.
+The sums are float32, as the gradients are. Squares leave float32's range
+for entries below about 1e-19 (they flush to zero) or above about 1.8e19, and
+the gradients of a 30-layer sigmoid net's first layers are about 1e-20: so
+the spread is summed as ((g - mean) / max|g|)^2 and the L2 norm and std are
+scaled back after the square root (`_norm_scale`). Only a norm beyond
+float32 itself (3.4e38) reads +inf for finite entries (`nonfinite` stays 0,
+which tells the two apart); `gradflow.diagnose` reports such a layer as
+exploding.
 
 Layer outputs (activation gradients) have a first dimension that is unknown
 while the step is traced, so they cannot be stacked safely; those with rows
@@ -91,11 +96,45 @@ def _entries(rows):
 
 
 # The columns of `_raw_sums`, reduced per group and finished once for all.
-_RAW = ("entries", "total", "sum_abs", "deviations", "max_abs", "zeros", "nonfinite")
+# `deviations` is sum ((g - mean) * scale)^2, `scale` from `_norm_scale`.
+_RAW = ("entries", "total", "sum_abs", "deviations", "max_abs", "zeros", "nonfinite", "scale")
+# Where every tensor's max |g| lies in [1 / _SAFE, _SAFE], sum g^2 and the
+# one-pass variance lose nothing to float32's range: squares of entries
+# under 1e-19 flush to zero, and those add at most entries x 1e-38 to a sum
+# of at least 1e-24 (1e-8 of it even for 10^6 entries).
+_SAFE = 1e12
+# float32 bits: the exponent field, and 254 << 23, whose difference with a
+# float's exponent field is the field of 1 / (its power of two).
+_EXPONENT_BITS = 0x7F800000
+_ONE_SQUARED_BITS = 254 << 23
+_SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
+
+
+def _norm_scale(max_abs):
+    """The power of two that brings max|g| into [1, 2) (per row); in [2^-126, 2^126].
+
+    Multiplying by it before squaring keeps the squares of a tensor's largest
+    entries near 1, inside float32's range whatever the gradients' size. A
+    power of two, so the product is exact: `(g - mean)` of entries that share
+    a large offset (2e3 +- 1e-2) would otherwise lose their spread to the
+    product's rounding. Its exponent is the float's own, read off its bits,
+    in six small ops (a step pays them per shape group). Zero gets 2^126
+    (its entries are all zero), Inf 2^-126 (its row is non-finite anyway).
+    """
+    clamped = tf.clip_by_value(max_abs, _SMALLEST_NORMAL, 2.0**126)
+    exponent = tf.bitwise.bitwise_and(tf.bitcast(clamped, tf.int32), _EXPONENT_BITS)
+    return tf.bitcast(_ONE_SQUARED_BITS - exponent, tf.float32)
+
+
+def _norm_scale_numpy(max_abs):
+    """`_norm_scale` of a float32 array."""
+    clamped = np.clip(max_abs, _SMALLEST_NORMAL, np.float32(2.0**126)).astype(np.float32)
+    exponent = np.bitwise_and(clamped.view(np.int32), _EXPONENT_BITS)
+    return (np.int32(_ONE_SQUARED_BITS) - exponent).astype(np.int32).view(np.float32)
 
 
 def _raw_sums(stacked, fused=False):
-    """The reductions behind the statistics of each tensor of a `[k, ...]` stack: `[k, 7]`.
+    """The reductions behind the statistics of each tensor of a `[k, ...]` stack: `[k, 8]`.
 
     `fused`: whether sum g^2 may come from `sum_of_squares(fused=True)`,
     which XLA cannot compile (see there).
@@ -116,13 +155,18 @@ def _raw_sums(stacked, fused=False):
     sum_abs = tf.reduce_sum(magnitude, axis=1, keepdims=True)
     # reduce_max does not promise to propagate NaN; `_finish` uses sum |g|.
     max_abs = tf.reduce_max(magnitude, axis=1, keepdims=True)
+    scale = _norm_scale(max_abs)
     zeros = _count_per_row(tf.equal(values, 0.0), keepdims=True)
-    deviations, nonfinite = _deviations_and_nonfinite(values, entries, mean, sum_abs, fused)
-    return tf.concat([entries, total, sum_abs, deviations, max_abs, zeros, nonfinite], axis=1)
+    deviations, nonfinite = _deviations_and_nonfinite(
+        values, entries, mean, sum_abs, fused, max_abs, scale
+    )
+    return tf.concat(
+        [entries, total, sum_abs, deviations, max_abs, zeros, nonfinite, scale], axis=1
+    )
 
 
-def _deviations_and_nonfinite(values, entries, mean, sum_abs, fused):
-    """sum (g - mean)^2 and the NaN/Inf count of each row of `[k, entries]`.
+def _deviations_and_nonfinite(values, entries, mean, sum_abs, fused, max_abs, scale):
+    """sum ((g - mean) * scale)^2 and the NaN/Inf count of each row of `[k, entries]`.
 
     Small groups take two passes, no branch. A large one takes a branch:
     when every entry is finite (a finite sum |g| proves it) and the mean is
@@ -133,19 +177,20 @@ def _deviations_and_nonfinite(values, entries, mean, sum_abs, fused):
     """
 
     def exact():
-        return _two_pass_deviations(values, mean), _nonfinite_counts(values)
+        return _two_pass_deviations(values, mean, scale), _nonfinite_counts(values)
 
     size = values.shape.num_elements()
     if size is not None and size <= _BRANCH_ABOVE:
         return exact()
     squares = sum_of_squares(values, fused)[:, tf.newaxis]
-    return _one_pass_unless_unsafe(squares, entries, mean, sum_abs, exact)
+    return _one_pass_unless_unsafe(squares, entries, mean, sum_abs, max_abs, scale, exact)
 
 
-def _one_pass_unless_unsafe(squares, entries, mean, sum_abs, exact):
-    """`(sum g^2 - n mean^2, no NaN/Inf)` per tensor, or `exact()` when that is unsafe.
+def _one_pass_unless_unsafe(squares, entries, mean, sum_abs, max_abs, scale, exact):
+    """`((sum g^2 - n mean^2) * scale^2, no NaN/Inf)` per tensor, or `exact()` when that is unsafe.
 
-    Safe when every entry is finite (a finite sum |g| proves it) and every
+    Safe when every entry is finite (a finite sum |g| proves it), every
+    max |g| is within float32's safe range for squares (`_SAFE`) and every
     variance is at least `_ONE_PASS_SHARE` of its sum g^2. One branch for
     all the tensors given: the arguments are per-tensor columns of one shape.
     """
@@ -155,18 +200,25 @@ def _one_pass_unless_unsafe(squares, entries, mean, sum_abs, exact):
         tf.reduce_all(tf.math.is_finite(sum_abs)),
         tf.reduce_all(one_pass >= _ONE_PASS_SHARE * squares),
     )
-    return tf.cond(holds, lambda: (one_pass, tf.zeros_like(sum_abs)), exact)
+    holds = tf.logical_and(holds, tf.reduce_all(max_abs <= _SAFE))
+    holds = tf.logical_and(holds, tf.reduce_all((max_abs >= 1.0 / _SAFE) | (max_abs == 0.0)))
+    return tf.cond(
+        holds, lambda: (one_pass * tf.square(scale), tf.zeros_like(sum_abs)), exact
+    )
 
 
-def _two_pass_deviations(values, mean):
+def _two_pass_deviations(values, mean, scale):
     # Around the (rounded) mean: E[g^2] - E[g]^2 cancels badly in float32
-    # when entries share a large offset (2e3 +- 1e-2).
-    return tf.reduce_sum(tf.math.squared_difference(values, mean), axis=1, keepdims=True)
+    # when entries share a large offset (2e3 +- 1e-2). Scaled before the
+    # square (`_norm_scale`).
+    return tf.reduce_sum(
+        tf.math.squared_difference(values * scale, mean * scale), axis=1, keepdims=True
+    )
 
 
 def _finish(raw):
-    """`[n, 7]` rows of `_raw_sums` -> `[n, 6]` statistics (`schema.STATISTICS`)."""
-    entries, total, sum_abs, deviations, max_abs, zeros, nonfinite = tf.unstack(
+    """`[n, 8]` rows of `_raw_sums` -> `[n, 6]` statistics (`schema.STATISTICS`)."""
+    entries, total, sum_abs, deviations, max_abs, zeros, nonfinite, scale = tf.unstack(
         raw, num=len(_RAW), axis=1
     )
     count = tf.maximum(entries, 1.0)
@@ -177,12 +229,13 @@ def _finish(raw):
     all_finite = tf.math.is_finite(sum_abs)
     # sum g^2 = sum (g - mean)^2 + n mean^2: both terms are >= 0, so no
     # cancellation, and no pass of its own.
-    l2_norm = tf.sqrt(deviations + entries * tf.square(mean))
+    # In units of max |g| (`scale`): squares near 1, whatever the gradients' size.
+    l2_norm = tf.sqrt(deviations + entries * tf.square(mean * scale)) / scale
     l2_norm = tf.where(all_finite, l2_norm, tf.where(has_nan, _NAN, float("inf")))
     # An empty tensor's max is -inf; entries are >= 0, so clamping at 0 reports
     # 0 for it and changes nothing else (no branch: a cond is slow).
     max_abs = tf.where(has_nan, _NAN, tf.maximum(max_abs, 0.0))
-    std = tf.sqrt(deviations / count)  # keeps NaN
+    std = tf.sqrt(deviations / count) / scale  # keeps NaN
     return tf.stack([max_abs, l2_norm, sum_abs / count, std, zeros / count, nonfinite], axis=1)
 
 
@@ -363,7 +416,7 @@ def summarize(tensors, histogram=False):
 
 
 def _raw_sums_of(tensors):
-    """`_raw_sums` rows of each tensor, in order: `[len(tensors), 7]`.
+    """`_raw_sums` rows of each tensor, in order: `[len(tensors), 8]`.
 
     Tensors whose first dimension alone is unknown (a model's layer outputs
     inside a train step: the first dimension is the batch) go through
@@ -396,7 +449,7 @@ def _batch_width(shape):
 
 
 def _raw_sums_of_batches(tensors):
-    """`_raw_sums` of tensors whose first dimension alone is unknown: `[k, 7]`.
+    """`_raw_sums` of tensors whose first dimension alone is unknown: `[k, 8]`.
 
     Stacking them would need equal first dimensions when the step runs,
     which holds only if every one is the batch (a `tf.boolean_mask` output
@@ -456,6 +509,9 @@ def _raw_sums_of_batches(tensors):
     total, sum_abs, zeros, squares_or_finite = tf.unstack(sums, num=4, axis=1)
     entries = tf.cast(lengths, tf.float32) * tf.constant([float(widths[i]) for i in order])
     mean = total / tf.maximum(entries, 1.0)
+    # An empty tensor's max is the lowest float; `_finish` clamps it at 0.
+    max_abs = tf.math.unsorted_segment_max(rows(row_maxima), ids, count)
+    scale = _norm_scale(max_abs)
 
     def exact():
         # Two-pass variance, as `_raw_sums`: every entry around its tensor's
@@ -471,7 +527,10 @@ def _raw_sums_of_batches(tensors):
             rows(
                 [
                     tf.reduce_sum(
-                        tf.math.squared_difference(values, tf.gather(mean, part)[:, tf.newaxis]),
+                        tf.math.squared_difference(
+                            values * tf.gather(scale, part)[:, tf.newaxis],
+                            tf.gather(mean * scale, part)[:, tf.newaxis],
+                        ),
                         axis=1,
                     )
                     for values, part in zip(joins, join_ids, strict=True)
@@ -489,13 +548,13 @@ def _raw_sums_of_batches(tensors):
 
     if branched:
         deviations, nonfinite = _one_pass_unless_unsafe(
-            squares_or_finite, entries, mean, sum_abs, exact
+            squares_or_finite, entries, mean, sum_abs, max_abs, scale, exact
         )
     else:
         deviations, nonfinite = exact()
-    # An empty tensor's max is the lowest float; `_finish` clamps it at 0.
-    max_abs = tf.math.unsorted_segment_max(rows(row_maxima), ids, count)
-    raw = tf.stack([entries, total, sum_abs, deviations, max_abs, zeros, nonfinite], axis=1)
+    raw = tf.stack(
+        [entries, total, sum_abs, deviations, max_abs, zeros, nonfinite, scale], axis=1
+    )
     return _in_order(raw, order)
 
 
@@ -566,28 +625,37 @@ def summarize_rows_numpy(rows):
         sum_abs = np.where(flushed, 0.0, magnitude.sum(axis=-1)).astype(np.float32)
         # An empty row's max is 0, as `_finish` clamps it; NaN propagates.
         max_abs = magnitude.max(axis=-1, initial=0.0)
-        max_abs = np.where(max_abs < _TINY, 0.0, max_abs)
+        max_abs = np.where(max_abs < _TINY, 0.0, max_abs).astype(np.float32)
         del magnitude
+        # Rows whose squares fit float32 (nearly always) skip the scaling
+        # pass: a Python `if` costs nothing here, unlike a branch in a step.
+        in_range = ((max_abs <= _SAFE) & ((max_abs >= 1.0 / _SAFE) | (max_abs == 0))).all()
+        scale = np.ones_like(max_abs) if in_range else _norm_scale_numpy(max_abs)
         zeros = zeros.astype(np.float32)
         # A finite sum |g| proves every entry of its row finite.
         all_finite = np.isfinite(sum_abs)
         deviations = None
         nonfinite = np.zeros_like(sum_abs)
-        if values.size > _BRANCH_ABOVE and all_finite.all():
+        if values.size > _BRANCH_ABOVE and all_finite.all() and in_range:
             squares = sum_of_squares_numpy(values)
             one_pass = squares - entries * np.square(mean)
             if (one_pass >= _ONE_PASS_SHARE * squares).all():
-                deviations = one_pass
+                deviations = one_pass * np.square(scale)
         if deviations is None:
-            deviations = sum_of_squares_numpy(values - mean[..., np.newaxis], overwrite=True)
+            if in_range:
+                centred = values - mean[..., np.newaxis]
+            else:
+                centred = values * scale[..., np.newaxis]
+                centred -= (mean * scale)[..., np.newaxis]
+            deviations = sum_of_squares_numpy(centred, overwrite=True)
             if not all_finite.all():
                 finite = np.count_nonzero(np.isfinite(values), axis=-1)
                 nonfinite = (entries - finite).astype(np.float32)
         has_nan = np.isnan(sum_abs)
-        l2_norm = np.sqrt(deviations + entries * np.square(mean))
+        l2_norm = np.sqrt(deviations + entries * np.square(mean * scale)) / scale
         l2_norm = np.where(all_finite, l2_norm, np.where(has_nan, np.nan, np.inf))
         max_abs = np.where(has_nan, np.nan, max_abs)
-        std = np.sqrt(deviations / count)
+        std = np.sqrt(deviations / count) / scale
         columns = [max_abs, l2_norm, sum_abs / count, std, zeros / count, nonfinite]
     return np.stack(columns, axis=-1).astype(np.float32)
 

@@ -95,6 +95,21 @@ CASES += [
     ("huge_constant", np.full((600, 600), 3.0, np.float32)),
 ]
 
+# Gradients whose squares leave float32's range: the first layers of a deep
+# sigmoid net (about 1e-20 at depth 30) and a diverging one. Their L2 norm
+# and std once read 0 and Inf. (Powers of two: scaled exactly, the offset
+# case keeps its float32 mean as exact as at scale 1.)
+CASES += [
+    (f"{name}_{size:.0e}", (array * size).astype(np.float32))
+    for size in (2.0**-100, 2.0**-66, 2.0**73, 2.0**90)
+    for name, array in (
+        ("small", RNG.normal(size=(8, 6))),
+        ("large", _large()),
+        ("huge", _large(side=600)),
+        ("huge_offset", 5e2 + _large(side=600) * 1e-3),
+    )
+]
+
 
 def test_the_large_cases_take_each_path_of_the_kernel():
     # If a threshold moves, the cases above must still reach both paths.
@@ -355,6 +370,8 @@ def test_layer_outputs_of_any_batch_length_keep_their_own_rows():
         (2e3 + rng.normal(size=(4, 8)) * 1e-2).astype(np.float32),
         np.float32(-3.0),  # a known shape, between them
         rng.normal(size=(6, 3)).astype(np.float32),  # the only rows of their size
+        (rng.normal(size=(2, 5, 3)) * 1e-24).astype(np.float32),  # squares below float32's range
+        (rng.normal(size=(3, 5, 3)) * 1e24).astype(np.float32),  # and above it
         np.array([0.0, 4.0, -1.0], np.float32),  # one entry per row
         np.zeros((3, 0), np.float32),  # rows of no entries
     ]
@@ -405,8 +422,15 @@ def test_wide_layer_outputs_take_the_branch():
 
 @pytest.mark.parametrize(
     "arrays",
-    [_wide_outputs(), _wide_outputs(offset=7.0), _wide_outputs(fill=NAN), _wide_outputs(fill=INF)],
-    ids=["finite", "offset", "nan", "inf"],
+    [
+        _wide_outputs(),
+        _wide_outputs(offset=7.0),
+        _wide_outputs(fill=NAN),
+        _wide_outputs(fill=INF),
+        [(a * 1e-22).astype(np.float32) for a in _wide_outputs()],
+        [(a * 1e25).astype(np.float32) for a in _wide_outputs()],
+    ],
+    ids=["finite", "offset", "nan", "inf", "vanishing", "exploding"],
 )
 def test_wide_layer_outputs_of_any_batch_length_match_numpy(arrays):
     # The one-pass branch when it holds; a mean 70 std from zero, a NaN or an

@@ -252,7 +252,7 @@ def instrumented_train_step(plan):
             # Every step is summarized anyway: do it before the update. With
             # `stop_on_nonfinite`, finiteness is read off the statistics' count
             # of NaN/Inf entries (no pass of its own; not off the L2 norm,
-            # which overflows float32 for finite entries above about 1e19 and
+            # which overflows float32 for finite entries above about 1e38 and
             # would halt a step that is not broken). With one inter-op thread
             # nothing runs beside the update anyway, and once the statistics
             # have read the gradients the optimizer's ops may reuse their
