@@ -353,6 +353,7 @@ class GradientMonitor(keras.callbacks.Callback):
         # Each `fit` halts at its own first non-finite step (a monitor given
         # to several fits); the events of earlier fits stay.
         self._nonfinite_step = None
+        self._loss_scaled = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
         self._overflows_seen, self._overflow_step = self._overflows(), self._last_step
         if self._is_chief:
             self._open_store()
@@ -573,7 +574,9 @@ class GradientMonitor(keras.callbacks.Callback):
     def _overflows(self):
         """How many batches the model's `LossScaleOptimizer` has skipped in monitored steps."""
         overflows = getattr(self._plan.buffer, "overflows", None)
-        return 0 if overflows is None else int(overflows.numpy())
+        if not self._loss_scaled or overflows is None:
+            return 0
+        return int(overflows.numpy())
 
     def _note_overflows(self):
         """An `info` event for the batches skipped for loss-scale overflow since the last read.
@@ -581,6 +584,8 @@ class GradientMonitor(keras.callbacks.Callback):
         Their gradients are not in the history (nothing was applied), so the
         event says where the missing batches went.
         """
+        if not self._loss_scaled:
+            return
         count, step = self._overflows(), self._current_step()
         skipped, self._overflows_seen = count - self._overflows_seen, count
         since, self._overflow_step = self._overflow_step, step
