@@ -202,9 +202,7 @@ def _one_pass_unless_unsafe(squares, entries, mean, sum_abs, max_abs, scale, exa
     )
     holds = tf.logical_and(holds, tf.reduce_all(max_abs <= _SAFE))
     holds = tf.logical_and(holds, tf.reduce_all((max_abs >= 1.0 / _SAFE) | (max_abs == 0.0)))
-    return tf.cond(
-        holds, lambda: (one_pass * tf.square(scale), tf.zeros_like(sum_abs)), exact
-    )
+    return tf.cond(holds, lambda: (one_pass * tf.square(scale), tf.zeros_like(sum_abs)), exact)
 
 
 def _two_pass_deviations(values, mean, scale):
@@ -552,9 +550,7 @@ def _raw_sums_of_batches(tensors):
         )
     else:
         deviations, nonfinite = exact()
-    raw = tf.stack(
-        [entries, total, sum_abs, deviations, max_abs, zeros, nonfinite, scale], axis=1
-    )
+    raw = tf.stack([entries, total, sum_abs, deviations, max_abs, zeros, nonfinite, scale], axis=1)
     return _in_order(raw, order)
 
 

@@ -278,9 +278,7 @@ class RunStore:
         if total_steps is not None and (
             isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0
         ):
-            raise ValueError(
-                f"`total_steps` must be None or an integer >= 0, got {total_steps!r}."
-            )
+            raise ValueError(f"`total_steps` must be None or an integer >= 0, got {total_steps!r}.")
         self._update(run_id, "total_steps", total_steps)
 
     def tag(self, run_id, tags):
