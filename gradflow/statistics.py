@@ -327,7 +327,12 @@ class ShapeGroups:
 
 
 def stack_rows(tensors):
-    """Tensors of one shape as `[k, entries]` rows (a copy for several, a view for one)."""
+    """Tensors of one shape as `[k, entries]` float32 rows (a copy for several, a view for one).
+
+    A tensor of another float type (a float64 layer, `set_floatx("float64")`)
+    is cast: one stack holds one type, and the statistics are float32.
+    """
+    tensors = [t if t.dtype == tf.float32 else tf.cast(t, tf.float32) for t in tensors]
     if len(tensors) == 1:
         return tf.reshape(tensors[0], [1, -1])  # no copy
     return _rows(tf.stack(tensors))

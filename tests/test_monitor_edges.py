@@ -412,3 +412,84 @@ def test_a_nan_under_loss_scaling_still_halts_at_its_step(mixed_precision):
     assert nonfinite["step"].tolist() == [3]
     assert sorted(monitor.history["step"].unique()) == [1, 2, 3]
     assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+@pytest.mark.parametrize(
+    "clip", [{"clipvalue": 0.02}, {"clipnorm": 0.05}, {"global_clipnorm": 0.05}], ids=str
+)
+def test_clipped_embedding_gradients_are_recorded_as_applied(clip):
+    """Keras clips an Embedding's gradient slice by slice, before repeated rows
+    are summed; the monitor once clipped the summed gradient and recorded other
+    numbers than the ones applied (found by the twenty-seventh session's audit)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((4,), dtype="int32"),
+            keras.layers.Embedding(5, 3, name="emb"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1, name="out"),
+        ]
+    )
+    x = np.array([[1, 1, 1, 2], [1, 1, 3, 3]], "int32")  # row 1 looked up five times
+    y = np.array([[5.0], [-3.0]], "float32")
+    model.compile(keras.optimizers.SGD(0.1, **clip), "mse")
+    before = model.get_weights()
+    monitor = GradientMonitor()
+    model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
+    # SGD without momentum: the applied gradient is the weights' change / lr.
+    applied = [(b - a) / 0.1 for b, a in zip(before, model.get_weights(), strict=True)]
+    history = monitor.history.set_index(["layer", "tensor"])
+    for (layer, tensor), gradient in zip(
+        [("emb", "embeddings"), ("out", "kernel"), ("out", "bias")], applied, strict=True
+    ):
+        row = history.loc[(layer, tensor)]
+        np.testing.assert_allclose(row["l2_norm_clipped"], np.linalg.norm(gradient), rtol=1e-4)
+        np.testing.assert_allclose(row["max_abs_clipped"], np.abs(gradient).max(), rtol=1e-4)
+    global_clipped = monitor.metrics.query("name == 'global_norm_clipped'")["value"].iloc[0]
+    total = np.sqrt(sum(np.square(g).sum() for g in applied))
+    np.testing.assert_allclose(global_clipped, total, rtol=1e-4)
+
+
+@pytest.mark.parametrize("floatx", [False, True], ids=["one float64 layer", "floatx float64"])
+def test_float64_weights_take_the_in_step_path(floatx):
+    """A float64 layer among float32 ones of the same shapes (or `set_floatx`)
+    once crashed the in-step path: one stack held two float types."""
+    keras.config.set_floatx("float64" if floatx else "float32")
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((5,)),
+                keras.layers.Dense(5, dtype="float64", name="d64"),
+                keras.layers.Dense(5, name="d32"),
+                keras.layers.Dense(1, name="out"),
+            ]
+        )
+        x, _ = data()
+        y = x[:, :1]
+        model.compile(keras.optimizers.SGD(0.1, clipnorm=0.5), "mse")
+        first = [v.numpy() for v in model.trainable_variables]
+        monitor = GradientMonitor(every=2)
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+        assert monitor._plan.deferred is False
+        # Step 2's gradient, replayed by a tape from the weights after step 1.
+        reference = keras.models.clone_model(model)
+        for variable, value in zip(reference.trainable_variables, first, strict=True):
+            variable.assign(value)
+        optimizer = keras.optimizers.SGD(0.1, clipnorm=0.5)
+        for start in (0, BATCH):
+            xb, yb = x[start : start + BATCH], y[start : start + BATCH]
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(
+                    tf.square(tf.cast(yb, "float64") - tf.cast(reference(xb), "float64"))
+                )
+            grads = tape.gradient(loss, reference.trainable_variables)
+            if start == 0:
+                optimizer.apply_gradients(zip(grads, reference.trainable_variables, strict=True))
+        recorded = monitor.history.query("step == 2 and tensor == 'kernel'")
+        for layer, grad in zip(["d64", "d32", "out"], grads[::2], strict=True):
+            row = recorded[recorded["layer"] == layer].iloc[0]
+            np.testing.assert_allclose(row["l2_norm"], np.linalg.norm(grad.numpy()), rtol=1e-5)
+            np.testing.assert_allclose(row["max_abs"], np.abs(grad.numpy()).max(), rtol=1e-5)
+    finally:
+        keras.config.set_floatx("float32")

@@ -300,6 +300,20 @@ def test_one_monitor_given_to_several_fits_keeps_its_stored_run_current(tmp_path
     assert info["progress_step"] == 9
 
 
+def test_a_fit_from_an_initial_epoch_plans_the_steps_it_runs(tmp_path):
+    """`fit(epochs=4, initial_epoch=2)` runs two epochs; the run once planned four."""
+    from gradflow.store import RunStore
+
+    x, y = make_data()
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    store = RunStore(tmp_path / "runs.db")
+    monitor = GradientMonitor(store=store)
+    model.fit(x, y, batch_size=BATCH, epochs=4, initial_epoch=2, verbose=0, callbacks=[monitor])
+    info = store.run_info(monitor.run_id)
+    assert (info["progress_step"], info["total_steps"]) == (6, 6)
+
+
 def test_one_monitor_across_a_freeze_keeps_both_fits_records():
     """The second fit records fewer rows a step; `history` once failed to join them."""
     x, y = make_data()

@@ -343,6 +343,7 @@ class GradientMonitor(keras.callbacks.Callback):
         planned = _planned_steps(self.params)
         # Lets a short run skip compiling the deferred ring's read.
         self._final_step = None if planned is None else self._last_step + planned
+        self._first_epoch = None
         self._last_read = time.monotonic()
         self._batches_since_read = 0
         self._pending_logs = []
@@ -391,6 +392,14 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start_step = self._current_step()
+        if self._first_epoch is None:
+            self._first_epoch = epoch
+            if epoch > 0 and self._final_step is not None:
+                # `fit(initial_epoch=...)` runs epochs - initial_epoch epochs,
+                # and `params` does not say so.
+                self._final_step -= epoch * int(self.params["steps"])
+                if self._created_run and self._store is not None:
+                    self._store.set_total_steps(self.run_id, self._final_step)
 
     def on_epoch_end(self, epoch, logs=None):
         self._collect()

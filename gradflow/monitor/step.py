@@ -317,7 +317,7 @@ def instrumented_train_step(plan):
             update_norms=update_norms,
             unconstrained=dict(zip(constrained, unconstrained, strict=False)),
             clipped_gradients=(
-                None if clipping is None else clipping._clip_gradients(recorded_gradients)
+                None if clipping is None else _clipped(clipping, weight_gradients, variables, scale)
             ),
         )
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -617,6 +617,8 @@ class _UpdateCapture:
             and not optimizer.use_ema
             and not getattr(optimizer, "gradient_accumulation_steps", None)
             and all(isinstance(v, keras.Variable) for v in variables)
+            # The increments are in the variables' type, the norms float32.
+            and all(v.dtype == "float32" for v in variables)
         )
         return cls(optimizer, variables, groups) if eligible else None
 
@@ -756,6 +758,19 @@ def _loss_scale(optimizer):
     return optimizer.loss_scale_factor
 
 
+def _clipped(clipping, gradients, variables, scale):
+    """The gradients as the optimizer clips them, made dense.
+
+    Clipped as they come from the tape, as Keras clips them: an Embedding's
+    gradient is a `tf.IndexedSlices` with one slice per lookup, and
+    `clipvalue` clips each slice and `clipnorm` measures all of them before
+    repeated rows are summed. Clipping the summed, dense gradient recorded
+    other numbers than the ones applied.
+    """
+    raw = [tf.zeros_like(v) if g is None else g for g, v in zip(gradients, variables, strict=True)]
+    return _filled(clipping._clip_gradients(_unscaled(raw, scale)), variables)
+
+
 def _overflow_or_nonfinite(finite, loss, scale):
     """Tell a loss-scale overflow from a non-finite gradient the model made.
 
@@ -782,7 +797,13 @@ def _overflow_or_nonfinite(finite, loss, scale):
 def _unscaled(gradients, scale):
     if scale is None:
         return list(gradients)
-    return [None if g is None else g / tf.cast(scale, g.dtype) for g in gradients]
+
+    def unscaled(g):
+        if isinstance(g, tf.IndexedSlices):
+            return tf.IndexedSlices(g.values / tf.cast(scale, g.dtype), g.indices, g.dense_shape)
+        return None if g is None else g / tf.cast(scale, g.dtype)
+
+    return [unscaled(g) for g in gradients]
 
 
 def step_counter(optimizer):
