@@ -215,24 +215,37 @@ def test_a_recompile_without_a_loss_logs_the_loss_keras_logs(traces):
     assert logged[True] > 0
 
 
-def test_a_fit_a_callback_broke_is_closed_by_the_next_one(tmp_path):
-    """Keras calls no callback when another callback raises, so that fit left the
-    model instrumented (and its run "running"); the next monitor once saved that
-    step as the model's own and put it back for good, halting later plain fits."""
-    from gradflow.store import RunStore
+class Broken(keras.callbacks.Callback):
+    """Raises at batch `at`: Keras then calls no callback's `on_train_end`."""
 
-    class Broken(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 1:
-                raise RuntimeError("a bug in someone's callback")
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.at:
+            raise RuntimeError("a bug in someone's callback")
+
+
+def fit_broken_by_a_callback(tmp_path, at):
+    """A monitored `fit` (with a store) that another callback breaks at batch `at`."""
+    from gradflow.store import RunStore
 
     x, y = make_data()
     model = make_model()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     store = RunStore(tmp_path / "runs.db")
-    first = GradientMonitor(store=store, stop_on_nonfinite=True)
+    monitor = GradientMonitor(store=store, stop_on_nonfinite=True)
     with pytest.raises(RuntimeError, match="someone's callback"):
-        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[first, Broken()])
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor, Broken(at)])
+    return x, y, model, store, monitor
+
+
+def test_a_fit_a_callback_broke_is_closed_by_the_next_one(tmp_path):
+    """Keras calls no callback when another callback raises, so that fit left the
+    model instrumented (and its run "running"); the next monitor once saved that
+    step as the model's own and put it back for good, halting later plain fits."""
+    x, y, model, store, first = fit_broken_by_a_callback(tmp_path, at=1)
     second = GradientMonitor(store=store)
     model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[second])
     assert store.status(first.run_id) == "failed"
@@ -248,19 +261,7 @@ def test_a_fit_a_callback_broke_is_closed_by_the_next_one(tmp_path):
 def test_a_plain_call_after_a_callback_broke_a_monitored_fit_runs_keras_step(tmp_path, next_call):
     """Once, the plain `fit` right after such an error ran the instrumented step:
     it halted on a NaN, and the run said "running" until a monitored `fit` came."""
-    from gradflow.store import RunStore
-
-    class Broken(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            raise RuntimeError("a bug in someone's callback")
-
-    x, y = make_data()
-    model = make_model()
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-    store = RunStore(tmp_path / "runs.db")
-    monitor = GradientMonitor(store=store, stop_on_nonfinite=True)
-    with pytest.raises(RuntimeError, match="someone's callback"):
-        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor, Broken()])
+    x, y, model, store, monitor = fit_broken_by_a_callback(tmp_path, at=0)
     assert store.status(monitor.run_id) == "running"  # nothing of gradflow has run since
     bad = np.full_like(x, np.nan)
     if next_call == "fit":
