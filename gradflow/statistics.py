@@ -20,11 +20,11 @@ Measured with `python3 bench/bench_statistics.py`.
 The sums are float32, as the gradients are. Squares leave float32's range
 for entries below about 1e-19 (they flush to zero) or above about 1.8e19, and
 the gradients of a 30-layer sigmoid net's first layers are about 1e-20: so
-the spread is summed as ((g - mean) / max|g|)^2 and the L2 norm and std are
-scaled back after the square root (`_norm_scale`). Only a norm beyond
-float32 itself (3.4e38) reads +inf for finite entries (`nonfinite` stays 0,
-which tells the two apart); `gradflow.diagnose` reports such a layer as
-exploding.
+the spread is summed in units of max|g| (times the power of two of 1/max|g|,
+exact) and the L2 norm and std are scaled back after the square root
+(`_norm_scale`). Only a norm beyond float32 itself (3.4e38) reads +inf for
+finite entries (`nonfinite` stays 0, which tells the two apart);
+`gradflow.diagnose` reports such a layer as exploding.
 
 Layer outputs (activation gradients) have a first dimension that is unknown
 while the step is traced, so they cannot be stacked safely; those with rows
@@ -120,8 +120,9 @@ def _norm_scale(max_abs):
     power of two, so the product is exact: `(g - mean)` of entries that share
     a large offset (2e3 +- 1e-2) would otherwise lose their spread to the
     product's rounding. Its exponent is the float's own, read off its bits,
-    in six small ops (a step pays them per shape group). Zero gets 2^126
-    (its entries are all zero), Inf 2^-126 (its row is non-finite anyway).
+    in six small ops (once per call for every shape group: `_raw_sums_by_shape`).
+    Zero gets 2^126 (its entries are all zero), Inf 2^-126 (its row is
+    non-finite anyway).
     """
     clamped = tf.clip_by_value(max_abs, _SMALLEST_NORMAL, 2.0**126)
     exponent = tf.bitwise.bitwise_and(tf.bitcast(clamped, tf.int32), _EXPONENT_BITS)
