@@ -259,9 +259,9 @@ class GradientMonitor(keras.callbacks.Callback):
             owner[0]._abandon(error)  # `fit` ends here: leave the model as it was
             raise error
         if owner is not None and owner[1] is not self.params:
-            # An earlier `fit` ended without `on_train_end` and this `fit` did
-            # not call `make_train_function` first (`_watch_for_the_next_fit`
-            # handles the trainers that do). Close that run and give the model
+            # An earlier `fit` failed in its monitor's `on_train_begin`, after
+            # the model was taken and before `_watch_for_the_next_fit` (which
+            # closes every later failure). Close that run and give the model
             # its own step back before this `fit` saves it.
             owner[0]._abandon(RuntimeError(_ENDED_OUTSIDE_THE_STEP))
         object.__setattr__(model, _OWNER, (self, self.params))

@@ -614,10 +614,8 @@ def _alerts(store, run_id, stats):
     events = events.assign(_order=events["layer"].map(order).astype(float).fillna(-1.0))
     events = events.sort_values(["step", "_order"], kind="stable")
     for kind, group in events.groupby("kind", sort=False):
-        if kind in ("nonfinite", "exploding"):
-            show = st.error
-        else:  # an `info` event (a loss-scale overflow, ...) is no alarm
-            show = st.info if kind == "info" else st.warning
+        # An `info` event (a loss-scale overflow, ...) is no alarm.
+        show = {"nonfinite": st.error, "exploding": st.error, "info": st.info}.get(kind, st.warning)
         for row in group.head(5).itertuples():
             show(row.message)
         if len(group) > 5:
