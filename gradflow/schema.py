@@ -65,7 +65,15 @@ def is_tensor(name, wanted):
 METRICS_COLUMNS = ("step", "name", "value")
 
 # Events from the diagnosis rules and the monitor.
-EVENT_KINDS = ("nonfinite", "vanishing", "exploding", "dead_relu", "saturation", "info")
+EVENT_KINDS = (
+    "nonfinite",
+    "vanishing",
+    "exploding",
+    "dead_relu",
+    "saturation",
+    "no_gradient",
+    "info",
+)
 EVENTS_COLUMNS = ("step", "layer", "kind", "message")
 
 # Histograms of log10|g| with fixed bins, so that every run, step and layer is

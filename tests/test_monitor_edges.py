@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 from gradflow import diagnosis, schema
-from gradflow.monitor import GradientMonitor
+from gradflow.monitor import GradientMonitor, deferred
 from gradflow.monitor import callback as monitor_callback
 from gradflow.store import RunStore
 
@@ -493,3 +493,107 @@ def test_float64_weights_take_the_in_step_path(floatx):
             np.testing.assert_allclose(row["max_abs"], np.abs(grad.numpy()).max(), rtol=1e-5)
     finally:
         keras.config.set_floatx("float32")
+
+
+class UnusedBranch(keras.Model):
+    """A trunk and a head, and between them a layer whose output `call` drops.
+
+    Its weights and output get no gradient; they sit between recorded rows
+    (weights and outputs alike), so leaving them out must not shift the others.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = keras.layers.Dense(6, activation="relu", name="trunk")
+        self.unused = keras.layers.Dense(3, activation="relu", name="unused")
+        self.head = keras.layers.Dense(1, name="head")
+
+    def call(self, x):
+        h = self.trunk(x)
+        self.unused(h)  # left over from an experiment: the loss never sees it
+        return self.head(h)
+
+
+@pytest.mark.parametrize(
+    "in_step,activations",
+    [(False, False), (False, True), (True, False), (True, True)],
+    ids=["deferred", "deferred-activations", "in-step", "in-step-activations"],
+)
+def test_weights_no_gradient_reaches_are_not_recorded_as_vanishing(
+    in_step, activations, tmp_path, monkeypatch
+):
+    """Recorded as all zeros, such a layer read as vanishing and as dead ReLUs."""
+    if in_step:
+        monkeypatch.setattr(deferred, "MAX_PARAMETERS", 0)
+    keras.utils.set_random_seed(0)
+    x, _ = data()
+    y = x[:, :1] - x[:, 1:2]
+    model = UnusedBranch()
+    model.build((None, 5))
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    with tf.GradientTape() as tape:
+        prediction = model(x[:BATCH])
+        loss = tf.reduce_mean(tf.square(y[:BATCH] - prediction))
+    variables = [*model.trunk.trainable_variables, *model.head.trainable_variables]
+    reference = dict(
+        zip(
+            ["trunk kernel", "trunk bias", "head kernel", "head bias"],
+            tape.gradient(loss, variables),
+            strict=True,
+        )
+    )
+    output_gradient = 2.0 * (prediction.numpy() - y[:BATCH]) / BATCH  # d mse / d output
+    unused_before = [v.numpy() for v in model.unused.trainable_variables]
+
+    store = RunStore(tmp_path / "runs.db")
+    monitor = GradientMonitor(activations=activations, store=store)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Keras's own "Gradients do not exist"
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    assert monitor._plan.deferred is not in_step
+
+    for table in (monitor.history, store.layer_stats(monitor.run_id)):
+        assert set(table["layer"]) == {"trunk", "head"}
+        assert bool((table["tensor"] == "activation").any()) is activations
+        first = table[table["step"] == 1]
+        for key, gradient in reference.items():
+            layer, tensor = key.split()
+            row = first[(first["layer"] == layer) & (first["tensor"] == tensor)].iloc[0]
+            np.testing.assert_allclose(row["max_abs"], np.abs(gradient).max(), rtol=1e-5)
+            np.testing.assert_allclose(row["l2_norm"], np.linalg.norm(gradient), rtol=1e-5)
+        if activations:
+            row = first[(first["layer"] == "head") & (first["tensor"] == "activation")].iloc[0]
+            np.testing.assert_allclose(row["max_abs"], np.abs(output_gradient).max(), rtol=1e-5)
+            trunk = first[(first["layer"] == "trunk") & (first["tensor"] == "activation")]
+            assert trunk["max_abs"].iloc[0] > 0
+
+    tensors = "kernel, bias, output" if activations else "kernel, bias"
+    for events in (monitor.events, store.events(monitor.run_id)):
+        assert list(events["kind"]) == ["no_gradient"]
+        assert events["layer"].iloc[0] == "unused"
+        assert f"No gradient reaches layer 'unused' ({tensors})" in events["message"].iloc[0]
+    for before, variable in zip(unused_before, model.unused.trainable_variables, strict=True):
+        np.testing.assert_array_equal(before, variable.numpy())  # Keras left them alone
+
+
+class UnusedBranchOwnStep(UnusedBranch):
+    def train_step(self, data):  # its own step: the monitor probes instead
+        return super().train_step(data)
+
+
+def test_the_probe_fallback_leaves_out_what_no_gradient_reaches():
+    keras.utils.set_random_seed(0)
+    x, _ = data()
+    model = UnusedBranchOwnStep()
+    model.build((None, 5))
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    monitor = GradientMonitor(probe_every=2, activations=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the fallback's and Keras's
+        model.fit(x, x[:, :1], batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    assert monitor._plan.probing
+    assert sorted(monitor.history["step"].unique()) == [2, 4]
+    assert set(monitor.history["layer"]) == {"trunk", "head"}
+    assert monitor.history["max_abs"].gt(0).all()
+    assert list(monitor.events["kind"]) == ["no_gradient"]
+    assert "layer 'unused' (kernel, bias, output)" in monitor.events["message"].iloc[0]

@@ -126,7 +126,8 @@ class GradientMonitor(keras.callbacks.Callback):
         history: Tidy layer statistics (`schema.LAYER_STATS_COLUMNS`).
         metrics: Long per-step metrics (`step, name, value`).
         events: Events (`step, layer, kind, message`), e.g. the non-finite
-            origin.
+            origin, or a layer no gradient reaches (`no_gradient`: it is
+            left out of `history`, where zeros would read as vanishing).
         run_id: The run written in `store`, or `None`.
 
     If training raises (a KeyboardInterrupt, a bad batch), the steps
@@ -550,8 +551,13 @@ class GradientMonitor(keras.callbacks.Callback):
             return
         if self._layout is None:
             self._layout = RowLayout.build(
-                self._plan.names, self._plan.activation_paths, self._plan.layer_order
+                self._plan.names,
+                self._plan.activation_paths,
+                self._plan.layer_order,
+                self._plan.unreached,
             )
+            self._note_unreached(int(steps[0]))
+        stats, histograms = self._layout.take(stats), self._layout.take(histograms)
         self._last_step = int(steps[-1])
         # With its layout: a later `fit` of this monitor may have other rows (a frozen layer).
         self._blocks.append((steps, stats, metrics, histograms, self._layout))
@@ -559,6 +565,38 @@ class GradientMonitor(keras.callbacks.Callback):
         self._check_nonfinite(steps, stats)
         if self._writer is not None or self._summaries is not None:
             self._publish(steps, stats, metrics, histograms)
+
+    def _note_unreached(self, step):
+        """A `no_gradient` event per layer with weights or an output no gradient reaches.
+
+        The tape returns no gradient there, and Keras's optimizer skips those
+        weights; recorded as zeros, they would read as vanishing gradients
+        and dead ReLUs. Often it is a bug (a layer left out of `call`, an
+        output with no loss), so the event says what was seen and what to check.
+        """
+        plan = self._plan
+        rows = len(plan.names)
+        unreached = {}
+        for row in plan.unreached:
+            if row < rows:
+                name = plan.names[row]
+                unreached.setdefault(name.layer, []).append(name.tensor)
+            elif row - rows < len(plan.activation_paths):
+                unreached.setdefault(plan.activation_paths[row - rows], []).append("output")
+        told = {layer for _, layer, kind, _ in self._events if kind == "no_gradient"}
+        for layer, tensors in unreached.items():
+            if layer in told:
+                continue  # by an earlier `fit` of this monitor
+            self._add_event(
+                step,
+                layer,
+                "no_gradient",
+                f"No gradient reaches layer {layer!r} ({', '.join(tensors)}): the loss does "
+                "not depend on it, or only through an operation with no gradient (argmax, "
+                "stop_gradient, a cast to integers). Training leaves its weights as they are, "
+                "and gradflow does not record it. Check that the layer is used in `call` and "
+                "that every output it feeds has a loss.",
+            )
 
     def _check_nonfinite(self, steps, stats):
         if self._nonfinite_step is not None:

@@ -19,12 +19,18 @@ _NONFINITE = ROW_COLUMNS.index("nonfinite")
 
 @dataclasses.dataclass
 class RowLayout:
-    """What each row of a recorded step is: layer, layer_index, tensor, variable."""
+    """What each row of a recorded step is: layer, layer_index, tensor, variable.
+
+    `rows` says where each row is in the ring's blocks when some of their
+    rows are left out of the records (`take` keeps the laid-out ones); None
+    when the layout's rows come first in the blocks, in order.
+    """
 
     layers: list
     layer_indices: list
     tensors: list
     variables: list
+    rows: list = None
 
     def __len__(self):
         return len(self.layers)
@@ -35,13 +41,15 @@ class RowLayout:
         return list(zip(self.layers, self.layer_indices, self.tensors, self.variables, strict=True))
 
     @classmethod
-    def build(cls, names, activation_paths, layer_order):
+    def build(cls, names, activation_paths, layer_order, unreached=()):
         """Lay out weight rows (from `variable_names`) then activation rows.
 
         Args:
             names: `VariableName`s of the trainable variables, in row order.
             activation_paths: Recorded layer paths (`path` or `path#2`).
             layer_order: Leaf-layer paths, index = `layer_index`.
+            unreached: Rows to leave out: those no gradient reaches (the
+                ring holds zeros there, which are no measurement).
         """
         index = {path: i for i, path in enumerate(layer_order)}
         layers = [n.layer for n in names] + list(activation_paths)
@@ -50,7 +58,25 @@ class RowLayout:
         ]
         tensors = [n.tensor for n in names] + [schema.ACTIVATION] * len(activation_paths)
         variables = [n.variable for n in names] + [""] * len(activation_paths)
-        return cls(layers, indices, tensors, variables)
+        skipped = set(unreached)
+        rows = [i for i in range(len(layers)) if i not in skipped]
+        return cls(
+            [layers[i] for i in rows],
+            [indices[i] for i in rows],
+            [tensors[i] for i in rows],
+            [variables[i] for i in rows],
+            rows if skipped else None,
+        )
+
+    def take(self, block):
+        """`block` (`[n, ring rows, ...]`) with the laid-out rows only, in layout order.
+
+        Returns `block` itself when no row is left out (the rows past the
+        layout's are unused slots, which readers ignore).
+        """
+        if block is None or self.rows is None:
+            return block
+        return block[:, self.rows]
 
 
 def layer_stats_frame(steps, stats, layout):

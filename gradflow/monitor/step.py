@@ -68,6 +68,11 @@ class StepPlan:
         # output, in call order (`path#2` for a second call of a shared layer).
         self.activation_paths = []
         self.dropped_activations = 0
+        # Filled while the step is traced: the rows (weights, then layer
+        # outputs) whose gradient the tape returned as None, because the loss
+        # does not depend on them. Their rows are recorded as zeros, which
+        # would read as vanishing gradients; the callback leaves them out.
+        self.unreached = []
         # Custom gradients TensorFlow registered while the step was traced,
         # for the callback to drop after `fit` (`trace_gradients`).
         self.custom_gradients = set()
@@ -188,6 +193,7 @@ def instrumented_train_step(plan):
         _fill_output_gradients(
             gradients, len(variables), activations, (x, y, y_pred, sample_weight), plan
         )
+        _note_unreached(plan, gradients)
         weight_gradients = gradients[: len(variables)]
         scale = _loss_scale(optimizer)
         learning_rate = _scalar(optimizer.learning_rate)
@@ -418,6 +424,7 @@ def probed_train_step(plan, original_train_step, probe_every):
         plan.prepare(variables)
         activations = _take_activations(plan, outputs)
         gradients = tape.gradient(loss, variables + activations)
+        _note_unreached(plan, gradients)
         _record(
             plan,
             when=when,
@@ -866,6 +873,11 @@ def _fill_output_gradients(gradients, start, activations, batch, plan):
         for output, gradient in zip(flat, found, strict=True):
             if output is activations[i]:
                 gradients[start + i] = gradient
+
+
+def _note_unreached(plan, gradients):
+    """Note, at trace time, the rows whose gradient is None (see `StepPlan.unreached`)."""
+    plan.unreached = [i for i, g in enumerate(gradients) if g is None]
 
 
 def _filled(gradients, sources):
