@@ -47,7 +47,7 @@ def tensor_kind(name):
     """The kind of a variable from its tensor name: `"kernel"` for `"lstm_cell/kernel"` too.
 
     A recurrent layer keeps its weights in a cell (`simple_rnn_cell/kernel`,
-    `forward_lstm/lstm_cell/recurrent_kernel`); its input kernel belongs
+    `forward/lstm_cell/recurrent_kernel`); its input kernel belongs
     with every other layer's kernel in a "Kernels" heatmap.
     """
     return str(name).rsplit("/", 1)[-1]

@@ -448,3 +448,33 @@ def test_diagnose_reads_a_snapshot_of_dead_relus():
     assert ("dead", "dead_relu") in found
     # Nothing flows back through the dead layer: the layer below it starves.
     assert ("alive", "vanishing") in found
+
+
+def test_wrapped_layers_name_their_variables_by_role_not_by_made_up_names():
+    """Keras names a wrapped layer itself (`dense`, then `dense_1` for the same model built
+    again), so two runs of one model with named wrappers did not line up by `tensor`."""
+
+    def build():
+        return keras.Sequential(
+            [
+                keras.Input((4, 3)),
+                keras.layers.TimeDistributed(keras.layers.Dense(2), name="td"),
+                keras.layers.Bidirectional(keras.layers.GRU(3), name="bi"),
+                keras.layers.Dense(1, name="out"),
+            ]
+        )
+
+    first, second = build(), build()
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(2, 4, 3)), rng.normal(size=(2, 1))
+    keys = [
+        gradflow.snapshot(model, x, y, loss="mse").weights[["layer", "tensor"]].values.tolist()
+        for model in (first, second)
+    ]
+    assert keys[0] == keys[1]
+    cell = ["kernel", "recurrent_kernel", "bias"]
+    assert keys[0] == (
+        [["td", "kernel"], ["td", "bias"]]
+        + [["bi", f"{side}/gru_cell/{name}"] for side in ("forward", "backward") for name in cell]
+        + [["out", "kernel"], ["out", "bias"]]
+    )

@@ -7,6 +7,8 @@ would not line up. Both call `variable_names` once per model.
 
 import dataclasses
 
+import keras
+
 from gradflow.probe.capture import leaf_layers
 
 
@@ -19,7 +21,9 @@ class VariableName:
         layer_index: Position of that layer in `leaf_layers(model)`; 0 is
             nearest the input.
         tensor: The variable's name inside its layer: `kernel`, `bias`,
-            `gamma`, or `forward_lstm/lstm_cell/kernel` inside a Bidirectional.
+            `gamma`, `lstm_cell/kernel` in an LSTM, `forward/lstm_cell/kernel`
+            in a Bidirectional, `kernel` in a TimeDistributed Dense (a wrapped
+            layer's own name, which Keras makes up, is left out).
         variable: The Keras `Variable.path`.
     """
 
@@ -29,7 +33,26 @@ class VariableName:
     variable: str
 
 
+def _wrapped(layer):
+    """The layers a Keras wrapper holds, each with the role that names its variables.
+
+    Keras names a wrapped layer itself (`TimeDistributed(Dense(2))` holds
+    `dense`, then `dense_1` when the model is built again, and Bidirectional
+    holds `forward_lstm` or `forward_lstm_1`), so those names would make two
+    runs of one model disagree. The role does not change.
+    """
+    if isinstance(layer, keras.layers.Bidirectional):
+        return [(layer.forward_layer, "forward"), (layer.backward_layer, "backward")]
+    if isinstance(layer, keras.layers.Wrapper):
+        return [(layer.layer, "")]
+    return []
+
+
 def _tensor_name(layer, variable):
+    for inner, role in _wrapped(layer):
+        if variable.path.startswith(f"{inner.path}/"):
+            name = _tensor_name(inner, variable)
+            return f"{role}/{name}" if role else name
     prefix = f"{layer.path}/"
     if variable.path.startswith(prefix):
         return variable.path[len(prefix) :]
