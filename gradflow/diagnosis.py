@@ -424,6 +424,22 @@ def _saturation(table, norms, thresholds):
     ]
 
 
+def no_gradient_message(layer, tensors):
+    """What to tell about a layer that no gradient reaches (a `no_gradient` event).
+
+    Args:
+        layer: The layer's path.
+        tensors: What of it gets no gradient: `kernel`, `bias`, `output`, ...
+    """
+    return (
+        f"No gradient reaches layer {layer!r} ({', '.join(tensors)}): the loss does not "
+        "depend on it, or only through an operation with no gradient (argmax, stop_gradient, "
+        "a cast to integers). Training leaves its weights as they are, and gradflow leaves it "
+        "out of the statistics. Check that the layer is used in `call` and that every output it feeds has "
+        "a loss."
+    )
+
+
 def diagnose(layer_stats, thresholds=None):
     """Apply every rule to tidy layer statistics and list what they found.
 

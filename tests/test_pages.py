@@ -169,6 +169,29 @@ def test_inspect_page_snapshots_a_built_in_subclassed_rnn():
     assert {"rnn", "head/dense"} <= set(activations["layer"])
 
 
+def test_inspect_warns_of_a_layer_no_gradient_reaches(monkeypatch):
+    """An uploaded model with a dropped branch: its rows would have read as zeros."""
+    import keras
+    import numpy as np
+
+    import gradflow
+    from gradflow.ui import inspect
+    from tests.test_monitor_edges import UnusedBranch
+
+    model = UnusedBranch()
+    model.build((None, 5))
+    x = np.ones((4, 5), "float32")
+    shot = gradflow.snapshot(model, x, x[:, :1], loss=keras.losses.MeanSquaredError())
+    monkeypatch.setattr(inspect, "snapshot_of_example", lambda name: (shot, None))
+    app = run_page("inspect_model.py")
+    next(b for b in app.button if b.label == "Take snapshot").click()
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    warnings = [w.value for w in app.warning]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("No gradient reaches layer 'unused' (kernel, bias, output)")
+
+
 def test_number_boxes_refuse_what_start_would_and_errors_use_the_labels():
     """A 0 in Record every N steps once greyed out Start with a message in code names."""
     app = run_page("live_training.py")

@@ -478,3 +478,37 @@ def test_wrapped_layers_name_their_variables_by_role_not_by_made_up_names():
         + [["bi", f"{side}/gru_cell/{name}"] for side in ("forward", "backward") for name in cell]
         + [["out", "kernel"], ["out", "bias"]]
     )
+
+
+def test_weights_no_gradient_reaches_have_no_rows_and_are_named():
+    """Summarized as zeros, a layer whose output `call` drops read as vanishing."""
+    from tests.test_monitor_edges import UnusedBranch
+
+    keras.utils.set_random_seed(0)
+    model = UnusedBranch()
+    model.build((None, 5))
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(8, 5)).astype("float32")
+    y = x[:, :1] - x[:, 1:2]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(y - model(x)))
+    variables = [*model.trunk.trainable_variables, *model.head.trainable_variables]
+    reference = tape.gradient(loss, variables)
+
+    shot = gradflow.snapshot(model, x, y, loss="mse")
+    assert shot.no_gradient == {"unused": ("kernel", "bias", "output")}
+    assert shot.weights[["layer", "tensor"]].values.tolist() == [
+        ["trunk", "kernel"],
+        ["trunk", "bias"],
+        ["head", "kernel"],
+        ["head", "bias"],
+    ]
+    for (_, row), gradient in zip(shot.weights.iterrows(), reference, strict=True):
+        np.testing.assert_allclose(row["l2_norm"], np.linalg.norm(gradient), rtol=1e-5)
+        np.testing.assert_allclose(row["max_abs"], np.abs(gradient).max(), rtol=1e-5)
+    assert list(shot.activations["layer"]) == ["trunk", "head"]
+    assert shot.activations["max_abs"].gt(0).all()
+    assert shot.histograms[["layer", "tensor"]].values.tolist() == (
+        shot.layer_stats[["layer", "tensor"]].values.tolist()
+    )
+    assert gradflow.diagnose(shot.layer_stats).empty

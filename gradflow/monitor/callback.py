@@ -14,7 +14,7 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from gradflow import schema
 from gradflow.checks import flag, positive_int
-from gradflow.diagnosis import Thresholds, diagnose
+from gradflow.diagnosis import Thresholds, diagnose, no_gradient_message
 from gradflow.monitor import trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS
 from gradflow.monitor.records import (
@@ -587,16 +587,7 @@ class GradientMonitor(keras.callbacks.Callback):
         for layer, tensors in unreached.items():
             if layer in told:
                 continue  # by an earlier `fit` of this monitor
-            self._add_event(
-                step,
-                layer,
-                "no_gradient",
-                f"No gradient reaches layer {layer!r} ({', '.join(tensors)}): the loss does "
-                "not depend on it, or only through an operation with no gradient (argmax, "
-                "stop_gradient, a cast to integers). Training leaves its weights as they are, "
-                "and gradflow does not record it. Check that the layer is used in `call` and "
-                "that every output it feeds has a loss.",
-            )
+            self._add_event(step, layer, "no_gradient", no_gradient_message(layer, tensors))
 
     def _check_nonfinite(self, steps, stats):
         if self._nonfinite_step is not None:

@@ -40,7 +40,7 @@ class Snapshot:
             `layer_index` (0 nearest the input), `tensor` (`kernel`, `bias`,
             ...), `variable` (Keras `Variable.path`), `shape`, then the
             statistics of `gradflow.schema.STATISTICS` of dLoss/d(variable).
-            A variable the loss does not depend on gets a zero gradient.
+            A variable no gradient reaches has no row (see `no_gradient`).
         activations: One row per layer call in the forward pass (leaf layers,
             nested ones as `outer/inner`, a second call of a shared layer as
             `path#2`), in call order: the statistics of dLoss/d(layer output),
@@ -58,6 +58,11 @@ class Snapshot:
             `layer`, `layer_index`, `tensor`, `variable`, `b0`...). Empty when
             histograms were not asked for.
         training: The `training` flag the forward pass ran with.
+        no_gradient: `{layer: (tensor, ...)}` of the weights and layer outputs
+            (`"output"`) that no gradient reaches: the loss does not depend on
+            them. They have no rows above; zeros there would read as
+            vanishing gradients. `gradflow.diagnosis.no_gradient_message`
+            says it in words.
     """
 
     weights: pd.DataFrame = dataclasses.field(repr=False)
@@ -66,6 +71,7 @@ class Snapshot:
     loss: float
     histograms: pd.DataFrame = dataclasses.field(repr=False)
     training: bool = False
+    no_gradient: dict = dataclasses.field(default_factory=dict)
 
     @property
     def layer_stats(self):
@@ -239,16 +245,20 @@ class GradientProbe:
             shown_loss = _mean_loss(self.loss_fn, y, tf.nest.pack_sequence_as(y_pred, shown))
         # Compute gradients
         variables = list(model.trainable_variables)
-        gradients = tape.gradient(
-            loss,
-            variables + outputs.tensors,
-            unconnected_gradients=tf.UnconnectedGradients.ZERO,
-        )
+        sources = variables + outputs.tensors
+        gradients = tape.gradient(loss, sources)
         final = tape.gradient(shown_loss, shown)
         for i, tensor in enumerate(outputs.tensors):
             for output, gradient in zip(tf.nest.flatten(y_pred), final, strict=True):
                 if tensor is output and gradient is not None:
                     gradients[len(variables) + i] = gradient
+        # None: the loss does not depend on it. Summarized as zeros, its row
+        # is dropped from the tables (`_tables`).
+        unreached = [i for i, g in enumerate(gradients) if g is None]
+        gradients = [
+            tf.zeros_like(tf.convert_to_tensor(s)) if g is None else g
+            for g, s in zip(gradients, sources, strict=True)
+        ]
         # Record gradient statistics
         statistics, histograms = summarize(gradients, histogram=self.histograms)
         maxima = (
@@ -261,6 +271,7 @@ class GradientProbe:
             "paths": list(outputs.paths),
             "shapes": [tuple(t.shape) for t in outputs.tensors],
             "variables": variables,
+            "unreached": unreached,
             "inputs_note": (
                 sensitivity.INTEGER_INPUT_NOTE
                 if not inputs
@@ -335,13 +346,21 @@ class GradientProbe:
         else:
             counts = histograms.numpy().astype(np.int64)
         counts = pd.concat([histogram_keys, pd.DataFrame(counts, columns=_BIN_COLUMNS)], axis=1)
+        unreached = traced["unreached"]
+        no_gradient = {}
+        for row in unreached:
+            tensor = keys["tensor"].iloc[row] if row < n else "output"
+            no_gradient.setdefault(keys["layer"].iloc[row], []).append(tensor)
+        table = table.drop(index=unreached)
+        counts = counts.drop(index=[row for row in unreached if row < len(counts)])
         return Snapshot(
-            weights=table.iloc[:n].reset_index(drop=True),
-            activations=table.iloc[n:].reset_index(drop=True),
+            weights=table[table.index < n].reset_index(drop=True),
+            activations=table[table.index >= n].reset_index(drop=True),
             inputs=inputs,
             loss=float(loss),
-            histograms=counts,
+            histograms=counts.reset_index(drop=True),
             training=self.training,
+            no_gradient={layer: tuple(tensors) for layer, tensors in no_gradient.items()},
         )
 
 

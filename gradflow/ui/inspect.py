@@ -12,6 +12,7 @@ import tempfile
 import streamlit as st
 
 from gradflow import figures
+from gradflow.diagnosis import no_gradient_message
 from gradflow.ui.charts import show_chart
 
 LOSSES = [
@@ -144,6 +145,8 @@ def snapshot_report():
     if shot is None:
         return
     st.metric("Loss on this batch", f"{shot.loss:.4g}")
+    for layer, tensors in shot.no_gradient.items():
+        st.warning(no_gradient_message(layer, tensors))
     presentation = st.session_state.get("ui.presentation", False)
     weights, activations, inputs = st.tabs(
         ["Weight gradients", "Activation gradients", "Input sensitivity"]
