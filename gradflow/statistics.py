@@ -686,6 +686,25 @@ def summarize_rows_numpy(rows):
     return np.stack(columns, axis=-1).astype(np.float32)
 
 
+def norm_of_norms(norms, axis=-1):
+    """sqrt(sum n^2) of float32 L2 norms along `axis`: the norm of the tensors together.
+
+    Summed in float64: a float32 square leaves float32's range for norms
+    below about 1e-19 or above about 1.8e19, which a layer's exact norm
+    (`summarize`) can be, and the global norm of finite gradients read 0 or
+    +inf. `norms` is a short vector (one entry per tensor): the casts cost
+    nothing worth measuring.
+    """
+    squares = tf.square(tf.cast(norms, tf.float64))
+    return tf.cast(tf.sqrt(tf.reduce_sum(squares, axis=axis)), tf.float32)
+
+
+def norm_of_norms_numpy(norms, axis=-1):
+    """`norm_of_norms` of a NumPy array."""
+    squares = np.square(np.asarray(norms, np.float64))
+    return np.sqrt(np.sum(squares, axis=axis)).astype(np.float32)
+
+
 def sum_of_squares_numpy(values, overwrite=False):
     """sum x^2 along the last axis of a float32 array.
 

@@ -242,12 +242,16 @@ def test_gradient_accumulation_records_every_batch_under_its_own_step():
 
 
 class Amplify(keras.layers.Layer):
-    """Identity forward; multiplies the gradient passing back by 1e25 (finite, but huge)."""
+    """Identity forward; multiplies the gradient passing back by `factor` (1e25: finite, but huge)."""
+
+    def __init__(self, factor=1e25, **kwargs):
+        super().__init__(**kwargs)
+        self.factor = factor
 
     def call(self, x):
         @tf.custom_gradient
         def amplified(x):
-            return tf.identity(x), lambda upstream: upstream * 1e25
+            return tf.identity(x), lambda upstream: upstream * self.factor
 
         return amplified(x)
 
@@ -285,6 +289,42 @@ def test_a_finite_gradient_too_large_for_float32_squares_is_exploding_not_broken
     assert "nonfinite" not in set(events["kind"])
     exploding = events[(events["kind"] == "exploding") & (events["layer"] == "below")]
     assert len(exploding) == 1 and "e+2" in exploding["message"].iloc[0]
+
+
+@pytest.mark.parametrize("factor", [1e25, 1e-25], ids=["huge", "tiny"])
+@pytest.mark.parametrize(
+    "path", ["deferred-numpy", "deferred-tensorflow", "in-step"], ids=lambda p: p
+)
+def test_the_global_norm_of_finite_gradients_is_finite_and_not_zero(factor, path, monkeypatch):
+    """Every gradient scaled by 1e25 or 1e-25: the layers' norms are exact, and the
+    global norm, summed from their float32 squares, read +inf or 0."""
+    if path == "in-step":
+        monkeypatch.setattr(deferred, "MAX_PARAMETERS", 0)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(4, name="below"),
+            keras.layers.Dense(1, name="top"),
+            Amplify(factor, name="amplify"),
+        ]
+    )
+    model.compile(keras.optimizers.SGD(0.0), "mse")  # the weights stay: one reference
+    x = np.random.default_rng(0).normal(size=(16, 5)).astype("float32")
+    y = np.ones((16, 1), "float32")
+    monitor = GradientMonitor(histograms=path == "deferred-tensorflow")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
+    assert monitor._plan.deferred is (path != "in-step")
+
+    recorded = monitor.metrics.query("name == 'global_norm'").set_index("step")["value"]
+    assert list(recorded.index) == [1, 2]
+    for step, start in ((1, 0), (2, 8)):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(y[start : start + 8] - model(x[start : start + 8])))
+        gradients = tape.gradient(loss, model.trainable_variables)
+        expected = np.sqrt(sum(np.sum(np.square(g.numpy().astype(np.float64))) for g in gradients))
+        assert 0 < expected < np.inf and 1e-30 < expected / factor < 1e30
+        np.testing.assert_allclose(recorded[step], expected, rtol=1e-5)
 
 
 def test_diagnose_tells_overflowed_norms_from_broken_ones():

@@ -43,6 +43,8 @@ from gradflow.monitor.buffer import (
 )
 from gradflow.statistics import (
     ShapeGroups,
+    norm_of_norms,
+    norm_of_norms_numpy,
     sum_of_squares_numpy,
     summarize,
     summarize_rows,
@@ -407,8 +409,8 @@ class DeferredRing:
             update_ratio = np.where(
                 norm_before > 0, norm_change / np.maximum(norm_before, 1e-30), _NAN
             )
-            global_norm = np.sqrt(
-                np.sum(np.square(stats[:, :, schema.STATISTICS.index("l2_norm")]), axis=1)
+            global_norm = norm_of_norms_numpy(
+                stats[:, :, schema.STATISTICS.index("l2_norm")], axis=1
             )
         missing = np.full([count, self.rows], _NAN, np.float32)
         # In `schema.EXTRA_COLUMNS` order; no constraint and no clipping here.
@@ -490,7 +492,7 @@ class DeferredRing:
         assert rows.shape[-1] == len(ROW_COLUMNS)
 
         gradient_norm = stats[:, :, schema.STATISTICS.index("l2_norm")]
-        global_norm = tf.sqrt(tf.reduce_sum(tf.square(gradient_norm), axis=1))
+        global_norm = norm_of_norms(gradient_norm, axis=1)
         metrics = tf.concat(
             [
                 chosen[:, 2 * parameters : self._activations_at],

@@ -29,7 +29,14 @@ from gradflow.monitor import deferred, trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS, RingBuffer, pad_rows
 from gradflow.probe.capture import leaf_layers, record_layer_outputs
 from gradflow.probe.naming import variable_names
-from gradflow.statistics import ShapeGroups, Stacked, stack_rows, sum_of_squares, summarize
+from gradflow.statistics import (
+    ShapeGroups,
+    Stacked,
+    norm_of_norms,
+    stack_rows,
+    sum_of_squares,
+    summarize,
+)
 
 _NAN = float("nan")
 
@@ -556,13 +563,13 @@ def _summarize_step(
         )
 
     gradient_norm = stats[:count, 1]
-    global_norm = tf.sqrt(tf.reduce_sum(tf.square(gradient_norm)))
+    global_norm = norm_of_norms(gradient_norm)
     l2_norm_clipped = max_abs_clipped = missing
     global_norm_clipped = clipped = tf.constant(_NAN)
     if clipped_gradients is not None:
         l2_norm_clipped = norms[-1]
         max_abs_clipped = segments.max_abs(clipped_values)
-        global_norm_clipped = tf.sqrt(tf.reduce_sum(tf.square(l2_norm_clipped)))
+        global_norm_clipped = norm_of_norms(l2_norm_clipped)
         # Clipping scales by clip/norm, which is 1.0 up to rounding when the
         # norm is under the limit: count only a real reduction.
         clipped = tf.cast(tf.reduce_any(l2_norm_clipped < gradient_norm * (1.0 - 1e-6)), tf.float32)
