@@ -366,6 +366,19 @@ class ShapeGroups:
         return self.rows([_stacked_max_abs(s) for s in stacks])
 
 
+def zeros_where_missing(gradients, sources):
+    """The gradients, with zeros for those `tape.gradient` gives as None.
+
+    None means the loss does not depend on that source (a weight or a layer
+    output). The kernel needs a tensor in every place; callers note which
+    ones were None and leave their rows out of what they record.
+    """
+    return [
+        tf.zeros_like(tf.convert_to_tensor(s)) if g is None else tf.convert_to_tensor(g)
+        for g, s in zip(gradients, sources, strict=True)
+    ]
+
+
 def stack_rows(tensors):
     """Tensors of one shape as `[k, entries]` float32 rows (a copy for several, a view for one).
 

@@ -36,6 +36,7 @@ from gradflow.statistics import (
     stack_rows,
     sum_of_squares,
     summarize,
+    zeros_where_missing,
 )
 
 _NAN = float("nan")
@@ -214,7 +215,7 @@ def instrumented_train_step(plan):
                 learning_rate,
                 weight_gradients,
                 variables,
-                _filled(gradients[len(variables) :], activations),
+                zeros_where_missing(gradients[len(variables) :], activations),
             )
         weight_groups = ShapeGroups([v.shape for v in variables])
         updates = _UpdateCapture.for_step(
@@ -247,8 +248,10 @@ def instrumented_train_step(plan):
             changes = [] if updates is None else list(updates.change_and_after_norms())
             return unconstrained, changes
 
-        recorded_gradients = _unscaled(_filled(weight_gradients, variables), scale)
-        activation_gradients = _unscaled(_filled(gradients[len(variables) :], activations), scale)
+        recorded_gradients = _unscaled(zeros_where_missing(weight_gradients, variables), scale)
+        activation_gradients = _unscaled(
+            zeros_where_missing(gradients[len(variables) :], activations), scale
+        )
         finite = halted = summary = None
         loss_scaled = (
             isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and plan.replicas == 1
@@ -358,7 +361,7 @@ def _deferred_tail(plan, batch, loss, learning_rate, gradients, variables, activ
     model, optimizer = plan.model, plan.optimizer
     x, y, y_pred, sample_weight = batch
     packed = plan.buffer.pack(
-        _filled(gradients, variables), loss, learning_rate, activation_gradients
+        zeros_where_missing(gradients, variables), loss, learning_rate, activation_gradients
     )
 
     def update():
@@ -438,8 +441,8 @@ def probed_train_step(plan, original_train_step, probe_every):
             step=upcoming,
             loss=loss,
             learning_rate=_scalar(optimizer.learning_rate),
-            weight_gradients=_filled(gradients[: len(variables)], variables),
-            activation_gradients=_filled(gradients[len(variables) :], activations),
+            weight_gradients=zeros_where_missing(gradients[: len(variables)], variables),
+            activation_gradients=zeros_where_missing(gradients[len(variables) :], activations),
             weights=[tf.identity(v.value) for v in variables],
         )
 
@@ -782,7 +785,7 @@ def _clipped(clipping, gradients, variables, scale):
     other numbers than the ones applied.
     """
     raw = [tf.zeros_like(v) if g is None else g for g, v in zip(gradients, variables, strict=True)]
-    return _filled(clipping._clip_gradients(_unscaled(raw, scale)), variables)
+    return zeros_where_missing(clipping._clip_gradients(_unscaled(raw, scale)), variables)
 
 
 def _overflow_or_nonfinite(finite, loss, scale):
@@ -885,14 +888,6 @@ def _fill_output_gradients(gradients, start, activations, batch, plan):
 def _note_unreached(plan, gradients):
     """Note, at trace time, the rows whose gradient is None (see `StepPlan.unreached`)."""
     plan.unreached = [i for i, g in enumerate(gradients) if g is None]
-
-
-def _filled(gradients, sources):
-    """Zeros for the gradients of tensors the loss does not depend on."""
-    return [
-        tf.zeros_like(tf.convert_to_tensor(s)) if g is None else tf.convert_to_tensor(g)
-        for g, s in zip(gradients, sources, strict=False)
-    ]
 
 
 def _one_op_at_a_time():

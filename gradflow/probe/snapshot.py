@@ -25,7 +25,7 @@ from gradflow import schema
 from gradflow.checks import flag
 from gradflow.probe import capture, sensitivity
 from gradflow.probe.naming import layer_order, variable_names
-from gradflow.statistics import summarize
+from gradflow.statistics import summarize, zeros_where_missing
 
 _KEY_COLUMNS = ["step", "layer", "layer_index", "tensor", "variable", "shape"]
 _BIN_COLUMNS = [f"b{i}" for i in range(schema.HISTOGRAM_BINS)]
@@ -255,10 +255,7 @@ class GradientProbe:
         # None: the loss does not depend on it. Summarized as zeros, its row
         # is dropped from the tables (`_tables`).
         unreached = [i for i, g in enumerate(gradients) if g is None]
-        gradients = [
-            tf.zeros_like(tf.convert_to_tensor(s)) if g is None else g
-            for g, s in zip(gradients, sources, strict=True)
-        ]
+        gradients = zeros_where_missing(gradients, sources)
         # Record gradient statistics
         statistics, histograms = summarize(gradients, histogram=self.histograms)
         maxima = (
