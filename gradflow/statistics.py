@@ -110,6 +110,11 @@ _SAFE = 1e12
 _EXPONENT_BITS = 0x7F800000
 _ONE_SQUARED_BITS = 254 << 23
 _SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
+# A float32 sum of squares at least this large and finite lost nothing to
+# float32's range: squares under 1.2e-38 flush to zero, and even 10^8 of them
+# are under 2e-12 of it. Sums outside (zero included) are taken again in
+# float64 (`exact_l2_norms`).
+_SQUARES_EXACT_FROM = 2.0**-60
 
 
 def _norm_scale(max_abs):
@@ -360,7 +365,12 @@ class ShapeGroups:
         return _in_order(joined, self._order, axis)
 
     def l2_norms(self, stacks):
-        return tf.sqrt(self.rows([sum_of_squares(s) for s in stacks]))
+        """float32 L2 norms of the tensors of `stacks`, exact over float32's range (`exact_l2_norms`)."""
+        return exact_l2_norms(self.sums_of_squares, list(stacks))
+
+    def sums_of_squares(self, stacks):
+        """`sum x^2` of the tensors of `stacks` (one per group), in the tensors' order."""
+        return self.rows([sum_of_squares(s) for s in stacks])
 
     def max_abs(self, stacks):
         return self.rows([_stacked_max_abs(s) for s in stacks])
@@ -397,7 +407,7 @@ def _alone(shape):
 
 
 def sum_of_squares(stacked, fused=False):
-    """`sum g^2` of each row of a `[k, ...]` stack: `[k]`.
+    """`sum g^2` of each row of a `[k, ...]` stack: `[k]`, in the stack's type.
 
     Args:
         stacked: A `[k, ...]` float tensor.
@@ -716,6 +726,53 @@ def norm_of_norms_numpy(norms, axis=-1):
     """`norm_of_norms` of a NumPy array."""
     squares = np.square(np.asarray(norms, np.float64))
     return np.sqrt(np.sum(squares, axis=axis)).astype(np.float32)
+
+
+def exact_l2_norms(sums_of_squares, tensors):
+    """float32 L2 norms from `sums_of_squares(tensors)`, exact over float32's range.
+
+    For the norms of weights, of their updates and of clipped gradients,
+    which the statistics kernel does not take (its own norms are scaled:
+    `_norm_scale`). Weights of 1e25 (a run about to diverge) or a bias that
+    has moved 1e-24 from zero (a deep sigmoid net) have float32 squares that
+    overflow or flush to zero: their norm read +inf or 0, and the update
+    ratio NaN. The sums are taken in float32, as before; only when one of
+    them left the range where that loses nothing (`_SQUARES_EXACT_FROM`:
+    zero included, or +inf/NaN) are they all taken again from the tensors
+    in float64, in a branch. Casting every step instead would add a float64
+    copy of every weight to each norm (three passes over memory for one).
+    A tensor of zeros takes that branch too: slower, never wrong.
+
+    Args:
+        sums_of_squares: A function of `tensors` (float32, or the same
+            structure in float64) returning a tensor of sums of squares.
+        tensors: A nested structure of float32 tensors.
+
+    Returns:
+        A float32 tensor shaped like `sums_of_squares(tensors)`.
+    """
+    narrow = sums_of_squares(tensors)
+    in_range = tf.reduce_all(
+        tf.logical_and(narrow >= _SQUARES_EXACT_FROM, narrow <= np.finfo(np.float32).max)
+    )
+
+    def wide():
+        tensors64 = tf.nest.map_structure(lambda t: tf.cast(t, tf.float64), tensors)
+        return tf.cast(tf.sqrt(sums_of_squares(tensors64)), tf.float32)
+
+    return tf.cond(in_range, lambda: tf.sqrt(narrow), wide)
+
+
+def exact_sums_of_squares_numpy(sums_of_squares, arrays):
+    """`exact_l2_norms`'s sums, squared, in NumPy: float64 sums of squares, exact over float32's range.
+
+    `sums_of_squares` must not write into `arrays`.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        narrow = sums_of_squares(arrays)
+        if np.all((narrow >= _SQUARES_EXACT_FROM) & (narrow <= np.finfo(np.float32).max)):
+            return narrow.astype(np.float64)
+        return sums_of_squares([np.asarray(a, np.float64) for a in arrays])
 
 
 def sum_of_squares_numpy(values, overwrite=False):

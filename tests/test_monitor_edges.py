@@ -18,6 +18,7 @@ import tensorflow as tf
 from gradflow import diagnosis, schema
 from gradflow.monitor import GradientMonitor, deferred
 from gradflow.monitor import callback as monitor_callback
+from gradflow.monitor import step as monitor_step
 from gradflow.store import RunStore
 
 N, BATCH, CLASSES = 32, 8, 3
@@ -338,6 +339,138 @@ def test_the_global_norm_of_finite_gradients_is_finite_and_not_zero(factor, path
         expected = np.sqrt(sum(np.sum(np.square(g.numpy().astype(np.float64))) for g in gradients))
         assert 0 < expected < np.inf and 1e-30 < expected / factor < 1e30
         np.testing.assert_allclose(recorded[step], expected, rtol=1e-5)
+
+
+class Shrink(keras.layers.Layer):
+    """Multiplies by `factor` going forward and passes the gradient back unchanged.
+
+    After a Dense with 1e25 weights it keeps the loss finite while the Dense
+    still gets gradients of order 1: the weights of a run about to diverge.
+    """
+
+    def __init__(self, factor, **kwargs):
+        super().__init__(**kwargs)
+        self.factor = factor
+
+    def call(self, x):
+        @tf.custom_gradient
+        def shrunk(x):
+            return x * self.factor, lambda upstream: upstream
+
+        return shrunk(x)
+
+
+class WeightsEachStep(keras.callbacks.Callback):
+    """The model's weights (float64) before the first step and after every step."""
+
+    def on_train_begin(self, logs=None):
+        self.seen = [self.weights()]
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(self.weights())
+
+    def weights(self):
+        return [v.numpy().astype(np.float64) for v in self.model.trainable_variables]
+
+
+def _far_from_one(scale, inputs=5, units=4):
+    """A Dense whose weights are about `scale`, and an SGD that moves them by a few %."""
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((inputs,)), keras.layers.Dense(units, name="far")]
+    if scale > 1:
+        layers.append(Shrink(1 / scale, name="shrink"))
+    layers.append(keras.layers.Dense(1, name="top", use_bias=False))
+    model = keras.Sequential(layers)
+    far = model.get_layer("far")
+    rng = np.random.default_rng(1)
+    far.kernel.assign(rng.uniform(1, 2, size=(inputs, units)).astype("float32") * scale)
+    far.bias.assign(rng.uniform(1, 2, size=units).astype("float32") * scale)
+    top = model.get_layer("top")
+    top.kernel.assign(np.full((units, 1), 4 / units, "float32"))
+    top.trainable = False  # an SGD step of 0.01 x scale would blow it up
+    # Gradients of order 1 (`Shrink` passes them back unshrunk; tiny weights
+    # leave the output near 0 against a target of 1).
+    return model, keras.optimizers.SGD(0.01 * scale * units / 4)
+
+
+@pytest.mark.parametrize("scale", [1e25, 1e-24], ids=["huge", "tiny"])
+@pytest.mark.parametrize(
+    "path",
+    ["deferred-numpy", "deferred-tensorflow", "in-step", "in-step-difference", "in-step-large"],
+    ids=lambda p: p,
+)
+def test_weight_norms_and_update_ratios_of_weights_far_from_one(scale, path, monkeypatch):
+    """Weights about 1e25 (a run about to diverge) or 1e-24 (a bias that has
+    barely moved from zero in a deep sigmoid net).
+
+    Their float32 squares overflow or flush to zero: the weight norm read
+    +inf or 0, and the update ratio NaN. `in-step-large`: a 256 x 256 kernel,
+    reduced on its own (`statistics.sum_of_squares`).
+    """
+    if path.startswith("in-step"):
+        monkeypatch.setattr(deferred, "MAX_PARAMETERS", 0)
+    if path == "in-step-difference":
+        # The norms of the weights before and after, not of the optimizer's increments.
+        monkeypatch.setattr(monitor_step._UpdateCapture, "KNOWN", ())
+    inputs, units = (256, 256) if path == "in-step-large" else (5, 4)
+    model, optimizer = _far_from_one(scale, inputs, units)
+    model.compile(optimizer, "mse")
+    x = np.random.default_rng(0).normal(size=(16, inputs)).astype("float32")
+    y = np.ones((16, 1), "float32")
+    monitor = GradientMonitor(histograms=path == "deferred-tensorflow")
+    seen = WeightsEachStep()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[seen, monitor])
+    assert monitor._plan.deferred is path.startswith("deferred")
+
+    for index, tensor in enumerate(("kernel", "bias")):
+        recorded = rows(monitor, "far", tensor).set_index("step")
+        assert list(recorded.index) == [1, 2]
+        for step in (1, 2):
+            before, after = seen.seen[step - 1][index], seen.seen[step][index]
+            change = np.linalg.norm(after - before)
+            assert 1e-3 < change / np.linalg.norm(before) < 1  # the weights moved
+            np.testing.assert_allclose(
+                recorded.loc[step, "weight_norm"], np.linalg.norm(after), rtol=1e-5
+            )
+            np.testing.assert_allclose(
+                recorded.loc[step, "update_ratio"], change / np.linalg.norm(before), rtol=1e-4
+            )
+
+
+@pytest.mark.parametrize(
+    "factor,clipping",
+    # Not clipnorm with 1e25 gradients: Keras's `clip_by_norm` sums float32
+    # squares and turns such gradients into NaN (1e25 x clipnorm / inf).
+    [(1e25, {"clipvalue": 1e30}), (1e-25, {"clipnorm": 1.0})],
+    ids=["huge", "tiny"],
+)
+def test_clipped_norms_of_gradients_far_from_one_are_exact(factor, clipping):
+    """With clipping far above the gradients nothing is clipped.
+
+    The clipped gradients' norms were float32 squares: 1e-25 gradients read
+    0 after clipping (and the step counted as clipped), 1e25 ones +inf.
+    """
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(4, name="below"),
+            keras.layers.Dense(1, name="top"),
+            Amplify(factor, name="amplify"),
+        ]
+    )
+    model.compile(keras.optimizers.SGD(0.0, **clipping), "mse")
+    x = np.random.default_rng(0).normal(size=(16, 5)).astype("float32")
+    y = np.ones((16, 1), "float32")
+    monitor = GradientMonitor()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
+    history = monitor.history.query("tensor != 'activation'")
+    assert len(history) == 2 * 4 and (history["l2_norm"] > 0).all()
+    assert np.isfinite(history["l2_norm"]).all()
+    np.testing.assert_allclose(history["l2_norm_clipped"], history["l2_norm"], rtol=1e-5)
+    metrics = monitor.metrics.pivot(index="step", columns="name", values="value")
+    assert (metrics["clipped"] == 0).all()
+    np.testing.assert_allclose(metrics["global_norm_clipped"], metrics["global_norm"], rtol=1e-5)
 
 
 def test_diagnose_tells_overflowed_norms_from_broken_ones():

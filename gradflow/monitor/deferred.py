@@ -43,6 +43,8 @@ from gradflow.monitor.buffer import (
 )
 from gradflow.statistics import (
     ShapeGroups,
+    exact_l2_norms,
+    exact_sums_of_squares_numpy,
     norm_of_norms,
     norm_of_norms_numpy,
     sum_of_squares_numpy,
@@ -358,8 +360,8 @@ class DeferredRing:
         joined = tf.concat(per_group, axis=1) if len(per_group) > 1 else per_group[0]
         return joined if self._position is None else tf.gather(joined, self._position, axis=1)
 
-    def _weight_squares(self, chosen, group, offset, width, count):
-        """`[count, k, 3]`: ||w||^2 before and after each chosen step, and ||dw||^2, for a group.
+    def _weight_norms(self, chosen, group, offset, width, count):
+        """`[count, k, 3]`: ||w|| before and after each chosen step, and ||dw||, for a group.
 
         Row i + 1 of the ring holds the weights after step i (see `read`);
         after the newest step they are the model's weights now.
@@ -371,20 +373,7 @@ class DeferredRing:
         now = tf.stack(
             [tf.reshape(tf.cast(self.variables[i].value, tf.float32), [-1]) for i in group]
         )
-        # One fused pass each, no temporary (`statistics.sum_of_squares`;
-        # the read runs outside XLA).
-        before_squares = tf.square(tf.math.reduce_euclidean_norm(before, axis=-1))
-        now_squares = tf.square(tf.math.reduce_euclidean_norm(now, axis=-1))[tf.newaxis]
-        # Slices along the first axis: no copies.
-        change_squares = tf.concat(
-            [
-                tf.reduce_sum(tf.math.squared_difference(before[1:], before[:-1]), axis=-1),
-                tf.reduce_sum(tf.math.squared_difference(now, before[-1]), axis=-1)[tf.newaxis],
-            ],
-            axis=0,
-        )
-        after_squares = tf.concat([before_squares[1:], now_squares], axis=0)
-        return tf.stack([before_squares, after_squares, change_squares], axis=-1)
+        return exact_l2_norms(_weight_squares, (before, now))
 
     def _summarize_in_numpy(self, slots):
         """`_summarize_slots` without histograms, in NumPy: `(stats, metrics)` arrays."""
@@ -434,22 +423,13 @@ class DeferredRing:
         return rows, metrics
 
     def _weight_squares_in_numpy(self, before, group, count):
-        """`_weight_squares` in NumPy, from the group's `[count, k x entries]` weights before."""
+        """`_weight_norms`, squared, in NumPy (float64), from the group's `[count, k x entries]` weights before."""
         tensors = len(group)
         before = before.reshape(count, tensors, -1)
         now = np.stack(
             [np.asarray(self.variables[i].numpy(), np.float32).reshape(-1) for i in group]
         )
-        before_squares = sum_of_squares_numpy(before)
-        now_squares = sum_of_squares_numpy(now)[np.newaxis]
-        change_squares = np.concatenate(
-            [
-                sum_of_squares_numpy(before[1:] - before[:-1], overwrite=True),
-                sum_of_squares_numpy(now - before[-1], overwrite=True)[np.newaxis],
-            ]
-        )
-        after_squares = np.concatenate([before_squares[1:], now_squares])
-        return np.stack([before_squares, after_squares, change_squares], axis=-1)
+        return exact_sums_of_squares_numpy(_weight_squares_numpy, (before, now))
 
     def _rows_in_numpy(self, per_group):
         """`_rows` for NumPy arrays."""
@@ -462,7 +442,7 @@ class DeferredRing:
         # Gathers from the variable itself: only the chosen slots are copied.
         chosen = tf.gather(self.raw, slots)
 
-        stats, histograms, squares = [], [], []
+        stats, histograms, norms = [], [], []
         for group, offset, entries in self._columns:
             tensors = len(group)
             width = tensors * entries
@@ -478,12 +458,10 @@ class DeferredRing:
                 histograms.append(
                     tf.reshape(group_histograms, [count, tensors, schema.HISTOGRAM_BINS])
                 )
-            squares.append(self._weight_squares(chosen, group, offset, width, count))
+            norms.append(self._weight_norms(chosen, group, offset, width, count))
 
         stats = self._rows(stats)  # [count, variables, statistics]
-        norm_before, norm_after, norm_change = tf.unstack(
-            tf.sqrt(self._rows(squares)), num=3, axis=-1
-        )
+        norm_before, norm_after, norm_change = tf.unstack(self._rows(norms), num=3, axis=-1)
         update_ratio = tf.where(norm_before > 0, norm_change / tf.maximum(norm_before, 1e-30), _NAN)
         missing = tf.fill([count, self.rows], _NAN)
         # In `schema.EXTRA_COLUMNS` order; no constraint and no clipping here.
@@ -522,3 +500,41 @@ class DeferredRing:
             counts = tf.reshape(counts, [-1, activations, schema.HISTOGRAM_BINS])
             histograms = tf.concat([histograms, counts], axis=1)
         return rows, histograms
+
+
+def _weight_squares(tensors):
+    """`[count, k, 3]` ||w||^2 before and after each step and ||dw||^2, from `(before, now)`.
+
+    `before`: `[count, k, entries]` weights before each step; `now`: `[k,
+    entries]`, the weights after the newest one.
+    """
+    before, now = tensors
+    # One fused pass each, no temporary (`statistics.sum_of_squares`;
+    # the read runs outside XLA).
+    before_squares = tf.square(tf.math.reduce_euclidean_norm(before, axis=-1))
+    now_squares = tf.square(tf.math.reduce_euclidean_norm(now, axis=-1))[tf.newaxis]
+    # Slices along the first axis: no copies.
+    change_squares = tf.concat(
+        [
+            tf.reduce_sum(tf.math.squared_difference(before[1:], before[:-1]), axis=-1),
+            tf.reduce_sum(tf.math.squared_difference(now, before[-1]), axis=-1)[tf.newaxis],
+        ],
+        axis=0,
+    )
+    after_squares = tf.concat([before_squares[1:], now_squares], axis=0)
+    return tf.stack([before_squares, after_squares, change_squares], axis=-1)
+
+
+def _weight_squares_numpy(arrays):
+    """`_weight_squares` in NumPy."""
+    before, now = arrays
+    before_squares = sum_of_squares_numpy(before)
+    now_squares = sum_of_squares_numpy(now)[np.newaxis]
+    change_squares = np.concatenate(
+        [
+            sum_of_squares_numpy(before[1:] - before[:-1], overwrite=True),
+            sum_of_squares_numpy(now - before[-1], overwrite=True)[np.newaxis],
+        ]
+    )
+    after_squares = np.concatenate([before_squares[1:], now_squares])
+    return np.stack([before_squares, after_squares, change_squares], axis=-1)

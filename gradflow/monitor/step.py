@@ -32,6 +32,7 @@ from gradflow.probe.naming import variable_names
 from gradflow.statistics import (
     ShapeGroups,
     Stacked,
+    exact_l2_norms,
     norm_of_norms,
     stack_rows,
     sum_of_squares,
@@ -560,7 +561,10 @@ def _summarize_step(
     weight_norm_unconstrained = missing
     if unconstrained:
         indices = sorted(unconstrained)
-        unconstrained_norms = tf.stack([tf.norm(unconstrained[i]) for i in indices])
+        unconstrained_norms = exact_l2_norms(
+            lambda tensors: tf.stack([tf.reduce_sum(tf.square(t)) for t in tensors]),
+            [tf.cast(unconstrained[i], tf.float32) for i in indices],
+        )
         weight_norm_unconstrained = tf.tensor_scatter_nd_update(
             missing, [[i] for i in indices], unconstrained_norms
         )
@@ -644,16 +648,15 @@ class _UpdateCapture:
 
         Small tensors are stacked by shape (a copy, kept for the norms after
         the update), so the update need not wait for their norms. A large
-        tensor is reduced where it lies, and the update waits for that:
-        holding its buffer across the update would make the update copy it.
+        tensor is reduced where it lies, and the update waits for the norms
+        (`exact_l2_norms`' branch may read it again): holding its buffer
+        across the update would make the update copy it.
         """
         groups = self.groups
         self._before = groups.stack([v.value for v in self.variables])
-        squares = [sum_of_squares(stack) for stack in self._before]
-        self.waits = [
-            s for group, s in zip(groups.groups, squares, strict=True) if groups.is_large(group)
-        ]
-        return tf.sqrt(groups.rows(squares))
+        norms = groups.l2_norms(self._before)
+        self.waits = [norms] if any(groups.is_large(group) for group in groups.groups) else []
+        return norms
 
     @contextlib.contextmanager
     def recording(self):
@@ -690,7 +693,7 @@ class _UpdateCapture:
         updated exactly once gets a NaN change and is read again too.
         """
         groups = self.groups
-        squares = []
+        increments_and_after = []
         for group, before in zip(groups.groups, self._before, strict=True):
             taken = [self._increments.get(i, []) for i in group]
             exact = all(len(t) == 1 for t in taken)
@@ -712,9 +715,14 @@ class _UpdateCapture:
                     )
             else:
                 after = stack_rows([self.variables[i].value for i in group])
+            increments_and_after.append((increments, after))
+
+        def squares(pairs):
             # Two reductions, not one over a stack of both: stacking copies them.
-            squares.append(tf.stack([sum_of_squares(increments), sum_of_squares(after)]))
-        change, after = tf.unstack(tf.sqrt(groups.rows(squares, axis=1)), num=2)
+            per_group = [tf.stack([sum_of_squares(i), sum_of_squares(a)]) for i, a in pairs]
+            return groups.rows(per_group, axis=1)
+
+        change, after = tf.unstack(exact_l2_norms(squares, increments_and_after), num=2)
         return change, after
 
 
@@ -743,7 +751,11 @@ class _WeightSegments:
 
     def norms(self, columns):
         """`[count, len(columns)]` L2 norms, one column per stacked list of tensors."""
-        return tf.stack([self.groups.l2_norms(column) for column in columns], axis=1)
+
+        def squares(columns):
+            return tf.stack([self.groups.sums_of_squares(column) for column in columns], axis=1)
+
+        return exact_l2_norms(squares, [list(column) for column in columns])
 
     def max_abs(self, values):
         return self.groups.max_abs(values)
