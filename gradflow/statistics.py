@@ -110,11 +110,14 @@ _SAFE = 1e12
 _EXPONENT_BITS = 0x7F800000
 _ONE_SQUARED_BITS = 254 << 23
 _SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
-# A float32 sum of squares at least this large and finite lost nothing to
-# float32's range: squares under 1.2e-38 flush to zero, and even 10^8 of them
-# are under 2e-12 of it. Sums outside (zero included) are taken again in
-# float64 (`exact_l2_norms`).
-_SQUARES_EXACT_FROM = 2.0**-60
+# A finite float32 sum of n squares of at least n x this lost under 2^-20
+# (1e-6) of itself to float32's range: each square under 2^-126 (1.2e-38)
+# may flush to zero. Sums below (zero included) are taken again in float64
+# (`exact_l2_norms`). Relative to n, not one bound: the bias of a Dense
+# before a BatchNormalization gets gradients of about 1e-9 and under SGD
+# stays near 1e-11 (sums of squares of 1e-20), which is exact enough and
+# should not pay for float64 at every step.
+_EXACT_SQUARES_PER_ENTRY = 2.0**-106
 
 
 def _norm_scale(max_abs):
@@ -340,6 +343,10 @@ class ShapeGroups:
     def __init__(self, shapes):
         groups = {}
         self._alone = set()
+        # Entries of each tensor, in order (1 for an unknown shape).
+        self.entries = np.array(
+            [tf.TensorShape(shape).num_elements() or 1 for shape in shapes], np.float64
+        )
         for index, shape in enumerate(shapes):
             shape = tf.TensorShape(shape)
             if _alone(shape):
@@ -366,7 +373,7 @@ class ShapeGroups:
 
     def l2_norms(self, stacks):
         """float32 L2 norms of the tensors of `stacks`, exact over float32's range (`exact_l2_norms`)."""
-        return exact_l2_norms(self.sums_of_squares, list(stacks))
+        return exact_l2_norms(self.sums_of_squares, list(stacks), self.entries)
 
     def sums_of_squares(self, stacks):
         """`sum x^2` of the tensors of `stacks` (one per group), in the tensors' order."""
@@ -728,7 +735,7 @@ def norm_of_norms_numpy(norms, axis=-1):
     return np.sqrt(np.sum(squares, axis=axis)).astype(np.float32)
 
 
-def exact_l2_norms(sums_of_squares, tensors):
+def exact_l2_norms(sums_of_squares, tensors, entries):
     """float32 L2 norms from `sums_of_squares(tensors)`, exact over float32's range.
 
     For the norms of weights, of their updates and of clipped gradients,
@@ -737,23 +744,26 @@ def exact_l2_norms(sums_of_squares, tensors):
     has moved 1e-24 from zero (a deep sigmoid net) have float32 squares that
     overflow or flush to zero: their norm read +inf or 0, and the update
     ratio NaN. The sums are taken in float32, as before; only when one of
-    them left the range where that loses nothing (`_SQUARES_EXACT_FROM`:
-    zero included, or +inf/NaN) are they all taken again from the tensors
-    in float64, in a branch. Casting every step instead would add a float64
-    copy of every weight to each norm (three passes over memory for one).
-    A tensor of zeros takes that branch too: slower, never wrong.
+    them is +inf/NaN or so small that flushed squares may have mattered
+    (`_EXACT_SQUARES_PER_ENTRY`, zero included) are they all taken again from
+    the tensors in float64, in a branch. Casting every step instead would
+    add a float64 copy of every weight to each norm (three passes over
+    memory for one). A tensor of zeros (a zero bias before its first update)
+    takes the branch too: slower, never wrong.
 
     Args:
         sums_of_squares: A function of `tensors` (float32, or the same
             structure in float64) returning a tensor of sums of squares.
         tensors: A nested structure of float32 tensors.
+        entries: How many squares each sum adds up: a number, or a NumPy
+            array that broadcasts against the sums.
 
     Returns:
         A float32 tensor shaped like `sums_of_squares(tensors)`.
     """
     narrow = sums_of_squares(tensors)
     in_range = tf.reduce_all(
-        tf.logical_and(narrow >= _SQUARES_EXACT_FROM, narrow <= np.finfo(np.float32).max)
+        tf.logical_and(narrow >= _exact_from(entries), narrow <= np.finfo(np.float32).max)
     )
 
     def wide():
@@ -763,16 +773,21 @@ def exact_l2_norms(sums_of_squares, tensors):
     return tf.cond(in_range, lambda: tf.sqrt(narrow), wide)
 
 
-def exact_sums_of_squares_numpy(sums_of_squares, arrays):
-    """`exact_l2_norms`'s sums, squared, in NumPy: float64 sums of squares, exact over float32's range.
+def exact_sums_of_squares_numpy(sums_of_squares, arrays, entries):
+    """`exact_l2_norms`' sums of squares in NumPy: float64, exact over float32's range.
 
     `sums_of_squares` must not write into `arrays`.
     """
     with np.errstate(over="ignore", invalid="ignore"):
         narrow = sums_of_squares(arrays)
-        if np.all((narrow >= _SQUARES_EXACT_FROM) & (narrow <= np.finfo(np.float32).max)):
+        limit = np.finfo(np.float32).max
+        if np.all((narrow >= _exact_from(entries)) & (narrow <= limit)):
             return narrow.astype(np.float64)
         return sums_of_squares([np.asarray(a, np.float64) for a in arrays])
+
+
+def _exact_from(entries):
+    return np.asarray(np.asarray(entries, np.float64) * _EXACT_SQUARES_PER_ENTRY, np.float32)
 
 
 def sum_of_squares_numpy(values, overwrite=False):

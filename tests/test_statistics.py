@@ -8,7 +8,13 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from gradflow import schema
-from gradflow.statistics import summarize, summarize_rows, summarize_rows_numpy
+from gradflow.statistics import (
+    ShapeGroups,
+    exact_sums_of_squares_numpy,
+    summarize,
+    summarize_rows,
+    summarize_rows_numpy,
+)
 
 NAN = np.nan
 INF = np.inf
@@ -440,3 +446,36 @@ def test_wide_layer_outputs_of_any_batch_length_match_numpy(arrays):
     statistics = kernel([tf.constant(a) for a in arrays]).numpy()
     for row, array in enumerate(arrays):
         np.testing.assert_allclose(statistics[row], numpy_statistics(array), rtol=1e-5, atol=1e-30)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    # Normal float32s: TensorFlow's CPU kernels read subnormals as zero.
+    exponents=st.lists(st.integers(-37, 37), min_size=3, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_weight_norms_are_exact_over_float32s_normal_range(exponents, seed):
+    """`ShapeGroups.l2_norms` and the NumPy sums against float64, whatever the scale.
+
+    Three tensors (two of one shape, stacked) of entries about 10^e: float32
+    squares flush to zero below about 1e-19 and overflow above 1.8e19.
+    """
+    rng = np.random.default_rng(seed)
+    shapes = [(3, 4), (3, 4), (7,)]
+    values = [
+        (rng.uniform(1, 2, size=shape) * rng.choice([-1, 1], size=shape) * 10.0**e).astype(
+            np.float32
+        )
+        for shape, e in zip(shapes, exponents, strict=True)
+    ]
+    expected = [np.sqrt(np.sum(np.square(v.astype(np.float64)))) for v in values]
+    groups = ShapeGroups(shapes)
+    norms = tf.function(lambda ts: groups.l2_norms(groups.stack(ts)))(
+        [tf.constant(v) for v in values]
+    )
+    np.testing.assert_allclose(norms.numpy(), expected, rtol=2e-6)
+    squares = exact_sums_of_squares_numpy(
+        lambda arrays: np.stack([np.square(a).sum() for a in arrays]), values, [12, 12, 7]
+    )
+    assert squares.dtype == np.float64
+    np.testing.assert_allclose(np.sqrt(squares), expected, rtol=2e-6)

@@ -373,7 +373,7 @@ class DeferredRing:
         now = tf.stack(
             [tf.reshape(tf.cast(self.variables[i].value, tf.float32), [-1]) for i in group]
         )
-        return exact_l2_norms(_weight_squares, (before, now))
+        return exact_l2_norms(_weight_squares, (before, now), entries)
 
     def _summarize_in_numpy(self, slots):
         """`_summarize_slots` without histograms, in NumPy: `(stats, metrics)` arrays."""
@@ -429,7 +429,7 @@ class DeferredRing:
         now = np.stack(
             [np.asarray(self.variables[i].numpy(), np.float32).reshape(-1) for i in group]
         )
-        return exact_sums_of_squares_numpy(_weight_squares_numpy, (before, now))
+        return exact_sums_of_squares_numpy(_weight_squares_numpy, (before, now), before.shape[-1])
 
     def _rows_in_numpy(self, per_group):
         """`_rows` for NumPy arrays."""

@@ -19,6 +19,7 @@ import os
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src import tree
 from keras.src.losses import loss as loss_module
@@ -564,6 +565,7 @@ def _summarize_step(
         unconstrained_norms = exact_l2_norms(
             lambda tensors: tf.stack([tf.reduce_sum(tf.square(t)) for t in tensors]),
             [tf.cast(unconstrained[i], tf.float32) for i in indices],
+            np.array([unconstrained[i].shape.num_elements() for i in indices], np.float64),
         )
         weight_norm_unconstrained = tf.tensor_scatter_nd_update(
             missing, [[i] for i in indices], unconstrained_norms
@@ -722,7 +724,9 @@ class _UpdateCapture:
             per_group = [tf.stack([sum_of_squares(i), sum_of_squares(a)]) for i, a in pairs]
             return groups.rows(per_group, axis=1)
 
-        change, after = tf.unstack(exact_l2_norms(squares, increments_and_after), num=2)
+        change, after = tf.unstack(
+            exact_l2_norms(squares, increments_and_after, groups.entries), num=2
+        )
         return change, after
 
 
@@ -755,7 +759,9 @@ class _WeightSegments:
         def squares(columns):
             return tf.stack([self.groups.sums_of_squares(column) for column in columns], axis=1)
 
-        return exact_l2_norms(squares, [list(column) for column in columns])
+        return exact_l2_norms(
+            squares, [list(column) for column in columns], self.groups.entries[:, np.newaxis]
+        )
 
     def max_abs(self, values):
         return self.groups.max_abs(values)
