@@ -305,6 +305,19 @@ def test_a_finite_gradient_too_large_for_float32_squares_is_exploding_not_broken
     assert len(exploding) == 1 and "e+2" in exploding["message"].iloc[0]
 
 
+def amplified(factor):
+    """Two Dense layers whose gradients `Amplify` scales by `factor`."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(4, name="below"),
+            keras.layers.Dense(1, name="top"),
+            Amplify(factor, name="amplify"),
+        ]
+    )
+
+
 @pytest.mark.parametrize("factor", [1e25, 1e-25], ids=["huge", "tiny"])
 @pytest.mark.parametrize(
     "path", ["deferred-numpy", "deferred-tensorflow", "in-step"], ids=lambda p: p
@@ -314,15 +327,7 @@ def test_the_global_norm_of_finite_gradients_is_finite_and_not_zero(factor, path
     global norm, summed from their float32 squares, read +inf or 0."""
     if path == "in-step":
         monkeypatch.setattr(deferred, "MAX_PARAMETERS", 0)
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((5,)),
-            keras.layers.Dense(4, name="below"),
-            keras.layers.Dense(1, name="top"),
-            Amplify(factor, name="amplify"),
-        ]
-    )
+    model = amplified(factor)
     model.compile(keras.optimizers.SGD(0.0), "mse")  # the weights stay: one reference
     x = np.random.default_rng(0).normal(size=(16, 5)).astype("float32")
     y = np.ones((16, 1), "float32")
@@ -450,15 +455,7 @@ def test_clipped_norms_of_gradients_far_from_one_are_exact(factor, clipping):
     The clipped gradients' norms were float32 squares: 1e-25 gradients read
     0 after clipping (and the step counted as clipped), 1e25 ones +inf.
     """
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((5,)),
-            keras.layers.Dense(4, name="below"),
-            keras.layers.Dense(1, name="top"),
-            Amplify(factor, name="amplify"),
-        ]
-    )
+    model = amplified(factor)
     model.compile(keras.optimizers.SGD(0.0, **clipping), "mse")
     x = np.random.default_rng(0).normal(size=(16, 5)).astype("float32")
     y = np.ones((16, 1), "float32")
