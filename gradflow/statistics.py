@@ -372,7 +372,7 @@ class ShapeGroups:
         return _in_order(joined, self._order, axis)
 
     def l2_norms(self, stacks):
-        """float32 L2 norms of the tensors of `stacks`, exact over float32's range (`exact_l2_norms`)."""
+        """float32 L2 norms of the tensors of `stacks`, exact over float32's normal range (`exact_l2_norms`)."""
         return exact_l2_norms(self.sums_of_squares, list(stacks), self.entries)
 
     def sums_of_squares(self, stacks):
@@ -736,7 +736,7 @@ def norm_of_norms_numpy(norms, axis=-1):
 
 
 def exact_l2_norms(sums_of_squares, tensors, entries):
-    """float32 L2 norms from `sums_of_squares(tensors)`, exact over float32's range.
+    """float32 L2 norms from `sums_of_squares(tensors)`, exact over float32's normal range.
 
     For the norms of weights, of their updates and of clipped gradients,
     which the statistics kernel does not take (its own norms are scaled:
@@ -749,7 +749,8 @@ def exact_l2_norms(sums_of_squares, tensors, entries):
     the tensors in float64, in a branch. Casting every step instead would
     add a float64 copy of every weight to each norm (three passes over
     memory for one). A tensor of zeros (a zero bias before its first update)
-    takes the branch too: slower, never wrong.
+    takes the branch too: slower, never wrong. Subnormal entries (under
+    1.2e-38) still count as zero: TensorFlow's CPU kernels read them so.
 
     Args:
         sums_of_squares: A function of `tensors` (float32, or the same
