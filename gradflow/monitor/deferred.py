@@ -270,7 +270,6 @@ class DeferredRing:
         slot = tf.math.floormod(step - 1, self.capacity)
         if halted is not None:
             slot = tf.where(halted, tf.constant(self.capacity, tf.int64), slot)
-        slot = tf.reshape(slot, [1, 1])
         _write_slot(self.raw, slot, packed)
         # Written last: a slot's step says its other values are complete.
         _write_slot(self.steps, slot, step)
