@@ -68,10 +68,10 @@ def _write_slot(variable, slot, value):
         )
     else:
         # A scatter along the first axis, not `scatter_nd_update`: on one CPU
-        # thread writing a 620 KB slot (the 20-layer MLP's deferred ring) took
-        # 0.09 ms instead of 0.21, a 120 KB one (the 5-layer MLP's) 0.05
-        # instead of 0.11 ms (ad-hoc microbenchmark, thirtieth session;
-        # docs/benchmarks.md).
+        # thread writing a 620 KB slot (a 78k-parameter model's deferred
+        # slot) took 0.08-0.09 ms instead of 0.24-0.26; on the lab's 45 KB
+        # and the 5-layer MLP's 122 KB slots the two are within this
+        # machine's noise (`python3 bench/bench_ring_write.py`).
         variable.scatter_update(tf.IndexedSlices(value[tf.newaxis], tf.reshape(slot, [1])))
 
 
