@@ -1,15 +1,18 @@
 """`fit` called again and again with a GradientMonitor: seconds a call.
 
-    python3 bench/bench_refit.py [--fits 8] [--steps 20] [--root DIR] [--out FILE]
+    python3 bench/bench_refit.py [--fits 8] [--steps 20] [--model mlp5] [--root DIR] [--out FILE]
 
 Users call `fit` in loops (an epoch at a time, a notebook cell run again). The
 monitor's instrumented train step used to be traced anew at every `fit`; a
 later `fit` now reuses the step the model's last monitored `fit` traced when
 nothing it depends on changed (`GradientMonitor._reuse_last_step`). This
-times `--fits` calls of `fit` (one epoch of `--steps` steps, the 5-layer MLP
-of `bench_monitor.py`, small size) for: a plain `fit`, the same monitor each
+times `--fits` calls of `fit` (one epoch of `--steps` steps, `--model` of
+`bench_monitor.py`, small size) for: a plain `fit`, the same monitor each
 time, and a new `GradientMonitor()` each time. The first call (tracing) is
-reported apart; the others as their median. `--root DIR` imports gradflow
+reported apart; the others as their median, and the last quarter's median
+apart (a monitor given to many fits keeps a growing history: until the
+thirtieth session each `fit`'s end ran the diagnosis rules over all of it,
+so later fits took longer). `--root DIR` imports gradflow
 from another checkout (e.g. `git worktree add /tmp/base <commit>`), to
 compare with the code before the change in the same hour.
 Writes bench/results/refit.json (or --out).
@@ -32,6 +35,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--fits", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--model", default="mlp5", choices=["mlp5", "mlp20", "cnn"])
     parser.add_argument("--root", default=str(HERE.parent), help="the checkout to import")
     parser.add_argument("--out", default=str(HERE / "results" / "refit.json"))
     args = parser.parse_args()
@@ -49,10 +53,10 @@ def main():
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    x, y = bench_monitor.data("mlp5", args.steps)
+    x, y = bench_monitor.data(args.model, args.steps)
     results = {}
     for variant in ("plain fit", "the same monitor each fit", "a new monitor each fit"):
-        model = bench_monitor.build("mlp5")
+        model = bench_monitor.build(args.model)
         monitor = GradientMonitor()
         seconds = []
         for _ in range(args.fits):
@@ -66,17 +70,21 @@ def main():
                 x, y, batch_size=bench_monitor.BATCH, epochs=1, verbose=0, callbacks=callbacks
             )
             seconds.append(time.perf_counter() - start)
+        last = seconds[-max(1, (args.fits - 1) // 4) :]
         results[variant] = {
             "first_fit_s": round(seconds[0], 3),
             "later_fits_median_s": round(statistics.median(seconds[1:]), 3),
+            "last_quarter_median_s": round(statistics.median(last), 3),
             "all_s": [round(s, 3) for s in seconds],
         }
         print(
-            f"{variant:28s} first {seconds[0]:.3f} s, later median {statistics.median(seconds[1:]):.3f} s"
+            f"{variant:28s} first {seconds[0]:.3f} s, later median "
+            f"{statistics.median(seconds[1:]):.3f} s, last quarter {statistics.median(last):.3f} s"
         )
     result = {
         "command": "python3 bench/bench_refit.py " + " ".join(sys.argv[1:]),
         "root": str(pathlib.Path(args.root).resolve()),
+        "model": args.model,
         "steps_per_fit": args.steps,
         "fits": args.fits,
         "load_average_1min": os.getloadavg()[0],

@@ -11,6 +11,8 @@ import keras
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gradflow.monitor import GradientMonitor
 from gradflow.monitor import step as step_module
@@ -354,3 +356,82 @@ def test_one_monitor_given_to_several_fits_halts_each_at_its_own_nan():
     # Each halting fit keeps its halted step's metric, the good fit all three
     # (once dropped: the first fit's halt seemed to apply to later steps).
     assert sorted(monitor.metrics.query("name == 'mae'")["step"]) == [1, 2, 3, 4, 5]
+
+
+# Rules that fire and stop often on this small model, so that streaks and
+# growth windows straddle the fits.
+FLICKERING_RULES = dict(exploding_growth=1.02, growth_window=2, vanishing_ratio=1.0)
+
+
+def found_events(events):
+    kinds = ("vanishing", "exploding", "dead_relu", "saturation")
+    found = events[events["kind"].isin(kinds)]
+    return sorted(zip(found["step"].astype(int), found["layer"], found["kind"], strict=True))
+
+
+def test_a_monitor_given_to_several_fits_diagnoses_only_what_each_fit_added(monkeypatch):
+    """Each fit's end once ran the rules over the whole history: a loop of
+    one-epoch fits spent more and more of its time there."""
+    from gradflow.diagnosis import Thresholds, diagnose
+    from gradflow.monitor import callback as monitor_callback
+
+    read = []
+
+    def counting(table, rules=None):
+        read.append(table["step"].nunique())
+        return diagnose(table, rules)
+
+    monkeypatch.setattr(monitor_callback, "diagnose", counting)
+    x, y = make_data()
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.2), loss="mse")
+    rules = Thresholds(**FLICKERING_RULES)
+    monitor = GradientMonitor(activations=True, rules=rules)
+    for _ in range(8):
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    steps = monitor.history["step"].nunique()
+    assert steps == 24
+    # The first fit's 3 steps, then each fit's 3 and the steps before them
+    # the rules look back at: the second fit all 3 of the first's, later
+    # fits 4 (the newest two, and back `growth_window` = 2 steps from the
+    # second newest). The whole history grows to 24 steps.
+    assert read == [3, 6] + [7] * 6
+    # What the fits found one by one is what the whole history shows.
+    whole = found_events(diagnose(monitor.history, rules))
+    assert len(whole) >= 8 and {kind for _, _, kind in whole} >= {"exploding", "vanishing"}
+    assert found_events(monitor.events) == whole
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    steps=st.lists(st.integers(1, 4), min_size=2, max_size=30).map(
+        lambda gaps: list(np.cumsum(gaps))
+    ),
+    split=st.floats(0.0, 1.0),
+    norms=st.lists(st.sampled_from([0.0, 1e-9, 1e-3, 0.5, 1.0, 2.0, 50.0, 2e3]), min_size=60),
+    window=st.integers(1, 6),
+)
+def test_the_steps_a_later_diagnosis_rereads_give_the_whole_historys_events(
+    steps, split, norms, window
+):
+    """`_context_start`: the rules on (context + new steps) find, at the new
+    steps, what they find there in the whole history."""
+    from gradflow.diagnosis import Thresholds, diagnose
+    from gradflow.monitor.callback import _context_start
+
+    rows = []
+    for i, step in enumerate(steps):
+        for j, layer in enumerate(["a", "b"]):
+            norm = norms[(2 * i + j) % len(norms)]
+            rows.append((step, layer, j, "kernel", norm, 0, 0.0, norm / 10))
+    columns = ["step", "layer", "layer_index", "tensor", "l2_norm", "nonfinite"]
+    table = pd.DataFrame(rows, columns=columns + ["zero_fraction", "mean_abs"])
+    cut = min(len(steps) - 1, max(1, int(split * len(steps))))
+    old, new = np.array(steps[:cut]), steps[cut:]
+    rules = Thresholds(exploding_growth=3.0, growth_window=window, vanishing_ratio=0.1)
+    start = _context_start(old, window)
+    again = diagnose(table[table["step"] >= start], rules)
+    whole = diagnose(table, rules)
+    assert found_events(again[again["step"].isin(new)]) == found_events(
+        whole[whole["step"].isin(new)]
+    )
