@@ -777,11 +777,18 @@ class GradientMonitor(keras.callbacks.Callback):
         if not new:
             return
         new_steps = np.concatenate([block[0] for block in new])
-        old_steps = np.unique(np.concatenate([block[0] for block in old])) if old else []
+        window = (self.rules or Thresholds()).growth_window
+        # The newest old blocks, back to one that reaches the context's start.
+        recent, old_steps = [], np.zeros([0], np.int64)
+        for block in reversed(old):
+            recent.insert(0, block)
+            old_steps = np.unique(np.concatenate([block[0], old_steps]))
+            if len(old_steps) > 1 and old_steps[0] <= old_steps[-2] - window:
+                break
         context = []
         if len(old_steps) and old_steps[-1] < new_steps[0]:
-            start = _context_start(old_steps, (self.rules or Thresholds()).growth_window)
-            for steps, stats, _, _, layout in old:
+            start = _context_start(old_steps, window)
+            for steps, stats, _, _, layout in recent:
                 keep = steps >= start
                 if keep.any():
                     context.append((steps[keep], stats[keep], None, None, layout))
