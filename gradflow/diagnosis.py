@@ -398,8 +398,10 @@ def _saturation(table, norms, thresholds):
     ).dropna(subset=["layer"])
     # An input gradient of exactly 0 is units that pass nothing back at all
     # (dead ReLUs, or a sigmoid past float32's reach): the dead-unit rule
-    # reports those, from the share of zero entries.
-    frame = frame[(frame["out_size"] > 0) & (frame["in_size"] > 0) & np.isfinite(frame["in_size"])]
+    # reports those, from the share of zero entries. A non-finite one is
+    # the NaN rule's.
+    finite = np.isfinite(frame["in_size"]) & np.isfinite(frame["out_size"])
+    frame = frame[(frame["out_size"] > 0) & (frame["in_size"] > 0) & finite]
     # A layer whose weights get no gradient at all is vanishing, not saturated.
     frame = frame.merge(norms[["step", "layer", "norm"]], on=["step", "layer"], how="left")
     frame = frame[~(frame["norm"] < thresholds.vanishing_norm)]

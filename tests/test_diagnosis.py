@@ -291,3 +291,18 @@ def test_thresholds_are_frozen():
 def test_diagnosis_imports_no_tensorflow():
     code = "import gradflow.diagnosis, sys; assert 'tensorflow' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_infinite_output_gradient_is_no_saturation():
+    # It once raised ZeroDivisionError: mean |gradient| 1 at the layer's
+    # input over inf at its output made a ratio of 0, and the message
+    # divided by it. Found by a property test of `diagnose_new`.
+    table = rows(
+        (1, "a", 0, "kernel", 1.0),
+        (1, "a", 0, "activation", 1.0),
+        (1, "b", 1, "kernel", 1.0),
+        (1, "b", 1, "activation", INF),
+    )
+    events = diagnose(table)
+    assert events["kind"].tolist() == ["nonfinite"]
+    assert events["layer"].tolist() == ["b"]
