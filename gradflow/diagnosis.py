@@ -504,3 +504,61 @@ def diagnose(layer_stats, thresholds=None):
     result = pd.DataFrame(events, columns=list(schema.EVENTS_COLUMNS))
     result["step"] = result["step"].astype(np.int64)
     return result.sort_values("step", kind="stable").reset_index(drop=True)
+
+
+def context_start(steps, window):
+    """The first of the recorded `steps` a diagnosis of later steps must see.
+
+    The rules compare a step with the recorded step before it (a streak is
+    reported at its first step) and with the latest one at least `window`
+    steps back (`Thresholds.growth_window`), and the step before it with
+    its own: so the two newest steps, and the steps each looks back to.
+
+    Args:
+        steps: The steps diagnosed already (an array, not empty; in any
+            order, repeated or not: a table's `step` column will do).
+        window: `Thresholds.growth_window`.
+    """
+    steps = np.asarray(steps)
+    newest = steps.max()
+    lower = steps[steps < newest]
+    before = lower.max() if lower.size else newest
+    reach = steps[steps <= before - window]
+    return reach.max() if reach.size else steps.min()
+
+
+def diagnose_new(layer_stats, after_step, thresholds=None):
+    """What `diagnose` of the whole table finds at the steps after `after_step`.
+
+    For a view that follows a growing run (the dashboard's alerts): the rules
+    read only the new steps and the few steps before them that they look
+    back at (`context_start`), so a look costs a few passes over the
+    table's columns, not the rules over its whole length (a 10,000-step run
+    of 20 layers: 0.6 s for `diagnose`).
+
+    Args:
+        layer_stats: Tidy layer statistics, as for `diagnose`.
+        after_step: The steps up to this one were diagnosed before.
+        thresholds: A `Thresholds`. Defaults to `Thresholds()`.
+
+    Returns:
+        The events at steps after `after_step`, as `diagnose` returns them.
+    """
+    table = _table(layer_stats)
+    window = (thresholds or Thresholds()).growth_window
+    step = table["step"].to_numpy()
+    old = step <= after_step
+    seen_nonfinite = False
+    if old.all():
+        table = table.iloc[:0]
+    elif old.any():
+        start = context_start(step[old], window)
+        # Only the first non-finite step is reported: not a later one when
+        # an earlier step, left out of the context, had one.
+        seen_nonfinite = bool((_nonfinite_mask(table).to_numpy() & (step < start)).any())
+        table = table[step >= start]
+    found = diagnose(table, thresholds)
+    found = found[found["step"] > after_step]
+    if seen_nonfinite:
+        found = found[found["kind"] != "nonfinite"]
+    return found.reset_index(drop=True)

@@ -8,8 +8,10 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from gradflow.diagnosis import Thresholds, diagnose, first_nonfinite
+from gradflow.diagnosis import Thresholds, diagnose, diagnose_new, first_nonfinite
 
 NAN = float("nan")
 INF = float("inf")
@@ -296,7 +298,7 @@ def test_diagnosis_imports_no_tensorflow():
 def test_an_infinite_output_gradient_is_no_saturation():
     # It once raised ZeroDivisionError: mean |gradient| 1 at the layer's
     # input over inf at its output made a ratio of 0, and the message
-    # divided by it. Found by a property test of `diagnose_new`.
+    # divided by it. Found by the property test below.
     table = rows(
         (1, "a", 0, "kernel", 1.0),
         (1, "a", 0, "activation", 1.0),
@@ -306,3 +308,55 @@ def test_an_infinite_output_gradient_is_no_saturation():
     events = diagnose(table)
     assert events["kind"].tolist() == ["nonfinite"]
     assert events["layer"].tolist() == ["b"]
+
+
+# Values near every rule's threshold: vanishing, exploding growth, dead and
+# saturated units, and the odd NaN/Inf.
+_NORMS = [0.0, 1e-9, 1e-3, 0.5, 1.0, 2.0, 50.0, 2e3, NAN, INF]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    steps=st.lists(st.integers(1, 4), min_size=1, max_size=25).map(
+        lambda gaps: list(np.cumsum(gaps))
+    ),
+    cut=st.floats(0.0, 1.0),
+    norms=st.lists(st.sampled_from(_NORMS), min_size=40, max_size=120),
+    zero_fractions=st.lists(st.sampled_from([0.0, 0.5, 0.99, 1.0]), min_size=7),
+    window=st.integers(1, 6),
+)
+def test_diagnosing_the_new_steps_finds_what_the_whole_table_shows_there(
+    steps, cut, norms, zero_fractions, window
+):
+    """`diagnose_new`, which reads the new steps and a few before them, against `diagnose`."""
+    records = []
+    for i, step in enumerate(steps):
+        for j, layer in enumerate(["a", "b", "c"]):
+            for k, tensor in enumerate(["kernel", "bias", "activation"]):
+                n = 9 * i + 3 * j + k
+                extra = {"zero_fraction": zero_fractions[n % len(zero_fractions)]}
+                records.append((step, layer, j, tensor, norms[n % len(norms)], extra))
+    table = rows(*records)
+    rules = Thresholds(exploding_growth=3.0, growth_window=window, vanishing_ratio=0.1)
+    # Every split, from nothing diagnosed yet to everything.
+    after = [0, *steps][int(cut * len(steps))]
+    new = diagnose_new(table, after, rules)
+    whole = diagnose(table, rules)
+    whole = whole[whole["step"] > after]
+
+    def found(events):
+        return sorted(events.itertuples(index=False, name=None))
+
+    assert found(new) == found(whole)
+    assert list(new.columns) == list(whole.columns)
+
+
+def test_diagnosing_the_new_steps_reports_the_first_nonfinite_step_only_once():
+    # Step 2 broke the gradients and they stay broken: the NaN origin is step
+    # 2, whichever later steps a look reads.
+    table = rows(*[(s, "a", 0, "kernel", 1.0 if s < 2 else NAN) for s in range(1, 30)])
+    assert diagnose_new(table, 0)["kind"].tolist() == ["nonfinite"]
+    assert diagnose_new(table, 0)["step"].tolist() == [2]
+    assert diagnose_new(table, 1)["step"].tolist() == [2]
+    for after in (2, 10, 28, 29):
+        assert diagnose_new(table, after).empty

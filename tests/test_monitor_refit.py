@@ -414,10 +414,9 @@ def test_a_monitor_given_to_several_fits_diagnoses_only_what_each_fit_added(monk
 def test_the_steps_a_later_diagnosis_rereads_give_the_whole_historys_events(
     steps, split, norms, window
 ):
-    """`_context_start`: the rules on (context + new steps) find, at the new
+    """`context_start`: the rules on (context + new steps) find, at the new
     steps, what they find there in the whole history."""
-    from gradflow.diagnosis import Thresholds, diagnose
-    from gradflow.monitor.callback import _context_start
+    from gradflow.diagnosis import Thresholds, context_start, diagnose
 
     rows = []
     for i, step in enumerate(steps):
@@ -429,7 +428,7 @@ def test_the_steps_a_later_diagnosis_rereads_give_the_whole_historys_events(
     cut = min(len(steps) - 1, max(1, int(split * len(steps))))
     old, new = np.array(steps[:cut]), steps[cut:]
     rules = Thresholds(exploding_growth=3.0, growth_window=window, vanishing_ratio=0.1)
-    start = _context_start(old, window)
+    start = context_start(old, window)
     again = diagnose(table[table["step"] >= start], rules)
     whole = diagnose(table, rules)
     assert found_events(again[again["step"].isin(new)]) == found_events(

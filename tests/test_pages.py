@@ -373,6 +373,73 @@ def test_alerts_come_in_network_order_and_none_is_hidden(page_environment):
     assert table["layer"].tolist() == [f"dense_{i}" for i in range(6, 13)]
 
 
+def test_the_alerts_of_a_running_run_read_only_its_new_steps(page_environment, monkeypatch):
+    """The Alerts view redraws every second: the rules once read the whole run each time."""
+    import numpy as np
+    import pandas as pd
+    from streamlit.testing.v1 import AppTest
+
+    from gradflow import diagnosis
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 2}, name="growing", status="running")
+
+    def write(first, last, vanishing):
+        steps = np.arange(first, last + 1)
+        with store.writer(run_id) as writer:
+            for index, layer in enumerate(["dense_1", "dense_2"]):
+                norm = np.where(steps >= vanishing[index], 1e-9, 1.0)
+                writer.add_layer_stats(
+                    pd.DataFrame(
+                        {
+                            "step": steps,
+                            "layer": layer,
+                            "layer_index": index,
+                            "tensor": "kernel",
+                            "max_abs": norm,
+                            "l2_norm": norm,
+                            "nonfinite": 0,
+                        }
+                    )
+                )
+            writer.progress(last)
+
+    read = []
+    diagnose = diagnosis.diagnose
+
+    def counted(table, thresholds=None):
+        read.append(sorted(table["step"].unique()))
+        return diagnose(table, thresholds)
+
+    monkeypatch.setattr(diagnosis, "diagnose", counted)
+    # dense_1's gradients vanish from step 1 on, dense_2's from step 50.
+    write(1, 40, vanishing=(1, 50))
+    app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
+    app.query_params["run"] = run_id
+    app.session_state["live.view"] = "Alerts"
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert [w.value.split(":")[0] for w in app.warning if "vanishing" in w.value] == [
+        "Layer dense_1"
+    ]
+    assert read == [list(range(1, 41))]
+
+    write(41, 60, vanishing=(1, 50))
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    # The alert of step 1 stays; step 50's joins it. The rules read the 20
+    # new steps and those before them they compare with: back
+    # `growth_window` steps from step 39.
+    shown = [w.value for w in app.warning if "vanishing" in w.value]
+    assert [m.split(":")[0] for m in shown] == ["Layer dense_1", "Layer dense_2"]
+    assert "step 1 " in shown[0] and "step 50 " in shown[1]
+    assert read[1] == list(range(39 - diagnosis.Thresholds().growth_window, 61))
+    # Nothing new: nothing read again.
+    app.run()
+    assert len(read) == 2 and len([w for w in app.warning if "vanishing" in w.value]) == 2
+
+
 def test_live_heatmaps_are_capped_and_a_tick_sends_only_the_new_columns(page_environment):
     from gradflow.store import RunStore
     from gradflow.ui.live import LIVE_MAX_COLUMNS

@@ -14,7 +14,7 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from gradflow import schema
 from gradflow.checks import flag, positive_int
-from gradflow.diagnosis import Thresholds, diagnose, no_gradient_message
+from gradflow.diagnosis import Thresholds, context_start, diagnose, no_gradient_message
 from gradflow.monitor import trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS
 from gradflow.monitor.records import (
@@ -787,7 +787,7 @@ class GradientMonitor(keras.callbacks.Callback):
                 break
         context = []
         if len(old_steps) and old_steps[-1] < new_steps[0]:
-            start = _context_start(old_steps, window)
+            start = context_start(old_steps, window)
             for steps, stats, _, _, layout in recent:
                 keep = steps >= start
                 if keep.any():
@@ -831,19 +831,6 @@ def _layer_history(blocks):
     if not frames:
         return pd.DataFrame(columns=list(schema.LAYER_STATS_COLUMNS))
     return pd.concat(frames, ignore_index=True)
-
-
-def _context_start(steps, window):
-    """The first of the recorded `steps` (sorted, unique) a diagnosis of later steps must see.
-
-    The rules compare a step with the recorded step before it (a streak is
-    reported at its first step) and with the latest one at least `window`
-    steps back (`Thresholds.growth_window`), and the step before it with
-    its own: so the two newest steps, and the steps each looks back to.
-    """
-    before = steps[-2] if len(steps) > 1 else steps[-1]
-    earlier = steps[steps <= before - window]
-    return earlier[-1] if len(earlier) else steps[0]
 
 
 _ENDED_OUTSIDE_THE_STEP = "`fit` ended with an error outside the train step (in a callback?)"

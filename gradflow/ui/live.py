@@ -258,6 +258,11 @@ class _Cache:
     metrics: pd.DataFrame
     histograms: pd.DataFrame
     last_step: int = 0
+    # What the diagnosis rules found in `layer_stats` up to `diagnosed_step`.
+    found: pd.DataFrame = dataclasses.field(
+        default_factory=lambda: pd.DataFrame(columns=list(schema.EVENTS_COLUMNS))
+    )
+    diagnosed_step: int = 0
 
 
 _NOTHING_READ = _Cache(
@@ -462,7 +467,7 @@ def _charts(info, cache, key):
                 figures.metrics_chart(cache.metrics, presentation=presentation), f"{key}.metrics"
             )
     else:
-        _alerts(store, run_id, stats)
+        _alerts(store, run_id, cache)
     if status not in ACTIVE:
         _lesson_pack_button(info, cache, key)
 
@@ -603,11 +608,27 @@ def _histograms(histograms, stats, tensor, key, presentation):
     )
 
 
-def _alerts(store, run_id, stats):
-    events = pd.concat([store.events(run_id), diagnosis.diagnose(stats)], ignore_index=True)
-    if events.empty:
+def _rule_events(cache):
+    """What the diagnosis rules find in the statistics read so far.
+
+    The Alerts view of a running run redraws every second: the rules read
+    only the steps since the last look (and the few before them they look
+    back at), not the whole run each time.
+    """
+    if cache.last_step > cache.diagnosed_step:
+        new = diagnosis.diagnose_new(cache.layer_stats, cache.diagnosed_step)
+        cache.found = _appended(cache.found, new)
+        cache.diagnosed_step = cache.last_step
+    return cache.found
+
+
+def _alerts(store, run_id, cache):
+    stats = cache.layer_stats
+    found = [f for f in (store.events(run_id), _rule_events(cache)) if not f.empty]
+    if not found:
         st.success("No alerts: no vanishing, exploding, dead or non-finite gradients detected.")
         return
+    events = pd.concat(found, ignore_index=True)
     events = events.drop_duplicates(subset=["kind", "layer", "message"])
     # Layers in network order (input first), not as strings: dense_2 before dense_10.
     order = stats.drop_duplicates("layer").set_index("layer")["layer_index"]
