@@ -12,7 +12,11 @@ rows). Rows with `tensor == "activation"` are gradients w.r.t. the layer's
 output (dLoss/d output) and are used only by the rules that say so.
 
 A condition that holds for many steps in a row is reported once, at the first
-step of each such streak, so a long run does not drown the reader in alerts.
+step of each such streak, so a long run does not drown the reader in alerts. A
+recorded step where a rule cannot judge a layer (its norm is NaN, the last
+layer has no gradient to compare with) ends the streak: so each step's events
+depend on a few recorded steps before it only, and `diagnose_new` can follow a
+growing run by reading its newest steps.
 
 Example:
 
@@ -236,17 +240,31 @@ def _onsets(flagged, keys=("layer",)):
     return flagged[flagged["_streak_start"]]
 
 
-def _mark_streaks(frame, condition, keys=("layer",)):
-    """Rows where `condition` holds and did not hold at the previous recorded step."""
+def _mark_streaks(frame, condition, steps, keys=("layer",)):
+    """Rows where `condition` holds and did not hold at the previous recorded step.
+
+    `steps` are the table's recorded steps (sorted, unique). A step where a
+    rule could not judge a layer (no finite norm, a last layer with no
+    gradient to compare with) ends its streak: so what a step reports
+    depends on the few recorded steps before it only, and a look at a
+    run's newest steps finds what a look at the whole run does there
+    (`diagnose_new`).
+    """
     frame = frame.assign(_flag=condition.to_numpy()).sort_values(list(keys) + ["step"])
-    previous = frame.groupby(list(keys), observed=True)["_flag"].shift(1, fill_value=False)
-    frame["_streak_start"] = frame["_flag"] & ~previous.astype(bool)
+    groups = frame.groupby(list(keys), observed=True)
+    flagged_before = groups["_flag"].shift(1, fill_value=False).astype(bool)
+    step = frame["step"].to_numpy()
+    position = np.searchsorted(steps, step)
+    # NaN before the first step: equal to no step.
+    recorded_before = np.where(position > 0, steps[np.maximum(position - 1, 0)], np.nan)
+    continues = flagged_before.to_numpy() & (groups["step"].shift(1).to_numpy() == recorded_before)
+    frame["_streak_start"] = frame["_flag"].to_numpy() & ~continues
     return frame[frame["_flag"]]
 
 
-def _vanishing(norms, thresholds):
+def _vanishing(norms, thresholds, steps):
     events = []
-    low = _mark_streaks(norms, norms["norm"] < thresholds.vanishing_norm)
+    low = _mark_streaks(norms, norms["norm"] < thresholds.vanishing_norm, steps)
     for row in _onsets(low).itertuples():
         events.append(
             (
@@ -278,7 +296,7 @@ def _vanishing(norms, thresholds):
     if ratios.empty:
         return events
     ratios["ratio"] = ratios["norm"] / ratios["last_norm"]
-    small = _mark_streaks(ratios, ratios["ratio"] < thresholds.vanishing_ratio)
+    small = _mark_streaks(ratios, ratios["ratio"] < thresholds.vanishing_ratio, steps)
     for row in _onsets(small).itertuples():
         events.append(
             (
@@ -296,11 +314,11 @@ def _vanishing(norms, thresholds):
     return events
 
 
-def _exploding(norms, thresholds):
+def _exploding(norms, thresholds, steps):
     events = []
     if norms.empty:
         return events
-    high = _mark_streaks(norms, norms["norm"] > thresholds.exploding_norm)
+    high = _mark_streaks(norms, norms["norm"] > thresholds.exploding_norm, steps)
     for row in _onsets(high).itertuples():
         events.append(
             (
@@ -314,20 +332,21 @@ def _exploding(norms, thresholds):
                 ),
             )
         )
-    # Growth: compare with the latest recorded norm at least `growth_window` steps back.
+    # Growth: compare with the norm at the latest recorded step at least
+    # `growth_window` steps back (none if the layer had no finite norm there).
     window = int(thresholds.growth_window)
-    ordered = norms.sort_values("step")
-    earlier = ordered.rename(columns={"step": "_then", "norm": "then_norm"})[
-        ["layer", "_then", "then_norm"]
-    ].sort_values("_then")
-    lookup = ordered.assign(_then=ordered["step"] - window).sort_values("_then")
-    grown = pd.merge_asof(lookup, earlier, on="_then", by="layer", direction="backward")
+    position = np.searchsorted(steps, norms["step"].to_numpy() - window, side="right")
+    then = np.where(position > 0, steps[np.maximum(position - 1, 0)], -1)
+    earlier = norms[["layer", "step", "norm"]].rename(
+        columns={"step": "_then", "norm": "then_norm"}
+    )
+    grown = norms.assign(_then=then).merge(earlier, on=["layer", "_then"], how="inner")
     # Growth needs two finite norms; one beyond float32's range is reported above.
     grown = grown[(grown["then_norm"] > 0) & np.isfinite(grown["then_norm"] * grown["norm"])]
     if grown.empty:
         return events
     grown = grown.assign(factor=grown["norm"] / grown["then_norm"])
-    fast = _mark_streaks(grown, grown["factor"] > thresholds.exploding_growth)
+    fast = _mark_streaks(grown, grown["factor"] > thresholds.exploding_growth, steps)
     for row in _onsets(fast).itertuples():
         events.append(
             (
@@ -345,7 +364,7 @@ def _exploding(norms, thresholds):
     return events
 
 
-def _dead_relu(table, thresholds):
+def _dead_relu(table, thresholds, steps):
     if "zero_fraction" not in table.columns:
         return []
     events = []
@@ -359,7 +378,7 @@ def _dead_relu(table, thresholds):
         if rows.empty:
             continue
         rows = rows.drop_duplicates(["step", "layer"])
-        zeros = _mark_streaks(rows, rows["share"] > limit)
+        zeros = _mark_streaks(rows, rows["share"] > limit, steps)
         for row in _onsets(zeros).itertuples():
             events.append(
                 (
@@ -377,7 +396,7 @@ def _dead_relu(table, thresholds):
     return events
 
 
-def _saturation(table, norms, thresholds):
+def _saturation(table, norms, thresholds, steps):
     if "mean_abs" not in table.columns:
         return []
     outputs = table[table["tensor"] == schema.ACTIVATION]
@@ -408,14 +427,14 @@ def _saturation(table, norms, thresholds):
     frame = frame.assign(ratio=frame["in_size"] / frame["out_size"])
     if frame.empty:
         return []
-    shrunk = _mark_streaks(frame, frame["ratio"] < thresholds.saturation_ratio)
+    shrunk = _mark_streaks(frame, frame["ratio"] < thresholds.saturation_ratio, steps)
     return [
         (
             row.step,
             row.layer,
             "saturation",
             (
-                f"Layer {row.layer}: the gradient shrinks {1 / row.ratio:.1e}-fold as it passes "
+                f"Layer {row.layer}: the gradient shrinks {row.out_size / row.in_size:.1e}-fold as it passes "
                 f"back through this layer at step {row.step} (mean |gradient| {row.out_size:.1e} "
                 f"at its output, {row.in_size:.1e} at its input) — its units are probably "
                 "saturated: sigmoid/tanh outputs stuck near their limits, where the slope is "
@@ -497,10 +516,11 @@ def diagnose(layer_stats, thresholds=None):
             )
         )
     norms = _layer_norms(table)
-    events += _vanishing(norms, thresholds)
-    events += _exploding(norms, thresholds)
-    events += _dead_relu(table, thresholds)
-    events += _saturation(table, norms, thresholds)
+    steps = np.unique(table["step"].to_numpy())  # the recorded steps
+    events += _vanishing(norms, thresholds, steps)
+    events += _exploding(norms, thresholds, steps)
+    events += _dead_relu(table, thresholds, steps)
+    events += _saturation(table, norms, thresholds, steps)
     result = pd.DataFrame(events, columns=list(schema.EVENTS_COLUMNS))
     result["step"] = result["step"].astype(np.int64)
     return result.sort_values("step", kind="stable").reset_index(drop=True)

@@ -310,6 +310,19 @@ def test_an_infinite_output_gradient_is_no_saturation():
     assert events["layer"].tolist() == ["b"]
 
 
+def test_a_step_the_rules_cannot_judge_ends_a_streak():
+    # Step 4's norm is NaN: whether it vanished there is unknown, so the
+    # vanishing from step 5 on is a streak of its own. (Carrying the streak
+    # across it made a step's events depend on steps arbitrarily far back,
+    # and a look at a run's newest steps report what a whole look did not.)
+    norms = [1e-9, 1e-9, 1e-9, NAN, 1e-9, 1e-9]
+    table = rows(*[(step, "a", 0, "kernel", norm) for step, norm in enumerate(norms, 1)])
+    events = diagnose(table)
+    assert events.query("kind == 'vanishing'")["step"].tolist() == [1, 5]
+    assert events.query("kind == 'nonfinite'")["step"].tolist() == [4]
+    assert diagnose_new(table, 4).equals(events.query("step > 4").reset_index(drop=True))
+
+
 # Values near every rule's threshold: vanishing, exploding growth, dead and
 # saturated units, and the odd NaN/Inf.
 _NORMS = [0.0, 1e-9, 1e-3, 0.5, 1.0, 2.0, 50.0, 2e3, NAN, INF]
@@ -360,3 +373,38 @@ def test_diagnosing_the_new_steps_reports_the_first_nonfinite_step_only_once():
     assert diagnose_new(table, 1)["step"].tolist() == [2]
     for after in (2, 10, 28, 29):
         assert diagnose_new(table, after).empty
+
+
+# Every kind of value a float64 table can hold, subnormal and negative too.
+_ANY = [0.0, 5e-324, 1e-30, 1e-9, 1e-3, 0.5, 1.0, 2.0, 1e3, 1e30, 3e38, INF, NAN, -1.0]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    steps=st.integers(1, 5),
+    values=st.lists(st.sampled_from(_ANY), min_size=5, max_size=120),
+    zero_fractions=st.lists(st.sampled_from([0.0, 0.5, 1.0, NAN]), min_size=1, max_size=9),
+    counts=st.lists(st.sampled_from([0, 1, NAN]), min_size=1, max_size=5),
+    window=st.integers(1, 4),
+)
+def test_the_rules_never_raise_whatever_the_values(steps, values, zero_fractions, counts, window):
+    """A table the rules choke on would take the dashboard's Alerts view down with it."""
+    records = []
+    for step in range(1, steps + 1):
+        for j, layer in enumerate(["a", "b", "c"]):
+            for tensor in ["kernel", "bias", "activation"]:
+                n = len(records)
+                extra = {
+                    "max_abs": values[n % len(values)],
+                    "mean_abs": values[(n + 2) % len(values)],
+                    "zero_fraction": zero_fractions[n % len(zero_fractions)],
+                    "nonfinite": counts[n % len(counts)],
+                }
+                records.append((step, layer, j, tensor, values[(n + 1) % len(values)], extra))
+    events = diagnose(rows(*records), Thresholds(growth_window=window, exploding_growth=3.0))
+    assert list(events.columns) == ["step", "layer", "kind", "message"]
+    assert (
+        events["kind"]
+        .isin(["nonfinite", "vanishing", "exploding", "dead_relu", "saturation"])
+        .all()
+    )
