@@ -32,6 +32,7 @@ _EXPORTS = {
     "load_arrays": "gradflow.safety.arrays",
     "UnsafeInputError": "gradflow.safety.errors",
     "diagnose": "gradflow.diagnosis",
+    "diagnose_new": "gradflow.diagnosis",
     "first_nonfinite": "gradflow.diagnosis",
     "Thresholds": "gradflow.diagnosis",
     "GradientProbe": "gradflow.probe.snapshot",

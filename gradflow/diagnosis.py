@@ -564,7 +564,20 @@ def diagnose_new(layer_stats, after_step, thresholds=None):
 
     Returns:
         The events at steps after `after_step`, as `diagnose` returns them.
+
+    Raises:
+        TypeError: if `after_step` is not a step number, or as `diagnose` does.
+        ValueError: as `diagnose` does.
     """
+    if (
+        isinstance(after_step, (bool, np.bool_))
+        or not isinstance(after_step, numbers.Real)
+        or math.isnan(after_step)
+    ):
+        raise TypeError(
+            "`after_step` must be a step number (an int: 0 when nothing was diagnosed yet), "
+            f"got {type(after_step).__name__} {after_step!r}."
+        )
     table = _table(layer_stats)
     window = (thresholds or Thresholds()).growth_window
     step = table["step"].to_numpy()

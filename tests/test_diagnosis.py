@@ -282,6 +282,14 @@ def test_bad_inputs_name_the_argument():
         )
     with pytest.raises(TypeError, match="`thresholds`"):
         diagnose(healthy_run(), thresholds={"vanishing_norm": 1e-3})
+    for bad in ("10", None, True, NAN):
+        with pytest.raises(TypeError, match="`after_step` must be a step number"):
+            diagnose_new(healthy_run(), bad)
+    with pytest.raises(TypeError, match="`layer_stats`"):
+        diagnose_new([1, 2, 3], 0)
+    import gradflow
+
+    assert gradflow.diagnose_new is diagnose_new  # as the README calls it
 
 
 def test_thresholds_are_frozen():
