@@ -144,8 +144,9 @@ def test_teacher_flow(page_factory, tmp_path, artifacts_dir):
             if not r.url.startswith((url, url.replace("http", "ws", 1), "data:", "blob:"))
             else None,
         )
-        # A shared link restores the settings it carries: here a long run, to have time to Stop it.
-        page.goto(f"{url}/?steps=10000&record_every=1")
+        # A shared link restores the settings it carries: here a long run, to have time to Stop it
+        # (one that completed before the Stop click would fail it: the runner got faster).
+        page.goto(f"{url}/?steps=100000&record_every=1")
         page.get_by_role("button", name="Start training").wait_for(timeout=90_000)
         no_exception(page)
         wait_for_text(page, "Trainer ready", 240)
