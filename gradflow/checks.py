@@ -32,7 +32,17 @@ def positive_int(name, value, allow_none=False):
     if _is_bool(value) or not isinstance(value, numbers.Integral) or value < 1:
         allowed = "a positive integer or None" if allow_none else "a positive integer"
         raise ValueError(f"`{name}` must be {allowed}, got {value!r}.")
+    if value > _LARGEST_INT64:
+        # Step counts and intervals end up in int64 tensors and arrays, where
+        # a larger number fails deep inside TensorFlow with a bare OverflowError.
+        raise ValueError(
+            f"`{name}` must be a positive integer no larger than 2**63 - 1 (the largest int64), "
+            f"got {value!r:.80}."
+        )
     return int(value)
+
+
+_LARGEST_INT64 = 2**63 - 1
 
 
 def positive_number(name, value, unit=""):

@@ -20,10 +20,19 @@ BAD_COUNTS = [0, -3, 1.5, 2.0, "3", True, np.bool_(True), None, float("nan")]
 BAD_INTERVALS = [0, -0.5, "1", True, None, float("nan"), float("inf")]
 
 
-@given(st.integers(min_value=1, max_value=2**70))
+@given(st.integers(min_value=1, max_value=2**63 - 1))
 def test_positive_int_returns_whole_numbers_as_int(value):
     assert positive_int("n", value) == value
     assert type(positive_int("n", value)) is int
+
+
+@given(st.integers(min_value=2**63, max_value=2**200))
+def test_positive_int_refuses_what_no_int64_holds(value):
+    """`GradientMonitor(every=10**30)` failed in `fit` with a bare OverflowError."""
+    with pytest.raises(
+        ValueError, match=r"`n` must be a positive integer no larger than 2\*\*63 - 1"
+    ):
+        positive_int("n", value)
 
 
 @given(st.integers(min_value=1, max_value=2**62))

@@ -389,6 +389,7 @@ def test_histograms_count_every_finite_entry():
         ({"every": 0}, "`every` must be a positive integer, got 0"),
         ({"every": 1.5}, "`every` must be a positive integer, got 1.5"),
         ({"probe_every": -2}, "`probe_every` must be a positive integer, got -2"),
+        ({"every": 10**30}, r"`every` must be a positive integer no larger than 2\*\*63 - 1"),
         ({"run_id": "abc"}, "`run_id` needs a `store`"),
     ],
 )

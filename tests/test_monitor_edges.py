@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import tensorflow as tf
 
-from gradflow import diagnosis, schema
+from gradflow import diagnosis, schema, snapshot
 from gradflow.monitor import GradientMonitor, deferred
 from gradflow.monitor import callback as monitor_callback
 from gradflow.monitor import step as monitor_step
@@ -780,3 +780,64 @@ def test_the_probe_fallback_leaves_out_what_no_gradient_reaches():
     assert monitor.history["max_abs"].gt(0).all()
     assert list(monitor.events["kind"]) == ["no_gradient"]
     assert "layer 'unused' (kernel, bias, output)" in monitor.events["message"].iloc[0]
+
+
+class ScaledBlock(keras.layers.Layer):
+    """A custom block with a sub-layer and a trainable weight of its own."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(4, activation="tanh", name="inner")
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="scale")
+
+    def call(self, x):
+        return self.inner(x * self.scale)
+
+
+@pytest.mark.parametrize("activations", [False, True])
+def test_a_blocks_own_weight_is_filed_under_the_block(activations):
+    """Both blocks' `scale` were filed under the model's name, as one (layer, tensor)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    hidden = ScaledBlock(name="block_b")(ScaledBlock(name="block_a")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES, name="out")(hidden), name="net")
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    x, y = data()
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    with tf.GradientTape() as tape:
+        loss = model.loss(y[:BATCH], reference(x[:BATCH], training=True))
+    expected = dict(
+        zip(
+            [v.path for v in reference.trainable_variables],
+            tape.gradient(loss, reference.trainable_variables),
+            strict=True,
+        )
+    )
+    shot = snapshot(model, x[:BATCH], y[:BATCH])
+    monitor = GradientMonitor(activations=activations)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+
+    order = {"block_a/inner": 0, "block_a": 1, "block_b/inner": 2, "block_b": 3, "out": 4}
+    first = monitor.history.query("step == 1")
+    for table in (first, shot.weights):
+        weights = table[table["tensor"] != "activation"]
+        assert not weights.duplicated(["layer", "tensor"]).any()
+        assert dict(zip(weights["layer"], weights["layer_index"], strict=True)) == order
+        scales = weights.query("tensor == 'scale'").set_index("layer")
+        assert scales["variable"].to_dict() == {
+            "block_a": "block_a/scale",
+            "block_b": "block_b/scale",
+        }
+        for row in weights.itertuples():
+            np.testing.assert_allclose(
+                row.l2_norm, np.linalg.norm(expected[row.variable].numpy()), rtol=1e-5
+            )
+    if activations:
+        outputs = first.query("tensor == 'activation'")
+        assert dict(zip(outputs["layer"], outputs["layer_index"], strict=True)) == order

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gradflow import schema
+from gradflow import first_nonfinite, schema, snapshot
 from gradflow.monitor import GradientMonitor, deferred
 from gradflow.monitor import callback as monitor_callback
 from gradflow.store import RunStore
@@ -38,7 +38,8 @@ class BlowUp(keras.layers.Layer):
 
             return x * scale, grad
 
-        return scaled(x, self.scale)
+        # A tensor, not the variable: eager custom gradients refuse variables.
+        return scaled(x, tf.convert_to_tensor(self.scale))
 
 
 def blow_up_model():
@@ -75,6 +76,43 @@ def test_nonfinite_origin_is_the_layer_nearest_the_loss(activations):
     assert step3[("blowup", "scale")] > 0 and step3[("below", "kernel")] > 0
     assert step3[("above", "kernel")] == 0
     assert monitor.history.query("step < 3")["nonfinite"].sum() == 0
+
+
+class HeadFirst(keras.Model):
+    """The model of `blow_up_model`, subclassed, its layers created head first.
+
+    Keras tracks a subclassed model's layers in the order `__init__` made
+    them; numbered so, `above` was layer 0 and the origin was put at `below`.
+    """
+
+    def __init__(self):
+        super().__init__(name="head_first")
+        self.above = keras.layers.Dense(1, name="above")
+        self.blowup = BlowUp(name="blowup")
+        self.below = keras.layers.Dense(4, name="below")
+
+    def call(self, x):
+        return self.above(self.blowup(self.below(x)))
+
+
+@pytest.mark.parametrize("activations", [False, True])
+def test_layers_are_numbered_in_the_order_the_forward_pass_calls_them(activations):
+    x, y = blow_up_data(bad_step=3)
+    keras.utils.set_random_seed(0)
+    model = HeadFirst()
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    shot = snapshot(model, x[:BATCH], y[:BATCH])
+    monitor = GradientMonitor(activations=activations)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+
+    order = {"below": 0, "blowup": 1, "above": 2}
+    history = monitor.history
+    assert dict(zip(history["layer"], history["layer_index"], strict=True)) == order
+    for table in (shot.weights, shot.activations, shot.inputs):
+        assert dict(zip(table["layer"], table["layer_index"], strict=True)) == order
+    events = monitor.events.query("kind == 'nonfinite'")
+    assert events[["step", "layer"]].values.tolist() == [[3, "blowup"]]
+    assert first_nonfinite(history).layer == "blowup"
 
 
 # every=1 takes the deferred path of small models (a finiteness check of the
@@ -256,11 +294,22 @@ class OwnStep(keras.Model):
         return {"loss": loss}
 
 
-def test_own_train_step_falls_back_to_a_probe_every_n_steps():
+def _squared_error(y_true, y_pred):
+    return tf.square(y_true - y_pred)
+
+
+# A model that computes its loss in its own `train_step` is often compiled
+# without one (a GAN); its probe then takes the loss from `probe_loss`.
+@pytest.mark.parametrize(
+    "compiled_loss, probe_loss",
+    [("mse", None), (None, "mse"), (None, _squared_error)],
+    ids=["compiled loss", "probe_loss name", "probe_loss function"],
+)
+def test_own_train_step_falls_back_to_a_probe_every_n_steps(compiled_loss, probe_loss):
     x, y = blow_up_data(bad_step=99)
     keras.utils.set_random_seed(0)
     model = OwnStep()
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=compiled_loss)
     model(x[:1])
     weights_at = {0: [v.numpy() for v in model.trainable_variables]}
 
@@ -269,7 +318,7 @@ def test_own_train_step_falls_back_to_a_probe_every_n_steps():
             step = int(self.model.optimizer.iterations)
             weights_at[step] = [v.numpy() for v in self.model.trainable_variables]
 
-    monitor = GradientMonitor(probe_every=2)
+    monitor = GradientMonitor(probe_every=2, probe_loss=probe_loss)
     with pytest.warns(UserWarning, match="overrides `train_step`"):
         model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[Keep(), monitor])
     assert sorted(monitor.history["step"].unique()) == [2, 4, 6]
@@ -288,6 +337,29 @@ def test_own_train_step_falls_back_to_a_probe_every_n_steps():
         np.testing.assert_allclose(row["l2_norm"], np.linalg.norm(grad.numpy()), rtol=1e-5)
         np.testing.assert_allclose(row["max_abs"], np.abs(grad.numpy()).max(), rtol=1e-5)
     assert "train_step" not in model.__dict__
+
+
+def test_own_train_step_without_any_loss_trains_and_says_what_the_probe_needs():
+    """Keras's `compute_loss` raised "No loss to compute" from the probe and ended `fit`."""
+    x, y = blow_up_data(bad_step=99)
+    keras.utils.set_random_seed(0)
+    model = OwnStep()
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    model(x[:1])
+    before = [v.numpy() for v in model.trainable_variables]
+    monitor = GradientMonitor()
+    with pytest.warns(UserWarning, match=r"records nothing.*GradientMonitor\(probe_loss=\.\.\.\)"):
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    assert int(model.optimizer.iterations) == N // BATCH
+    assert not np.allclose(model.trainable_variables[0].numpy(), before[0])
+    assert monitor.history.empty
+    assert "train_step" not in model.__dict__
+
+
+@pytest.mark.parametrize("bad", ["not_a_loss", 3, ["mse"]])
+def test_a_probe_loss_that_is_no_loss_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match=r"`probe_loss` must be a Keras loss.*got"):
+        GradientMonitor(probe_loss=bad)
 
 
 def test_flush_writes_the_latest_step_to_the_store_at_once(store_path, monkeypatch):

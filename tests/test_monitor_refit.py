@@ -335,6 +335,57 @@ def test_one_monitor_across_a_freeze_keeps_both_fits_records():
     assert set(histograms.query("step == 5")["layer"]) == {"d1", "d2"}
 
 
+def test_one_monitor_across_a_new_optimizer_numbers_the_steps_on(tmp_path):
+    """Keras's fine-tuning recipe: fit, unfreeze, `compile()` again, fit again.
+
+    The new optimizer counts from 0: the second fit's steps were numbered
+    1, 2, 3 again, and in the store they replaced the first fit's rows.
+    """
+    from gradflow.store import RunStore
+
+    x, y = make_data()
+    model = make_model()
+    reference = copy_of(model)
+    store = RunStore(tmp_path / "runs.db")
+    monitor = GradientMonitor(store=store)
+    model.layers[0].trainable = False
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    first_fit = monitor.history.copy()
+    model.layers[0].trainable = True
+    model.compile(optimizer=keras.optimizers.SGD(0.02), loss="mse")
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[monitor])
+
+    assert model.optimizer.iterations.numpy() == 6  # Keras's own count is untouched
+    history = monitor.history
+    assert sorted(history["step"].unique()) == list(range(1, 10))
+    assert not history.duplicated(["step", "layer", "tensor"]).any()
+    assert sorted(monitor.metrics.query("name == 'loss'")["step"]) == list(range(1, 10))
+    # The first fit's rows are kept as they were, in the history and in the store.
+    pd.testing.assert_frame_equal(history[history["step"] <= 3].reset_index(drop=True), first_fit)
+    stored = store.layer_stats(monitor.run_id)
+    assert len(stored) == len(history)
+    key = ["step", "layer", "tensor"]
+    joined = history.merge(stored, on=key, suffixes=("", "_stored"))
+    np.testing.assert_allclose(joined["l2_norm_stored"], joined["l2_norm"], rtol=1e-6)
+    assert store.run_info(monitor.run_id)["total_steps"] == 9
+    # The second fit's steps are the reference's steps 1-6 of its own optimizer.
+    reference.layers[0].trainable = False
+    reference_run(reference, keras.optimizers.SGD(0.05), x, y, epochs=1)
+    reference.layers[0].trainable = True
+    rows, _ = reference_run(reference, keras.optimizers.SGD(0.02), x, y, epochs=2)
+    expected = pd.DataFrame(
+        [(*k, row["l2_norm"]) for k, row in rows.items() if k[2] != "activation"],
+        columns=[*key, "l2_norm"],
+    )
+    second = history[history["step"] > 3].assign(step=lambda f: f["step"] - 3)
+    joined = expected.merge(second, on=key, suffixes=("", "_recorded"))
+    assert len(joined) == len(second) == len(expected) == 6 * 6
+    np.testing.assert_allclose(joined["l2_norm_recorded"], joined["l2_norm"], rtol=1e-5)
+    told = monitor.events.query("kind == 'info'")
+    assert len(told) == 1 and "numbered on from step 4" in told["message"].iloc[0]
+
+
 def test_one_monitor_given_to_several_fits_halts_each_at_its_own_nan():
     x, y = make_data()
     model = make_model()

@@ -68,6 +68,13 @@ class GradientMonitor(keras.callbacks.Callback):
     metrics, steps per execution, XLA, a layer's `trainable` flag, the
     trainable variables or their constraints.
 
+    Steps are numbered as the optimizer counts them (`optimizer.iterations`
+    after the step's update). A new optimizer counts from 0 again (Keras's
+    fine-tuning recipe: unfreeze, `compile()` again, `fit` again): a `fit`
+    of this monitor that starts below the steps it has recorded numbers its
+    steps on after them, and an `info` event says by how much, so that no
+    recorded step is replaced.
+
     It works with compiled metrics, sample weights, validation data,
     `steps_per_execution > 1` (every step is recorded) and `tf.distribute`
     strategies (the per-replica gradients are all-reduced first, so the
@@ -86,7 +93,9 @@ class GradientMonitor(keras.callbacks.Callback):
     then warns and falls back to a probe: every `probe_every` steps (default
     `every`) it runs one more forward and backward pass on the same batch, in
     inference mode and before the model's own update, and records those
-    gradients (no clipping, update ratio or constraint columns).
+    gradients (no clipping, update ratio or constraint columns). The probe
+    differentiates the compiled loss; a model compiled without one (its loss
+    computed inside its `train_step`, as in a GAN) needs `probe_loss`.
 
     Args:
         every: Record every `every` optimizer steps. Defaults to 1.
@@ -108,8 +117,10 @@ class GradientMonitor(keras.callbacks.Callback):
             finite, and so are the updates of the few batches `fit` still
             runs before the callback reads the step (at most 0.2 s or one ring:
             64 executions, up to 256 for the ring of a small model; none when
-            the loss is non-finite too): the weights and
-            `optimizer.iterations` stay those of the last finite step. Under
+            the loss is non-finite too): the weights stay those of the last
+            finite step, and `optimizer.iterations` ends at the non-finite
+            one (it counts as a step, as a skipped update does in
+            `LossScaleOptimizer`; the steps after it do not count). Under
             `tf.distribute` the update is applied: a cond around the
             optimizer's cross-replica update is not allowed there. Defaults
             to `False`.
@@ -117,6 +128,13 @@ class GradientMonitor(keras.callbacks.Callback):
             histograms into this folder. Defaults to `None`.
         probe_every: Probe interval of the fallback for models with their own
             `train_step`. Defaults to `every`.
+        probe_loss: The loss the fallback's probe differentiates: a Keras
+            loss object, its name (`"mse"`), or a callable
+            `(y_true, y_pred) -> loss`, taken as its batch mean (plus the
+            model's `add_loss` losses). Defaults to `None`: the compiled
+            loss, which a model that computes its loss inside its own
+            `train_step` may not have; without either, the probe has nothing
+            to differentiate and the monitor warns and records nothing.
         rules: A `gradflow.diagnosis.Thresholds` for the diagnosis rules
             (vanishing, exploding, dead ReLU, saturation) that run on the
             history at the end of training; their findings join `.events`.
@@ -135,7 +153,8 @@ class GradientMonitor(keras.callbacks.Callback):
     a run the monitor created in `store` ends `interrupted` or `failed`.
 
     Raises:
-        ValueError: if `every` or `probe_every` is not a positive integer, a
+        ValueError: if `every` or `probe_every` is not a positive integer,
+            `probe_loss` is not a loss, a
             switch is not True or False, `store`, `run_name` or `rules` is of
             the wrong kind, or `run_id` comes without `store`; at the start
             of `fit`, if the model is not compiled or a second
@@ -155,12 +174,14 @@ class GradientMonitor(keras.callbacks.Callback):
         tensorboard_dir=None,
         probe_every=None,
         rules=None,
+        probe_loss=None,
     ):
         super().__init__()
         self.every = positive_int("every", every)
         self.probe_every = (
             self.every if probe_every is None else positive_int("probe_every", probe_every)
         )
+        self.probe_loss = _loss_or_none("probe_loss", probe_loss)
         if store is None and run_id is not None:
             raise ValueError(
                 f"`run_id` needs a `store` to write to, got run_id={run_id!r} and store=None."
@@ -202,6 +223,10 @@ class GradientMonitor(keras.callbacks.Callback):
         self._diagnosed_blocks = 0
         self._nonfinite_step = None
         self._plan = None
+        # Added to the optimizer's step count to number the steps of this
+        # `fit`: non-zero once the count went back below what this monitor
+        # had recorded (a new optimizer, `compile()` again), see `_begin_fit`.
+        self._step_offset = 0
 
     # Results -----------------------------------------------------------------
 
@@ -301,7 +326,9 @@ class GradientMonitor(keras.callbacks.Callback):
                 f"{self.probe_every} steps (`probe_every`).",
                 stacklevel=2,
             )
-            step = probed_train_step(self._plan, model.train_step, self.probe_every)
+            step = probed_train_step(
+                self._plan, model.train_step, self.probe_every, self.probe_loss
+            )
         if all(layer.built for layer in model._flatten_layers()):
             # Otherwise the first trace builds the model and then the ring.
             self._plan.prepare(model.trainable_weights)
@@ -342,7 +369,10 @@ class GradientMonitor(keras.callbacks.Callback):
         model = self.model
         self._watch_for_the_next_fit()
         self._clipping = not self._plan.probing and clipping_optimizer(model.optimizer) is not None
+        # `_last_step` and `_final_step` count as the optimizer does (the
+        # ring's steps); every step this monitor reports adds `_step_offset`.
         self._last_step = int(step_counter(model.optimizer).numpy())
+        self._number_on_from(self._last_step)
         planned = _planned_steps(self.params)
         # Lets a short run skip compiling the deferred ring's read.
         self._final_step = None if planned is None else self._last_step + planned
@@ -350,7 +380,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self._last_read = time.monotonic()
         self._batches_since_read = 0
         self._pending_logs = []
-        self._epoch_start_step = self._last_step
+        self._epoch_start_step = self._current_step()
         # A short last execution is reported as whole (see on_train_batch_end).
         self._steps_per_epoch = int(self.params.get("steps") or 0) or math.inf
         self._layout = None
@@ -358,11 +388,38 @@ class GradientMonitor(keras.callbacks.Callback):
         # to several fits); the events of earlier fits stay.
         self._nonfinite_step = None
         self._loss_scaled = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
-        self._overflows_seen, self._overflow_step = self._overflows(), self._last_step
+        self._overflows_seen, self._overflow_step = self._overflows(), self._current_step()
         if self._is_chief:
             self._open_store()
             if self.tensorboard_dir is not None:
                 self._summaries = SummaryWriter(self.tensorboard_dir)
+
+    def _number_on_from(self, count):
+        """Number this `fit`'s steps after every step this monitor has reported.
+
+        Steps are the optimizer's count, which starts again at 0 with a new
+        optimizer: Keras's fine-tuning recipe (train the head, unfreeze,
+        `compile()` again, `fit` again) or one monitor given to another
+        model. Numbered as they come, the second `fit`'s steps 1, 2, ...
+        would repeat the first's: two rows per step in `history`, and in the
+        store the later rows would replace the earlier ones.
+        """
+        reported = [int(block[0][-1]) for block in self._blocks if len(block[0])]
+        reported += [row[0] for row in self._metric_rows + self._events if row[0] is not None]
+        through = max(reported, default=None)
+        offset = 0 if through is None else max(0, through - count)
+        if offset and offset != self._step_offset:
+            self._add_event(
+                through,
+                None,
+                "info",
+                f"The optimizer's step count is {count} at the start of this fit, below the "
+                f"step {through} this monitor has already recorded (a new optimizer, e.g. "
+                f"after `compile()`). So that nothing recorded is replaced, this fit's steps are "
+                f"numbered on from step {through + 1}: its step n is the optimizer's "
+                f"iteration n - {offset}.",
+            )
+        self._step_offset = offset
 
     def on_train_batch_end(self, batch, logs=None):
         self._batches_since_read += 1
@@ -402,7 +459,7 @@ class GradientMonitor(keras.callbacks.Callback):
                 # and `params` does not say so.
                 self._final_step -= epoch * int(self.params["steps"])
                 if self._created_run and self._store is not None:
-                    self._store.set_total_steps(self.run_id, self._final_step)
+                    self._store.set_total_steps(self.run_id, self._final_numbered_step())
 
     def on_epoch_end(self, epoch, logs=None):
         self._collect()
@@ -551,6 +608,8 @@ class GradientMonitor(keras.callbacks.Callback):
         )
         if len(steps) == 0:
             return
+        self._last_step = int(steps[-1])
+        steps = steps + self._step_offset
         if self._layout is None:
             self._layout = RowLayout.build(
                 self._plan.names,
@@ -560,7 +619,6 @@ class GradientMonitor(keras.callbacks.Callback):
             )
             self._note_unreached(int(steps[0]))
         stats, histograms = self._layout.take(stats), self._layout.take(histograms)
-        self._last_step = int(steps[-1])
         # With its layout: a later `fit` of this monitor may have other rows (a frozen layer).
         self._blocks.append((steps, stats, metrics, histograms, self._layout))
         self._frames = None
@@ -645,7 +703,11 @@ class GradientMonitor(keras.callbacks.Callback):
         )
 
     def _current_step(self):
-        return int(step_counter(self.model.optimizer).numpy())
+        """The step the optimizer is at, as this monitor numbers it."""
+        return int(step_counter(self.model.optimizer).numpy()) + self._step_offset
+
+    def _final_numbered_step(self):
+        return None if self._final_step is None else self._final_step + self._step_offset
 
     def _add_metrics(self, step, values):
         self._metric_rows.extend((step, name, value) for name, value in values.items())
@@ -754,14 +816,17 @@ class GradientMonitor(keras.callbacks.Callback):
             }
             # The step the run ends at: a model trained before starts past 0.
             self.run_id = store.create_run(
-                config, name=self.run_name, source="monitor", total_steps=self._final_step
+                config,
+                name=self.run_name,
+                source="monitor",
+                total_steps=self._final_numbered_step(),
             )
             self._created_run = True
         elif self._created_run:
             # The same monitor given to another `fit`: its run trains on, further.
             # (A run given by `run_id` is its owner's to keep: the lab's worker.)
             store.set_status(self.run_id, "running", pid=os.getpid())
-            store.set_total_steps(self.run_id, self._final_step)
+            store.set_total_steps(self.run_id, self._final_numbered_step())
         self._writer = store.writer(self.run_id)
 
     def _diagnose(self):
@@ -792,8 +857,7 @@ class GradientMonitor(keras.callbacks.Callback):
                 keep = steps >= start
                 if keep.any():
                     context.append((steps[keep], stats[keep], None, None, layout))
-        # else: no step before this fit's, or the numbering started again
-        # (a new optimizer): this fit's steps are read on their own.
+        # else: no step before this fit's: its steps are read on their own.
         history = _layer_history(context + new)
         if history.empty:
             return
@@ -899,6 +963,22 @@ def _optimizer_settings(optimizer):
         return object()
     config.pop("learning_rate", None)
     return config
+
+
+def _loss_or_none(name, value):
+    """`value` as a loss function (a Keras loss, its name, a callable) or None; else a ValueError."""
+    if value is None or (callable(value) and not isinstance(value, str)):
+        return value
+    if isinstance(value, str):
+        try:
+            return keras.losses.get(value)
+        except ValueError:
+            pass
+    raise ValueError(
+        f"`{name}` must be a Keras loss object, a loss name such as 'mse' or "
+        "'sparse_categorical_crossentropy', a callable (y_true, y_pred) -> loss, or None; "
+        f"got {type(value).__name__} {value!r:.80}."
+    )
 
 
 def _is_finite(value):

@@ -28,8 +28,8 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from gradflow import schema
 from gradflow.monitor import deferred, trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS, RingBuffer, pad_rows
-from gradflow.probe.capture import leaf_layers, record_layer_outputs
-from gradflow.probe.naming import variable_names
+from gradflow.probe.capture import record_layer_outputs
+from gradflow.probe.naming import layer_order, variable_names
 from gradflow.statistics import (
     ShapeGroups,
     Stacked,
@@ -63,11 +63,15 @@ class StepPlan:
         self.every = every
         self.histograms = histograms
         self.stop_on_nonfinite = stop_on_nonfinite
-        self.layer_order = [path for path, _ in leaf_layers(model)]
+        # Leaf-layer paths, index = `layer_index`: in call order once the
+        # step is traced (`_take_activations`), tracking order until then.
+        self.layer_order = layer_order(model)
         # Rows for layer outputs; a shared layer is recorded once per call,
         # so leave room for a few repeated calls.
         self.activation_slots = 2 * len(self.layer_order) + 4 if activations else 0
-        self.names = None
+        self.variables = None
+        self.called = None
+        self._names = None
         self.buffer = None
         # Whether the step only copies its gradients and weights and the read
         # summarizes them (`gradflow.monitor.deferred`); decided by `prepare`.
@@ -86,6 +90,20 @@ class StepPlan:
         # Custom gradients TensorFlow registered while the step was traced,
         # for the callback to drop after `fit` (`trace_gradients`).
         self.custom_gradients = set()
+
+    @property
+    def names(self):
+        """`VariableName`s of the trainable variables, in row order (after `prepare`)."""
+        if self._names is None and self.variables is not None:
+            self._names = variable_names(self.model, self.variables, called=self.called)
+        return self._names
+
+    def note_call_order(self, called):
+        """Number the layers as the traced forward pass called them (`naming.layer_order`)."""
+        if called and called != self.called:
+            self.called = called
+            self.layer_order = layer_order(self.model, called)
+            self._names = None
 
     @property
     def replicas(self):
@@ -109,7 +127,7 @@ class StepPlan:
             return
         with tf.init_scope():
             self._build_optimizer(variables)
-            self.names = variable_names(self.model, variables)
+            self.variables = list(variables)
             self.deferred = self._can_defer(variables)
             if self.deferred:
                 self.capacity = deferred.ring_capacity(
@@ -409,13 +427,16 @@ def _update_unless_nonfinite(plan, update, finite, constrained_variables, unchan
     return tf.cond(go, update, skip), halted
 
 
-def probed_train_step(plan, original_train_step, probe_every):
+def probed_train_step(plan, original_train_step, probe_every, probe_loss=None):
     """Wrap a model's own `train_step` with a probe pass every `probe_every` steps.
 
     Args:
         plan: A `StepPlan`.
         original_train_step: The model's bound `train_step`.
         probe_every: Probe when the step about to run is a multiple of it.
+        probe_loss: A loss function `(y_true, y_pred)` to differentiate, or
+            None for the compiled loss. With neither (and no `add_loss`
+            loss), the probe records nothing and warns once, when traced.
 
     Returns:
         A function `train_step(data) -> logs`.
@@ -429,9 +450,26 @@ def probed_train_step(plan, original_train_step, probe_every):
             # Inference mode: a second training-mode call would update batch
             # norm statistics and advance dropout seeds behind the model's back.
             y_pred = model(x, training=False) if model._call_has_training_arg else model(x)
-            loss = model.compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
+            if probe_loss is not None:
+                loss = tf.reduce_mean(tf.cast(probe_loss(y, y_pred), tf.float32))
+                if model.losses:
+                    loss += tf.cast(tf.add_n(model.losses), tf.float32)
+            elif model._compile_loss is None and not model.losses:
+                loss = None
+            else:
+                loss = model.compute_loss(
+                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
+                )
+        if loss is None:
+            # Keras's `compute_loss` would raise and end the user's `fit`.
+            warnings.warn(
+                f"GradientMonitor records nothing for model {model.name!r}: it has its own "
+                "`train_step` and was compiled without a loss, so the probe has no loss to "
+                "differentiate. Pass the loss your `train_step` computes as "
+                "`GradientMonitor(probe_loss=...)` (e.g. 'mse' or a function (y_true, y_pred)).",
+                stacklevel=2,
             )
+            return
         variables = model.trainable_weights
         plan.prepare(variables)
         activations = _take_activations(plan, outputs)
@@ -768,14 +806,15 @@ class _WeightSegments:
 
 
 def _layer_outputs(plan):
-    if plan.activation_slots:
-        return record_layer_outputs(plan.model)
-    return contextlib.nullcontext(None)
+    # Always, also without activation rows: the order of the calls numbers
+    # the layers. It costs the trace only; unused outputs add no work.
+    return record_layer_outputs(plan.model)
 
 
 def _take_activations(plan, outputs):
     """Layer outputs to differentiate, also naming their rows (at trace time)."""
-    if outputs is None:
+    plan.note_call_order(list(outputs.paths))
+    if not plan.activation_slots:
         return []
     keep = min(len(outputs), plan.activation_slots)
     plan.activation_paths = list(outputs.paths[:keep])

@@ -37,6 +37,9 @@ def leaf_layers(model):
     A leaf is a layer without sub-layers, or a recurrent/wrapper layer (RNN,
     LSTM, GRU, Bidirectional, TimeDistributed) which is kept whole. Nested
     models and layers are named by path, `outer/inner`, relative to `model`.
+    A layer with sub-layers that also made trainable weights of its own
+    (`add_weight` in a custom block) is listed too, after its sub-layers:
+    those weights, and its output, are its own.
 
     Example:
 
@@ -59,13 +62,31 @@ def leaf_layers(model):
                 continue
             seen.add(id(child))
             path = f"{prefix}{child.name}"
-            if child._layers and not isinstance(child, _OPAQUE_LAYERS):
+            if is_composite(child):
                 visit(child, path + "/")
+                if child._trainable_variables:
+                    found.append((path, child))
             else:
                 found.append((path, child))
 
     visit(model, "")
     return found
+
+
+def is_composite(layer):
+    """Whether gradflow looks inside `layer` for the layers it records."""
+    return bool(layer._layers) and not isinstance(layer, _OPAQUE_LAYERS)
+
+
+def own_trainable_variables(layer):
+    """The trainable variables `leaf_layers` files under `layer`.
+
+    All of a leaf's (an LSTM's cell weights too); only those a composite
+    layer made itself, not its sub-layers'.
+    """
+    if is_composite(layer):
+        return [v for v in layer._trainable_variables if v.trainable]
+    return layer.trainable_variables
 
 
 class LayerOutputs:

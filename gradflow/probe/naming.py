@@ -9,7 +9,7 @@ import dataclasses
 
 import keras
 
-from gradflow.probe.capture import leaf_layers
+from gradflow.probe.capture import leaf_layers, own_trainable_variables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,8 +18,8 @@ class VariableName:
 
     Attributes:
         layer: Path of the leaf layer that owns it (`outer/inner` when nested).
-        layer_index: Position of that layer in `leaf_layers(model)`; 0 is
-            nearest the input.
+        layer_index: Position of that layer in `layer_order(model, called)`;
+            0 is nearest the input.
         tensor: The variable's name inside its layer: `kernel`, `bias`,
             `gamma`, `lstm_cell/kernel` in an LSTM, `forward/lstm_cell/kernel`
             in a Bidirectional, `kernel` in a TimeDistributed Dense (a wrapped
@@ -59,7 +59,7 @@ def _tensor_name(layer, variable):
     return variable.name
 
 
-def variable_names(model, variables=None):
+def variable_names(model, variables=None, called=None):
     """Name each trainable variable of `model` by its layer and role.
 
     Example:
@@ -72,16 +72,18 @@ def variable_names(model, variables=None):
         model: A built Keras model.
         variables: The variables to name, in the order wanted. Defaults to
             `model.trainable_variables`.
+        called: Layer paths in the order a forward pass called them, as
+            `capture.LayerOutputs.paths` records them; see `layer_order`.
 
     Returns:
         A list of `VariableName`, aligned with `variables`. A variable owned by
         no leaf layer (one a subclassed model created itself) gets the model's
         own name as `layer` and `layer_index` past the last leaf.
     """
-    leaves = leaf_layers(model)
+    leaves = _ordered_leaves(model, called)
     owner = {}
     for index, (path, layer) in enumerate(leaves):
-        for variable in layer.trainable_variables:
+        for variable in own_trainable_variables(layer):
             owner.setdefault(id(variable), (path, index, layer))
     if variables is None:
         variables = model.trainable_variables
@@ -95,6 +97,32 @@ def variable_names(model, variables=None):
     return names
 
 
-def layer_order(model):
-    """Leaf-layer paths in gradflow's one consistent order (0 nearest the input)."""
-    return [path for path, _ in leaf_layers(model)]
+def layer_order(model, called=None):
+    """Leaf-layer paths in gradflow's one consistent order (0 nearest the input).
+
+    That is the order in which the forward pass called them, when `called`
+    (the recorded paths of one pass: `capture.LayerOutputs.paths`) says it.
+    Otherwise, and for layers the pass did not call, the order in which the
+    model tracks them: for Sequential and Functional models the same, but a
+    subclassed model tracks its layers in the order `__init__` created them,
+    which may be head first. Numbered so, a non-finite gradient's origin
+    (the layer nearest the loss that has one) and a heatmap's rows would
+    follow the attribute order instead of the data's path.
+
+    Args:
+        model: A Keras model (or layer).
+        called: Optional layer paths (`path` or `path#2` for a second call)
+            in call order.
+    """
+    return [path for path, _ in _ordered_leaves(model, called)]
+
+
+def _ordered_leaves(model, called):
+    leaves = leaf_layers(model)
+    if not called:
+        return leaves
+    first_call = {}
+    for position, path in enumerate(called):
+        first_call.setdefault(path.split("#")[0], position)
+    # Stable: layers never called keep their tracking order, after the others.
+    return sorted(leaves, key=lambda leaf: first_call.get(leaf[0], len(called)))

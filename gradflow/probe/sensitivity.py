@@ -22,6 +22,7 @@ import tensorflow as tf
 from gradflow.checks import flag
 from gradflow.probe import capture
 from gradflow.probe.capture import leaf_layers
+from gradflow.probe.naming import layer_order
 from gradflow.statistics import summarize
 
 INTEGER_INPUT_NOTE = (
@@ -195,9 +196,8 @@ def sensitivity_table(model, called_paths, maxima, note=""):
     A `note` column says why a row's value means nothing: `note` for every
     row (e.g. integer inputs), else `SOFTMAX_NOTE` for softmax outputs.
     """
-    leaves = leaf_layers(model)
-    index = {path: i for i, (path, _) in enumerate(leaves)}
-    layers = dict(leaves)
+    index = {path: i for i, path in enumerate(layer_order(model, called=called_paths))}
+    layers = dict(leaf_layers(model))
     paths = [p.split("#")[0] for p in called_paths]
     table = pd.DataFrame(
         {

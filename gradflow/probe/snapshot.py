@@ -307,9 +307,9 @@ class GradientProbe:
         """Key columns of every row, built once per trace (they do not change between calls)."""
         if traced.get("keys") is None:
             variables = traced["variables"]
-            names = variable_names(self.model, variables)
-            index = {path: i for i, path in enumerate(layer_order(self.model))}
             paths = traced["paths"]
+            names = variable_names(self.model, variables, called=paths)
+            index = {path: i for i, path in enumerate(layer_order(self.model, called=paths))}
             traced["keys"] = pd.DataFrame(
                 {
                     "step": np.zeros(len(names) + len(paths), np.int64),
