@@ -841,3 +841,52 @@ def test_a_blocks_own_weight_is_filed_under_the_block(activations):
     if activations:
         outputs = first.query("tensor == 'activation'")
         assert dict(zip(outputs["layer"], outputs["layer_index"], strict=True)) == order
+
+
+class TiedLoop(keras.Model):
+    """One layer applied twelve times: more layer calls than activation rows."""
+
+    def __init__(self):
+        super().__init__(name="tied")
+        self.embed = keras.layers.Dense(4, name="embed")
+        self.cell = keras.layers.Dense(4, activation="tanh", name="cell")
+        self.head = keras.layers.Dense(CLASSES, name="head")
+
+    def call(self, x):
+        h = self.embed(x)
+        for _ in range(12):
+            h = self.cell(h)
+        return self.head(h)
+
+
+def test_a_layer_called_more_often_than_there_are_rows_keeps_every_layer():
+    """The first calls took the rows, so the head, nearest the loss, lost its row."""
+    keras.utils.set_random_seed(0)
+    model = TiedLoop()
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    x, y = data()
+    model(x[:1])
+    reference = TiedLoop()
+    reference(x[:1])
+    reference.set_weights(model.get_weights())
+    monitor = GradientMonitor(activations=True)
+    with pytest.warns(UserWarning, match=r"left out 4 more: cell#9, cell#10, cell#11, cell#12\."):
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+
+    rows = 2 * 3 + 4  # the monitor's rows for the outputs of 3 layers
+    outputs = monitor.history.query("step == 1 and tensor == 'activation'")
+    kept = ["embed", "cell", *[f"cell#{n}" for n in range(2, rows - 1)], "head"]
+    assert outputs["layer"].tolist() == kept
+    assert outputs["layer_index"].tolist() == [0] + [1] * (rows - 2) + [2]
+    # The head's row is dLoss/d(logits), from the same pass.
+    with tf.GradientTape() as tape:
+        logits = reference(x[:BATCH], training=True)
+        tape.watch(logits)
+        loss = model.loss(y[:BATCH], logits)
+    expected = tape.gradient(loss, logits).numpy()
+    head = outputs.set_index("layer").loc["head"]
+    np.testing.assert_allclose(head["l2_norm"], np.linalg.norm(expected), rtol=1e-5)
+    np.testing.assert_allclose(head["max_abs"], np.abs(expected).max(), rtol=1e-5)

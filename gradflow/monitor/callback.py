@@ -473,10 +473,13 @@ class GradientMonitor(keras.callbacks.Callback):
             self._collect()
         finally:
             self._restore_model()
-        if self._plan.dropped_activations:
+        dropped = self._plan.dropped_activations
+        if dropped:
+            named = ", ".join(dropped[:8]) + (", ..." if len(dropped) > 8 else "")
             warnings.warn(
                 f"GradientMonitor recorded the outputs of {self._plan.activation_slots} layer "
-                f"calls and left out {self._plan.dropped_activations} more.",
+                f"calls (every layer's first) and left out {len(dropped)} more: {named}. "
+                "`gradflow.snapshot(model, x, y)` records every call, on one batch.",
                 stacklevel=2,
             )
         try:

@@ -81,7 +81,8 @@ class StepPlan:
         # Filled while the step is traced: the path of each recorded layer
         # output, in call order (`path#2` for a second call of a shared layer).
         self.activation_paths = []
-        self.dropped_activations = 0
+        # Paths of the layer calls left out for want of rows (repeated calls).
+        self.dropped_activations = []
         # Filled while the step is traced: the rows (weights, then layer
         # outputs) whose gradient the tape returned as None, because the loss
         # does not depend on them. Their rows are recorded as zeros, which
@@ -812,14 +813,27 @@ def _layer_outputs(plan):
 
 
 def _take_activations(plan, outputs):
-    """Layer outputs to differentiate, also naming their rows (at trace time)."""
+    """Layer outputs to differentiate, also naming their rows (at trace time).
+
+    With more calls than rows (a layer applied in a loop), every layer's
+    first call keeps its row, and the repeated calls fill the rest in call
+    order: the first calls took them all once, and the layers nearest the
+    loss, called last, lost theirs.
+    """
     plan.note_call_order(list(outputs.paths))
     if not plan.activation_slots:
         return []
-    keep = min(len(outputs), plan.activation_slots)
-    plan.activation_paths = list(outputs.paths[:keep])
-    plan.dropped_activations = len(outputs) - keep
-    return [tf.convert_to_tensor(t) for t in outputs.tensors[:keep]]
+    seen, firsts, repeats = set(), [], []
+    for index, path in enumerate(outputs.paths):
+        layer = path.split("#")[0]
+        (repeats if layer in seen else firsts).append(index)
+        seen.add(layer)
+    room = max(0, plan.activation_slots - len(firsts))
+    keep = sorted(firsts[: plan.activation_slots] + repeats[:room])
+    plan.activation_paths = [outputs.paths[i] for i in keep]
+    kept = set(keep)
+    plan.dropped_activations = [p for i, p in enumerate(outputs.paths) if i not in kept]
+    return [tf.convert_to_tensor(outputs.tensors[i]) for i in keep]
 
 
 def _loss_scale(optimizer):
