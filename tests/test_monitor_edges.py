@@ -255,6 +255,61 @@ def test_gradient_accumulation_records_every_batch_under_its_own_step():
     np.testing.assert_allclose(kernel.numpy(), model.trainable_variables[0].numpy(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("clipping", ["clipnorm", "global_clipnorm", "clipvalue"])
+def test_gradient_accumulation_records_the_clipped_mean_its_updates_apply(clipping):
+    """The clipped columns clipped each batch's gradient; Keras clips the mean of two."""
+    x, y = data()
+    model = classifier("linear")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    limit = 0.05 if clipping == "clipvalue" else 0.3
+    optimizer = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2, **{clipping: limit})
+    model.compile(optimizer, loss)
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    monitor = GradientMonitor()
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
+
+    applied = {}  # step -> the clipped mean gradient of each variable, by hand
+    summed = None
+    for b in range(N // BATCH):
+        xb, yb = x[b * BATCH : (b + 1) * BATCH], y[b * BATCH : (b + 1) * BATCH]
+        with tf.GradientTape() as tape:
+            value = loss(yb, reference(xb, training=True))
+        grads = [g.numpy() for g in tape.gradient(value, reference.trainable_variables)]
+        summed = grads if summed is None else [s + g for s, g in zip(summed, grads, strict=True)]
+        if b % 2 == 1:
+            mean = [s / 2 for s in summed]
+            if clipping == "clipvalue":
+                clipped = [np.clip(g, -limit, limit) for g in mean]
+            elif clipping == "clipnorm":
+                clipped = [g * min(1.0, limit / np.linalg.norm(g)) for g in mean]
+            else:
+                total = np.sqrt(sum(np.sum(g * g) for g in mean))
+                clipped = [g * min(1.0, limit / total) for g in mean]
+            applied[b + 1] = clipped
+            for v, g in zip(reference.trainable_variables, clipped, strict=True):
+                v.assign_sub(0.1 * g)
+            summed = None
+    np.testing.assert_allclose(
+        model.trainable_variables[0].numpy(), reference.trainable_variables[0].numpy(), rtol=1e-5
+    )
+    history = monitor.history.set_index(["step", "variable"])
+    for step, clipped in applied.items():
+        for v, g in zip(model.trainable_variables, clipped, strict=True):
+            row = history.loc[(step, v.path)]
+            np.testing.assert_allclose(row["l2_norm_clipped"], np.linalg.norm(g), rtol=1e-5)
+            np.testing.assert_allclose(row["max_abs_clipped"], np.abs(g).max(), rtol=1e-5)
+    # The batches that only accumulate apply nothing: no clipped gradient to show.
+    accumulating = monitor.history.query("step in [1, 3]")
+    assert accumulating[["l2_norm_clipped", "max_abs_clipped"]].isna().all().all()
+    metrics = monitor.metrics.pivot(index="step", columns="name", values="value")
+    assert metrics.loc[[1, 3], ["global_norm_clipped", "clipped"]].isna().all().all()
+    assert (metrics.loc[[2, 4], "clipped"] == 1).all()
+    for step, clipped in applied.items():
+        total = np.sqrt(sum(np.sum(g * g) for g in clipped))
+        np.testing.assert_allclose(metrics.loc[step, "global_norm_clipped"], total, rtol=1e-5)
+
+
 class Amplify(keras.layers.Layer):
     """Identity forward; multiplies the gradient passing back by `factor` (1e25: finite, but huge)."""
 

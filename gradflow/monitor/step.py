@@ -16,6 +16,7 @@ those gradients instead.
 import contextlib
 import functools
 import os
+import typing
 import warnings
 
 import keras
@@ -253,6 +254,13 @@ def instrumented_train_step(plan):
 
         # Update weights
         before_update = [] if updates is None else list(updates.waits)
+        clipping = clipping_optimizer(optimizer)
+        clipped_gradients = None
+        if clipping is not None and clipping.gradient_accumulation_steps:
+            # What the update clips is the mean of the accumulated gradients,
+            # which the update then resets: read them first.
+            clipped_gradients = _clipped(clipping, weight_gradients, variables, scale)
+            before_update += [*clipped_gradients.values, clipped_gradients.applied]
 
         def update():
             capture = contextlib.nullcontext() if updates is None else updates.recording()
@@ -335,7 +343,8 @@ def instrumented_train_step(plan):
                     if when is None
                     else tf.logical_and(when, tf.logical_not(skip))
                 )
-        clipping = clipping_optimizer(optimizer)
+        if clipping is not None and clipped_gradients is None:
+            clipped_gradients = _clipped(clipping, weight_gradients, variables, scale)
         _record(
             plan,
             when=when,
@@ -353,9 +362,7 @@ def instrumented_train_step(plan):
             weights_before=weights_before,
             update_norms=update_norms,
             unconstrained=dict(zip(constrained, unconstrained, strict=False)),
-            clipped_gradients=(
-                None if clipping is None else _clipped(clipping, weight_gradients, variables, scale)
-            ),
+            clipped_gradients=clipped_gradients,
         )
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
@@ -527,14 +534,17 @@ def _record(
         # batch back together for layer outputs) so the statistics are those
         # of the applied gradient, equal to a single-device run.
         context = tf.distribute.get_replica_context()
+        clipped_values = [] if clipped_gradients is None else clipped_gradients.values
         reduced = context.all_reduce(
             tf.distribute.ReduceOp.SUM,
-            [loss] + weight_gradients + (clipped_gradients or []),
+            [loss] + weight_gradients + clipped_values,
         )
         loss = reduced[0]
         weight_gradients = reduced[1 : 1 + len(weight_gradients)]
-        if clipped_gradients:
-            clipped_gradients = reduced[1 + len(weight_gradients) :]
+        if clipped_gradients is not None:
+            clipped_gradients = clipped_gradients._replace(
+                values=reduced[1 + len(weight_gradients) :]
+            )
         activation_gradients = [context.all_gather(g, axis=0) for g in activation_gradients]
 
     def write():
@@ -588,7 +598,7 @@ def _summarize_step(
         before = segments.flat(weights_before)
         columns += [segments.difference(columns[0], before), before]
     if clipped_gradients is not None:
-        clipped_values = segments.flat(clipped_gradients)
+        clipped_values = segments.flat(clipped_gradients.values)
         columns.append(clipped_values)
     norms = tf.unstack(segments.norms(columns), num=len(columns), axis=1) if columns else []
     weight_norm = weights if isinstance(weights, tf.Tensor) else norms[0]
@@ -618,9 +628,18 @@ def _summarize_step(
         l2_norm_clipped = norms[-1]
         max_abs_clipped = segments.max_abs(clipped_values)
         global_norm_clipped = norm_of_norms(l2_norm_clipped)
+        unclipped = clipped_gradients.unclipped_norms
+        unclipped = gradient_norm if unclipped is None else unclipped
         # Clipping scales by clip/norm, which is 1.0 up to rounding when the
         # norm is under the limit: count only a real reduction.
-        clipped = tf.cast(tf.reduce_any(l2_norm_clipped < gradient_norm * (1.0 - 1e-6)), tf.float32)
+        clipped = tf.cast(tf.reduce_any(l2_norm_clipped < unclipped * (1.0 - 1e-6)), tf.float32)
+        if clipped_gradients.applied is not None:
+            # A step that only accumulates applies no clipped gradient.
+            applied = clipped_gradients.applied
+            l2_norm_clipped = tf.where(applied, l2_norm_clipped, missing)
+            max_abs_clipped = tf.where(applied, max_abs_clipped, missing)
+            global_norm_clipped = tf.where(applied, global_norm_clipped, _NAN)
+            clipped = tf.where(applied, clipped, _NAN)
 
     extras = tf.stack(
         [weight_norm, weight_norm_unconstrained, update_ratio, l2_norm_clipped, max_abs_clipped],
@@ -846,17 +865,56 @@ def _loss_scale(optimizer):
     return optimizer.loss_scale_factor
 
 
+class Clipped(typing.NamedTuple):
+    """The gradients as the optimizer clipped them, and what to compare them with.
+
+    Attributes:
+        values: Dense clipped gradients, one per variable.
+        unclipped_norms: L2 norms of the gradients the optimizer clipped, or
+            None when those are the step's own gradients.
+        applied: Whether this step applied them (a bool tensor), or None
+            when every step does.
+    """
+
+    values: list
+    unclipped_norms: object = None
+    applied: object = None
+
+
 def _clipped(clipping, gradients, variables, scale):
-    """The gradients as the optimizer clips them, made dense.
+    """The gradients as the optimizer clips them, made dense (a `Clipped`).
 
     Clipped as they come from the tape, as Keras clips them: an Embedding's
     gradient is a `tf.IndexedSlices` with one slice per lookup, and
     `clipvalue` clips each slice and `clipnorm` measures all of them before
     repeated rows are summed. Clipping the summed, dense gradient recorded
     other numbers than the ones applied.
+
+    With `gradient_accumulation_steps`, Keras clips the mean of the
+    accumulated gradients, and only at a step that closes an accumulation
+    (`BaseOptimizer._backend_apply_gradients`); so does this, to be called
+    before the update resets the accumulators. The other steps apply
+    nothing: `applied` says which.
     """
     raw = [tf.zeros_like(v) if g is None else g for g, v in zip(gradients, variables, strict=True)]
-    return zeros_where_missing(clipping._clip_gradients(_unscaled(raw, scale)), variables)
+    raw = _unscaled(raw, scale)
+    steps = clipping.gradient_accumulation_steps
+    if not steps:
+        return Clipped(zeros_where_missing(clipping._clip_gradients(raw), variables))
+    accumulated = [
+        clipping._accumulated_gradients[clipping._get_variable_index(v)] for v in variables
+    ]
+    mean = [
+        (tf.convert_to_tensor(g) + tf.cast(a.value, g.dtype)) / steps
+        for g, a in zip(raw, accumulated, strict=True)
+    ]
+    # Keras's test; `iterations` counts whole accumulations, `_iterations` batches.
+    applied = tf.equal(tf.math.floormod(clipping._iterations + 1, steps), 0)
+    return Clipped(
+        zeros_where_missing(clipping._clip_gradients(mean), variables),
+        tf.stack([tf.norm(tf.cast(g, tf.float32)) for g in mean]),
+        applied,
+    )
 
 
 def _overflow_or_nonfinite(finite, loss, scale):
