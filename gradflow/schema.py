@@ -26,7 +26,8 @@ STATISTICS = ("max_abs", "l2_norm", "mean_abs", "std", "zero_fraction", "nonfini
 KEY_COLUMNS = ("step", "layer", "layer_index", "tensor", "variable")
 
 # Optional per-row columns the monitor fills in when it can (NaN otherwise).
-#   weight_norm: L2 norm of the variable after the update (and constraint).
+#   weight_norm: L2 norm of the variable after the update (and constraint);
+#     before it in the probe fallback of a model with its own train_step.
 #   weight_norm_unconstrained: the same before a max-norm constraint ran.
 #   update_ratio: ||w_after - w_before|| / ||w_before||.
 #   l2_norm_clipped / max_abs_clipped: the gradient after optimizer clipping.

@@ -93,7 +93,8 @@ class GradientMonitor(keras.callbacks.Callback):
     then warns and falls back to a probe: every `probe_every` steps (default
     `every`) it runs one more forward and backward pass on the same batch, in
     inference mode and before the model's own update, and records those
-    gradients (no clipping, update ratio or constraint columns). The probe
+    gradients (no clipping, update ratio or constraint columns; its
+    `weight_norm` is that of the weights it saw, before the update). The probe
     differentiates the compiled loss; a model compiled without one (its loss
     computed inside its `train_step`, as in a GAN) needs `probe_loss`.
 
