@@ -10,6 +10,8 @@ switch takes only True or False: `activations="no"` is a mistake too, not a yes.
 
 import math
 import numbers
+import sys
+import warnings
 
 import numpy as np
 
@@ -86,3 +88,22 @@ def flag(name, value):
 
 def _is_bool(value):
     return isinstance(value, (bool, np.bool_))
+
+
+# Packages between a user's line and a warning gradflow raises from a callback
+# or a traced step: a warning shown at their lines says nothing to the user.
+_LIBRARY_PACKAGES = ("gradflow", "keras", "tensorflow", "tf_keras", "absl", "optree")
+
+
+def warn_user(message, category=UserWarning):
+    """`warnings.warn` shown at the user's own line, not inside gradflow or Keras.
+
+    Keras calls a callback from `fit` through its `CallbackList`, and traces
+    a train step through TensorFlow; a fixed `stacklevel` points into them
+    (`keras/src/callbacks/callback_list.py`). This finds the first caller
+    outside those packages, e.g. the user's `model.fit(...)` line.
+    """
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_LIBRARY_PACKAGES):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)

@@ -4,7 +4,6 @@ import itertools
 import math
 import os
 import time
-import warnings
 
 import keras
 import numpy as np
@@ -13,7 +12,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from gradflow import schema
-from gradflow.checks import flag, positive_int
+from gradflow.checks import flag, positive_int, warn_user
 from gradflow.diagnosis import Thresholds, context_start, diagnose, no_gradient_message
 from gradflow.monitor import trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS
@@ -320,12 +319,11 @@ class GradientMonitor(keras.callbacks.Callback):
         if instrumented:
             step = instrumented_train_step(self._plan)
         else:
-            warnings.warn(
+            warn_user(
                 f"Model {model.name!r} overrides `train_step`, so GradientMonitor cannot "
                 "read the gradients it applies. Falling back to a probe: one extra forward "
                 f"and backward pass (inference mode) on the training batch every "
-                f"{self.probe_every} steps (`probe_every`).",
-                stacklevel=2,
+                f"{self.probe_every} steps (`probe_every`)."
             )
             step = probed_train_step(
                 self._plan, model.train_step, self.probe_every, self.probe_loss
@@ -477,19 +475,17 @@ class GradientMonitor(keras.callbacks.Callback):
         dropped = self._plan.dropped_activations
         if dropped:
             named = ", ".join(dropped[:8]) + (", ..." if len(dropped) > 8 else "")
-            warnings.warn(
+            warn_user(
                 f"GradientMonitor recorded the outputs of {self._plan.activation_slots} layer "
                 f"calls (every layer's first) and left out {len(dropped)} more: {named}. "
-                "`gradflow.snapshot(model, x, y)` records every call, on one batch.",
-                stacklevel=2,
+                "`gradflow.snapshot(model, x, y)` records every call, on one batch."
             )
         try:
             self._diagnose()
         except Exception as error:  # A rule's fault must not lose the run.
-            warnings.warn(
+            warn_user(
                 f"GradientMonitor: the diagnosis rules failed ({type(error).__name__}: "
                 f"{error}); the recorded statistics are complete.",
-                stacklevel=2,
             )
         status, message = "completed", None
         if self._nonfinite_step is not None:

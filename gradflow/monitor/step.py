@@ -17,7 +17,6 @@ import contextlib
 import functools
 import os
 import typing
-import warnings
 
 import keras
 import numpy as np
@@ -27,6 +26,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from gradflow import schema
+from gradflow.checks import warn_user
 from gradflow.monitor import deferred, trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS, RingBuffer, pad_rows
 from gradflow.probe.capture import record_layer_outputs
@@ -215,7 +215,7 @@ def instrumented_train_step(plan):
         # Compute gradients
         variables = model.trainable_weights
         if not variables:
-            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+            warn_user("The model does not have any trainable weights.")
             return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         plan.prepare(variables)
         activations = _take_activations(plan, outputs)
@@ -470,12 +470,11 @@ def probed_train_step(plan, original_train_step, probe_every, probe_loss=None):
                 )
         if loss is None:
             # Keras's `compute_loss` would raise and end the user's `fit`.
-            warnings.warn(
+            warn_user(
                 f"GradientMonitor records nothing for model {model.name!r}: it has its own "
                 "`train_step` and was compiled without a loss, so the probe has no loss to "
                 "differentiate. Pass the loss your `train_step` computes as "
                 "`GradientMonitor(probe_loss=...)` (e.g. 'mse' or a function (y_true, y_pred)).",
-                stacklevel=2,
             )
             return
         variables = model.trainable_weights
