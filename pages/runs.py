@@ -2,6 +2,7 @@
 
 import streamlit as st
 
+from gradflow.store.tables import ACTIVE_STATUSES
 from gradflow.ui import resources
 from gradflow.ui.live import show_on_live_page
 from gradflow.ui.runs_table import runs_table
@@ -35,16 +36,23 @@ with rename_col.form("rename", border=False):
             st.error(str(error))
         else:
             st.rerun()
-if delete_col.button("Delete", help="Removes the run and all its statistics."):
+# A run still training keeps writing: it is stopped first, then deleted.
+if store.status(chosen) in ACTIVE_STATUSES:
+    if delete_col.button("Stop", help="Asks the run to stop; it can be deleted once stopped."):
+        store.request(chosen, "stop")
+        st.info("Asked the run to stop; it can be deleted once the table says it has.")
+elif delete_col.button("Delete", help="Removes the run and all its statistics."):
     st.session_state["runs.confirm_delete"] = chosen
 if st.session_state.get("runs.confirm_delete") == chosen:
     st.warning(f"Delete {labels[chosen]} and all its data?")
     yes, no = st.columns(2)
     if yes.button("Yes, delete"):
-        resources.run_manager().stop(chosen)
-        store.delete(chosen)
         st.session_state.pop("runs.confirm_delete")
-        st.rerun()
+        if store.status(chosen) in ACTIVE_STATUSES:  # restarted since the question
+            st.error("This run is training again: stop it before deleting it.")
+        else:
+            store.delete(chosen)
+            st.rerun()
     if no.button("Cancel"):
         st.session_state.pop("runs.confirm_delete")
         st.rerun()

@@ -101,6 +101,28 @@ def test_runs_page_lists_runs_from_the_store(page_environment):
     assert run_id in app.dataframe[0].value["run_id"].tolist()
 
 
+def test_the_runs_page_deletes_a_finished_run_and_stops_a_training_one(page_environment):
+    """ "Yes, delete" called a `RunManager.stop` that does not exist: every delete failed."""
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    done = store.create_run({"depth": 3}, name="finished run", status="completed")
+    training = store.create_run({"depth": 3}, name="training run", status="running")
+    app = run_page("runs.py")
+    next(s for s in app.selectbox if s.label == "Run").set_value(done).run()
+    next(b for b in app.button if b.label == "Delete").click().run()
+    next(b for b in app.button if b.label == "Yes, delete").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert done not in store.runs()["run_id"].tolist()
+
+    next(s for s in app.selectbox if s.label == "Run").set_value(training).run()
+    assert "Delete" not in labels(app, "button")
+    next(b for b in app.button if b.label == "Stop").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert store.pending_request(training) == "stop"
+    assert training in store.runs()["run_id"].tolist()
+
+
 def test_a_run_opened_from_the_runs_page_brings_its_settings(page_environment):
     """ "Open in Live training" once left the form on other settings and the link bare."""
     from gradflow.lab.config import RunConfig
