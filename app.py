@@ -33,4 +33,8 @@ resources.run_manager()
 live_chart.publish_assets(pathlib.Path(__file__).parent)
 # The queue and the warm spare as a static file that waiting pages watch (gradflow/ui/board.py).
 resources.run_board()
+# Whether this run is the first of a page the user just went to: the forms
+# then set their widgets' values again (gradflow/ui/controls.py: keep_across_pages).
+st.session_state["ui.arrived"] = st.session_state.get("ui.page") != navigation.url_path
+st.session_state["ui.page"] = navigation.url_path
 navigation.run()

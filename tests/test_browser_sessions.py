@@ -51,3 +51,35 @@ def test_reload_keeps_the_run_and_a_closed_tab_stops_it(chromium, tmp_path, arti
 
         context.close()  # the student closes the tab
         assert _wait_status(store, run_id, {"stopped", "completed"}, 60) == "stopped"
+
+
+def _slider_value(page, label):
+    return page.get_by_role("slider", name=label).input_value()
+
+
+def test_settings_survive_a_visit_to_other_pages(chromium, tmp_path, artifacts_dir):
+    """The Compare page draws the training form under the same keys, and Streamlit
+    reset every widget the other page drew to its first option: back on Live
+    training, Depth 1, Width 1, Learning rate 1e-5 (also in the link), and
+    Presentation style off."""
+    env = {"GRADFLOW_PREWARM": "0"}
+    log = artifacts_dir / "pages-server.log"
+    with streamlit_server(tmp_path / "runs.db", extra_env=env, log_path=log) as (url, _):
+        page = chromium.new_context(viewport={"width": 1400, "height": 900}).new_page()
+        page.goto(f"{url}/?depth=10&activation=sigmoid&learning_rate=0.3")
+        page.get_by_role("button", name="Start training").wait_for(timeout=90_000)
+        presentation = page.get_by_role("switch", name="Presentation style")
+        presentation.check(force=True)
+        for there, shown in (("Compare", "Start comparison"), ("Runs", "Runs started here")):
+            page.get_by_role("link", name=there).click()
+            page.get_by_text(shown).first.wait_for(timeout=30_000)
+            if there == "Compare":
+                assert _slider_value(page, "Depth") == "10"
+                assert presentation.is_checked()
+            page.get_by_role("link", name="Live training").click()
+            page.get_by_role("button", name="Start training").wait_for(timeout=30_000)
+            page.wait_for_url(re.compile(r"depth=10"), timeout=30_000)
+            assert _slider_value(page, "Depth") == "10"
+            assert "activation=sigmoid" in page.url and "learning_rate=0.3" in page.url
+            assert presentation.is_checked()
+        page.screenshot(path=str(artifacts_dir / "settings-after-compare.png"), full_page=True)

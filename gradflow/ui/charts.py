@@ -10,6 +10,7 @@ import re
 import streamlit as st
 
 from gradflow import export, figures
+from gradflow.ui.controls import keep_across_pages
 
 _MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>$~:])")
 
@@ -31,6 +32,7 @@ def image_export_available():
 
 def presentation_style():
     """The sidebar switch for slide-ready figures (large fonts, white background)."""
+    keep_across_pages("ui.presentation", False)
     return st.sidebar.toggle(
         "Presentation style",
         key="ui.presentation",

@@ -69,6 +69,29 @@ _FIELD_META = {f.name: f.metadata for f in dataclasses.fields(RunConfig)}
 WIDGETS = [spec for spec in _MAIN + _MORE if spec[0] in _FIELD_NAMES]
 
 
+def keep_across_pages(key, default):
+    """Make the widget drawn next under `key` keep its value when the user changes pages.
+
+    Streamlit 1.67 resets a keyed widget to its first option when another
+    page draws a widget under the same key (the Compare page draws this
+    form's), and drops the value of a widget the page shown does not draw
+    (the Runs page draws no Presentation style switch). A value set from
+    code survives the first, and a copy under a key no widget has survives
+    the second. Call before the widget renders.
+
+    Set from code only in the first run of a page the user has just gone
+    to (`app.py` says which): set in every run, a value could undo a change
+    the user made while that run ran (a slider moved during a select's
+    rerun went back, `tests/test_browser_smoke.py`).
+    """
+    kept = f"_kept.{key}"
+    if key not in st.session_state:
+        st.session_state[key] = st.session_state.get(kept, default)
+    elif st.session_state.get("ui.arrived"):
+        st.session_state[key] = st.session_state[key]
+    st.session_state[kept] = st.session_state[key]
+
+
 def _key(prefix, field):
     return f"{prefix}.{field}"
 
@@ -195,8 +218,7 @@ def training_form(prefix="cfg", container=None, sync_url=True):
     # any that are missing from the last valid configuration of this form.
     last = st.session_state[remembered]
     for field, *_ in WIDGETS:
-        if _key(prefix, field) not in st.session_state:
-            st.session_state[_key(prefix, field)] = _to_widget(field, getattr(last, field))
+        keep_across_pages(_key(prefix, field), _to_widget(field, getattr(last, field)))
     if st.session_state.get(_key(prefix, "_warning")):
         container.warning(st.session_state[_key(prefix, "_warning")])
     # Above the settings, where the eye is when Start turns grey.
