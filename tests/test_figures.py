@@ -416,6 +416,26 @@ def test_metrics_chart_draws_train_and_validation_per_panel():
     assert list(markers["NaN"].x) == [4, 5]
 
 
+def test_a_diverged_run_of_two_steps_is_drawn_on_whole_steps_and_plain_powers():
+    """A run that blew up at step 2 was ticked 1, 1.2, ... 2, its loss "5.924305921B",
+    and a layer whose only finite value was its first step had no line to show."""
+    metrics = pd.DataFrame({"step": [1, 2], "name": "loss", "value": [5.9243e9, np.nan]})
+    chart = figures.metrics_chart(metrics)
+    assert (chart.figure.layout.xaxis.tick0, chart.figure.layout.xaxis.dtick) == (0, 1)
+    assert chart.figure.layout.yaxis.exponentformat == "e"
+    frame = make_layer_stats(steps=2)
+    set_value(frame, 2, 1, "kernel", "max_abs", np.nan)
+    lines = figures.layer_lines(frame, "max_abs", "kernel")
+    modes = {t.name: t.mode for t in lines.figure.data if t.name in LAYERS}
+    assert modes[LAYERS[1]] == "markers" and modes[LAYERS[0]] == "lines"
+    assert lines.figure.layout.xaxis.dtick == 1
+    heat = figures.heatmap(frame)
+    assert heat.figure.layout.xaxis.dtick == 1
+    # A long run keeps Plotly's own ticks.
+    long_run = figures.heatmap(make_layer_stats(steps=40))
+    assert long_run.figure.layout.xaxis.dtick is None
+
+
 @pytest.mark.parametrize(
     "step, shown",
     [(None, 6), (6, 6), (4, 4), (100, 6)],

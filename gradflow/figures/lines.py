@@ -125,7 +125,8 @@ def layer_lines(
                 x=layer_grid.step_first[drawn],
                 y=y,
                 customdata=values,
-                mode="lines",
+                # A line needs two points: a layer with one drawn step was invisible.
+                mode="lines" if np.isfinite(values).sum() > 1 else "markers",
                 name=label,
                 line=dict(color=color, width=2),
                 hovertemplate=f"{label}<br>step %{{x}}<br>%{{customdata:.3g}}<extra></extra>",

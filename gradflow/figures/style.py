@@ -9,6 +9,7 @@ colour-blind-safe colours (Okabe-Ito for lines, viridis for heatmaps).
 import html
 import textwrap
 
+import numpy as np
 import plotly.colors
 import plotly.graph_objects as go
 import plotly.io
@@ -137,12 +138,40 @@ def apply_style(figure, presentation=False):
         margin=dict(l=90, r=40, t=80, b=70) if presentation else dict(l=70, r=20, t=60, b=50),
         hoverlabel=dict(font_size=font_size),
     )
+    # One notation for powers of ten everywhere: "5.9e9" and "1e-5", where
+    # Plotly's default wrote "5.9B" and "10µ" beside the log axes' "1e-5".
+    figure.update_xaxes(exponentformat="e")
+    figure.update_yaxes(exponentformat="e")
+    _whole_step_ticks(figure)
     if presentation:
         figure.update_traces(line_width=4, selector=dict(type="scatter", mode="lines"))
         figure.update_traces(marker_size=14, selector=dict(mode="markers"))
         figure.update_annotations(font_size=font_size)
         _wrap_axis_titles(figure)
     return figure
+
+
+# A step axis spanning fewer steps than this ticks every step.
+_FEW_STEPS = 10
+
+
+def _whole_step_ticks(figure):
+    """Tick step axes at whole steps: a run of two steps was ticked 1, 1.2, 1.4, ..."""
+    spans = {}
+    for trace in figure.data:
+        try:
+            x = np.asarray(getattr(trace, "x", None), dtype=np.float64)
+        except (TypeError, ValueError):
+            continue  # categories, or no x at all
+        x = x[np.isfinite(x)] if x.ndim == 1 else x[:0]
+        if x.size:
+            name = "xaxis" + (trace.xaxis or "x")[1:]
+            low, high = spans.get(name, (x.min(), x.max()))
+            spans[name] = (min(low, x.min()), max(high, x.max()))
+    for name, (low, high) in spans.items():
+        axis = figure.layout[name]
+        if (axis.title.text or "").startswith("step") and high - low < _FEW_STEPS:
+            axis.update(tick0=0, dtick=1)
 
 
 # At slide font size, a projector's 1366 px shows two charts side by side of
