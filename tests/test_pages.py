@@ -773,3 +773,53 @@ def test_presentation_style_stacks_the_heatmaps(page_environment, presentation, 
     app.run()
     assert not app.exception, [e.value for e in app.exception]
     assert heatmap_parents(app) == [in_columns, in_columns]
+
+
+def test_a_watched_run_shows_the_validation_written_after_its_last_step(page_environment):
+    """A page that followed a run to its end never read the validation results
+    `fit` writes at an epoch's last step, after that step's statistics."""
+    import pandas as pd
+    from streamlit.testing.v1 import AppTest
+
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 2}, name="validated", status="running")
+
+    def write(steps):
+        with store.writer(run_id) as writer:
+            writer.add_layer_stats(
+                pd.DataFrame(
+                    {
+                        "step": steps,
+                        "layer": "dense",
+                        "layer_index": 0,
+                        "tensor": "kernel",
+                        "max_abs": 1.0,
+                        "l2_norm": 1.0,
+                        "nonfinite": 0,
+                    }
+                )
+            )
+            for step in steps:
+                writer.add_metrics(step, {"loss": 1.0 / step})
+            writer.progress(steps[-1])
+
+    write([1, 2, 3])
+    app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
+    app.query_params["run"] = run_id
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    with store.writer(run_id) as writer:
+        writer.add_metrics(3, {"val_loss": 0.5})  # the first epoch's end
+    write([4, 5, 6])
+    app.run()
+    with store.writer(run_id) as writer:
+        writer.add_metrics(6, {"val_loss": 0.25})  # the second epoch's end
+    store.set_status(run_id, "completed")
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    metrics = app.session_state[f"live.cache.{run_id}"].metrics
+    validation = metrics[metrics["name"] == "val_loss"].sort_values("step")
+    assert validation[["step", "value"]].values.tolist() == [[3, 0.5], [6, 0.25]]
+    assert sorted(metrics.query("name == 'loss'")["step"]) == [1, 2, 3, 4, 5, 6]

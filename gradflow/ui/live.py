@@ -263,6 +263,8 @@ class _Cache:
         default_factory=lambda: pd.DataFrame(columns=list(schema.EVENTS_COLUMNS))
     )
     diagnosed_step: int = 0
+    # Whether the metrics were read once more after the run ended.
+    read_after_end: bool = False
 
 
 _NOTHING_READ = _Cache(
@@ -291,11 +293,12 @@ def _drawn_steps(run_id):
     return cache is not None and cache.last_step > 0
 
 
-def _read_new(store, run_id, progress_step=0):
+def _read_new(store, run_id, progress_step=0, ended=False):
     key = _cache_key(run_id)
     cache = st.session_state.get(key)
     if cache is None:
         cache = _Cache(store.layer_stats(run_id), store.metrics(run_id), store.histograms(run_id))
+        cache.read_after_end = ended
     elif not 0 < progress_step <= cache.last_step:
         # (Otherwise nothing is new: the store's writer keeps a run's progress
         # at or past its newest statistics. A paused run, a slow one, the full
@@ -304,14 +307,29 @@ def _read_new(store, run_id, progress_step=0):
         new_stats = store.layer_stats(run_id, after_step=after)
         if len(new_stats):
             cache.layer_stats = _appended(cache.layer_stats, new_stats)
-            cache.metrics = _appended(cache.metrics, store.metrics(run_id, after_step=after))
+            cache.metrics = _metrics_from(cache.metrics, store, run_id, after)
             cache.histograms = _appended(
                 cache.histograms, store.histograms(run_id, after_step=after)
             )
+    if ended and not cache.read_after_end:
+        # The last validation results come after the last statistics.
+        cache.metrics = _metrics_from(cache.metrics, store, run_id, cache.last_step)
+        cache.read_after_end = True
     if len(cache.layer_stats):
         cache.last_step = int(cache.layer_stats["step"].max())
     st.session_state[key] = cache
     return cache
+
+
+def _metrics_from(cached, store, run_id, step):
+    """`cached` with its metrics from `step` on read again.
+
+    A `fit` writes an epoch's validation results at its last step after that
+    step's statistics, which the page may have read already: reading only
+    what is after the newest statistics never showed them.
+    """
+    kept = cached[cached["step"] < step] if len(cached) else cached
+    return _appended(kept, store.metrics(run_id, after_step=step - 1))
 
 
 def live_panel(info, key="live"):
@@ -367,7 +385,7 @@ def live_panel(info, key="live"):
         # Plotly at the latest once a worker has the run (module docstring).
         _empty_panel(active=True, plotly=status != "queued" or _plotly_early())
         return pace
-    cache = _read_new(store, run_id, int(info["progress_step"] or 0))
+    cache = _read_new(store, run_id, int(info["progress_step"] or 0), ended=not active)
     _status_line(info, cache, status)
     _charts(info, cache, key)
     if pace == FIRST_POLL_SECONDS and cache.last_step:
