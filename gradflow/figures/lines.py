@@ -100,8 +100,9 @@ def layer_lines(
         or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer over training ({style.tensor_label(tensor)})"
     )
     description = (
-        f"{statistic} of the {tensor} gradients of each layer over steps, log scale. "
-        "Black markers above the lines show steps with NaN (x) or Inf (triangle)."
+        f"{statistic} of the {tensor} gradients of each layer over steps, log scale. Exact "
+        "zeros (a dead layer) lie on the bottom edge; hover a point for its value. Black markers "
+        "above the lines show steps with NaN (x) or Inf (triangle)."
     )
     data = layer_grid.to_frame()
     if layer_grid.values.size == 0:
