@@ -823,3 +823,41 @@ def test_a_watched_run_shows_the_validation_written_after_its_last_step(page_env
     validation = metrics[metrics["name"] == "val_loss"].sort_values("step")
     assert validation[["step", "value"]].values.tolist() == [[3, 0.5], [6, 0.25]]
     assert sorted(metrics.query("name == 'loss'")["step"]) == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("loss_at_nan", [float("nan"), 0.7], ids=["NaN loss", "finite loss"])
+def test_a_diverged_run_says_whether_the_loss_itself_blew_up(page_environment, loss_at_nan):
+    """When the loss is NaN every gradient is, and the banner named the output
+    layer as the origin: students blamed the output layer."""
+    import numpy as np
+    import pandas as pd
+
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 2}, name="exploding", status="running")
+    with store.writer(run_id) as writer:
+        for step, broken in ((1, 0), (2, 5)):
+            writer.add_layer_stats(
+                pd.DataFrame(
+                    {
+                        "step": step,
+                        "layer": ["dense", "output"],
+                        "layer_index": [0, 1],
+                        "tensor": "kernel",
+                        "max_abs": [1.0, np.nan if broken else 2.0],
+                        "l2_norm": 1.0,
+                        "nonfinite": [broken, broken],
+                    }
+                )
+            )
+        writer.add_metrics(1, {"loss": 5.9243e9})
+        writer.add_metrics(2, {"loss": loss_at_nan})
+        writer.progress(2)
+    store.set_status(run_id, "diverged")
+    app = run_page("live_training.py", run=run_id)
+    banner = next(e.value for e in app.error if "NaN or infinite" in e.value)
+    if np.isnan(loss_at_nan):
+        assert "the loss itself was NaN (at the step before it was 5.92e+09)" in banner
+    else:
+        assert "It started at step 2 in layer **output**." in banner

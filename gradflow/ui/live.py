@@ -45,6 +45,7 @@ import functools
 import os
 import time
 
+import numpy as np
 import pandas as pd
 import streamlit as st
 
@@ -605,11 +606,33 @@ def _status_line(info, cache, status, watched=False):
     if status == "diverged":
         origin = diagnosis.first_nonfinite(cache.layer_stats)
         where = f" It started at step {origin.step} in layer **{origin.layer}**." if origin else ""
+        loss = _loss_before(cache.metrics, origin.step) if origin else None
+        if loss is not None:
+            # Every gradient comes from the loss: a NaN loss makes them all NaN,
+            # and "the layer nearest the loss" is then only where backprop starts.
+            before, at = loss
+            where = (
+                f" At step {origin.step} the loss itself was {at}"
+                + (f" (at the step before it was {before:.3g})" if before is not None else "")
+                + ": the network's outputs blew up, so every gradient was NaN from the last "
+                "layer down."
+            )
         st.error(
             "The gradients became NaN or infinite, so training stopped."
             + where
             + " Try a smaller learning rate, gradient clipping, or normalization."
         )
+
+
+def _loss_before(metrics, step):
+    """`(loss at the step before, "NaN"/"infinite")` when the loss at `step` is not finite, else None."""
+    losses = metrics[metrics["name"] == "loss"].set_index("step")["value"].astype(float)
+    losses = losses[~losses.index.duplicated(keep="last")].sort_index()
+    if step not in losses.index or np.isfinite(losses.loc[step]):
+        return None
+    earlier = losses[(losses.index < step) & np.isfinite(losses)]
+    before = float(earlier.iloc[-1]) if len(earlier) else None
+    return before, "NaN" if np.isnan(losses.loc[step]) else "infinite"
 
 
 def _histograms(histograms, stats, tensor, key, presentation):
