@@ -861,3 +861,24 @@ def test_a_diverged_run_says_whether_the_loss_itself_blew_up(page_environment, l
         assert "the loss itself was NaN (at the step before it was 5.92e+09)" in banner
     else:
         assert "It started at step 2 in layer **output**." in banner
+
+
+def test_runs_are_named_by_what_sets_them_apart():
+    """The exploding run and a healthy relu run were both "relu · depth 10 · sgd lr=0.05",
+    and a loaded preset's runs lost its title."""
+    from gradflow.lab.config import RunConfig
+    from gradflow.lab.presets import PRESETS
+    from gradflow.ui.live import run_name
+
+    assert run_name(RunConfig(activation="relu", depth=10)) == "relu · depth 10 · sgd lr=0.05"
+    exploding = RunConfig(activation="relu", depth=10, initializer="random_normal", init_stddev=2)
+    assert run_name(exploding) == "relu · depth 10 · random_normal σ=2 · sgd lr=0.05"
+    tamed = RunConfig(normalization="batch", clipping="norm")
+    assert "batch norm · clip norm" in run_name(tamed)
+
+    app = run_page("live_training.py")
+    next(s for s in app.selectbox if s.label == "Preset").set_value("large_init").run()
+    next(b for b in app.button if b.label == "Load preset").click().run()
+    assert app.session_state["cfg._config"].name == PRESETS["large_init"].title
+    next(s for s in app.slider if s.label == "Depth").set_value(3).run()
+    assert app.session_state["cfg._config"].name is None  # no longer the preset

@@ -238,6 +238,10 @@ def training_form(prefix="cfg", container=None, sync_url=True):
     except ValueError as error:
         problem.error(_in_words(str(error)), icon=":material/error:")
         return None
+    preset = PRESETS.get(st.session_state.get(_key(prefix, "_loaded_preset")))
+    if preset is not None and _unnamed(config) == _unnamed(preset.config):
+        # Its runs keep the preset's title until a setting changes.
+        config = preset.config
     st.session_state[remembered] = config
     if sync_url:
         # Keep what is not a setting (the open run) in the link.
@@ -272,6 +276,11 @@ def _apply_preset(prefix):
     name = st.session_state[_key(prefix, "_preset")]
     if name in PRESETS:
         load_config_into_widgets(PRESETS[name].config, prefix)
+        st.session_state[_key(prefix, "_loaded_preset")] = name
+
+
+def _unnamed(config):
+    return dataclasses.replace(config, name=None)
 
 
 def _preset_picker(container, prefix):
