@@ -882,3 +882,34 @@ def test_runs_are_named_by_what_sets_them_apart():
     assert app.session_state["cfg._config"].name == PRESETS["large_init"].title
     next(s for s in app.slider if s.label == "Depth").set_value(3).run()
     assert app.session_state["cfg._config"].name is None  # no longer the preset
+
+
+def test_an_ended_runs_alerts_are_pointed_to_from_every_view(page_environment):
+    """A finished vanishing run showed nothing about it outside the Alerts view."""
+    import pandas as pd
+
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 2}, name="vanishing", status="running")
+    with store.writer(run_id) as writer:
+        writer.add_layer_stats(
+            pd.DataFrame(
+                {
+                    "step": [1, 1],
+                    "layer": ["dense", "output"],
+                    "layer_index": [0, 1],
+                    "tensor": "kernel",
+                    "max_abs": [1e-9, 0.5],
+                    "l2_norm": [1e-9, 0.5],
+                    "nonfinite": 0,
+                }
+            )
+        )
+        writer.progress(1)
+    app = run_page("live_training.py", run=run_id)
+    assert not any("diagnosis rules found" in c.value for c in app.caption)  # still training
+    store.set_status(run_id, "completed")
+    app = run_page("live_training.py", run=run_id)
+    hint = [c.value for c in app.caption if "diagnosis rules found" in c.value]
+    assert hint and "vanishing gradients" in hint[0] and "**Alerts**" in hint[0]

@@ -444,6 +444,8 @@ def _charts(info, cache, key):
         _empty_panel(active=status in ACTIVE)
         return
     view = st.segmented_control("View", _VIEWS, default="Heatmaps", key=f"{key}.view") or "Heatmaps"
+    if view != "Alerts" and status not in ACTIVE:
+        _alerts_hint(store, run_id, cache)
     tensors = _tensor_choices(stats)
     if view in ("Heatmaps", "Lines", "Profile", "Histograms"):
         tensor = st.radio(
@@ -678,6 +680,34 @@ def _rule_events(cache):
         cache.found = _appended(cache.found, new)
         cache.diagnosed_step = cache.last_step
     return cache.found
+
+
+def _alerts_hint(store, run_id, cache):
+    """One line under the views of an ended run that has alerts, which only the Alerts view showed.
+
+    Not while it trains: the rules would run at every tick of every page.
+    """
+    found = [f for f in (store.events(run_id), _rule_events(cache)) if not f.empty]
+    if not found:
+        return
+    events = pd.concat(found, ignore_index=True)
+    kinds = [k for k in events["kind"].drop_duplicates() if k in _ALERT_WORDS]
+    if kinds:
+        st.caption(
+            ":material/warning: The diagnosis rules found "
+            + ", ".join(_ALERT_WORDS[k] for k in kinds)
+            + ": see the **Alerts** view."
+        )
+
+
+_ALERT_WORDS = {
+    "nonfinite": "NaN/Inf gradients",
+    "exploding": "exploding gradients",
+    "vanishing": "vanishing gradients",
+    "dead_relu": "dead ReLUs",
+    "saturation": "saturated units",
+    "no_gradient": "layers no gradient reaches",
+}
 
 
 def _alerts(store, run_id, cache):
