@@ -913,3 +913,13 @@ def test_an_ended_runs_alerts_are_pointed_to_from_every_view(page_environment):
     app = run_page("live_training.py", run=run_id)
     hint = [c.value for c in app.caption if "diagnosis rules found" in c.value]
     assert hint and "vanishing gradients" in hint[0] and "**Alerts**" in hint[0]
+
+
+def test_the_speed_limit_is_a_setting_a_link_keeps():
+    app = run_page("live_training.py")
+    speed = next(s for s in app.select_slider if s.label == "Speed limit (steps a second)")
+    assert speed.value == 0 and app.session_state["cfg._config"].pace is None  # full speed
+    speed.set_value(5).run()
+    assert app.session_state["cfg._config"].pace == 5
+    linked = run_page("live_training.py", pace="10")
+    assert next(s for s in linked.select_slider if s.label.startswith("Speed limit")).value == 10

@@ -136,6 +136,24 @@ def test_final_status_and_reason(store, config, status, message):
         assert last < config.steps  # it stopped at the NaN
 
 
+def test_a_paced_run_trains_the_same_steps_at_its_pace(store):
+    """`pace`: a class can watch a run live. One step per call then (an even
+    pace), and the statistics of the run at full speed."""
+    import time
+
+    config = RunConfig(depth=2, width=4, steps=12, seed=3)
+    full = gradflow.train(config, store=store)
+    started = time.monotonic()
+    paced = gradflow.train(config.replace(pace=20), store=store)
+    assert time.monotonic() - started >= 11 / 20
+    assert paced.status == "completed"
+    columns = ["step", "layer", "tensor", "max_abs", "l2_norm"]
+    np.testing.assert_allclose(
+        paced.layer_stats[columns[3:]].to_numpy(), full.layer_stats[columns[3:]].to_numpy()
+    )
+    assert paced.layer_stats[columns[:3]].equals(full.layer_stats[columns[:3]])
+
+
 def test_epochs_run_whole_passes(store):
     config = RunConfig(depth=1, width=4, epochs=2, batch_size=512, record_every=1)
     run = gradflow.train(config, store=store)

@@ -20,7 +20,8 @@ def fit(model, control, epochs=50):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 3)).astype("float32")
     y = (100 * x.sum(axis=1, keepdims=True)).astype("float32")
-    history = model.fit(x, y, batch_size=4, epochs=epochs, verbose=0, callbacks=[control])
+    callbacks = control if isinstance(control, list) else [control]
+    history = model.fit(x, y, batch_size=4, epochs=epochs, verbose=0, callbacks=callbacks)
     return int(model.optimizer.iterations.numpy()), history
 
 
@@ -69,9 +70,38 @@ def test_nonfinite_loss_stops_at_that_step(store_path):
     assert done == control.nonfinite_step < 200 * 4
 
 
+def test_a_pace_spreads_the_steps_evenly_over_time(store_path):
+    """300 steps of the default run were over in 3 s, before a class had seen anything."""
+    import time
+
+    import keras
+
+    store = RunStore(store_path)
+    run_id = store.create_run({})
+    control = RunControl(store, run_id, max_steps=12, poll_interval=0.01, pace=40)
+    times = []
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.monotonic())
+
+    done, _ = fit(tiny_model(), [control, Clock()])
+    assert done == 12 and len(times) == 12
+    # The first step is due at once, each of the others a 40th of a second
+    # after the one before was due: a step that oversleeps its time by a few
+    # ms makes the next gap that much shorter (a CI run saw 28 then 22 ms),
+    # but the steps keep the pace and none comes at once after another.
+    assert times[-1] - times[0] >= 0.98 * 11 / 40, np.diff(times)
+    assert (np.diff(times) >= 0.5 / 40).all(), np.diff(times)
+
+
 @pytest.mark.parametrize(
     "arguments, match",
-    [({"max_steps": 0}, "`max_steps`"), ({"poll_interval": 0}, "`poll_interval`")],
+    [
+        ({"max_steps": 0}, "`max_steps`"),
+        ({"poll_interval": 0}, "`poll_interval`"),
+        ({"pace": 0}, "`pace`"),
+    ],
 )
 def test_bad_arguments(store_path, arguments, match):
     with pytest.raises(ValueError, match=match):

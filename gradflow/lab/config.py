@@ -236,6 +236,13 @@ class RunConfig:
     record_every: int = _integer(1, 1, 1_000_000, "record statistics every N steps")
     histograms: bool = _flag(False, "record gradient histograms")
     activations: bool = _flag(False, "record activation gradients")
+    pace: float | None = _number(
+        None,
+        0.0,
+        10_000.0,
+        "at most this many steps a second, to watch a run live in class (None: full speed)",
+        optional=True,
+    )
     name: str | None = _text(None, "run name", max_length=200)
 
     def __post_init__(self):

@@ -92,7 +92,9 @@ def _train(store, run_id):
     total_steps = config.steps if config.epochs is None else epochs * inputs["steps_per_epoch"]
     # Several steps per call of the compiled function; the same steps, batches
     # and statistics as one per call (`tests/test_runner.py`).
-    model.steps_per_execution = steps_per_execution(inputs["steps_per_epoch"], total_steps)
+    model.steps_per_execution = (
+        1 if config.pace else steps_per_execution(inputs["steps_per_epoch"], total_steps)
+    )
     monitor = GradientMonitor(
         every=config.record_every,
         activations=config.activations,
@@ -108,6 +110,7 @@ def _train(store, run_id):
         max_steps=None if config.epochs else config.steps,
         # A paused run must show every step it made before it says "paused".
         on_pause=monitor.flush,
+        pace=config.pace,
     )
     model.fit(
         **inputs,

@@ -33,6 +33,8 @@ _LEARNING_RATES = [
     1000.0,
 ]
 _STEPS = [50, 100, 200, 300, 500, 1000, 2000, 5000, 10000]
+# Steps a second; 0 is full speed (`RunConfig.pace` None).
+_PACES = [0, 1, 2, 5, 10, 20, 50, 100]
 
 # (field, label, kind, options). Options None means a number input.
 _MAIN = [
@@ -54,6 +56,7 @@ _MAIN = [
 ]
 _MORE = [
     ("steps", "Steps", "select_slider", _STEPS),
+    ("pace", "Speed limit (steps a second)", "select_slider", _PACES),
     ("clip_value", "Clip threshold", "number_float", None),
     ("init_stddev", "Init stddev (random_normal)", "number_float", None),
     ("dropout", "Dropout", "slider_float", (0.0, 0.9)),
@@ -96,16 +99,27 @@ def _key(prefix, field):
     return f"{prefix}.{field}"
 
 
+# Fields whose None ("off") a widget shows as 0.
+_ZERO_IS_NONE = {"max_norm": float, "pace": float}
+
+
 def _to_widget(field, value):
-    if field == "max_norm":
-        return float(value or 0.0)
+    if field in _ZERO_IS_NONE:
+        return _ZERO_IS_NONE[field](value or 0)
     return value
 
 
 def _from_widget(field, value):
-    if field == "max_norm":
-        return None if not value else float(value)
+    if field in _ZERO_IS_NONE:
+        return None if not value else _ZERO_IS_NONE[field](value)
     return value
+
+
+def _shown(field):
+    """How a select slider writes its values."""
+    if field == "pace":
+        return lambda value: "full speed" if not value else f"{value:g}"
+    return str
 
 
 def _with_option(options, value):
@@ -151,7 +165,9 @@ def _render(container, prefix, field, label, kind, options):
     if kind == "select":
         container.selectbox(label, _with_option(options, value), key=key)
     elif kind == "select_slider":
-        container.select_slider(label, _with_option(options, value), key=key)
+        container.select_slider(
+            label, _with_option(options, value), key=key, format_func=_shown(field)
+        )
     elif kind == "slider":
         container.slider(label, options[0], options[1], key=key)
     elif kind == "slider_float":
