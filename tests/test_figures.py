@@ -422,7 +422,7 @@ def test_a_diverged_run_of_two_steps_is_drawn_on_whole_steps_and_plain_powers():
     metrics = pd.DataFrame({"step": [1, 2], "name": "loss", "value": [5.9243e9, np.nan]})
     chart = figures.metrics_chart(metrics)
     assert (chart.figure.layout.xaxis.tick0, chart.figure.layout.xaxis.dtick) == (0, 1)
-    assert chart.figure.layout.yaxis.exponentformat == "e"
+    assert chart.figure.layout.template.layout.yaxis.exponentformat == "e"
     frame = make_layer_stats(steps=2)
     set_value(frame, 2, 1, "kernel", "max_abs", np.nan)
     lines = figures.layer_lines(frame, "max_abs", "kernel")
