@@ -363,9 +363,17 @@ def test_own_train_step_without_any_loss_trains_and_says_what_the_probe_needs():
     assert "train_step" not in model.__dict__
 
 
-@pytest.mark.parametrize("bad", ["not_a_loss", 3, ["mse"]])
-def test_a_probe_loss_that_is_no_loss_is_refused_by_name(bad):
-    with pytest.raises(ValueError, match=r"`probe_loss` must be a Keras loss.*got"):
+# The same checks, and words, as `snapshot(loss=...)` (`snapshot.resolve_loss`).
+@pytest.mark.parametrize(
+    "bad, error, message",
+    [
+        ("not_a_loss", ValueError, r"Unknown loss name `probe_loss`='not_a_loss'"),
+        (3, TypeError, r"`probe_loss` must be a Keras loss object.*got int: 3"),
+        (["mse"], ValueError, r"`probe_loss` must be one loss, got a list"),
+    ],
+)
+def test_a_probe_loss_that_is_no_loss_is_refused_by_name(bad, error, message):
+    with pytest.raises(error, match=message):
         GradientMonitor(probe_loss=bad)
 
 

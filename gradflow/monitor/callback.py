@@ -30,6 +30,7 @@ from gradflow.monitor.step import (
     step_counter,
 )
 from gradflow.monitor.tensorboard import SummaryWriter
+from gradflow.probe.snapshot import resolve_loss
 
 # The ring holds this many executions of the train function, so the callback
 # can read it every few batches instead of after each one. A read is a few
@@ -154,11 +155,12 @@ class GradientMonitor(keras.callbacks.Callback):
 
     Raises:
         ValueError: if `every` or `probe_every` is not a positive integer,
-            `probe_loss` is not a loss, a
+            `probe_loss` is an unknown loss name or several losses, a
             switch is not True or False, `store`, `run_name` or `rules` is of
             the wrong kind, or `run_id` comes without `store`; at the start
             of `fit`, if the model is not compiled or a second
             `GradientMonitor` is given to the same `fit`.
+        TypeError: if `probe_loss` is neither a loss name nor callable.
     """
 
     def __init__(
@@ -181,7 +183,9 @@ class GradientMonitor(keras.callbacks.Callback):
         self.probe_every = (
             self.every if probe_every is None else positive_int("probe_every", probe_every)
         )
-        self.probe_loss = _loss_or_none("probe_loss", probe_loss)
+        self.probe_loss = (
+            None if probe_loss is None else resolve_loss(None, probe_loss, argument="probe_loss")
+        )
         if store is None and run_id is not None:
             raise ValueError(
                 f"`run_id` needs a `store` to write to, got run_id={run_id!r} and store=None."
@@ -963,22 +967,6 @@ def _optimizer_settings(optimizer):
         return object()
     config.pop("learning_rate", None)
     return config
-
-
-def _loss_or_none(name, value):
-    """`value` as a loss function (a Keras loss, its name, a callable) or None; else a ValueError."""
-    if value is None or (callable(value) and not isinstance(value, str)):
-        return value
-    if isinstance(value, str):
-        try:
-            return keras.losses.get(value)
-        except ValueError:
-            pass
-    raise ValueError(
-        f"`{name}` must be a Keras loss object, a loss name such as 'mse' or "
-        "'sparse_categorical_crossentropy', a callable (y_true, y_pred) -> loss, or None; "
-        f"got {type(value).__name__} {value!r:.80}."
-    )
 
 
 def _is_finite(value):

@@ -80,8 +80,11 @@ class Snapshot:
         return pd.concat([self.weights[columns], self.activations[columns]], ignore_index=True)
 
 
-def resolve_loss(model, loss):
+def resolve_loss(model, loss, argument="loss"):
     """Turn `loss` (object, name, callable or None) into a callable.
+
+    `argument` is the name the messages give it (`probe_loss` for the
+    monitor's probe).
 
     Raises:
         ValueError: if `loss` is None and the model has no compiled loss, if
@@ -92,14 +95,14 @@ def resolve_loss(model, loss):
         loss = getattr(model, "loss", None)
         if loss is None:
             raise ValueError(
-                "`loss` is None and the model was not compiled with a loss. Pass "
-                "`loss=` (a Keras loss object such as keras.losses.MeanSquaredError(), "
+                f"`{argument}` is None and the model was not compiled with a loss. Pass "
+                f"`{argument}=` (a Keras loss object such as keras.losses.MeanSquaredError(), "
                 "or its name such as 'mse' or 'sparse_categorical_crossentropy'), "
                 "or call `model.compile(loss=...)` first."
             )
     if isinstance(loss, (list, tuple, dict)):
         raise ValueError(
-            "gradflow probes single-output models: `loss` must be one loss, got a "
+            f"gradflow probes single-output models: `{argument}` must be one loss, got a "
             f"{type(loss).__name__} of losses ({loss!r})."
         )
     if isinstance(loss, str):
@@ -107,13 +110,13 @@ def resolve_loss(model, loss):
             return keras.losses.get(loss)
         except ValueError:
             raise ValueError(
-                f"Unknown loss name `loss`={loss!r}. Use a Keras loss name such as "
+                f"Unknown loss name `{argument}`={loss!r}. Use a Keras loss name such as "
                 "'mse', 'mae', 'binary_crossentropy', 'categorical_crossentropy' or "
                 "'sparse_categorical_crossentropy', or pass a keras.losses.Loss."
             ) from None
     if not callable(loss):
         raise TypeError(
-            "`loss` must be a Keras loss object, a loss name, a callable "
+            f"`{argument}` must be a Keras loss object, a loss name, a callable "
             f"(y_true, y_pred) or None; got {type(loss).__name__}: {loss!r}."
         )
     return loss

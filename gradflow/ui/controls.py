@@ -100,18 +100,18 @@ def _key(prefix, field):
 
 
 # Fields whose None ("off") a widget shows as 0.
-_ZERO_IS_NONE = {"max_norm": float, "pace": float}
+_ZERO_IS_NONE = {"max_norm", "pace"}
 
 
 def _to_widget(field, value):
     if field in _ZERO_IS_NONE:
-        return _ZERO_IS_NONE[field](value or 0)
+        return float(value or 0)
     return value
 
 
 def _from_widget(field, value):
     if field in _ZERO_IS_NONE:
-        return None if not value else _ZERO_IS_NONE[field](value)
+        return None if not value else float(value)
     return value
 
 

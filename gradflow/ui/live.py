@@ -687,10 +687,9 @@ def _alerts_hint(store, run_id, cache):
 
     Not while it trains: the rules would run at every tick of every page.
     """
-    found = [f for f in (store.events(run_id), _rule_events(cache)) if not f.empty]
-    if not found:
+    events = _run_events(store, run_id, cache)
+    if events is None:
         return
-    events = pd.concat(found, ignore_index=True)
     kinds = [k for k in events["kind"].drop_duplicates() if k in _ALERT_WORDS]
     if kinds:
         st.caption(
@@ -710,13 +709,18 @@ _ALERT_WORDS = {
 }
 
 
+def _run_events(store, run_id, cache):
+    """The run's stored events and what the rules find in what was read, or None if neither has any."""
+    found = [f for f in (store.events(run_id), _rule_events(cache)) if not f.empty]
+    return pd.concat(found, ignore_index=True) if found else None
+
+
 def _alerts(store, run_id, cache):
     stats = cache.layer_stats
-    found = [f for f in (store.events(run_id), _rule_events(cache)) if not f.empty]
-    if not found:
+    events = _run_events(store, run_id, cache)
+    if events is None:
         st.success("No alerts: no vanishing, exploding, dead or non-finite gradients detected.")
         return
-    events = pd.concat(found, ignore_index=True)
     events = events.drop_duplicates(subset=["kind", "layer", "message"])
     # Layers in network order (input first), not as strings: dense_2 before dense_10.
     order = stats.drop_duplicates("layer").set_index("layer")["layer_index"]
