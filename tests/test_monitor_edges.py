@@ -898,6 +898,50 @@ def test_a_blocks_own_weight_is_filed_under_the_block(activations):
         assert dict(zip(outputs["layer"], outputs["layer_index"], strict=True)) == order
 
 
+class TwoOfOneName(keras.Model):
+    """Two layers a subclassed model named alike (Keras checks names in Functional models only)."""
+
+    def __init__(self):
+        super().__init__(name="twins")
+        self.first = keras.layers.Dense(6, activation="tanh", name="proj")
+        self.second = keras.layers.Dense(6, activation="tanh", name="proj")
+        self.head = keras.layers.Dense(CLASSES, name="head")
+
+    def call(self, x):
+        return self.head(self.second(self.first(x)))
+
+
+@pytest.mark.parametrize("activations", [False, True])
+def test_two_layers_of_one_name_are_two_layers(activations):
+    """They were one layer `proj` with two weights of each kind, and the second call `proj#2`."""
+    keras.utils.set_random_seed(0)
+    model = TwoOfOneName()
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    x, y = data()
+    model(x[:BATCH])
+    with tf.GradientTape() as tape:
+        loss = model.loss(y[:BATCH], model(x[:BATCH], training=True))
+    # By variable, in the model's order: the two `proj/kernel` share a path.
+    expected = [np.linalg.norm(g.numpy()) for g in tape.gradient(loss, model.trainable_variables)]
+    shot = snapshot(model, x[:BATCH], y[:BATCH])
+    monitor = GradientMonitor(activations=activations)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+
+    first = monitor.history.query("step == 1")
+    order = {"proj": 0, "proj (2)": 1, "head": 2}
+    for table in (first, shot.weights):
+        weights = table[table["tensor"] != "activation"]
+        assert weights["layer"].tolist() == ["proj", "proj", "proj (2)", "proj (2)", "head", "head"]
+        assert dict(zip(weights["layer"], weights["layer_index"], strict=True)) == order
+        np.testing.assert_allclose(weights["l2_norm"].to_numpy(), expected, rtol=1e-5)
+    if activations:
+        outputs = first.query("tensor == 'activation'")
+        assert dict(zip(outputs["layer"], outputs["layer_index"], strict=True)) == order
+
+
 class TiedLoop(keras.Model):
     """One layer applied twelve times: more layer calls than activation rows."""
 

@@ -115,6 +115,51 @@ def test_layers_are_numbered_in_the_order_the_forward_pass_calls_them(activation
     assert first_nonfinite(history).layer == "blowup"
 
 
+def sequence_to_sequence():
+    """Keras's seq2seq recipe: the decoder starts from the encoder LSTM's states alone."""
+    keras.utils.set_random_seed(0)
+    source, target = keras.Input((7, 3)), keras.Input((4, 5))
+    encoder = keras.layers.LSTM(6, return_state=True, name="encoder")
+    decoder = keras.layers.LSTM(6, return_sequences=True, name="decoder")
+    head = keras.layers.Dense(5, name="head")
+    _, h, c = encoder(source)
+    model = keras.Model([source, target], head(decoder(target, initial_state=[h, c])))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    # The same layers past the encoder, from its states as inputs: dLoss/dh.
+    h_in, c_in = keras.Input((6,)), keras.Input((6,))
+    rest = keras.Model([target, h_in, c_in], head(decoder(target, initial_state=[h_in, c_in])))
+    rng = np.random.default_rng(0)
+    x = [rng.normal(size=(N, 7, 3)).astype("float32"), rng.normal(size=(N, 4, 5)).astype("float32")]
+    y = rng.normal(size=(N, 4, 5)).astype("float32")
+    _, h_value, c_value = encoder(x[0][:BATCH])
+    with tf.GradientTape() as tape:
+        tape.watch(h_value)
+        loss = keras.losses.MeanSquaredError()(
+            y[:BATCH], rest([tf.constant(x[1][:BATCH]), h_value, c_value])
+        )
+    return model, x, y, float(tf.norm(tape.gradient(loss, h_value)))
+
+
+@pytest.mark.parametrize("in_step", [False, True])
+def test_an_encoder_read_through_its_states_alone_has_its_gradient(in_step, monkeypatch):
+    """Its row read the unused first output: zeros, and an event that no gradient reached it."""
+    if in_step:
+        monkeypatch.setattr(deferred, "MAX_PARAMETERS", 0)
+    model, x, y, expected = sequence_to_sequence()
+    shot = snapshot(model, [t[:BATCH] for t in x], y[:BATCH])
+    monitor = GradientMonitor(activations=True)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+
+    assert monitor._plan.deferred is not in_step
+    first = monitor.history.query("step == 1 and tensor == 'activation'").set_index("layer")
+    assert list(first.index) == ["encoder", "decoder", "head"]
+    np.testing.assert_allclose(first.loc["encoder", "l2_norm"], expected, rtol=1e-5)
+    assert monitor.events.query("kind == 'no_gradient'").empty
+    assert shot.no_gradient == {}
+    outputs = shot.activations.set_index("layer")
+    np.testing.assert_allclose(outputs.loc["encoder", "l2_norm"], expected, rtol=1e-5)
+
+
 # every=1 takes the deferred path of small models (a finiteness check of the
 # copied gradients), or with `in_step` reads finiteness off the statistics
 # computed before the update; every=5 checks the gradients on their own (the

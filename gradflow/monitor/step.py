@@ -29,7 +29,7 @@ from gradflow import schema
 from gradflow.checks import warn_user
 from gradflow.monitor import deferred, trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS, RingBuffer, pad_rows
-from gradflow.probe.capture import record_layer_outputs
+from gradflow.probe.capture import reached_outputs, record_layer_outputs
 from gradflow.probe.naming import layer_order, variable_names
 from gradflow.statistics import (
     ShapeGroups,
@@ -218,8 +218,7 @@ def instrumented_train_step(plan):
             warn_user("The model does not have any trainable weights.")
             return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         plan.prepare(variables)
-        activations = _take_activations(plan, outputs)
-        gradients = tape.gradient(scaled_loss, variables + activations)
+        activations, gradients = _gradients(plan, tape, scaled_loss, variables, outputs)
         _fill_output_gradients(
             gradients, len(variables), activations, (x, y, y_pred, sample_weight), plan
         )
@@ -479,8 +478,7 @@ def probed_train_step(plan, original_train_step, probe_every, probe_loss=None):
             return
         variables = model.trainable_weights
         plan.prepare(variables)
-        activations = _take_activations(plan, outputs)
-        gradients = tape.gradient(loss, variables + activations)
+        activations, gradients = _gradients(plan, tape, loss, variables, outputs)
         _note_unreached(plan, gradients)
         _record(
             plan,
@@ -830,8 +828,21 @@ def _layer_outputs(plan):
     return record_layer_outputs(plan.model)
 
 
+def _gradients(plan, tape, loss, variables, outputs):
+    """`(activations, gradients)`: the layer outputs the rows read, and the
+    gradients of `variables` then of those outputs (None where unreached)."""
+    activations, others = _take_activations(plan, outputs)
+    gradients = tape.gradient(loss, variables + activations + [t for row in others for t in row])
+    activations, gradients[len(variables) :] = reached_outputs(
+        activations, others, gradients[len(variables) :]
+    )
+    return activations, gradients
+
+
 def _take_activations(plan, outputs):
-    """Layer outputs to differentiate, also naming their rows (at trace time).
+    """Layer outputs to differentiate, and each call's other outputs (`reached_outputs`).
+
+    Also names their rows (at trace time).
 
     With more calls than rows (a layer applied in a loop), every layer's
     first call keeps its row, and the repeated calls fill the rest in call
@@ -840,7 +851,7 @@ def _take_activations(plan, outputs):
     """
     plan.note_call_order(list(outputs.paths))
     if not plan.activation_slots:
-        return []
+        return [], []
     seen, firsts, repeats = set(), [], []
     for index, path in enumerate(outputs.paths):
         layer = path.split("#")[0]
@@ -851,7 +862,10 @@ def _take_activations(plan, outputs):
     plan.activation_paths = [outputs.paths[i] for i in keep]
     kept = set(keep)
     plan.dropped_activations = [p for i, p in enumerate(outputs.paths) if i not in kept]
-    return [tf.convert_to_tensor(outputs.tensors[i]) for i in keep]
+    return (
+        [tf.convert_to_tensor(outputs.tensors[i]) for i in keep],
+        [[tf.convert_to_tensor(t) for t in outputs.others[i]] for i in keep],
+    )
 
 
 def _loss_scale(optimizer):

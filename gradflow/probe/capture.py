@@ -39,7 +39,8 @@ def leaf_layers(model):
     models and layers are named by path, `outer/inner`, relative to `model`.
     A layer with sub-layers that also made trainable weights of its own
     (`add_weight` in a custom block) is listed too, after its sub-layers:
-    those weights, and its output, are its own.
+    those weights, and its output, are its own. Two layers of one name (a
+    subclassed model may have them) are told apart: `proj`, `proj (2)`.
 
     Example:
 
@@ -70,7 +71,26 @@ def leaf_layers(model):
                 found.append((path, child))
 
     visit(model, "")
-    return found
+    return _distinct_paths(found)
+
+
+def _distinct_paths(found):
+    # Keras keeps names unique in a Functional model only: a subclassed model
+    # may hold two layers both named "proj". Read as one layer, their weights
+    # shared a heatmap row and the second call read as a shared layer's
+    # ("proj#2"). The second is "proj (2)", in the order they were found.
+    taken = {path for path, _ in found}
+    seen, distinct = set(), []
+    for path, layer in found:
+        if path in seen:
+            number = 2
+            while f"{path} ({number})" in taken:
+                number += 1
+            path = f"{path} ({number})"
+            taken.add(path)
+        seen.add(path)
+        distinct.append((path, layer))
+    return distinct
 
 
 def is_composite(layer):
@@ -97,12 +117,17 @@ class LayerOutputs:
             more than once (a shared layer) appears as `path`, `path#2`, ...
         layers: The layer objects, aligned with `paths`.
         tensors: The first tensor each call returned, aligned with `paths`.
+        others: The other tensors each call returned (an LSTM's states with
+            `return_state=True`), aligned with `paths`; mostly empty lists.
+            `reached_outputs` turns to them when the loss does not reach
+            the first.
     """
 
     def __init__(self):
         self.paths = []
         self.layers = []
         self.tensors = []
+        self.others = []
         self._calls = {}
 
     def _add(self, path, layer, outputs):
@@ -115,9 +140,50 @@ class LayerOutputs:
         self.layers.append(layer)
         # RNNs with return_state give [output, *states]: the output comes first.
         self.tensors.append(flat[0])
+        self.others.append(flat[1:])
 
     def __len__(self):
         return len(self.paths)
+
+
+def reached_outputs(tensors, others, gradients):
+    """The output each row reads: its first, or else the first the loss reaches.
+
+    A layer's row is the gradient with respect to its first output. A layer
+    with several outputs may feed the loss through the others alone: Keras's
+    sequence-to-sequence recipe keeps only the encoder LSTM's states
+    (`_, h, c = LSTM(..., return_state=True)(x)`). Read off the first output,
+    that encoder's row was all zeros and its event said no gradient reaches
+    it, while its weights trained. Its row is then the gradient with respect
+    to the first other output the loss reaches (the state `h`).
+
+    Example:
+
+    ```python
+    extra = [t for row in others for t in row]
+    gradients = tape.gradient(loss, tensors + extra)
+    tensors, gradients = reached_outputs(tensors, others, gradients)
+    ```
+
+    Args:
+        tensors: One output per row.
+        others: For each row, the call's other outputs (`LayerOutputs.others`).
+        gradients: The gradients of `tensors`, then of every tensor in
+            `others`, row by row (None where the loss does not reach).
+
+    Returns:
+        `(tensors, gradients)`, one per row.
+    """
+    at = len(tensors)
+    tensors, chosen = list(tensors), list(gradients[:at])
+    for row, alternatives in enumerate(others):
+        for tensor, gradient in zip(
+            alternatives, gradients[at : at + len(alternatives)], strict=True
+        ):
+            if chosen[row] is None and gradient is not None:
+                tensors[row], chosen[row] = tensor, gradient
+        at += len(alternatives)
+    return tensors, chosen
 
 
 @contextlib.contextmanager

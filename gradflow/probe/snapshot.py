@@ -248,10 +248,15 @@ class GradientProbe:
             shown_loss = _mean_loss(self.loss_fn, y, tf.nest.pack_sequence_as(y_pred, shown))
         # Compute gradients
         variables = list(model.trainable_variables)
-        sources = variables + outputs.tensors
-        gradients = tape.gradient(loss, sources)
+        gradients = tape.gradient(
+            loss, variables + outputs.tensors + [t for row in outputs.others for t in row]
+        )
+        tensors, gradients[len(variables) :] = capture.reached_outputs(
+            outputs.tensors, outputs.others, gradients[len(variables) :]
+        )
+        sources = variables + tensors
         final = tape.gradient(shown_loss, shown)
-        for i, tensor in enumerate(outputs.tensors):
+        for i, tensor in enumerate(tensors):
             for output, gradient in zip(tf.nest.flatten(y_pred), final, strict=True):
                 if tensor is output and gradient is not None:
                     gradients[len(variables) + i] = gradient
@@ -262,14 +267,14 @@ class GradientProbe:
         # Record gradient statistics
         statistics, histograms = summarize(gradients, histogram=self.histograms)
         maxima = (
-            sensitivity.sensitivity_maxima(tape, outputs.tensors, inputs)
+            sensitivity.sensitivity_maxima(tape, tensors, inputs)
             if sensitive
             else tf.fill([len(outputs)], float("nan"))
         )
         # Runs while tracing only: the Python side of the graph's layout.
         self._layouts[_signature(x, y)] = self._last_layout = {
             "paths": list(outputs.paths),
-            "shapes": [tuple(t.shape) for t in outputs.tensors],
+            "shapes": [tuple(t.shape) for t in tensors],
             "variables": variables,
             "unreached": unreached,
             "inputs_note": (
