@@ -259,6 +259,30 @@ def safe_filename(name, default="figure"):
     return cleaned or default
 
 
+def file_stem(title, run=None):
+    """The name of a chart's file, before its extension: the run's name first, if any.
+
+    Example:
+
+    ```python
+    file_stem("Max |gradient| per layer", "relu · depth 20")
+    # 'relu_depth_20_Max_gradient_per_layer'
+    ```
+
+    Args:
+        title: the chart's title.
+        run: the run's name, or None (default).
+
+    Returns:
+        A `safe_filename`: the run's part at most 48 characters, so that
+        the title still tells a run's figures apart.
+    """
+    stem = safe_filename(title)
+    if run is None:
+        return stem
+    return f"{safe_filename(run, 'run')[:48].rstrip('._-')}_{stem}"
+
+
 def _json_safe(value):
     """Recursively replace NaN/Inf with None so `json.dumps` stays strict JSON."""
     if isinstance(value, dict):
@@ -343,7 +367,7 @@ def lesson_pack(charts, config=None, title="gradflow lesson pack"):
     return buffer.getvalue()
 
 
-def run_charts(layer_stats, metrics, presentation=False):
+def run_charts(layer_stats, metrics, presentation=False, run=None):
     """The standard figures of one run, keyed by file-friendly name.
 
     Heatmaps of `max_abs` and `l2_norm` (kernels, or all weights when the
@@ -355,6 +379,8 @@ def run_charts(layer_stats, metrics, presentation=False):
         layer_stats: tidy layer-statistics DataFrame.
         metrics: long metrics DataFrame.
         presentation: slide-sized fonts. Default False.
+        run: the run's name, or None (default). Given, every figure and CSV
+            says it (`Chart.for_run`): these charts go into files.
 
     Returns:
         A dict name -> `Chart`, possibly empty.
@@ -381,6 +407,8 @@ def run_charts(layer_stats, metrics, presentation=False):
         chart = figures.metrics_chart(metrics, presentation=presentation)
         if len(chart.data):
             charts["metrics"] = chart
+    if run is not None:
+        charts = {name: chart.for_run(run) for name, chart in charts.items()}
     return charts
 
 
@@ -422,7 +450,12 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
     """
     _check_format(fmt, EXPORT_FORMATS, "fmt")
     info = store.run_info(run_id) or {}
-    charts = run_charts(store.layer_stats(run_id), store.metrics(run_id), presentation=presentation)
+    charts = run_charts(
+        store.layer_stats(run_id),
+        store.metrics(run_id),
+        presentation=presentation,
+        run=info.get("name") or run_id,
+    )
     if not charts:
         raise ExportError(f"Run {run_id!r} has no recorded statistics or metrics to export yet.")
     out_dir = pathlib.Path(out_dir)

@@ -73,7 +73,7 @@ def download(page, export_index, label, artifacts_dir, name):
     path = artifacts_dir / name
     info.value.save_as(path)
     page.keyboard.press("Escape")
-    return path
+    return path, info.value.suggested_filename
 
 
 @pytest.fixture
@@ -184,8 +184,11 @@ def test_teacher_flow(page_factory, tmp_path, artifacts_dir):
         assert wholes_again <= len(resend_requests(sent, "live.max")), [u["base"] for u in updates]
         page.screenshot(path=str(artifacts_dir / "e2e-stopped.png"), full_page=True)
 
-        csv_path = download(page, 0, "CSV", artifacts_dir, "e2e-heatmap.csv")
+        csv_path, csv_name = download(page, 0, "CSV", artifacts_dir, "e2e-heatmap.csv")
         table = pd.read_csv(csv_path, float_precision="round_trip")
+        # A handout's file says which run it is, in its name and in its rows.
+        assert csv_name.startswith("sigmoid_depth_8_") and csv_name.endswith(".csv"), csv_name
+        assert table.pop("run").str.startswith("sigmoid · depth 8").all()
         assert {"layer", "step"} <= set(table.columns)
         assert table["layer"].nunique() == 9  # 8 hidden layers + the output layer
         # The browser built this heatmap from the live updates (the new columns of
@@ -196,7 +199,8 @@ def test_teacher_flow(page_factory, tmp_path, artifacts_dir):
         np.testing.assert_array_equal(
             np.array(drawn["customdata"], dtype=float), expected.to_numpy()
         )
-        png_path = download(page, 0, "PNG", artifacts_dir, "e2e-heatmap.png")
+        png_path, png_name = download(page, 0, "PNG", artifacts_dir, "e2e-heatmap.png")
+        assert png_name == csv_name.removesuffix(".csv") + ".png"
         png = png_path.read_bytes()
         assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 

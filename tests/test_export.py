@@ -295,5 +295,29 @@ def test_export_run_from_a_real_run_store(store_path, tmp_path):
     (csv_path, *_) = export.export_run(store, run_id, "csv", tmp_path)
     assert csv_path.name == "tiny_max_abs_heatmap.csv"
     back = pd.read_csv(csv_path)
+    # Exactly the values drawn, after a column that says which run they are.
     expected = figures.heatmap(make_layer_stats(), "max_abs").data
+    assert (back.pop("run") == "tiny").all()
     pd.testing.assert_frame_equal(back, expected, check_dtype=False)
+
+
+@pytest.mark.parametrize(
+    ("title", "run", "expected"),
+    [
+        ("max |gradient| per layer", None, "max_gradient_per_layer"),
+        ("max |gradient| per layer", "relu · depth 20", "relu_depth_20_max_gradient_per_layer"),
+        ("loss", "../../" + "x" * 100, "x" * 48 + "_loss"),
+        ("loss", "···", "run_loss"),
+    ],
+)
+def test_file_stem_puts_the_run_first(title, run, expected):
+    assert export.file_stem(title, run) == expected
+
+
+def test_exported_figures_say_their_run_escaped(tmp_path):
+    # A figure on a slide is no longer under its run's name on the page.
+    paths = export.export_run(FakeStore(f"sigmoid {EVIL}"), "abc123", "html", tmp_path)
+    for path in paths:
+        page = path.read_text()
+        assert "sigmoid &lt;script&gt;alert(1)&lt;/script&gt;" in page, path.name
+        assert EVIL not in page, path.name

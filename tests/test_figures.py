@@ -376,6 +376,27 @@ def test_layer_names_are_escaped_in_figures_but_raw_in_data():
         assert EVIL in set(chart.data["layer"])
 
 
+def test_a_chart_for_a_run_says_the_run_and_leaves_the_original_alone():
+    frame = make_layer_stats()
+    for chart in (figures.heatmap(frame), figures.profile(frame), figures.layer_lines(frame)):
+        before = chart.figure.to_json()
+        copy = chart.for_run(f"relu {EVIL}")
+        assert (
+            copy.figure.layout.title.subtitle.text == "relu &lt;script&gt;alert(1)&lt;/script&gt;"
+        )
+        assert copy.figure.layout.title.text == chart.figure.layout.title.text
+        # The subtitle gets a line of its own above the plot.
+        assert copy.figure.layout.margin.t > chart.figure.layout.margin.t
+        assert copy.title == f"{chart.title} (relu {EVIL})"
+        assert list(copy.data.columns) == ["run", *chart.data.columns]
+        assert (copy.data["run"] == f"relu {EVIL}").all()
+        pd.testing.assert_frame_equal(copy.data.drop(columns="run"), chart.data)
+        assert chart.figure.to_json() == before and "run" not in chart.data.columns
+    # Compare-page data names its runs already: not a second `run` column.
+    compared = figures.compare_heatmaps({"a": frame, "b": frame}).for_run("a vs b")
+    assert list(compared.data.columns).count("run") == 1 and set(compared.data["run"]) == {"a", "b"}
+
+
 def test_layer_lines_log_axis_one_line_per_layer_and_nan_marker():
     frame = make_layer_stats()
     set_value(frame, 4, 2, "kernel", "max_abs", np.nan)

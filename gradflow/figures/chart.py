@@ -1,6 +1,7 @@
 """`Chart`: a Plotly figure together with the exact data it plots."""
 
 import dataclasses
+import html
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -35,3 +36,44 @@ class Chart:
     data: pd.DataFrame
     title: str = ""
     description: str = ""
+
+    def for_run(self, run):
+        """A copy of this chart that names its run, for files that leave the dashboard.
+
+        On the page a chart sits under its run's name; a PNG on a slide or a
+        CSV in a handout does not, and two runs' heatmaps look alike. The
+        copy's figure carries the name as its subtitle, its `data` a leading
+        `run` column (as the Compare page's charts have), and its `title`
+        reads `"<title> (<run>)"`. This chart is left as it is.
+
+        Example:
+
+        ```python
+        handout = figures.heatmap(stats, "max_abs").for_run("relu · depth 20")
+        handout.figure.write_image("relu.png")
+        ```
+
+        Args:
+            run: the run's name (shown literally, even if it holds `<b>`).
+
+        Returns:
+            A new `Chart`.
+        """
+        run = str(run)
+        figure = go.Figure(self.figure)
+        # Plotly's default subtitle is small beside a slide's fonts.
+        size = figure.layout.font.size or 13
+        figure.update_layout(
+            title_subtitle_text=html.escape(run, quote=False),
+            title_subtitle_font_size=size,
+            # Room for the subtitle's line, which would touch the plot.
+            margin_t=(figure.layout.margin.t or 60) + size,
+        )
+        if figure.layout.title.text is None:
+            # A subtitle alone is not drawn: give it a title line to hang from.
+            figure.update_layout(title_text=html.escape(self.title or run, quote=False))
+        data = self.data.copy()
+        if "run" not in data.columns:
+            data.insert(0, "run", run)
+        title = f"{self.title} ({run})" if self.title else run
+        return Chart(figure, data, title, self.description)

@@ -40,29 +40,36 @@ def presentation_style():
     )
 
 
-def show_chart(chart, key, exports=True):
+def show_chart(chart, key, exports=True, run=None):
     """Draw a chart; below it, its export buttons.
 
     Args:
         chart: A `gradflow.figures.Chart`.
         key: A key unique on the page (widget identity).
         exports: Whether to offer downloads. Defaults to `True`.
+        run: The name of the run the chart shows, or None (default): the
+            exported files then say it (`export_buttons`).
     """
     st.plotly_chart(chart.figure, config=figures.PLOTLY_CONFIG, key=f"{key}.plot", width="stretch")
     if chart.description:
         st.caption(chart.description)
     if exports:
-        export_buttons(chart, key)
+        export_buttons(chart, key, run)
 
 
-def export_buttons(chart, key):
+def export_buttons(chart, key, run=None):
     """The Export popover of a chart: PNG, SVG, PDF (with Chromium), HTML and CSV.
 
     Args:
         chart: A `gradflow.figures.Chart`; files are made from it on click.
         key: The chart's key on the page (the buttons' keys start with it).
+        run: The name of the run the chart shows, or None (default). A file
+            leaves the page that says which run it is: the name starts the
+            file's name and goes into the figure and the CSV
+            (`Chart.for_run`), so a teacher's relu and sigmoid heatmaps do
+            not arrive as `Max_gradient_per_layer.png` and its `(1)`.
     """
-    name = export.safe_filename(chart.title or key)
+    name = export.file_stem(chart.title or key, run)
     with st.popover("Export", icon=":material/download:"):
         if image_export_available():
             for fmt, mime in (
@@ -72,7 +79,7 @@ def export_buttons(chart, key):
             ):
                 st.download_button(
                     fmt.upper(),
-                    data=functools.partial(_image, chart, fmt),
+                    data=functools.partial(_file, export.to_image, chart, run, fmt),
                     file_name=f"{name}.{fmt}",
                     mime=mime,
                     key=f"{key}.{fmt}",
@@ -84,7 +91,7 @@ def export_buttons(chart, key):
             )
         st.download_button(
             "HTML",
-            data=functools.partial(export.to_html, chart),
+            data=functools.partial(_file, export.to_html, chart, run),
             file_name=f"{name}.html",
             mime="text/html",
             key=f"{key}.html",
@@ -92,7 +99,7 @@ def export_buttons(chart, key):
         )
         st.download_button(
             "CSV",
-            data=functools.partial(export.to_csv, chart),
+            data=functools.partial(_file, export.to_csv, chart, run),
             file_name=f"{name}.csv",
             mime="text/csv",
             key=f"{key}.csv",
@@ -100,5 +107,8 @@ def export_buttons(chart, key):
         )
 
 
-def _image(chart, fmt):
-    return export.to_image(chart, fmt)
+def _file(make, chart, run, *args):
+    # Copied for its run only when a button asks for the file: a live page
+    # draws its charts every second, and in a full classroom a copy of each
+    # figure for a download that rarely comes would cost the server.
+    return make(chart if run is None else chart.for_run(run), *args)

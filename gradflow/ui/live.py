@@ -436,7 +436,7 @@ def _waiting_for_first_step(run_id, info):
 
 
 def _charts(info, cache, key):
-    run_id, status = info["run_id"], info["status"]
+    run_id, status, run = info["run_id"], info["status"], info["name"]
     store = resources.run_store()
     stats = cache.layer_stats
     presentation = st.session_state.get("ui.presentation", False)
@@ -469,6 +469,7 @@ def _charts(info, cache, key):
                         presentation=presentation,
                     ),
                     f"{key}.{name}",
+                    run=run,
                 )
     elif view == "Lines":
         statistic = st.radio(
@@ -483,6 +484,7 @@ def _charts(info, cache, key):
                 stats, statistic, tensor, power_of_two_blocks=True, presentation=presentation
             ),
             f"{key}.lines",
+            run=run,
         )
     elif view == "Profile":
         steps = sorted(stats["step"].unique())
@@ -494,15 +496,18 @@ def _charts(info, cache, key):
         show_live_chart(
             figures.profile(stats, step=step, tensor=tensor, presentation=presentation),
             f"{key}.profile",
+            run=run,
         )
     elif view == "Histograms":
-        _histograms(cache.histograms, stats, tensor, key, presentation)
+        _histograms(cache.histograms, stats, tensor, key, presentation, run)
     elif view == "Loss":
         if cache.metrics.empty:
             st.caption("No metrics recorded yet.")
         else:
             show_live_chart(
-                figures.metrics_chart(cache.metrics, presentation=presentation), f"{key}.metrics"
+                figures.metrics_chart(cache.metrics, presentation=presentation),
+                f"{key}.metrics",
+                run=run,
             )
     else:
         _alerts(store, run_id, cache)
@@ -572,7 +577,9 @@ def _lesson_pack_button(info, cache, key):
         return
 
     def build():
-        charts = export.run_charts(cache.layer_stats, cache.metrics, presentation=True)
+        charts = export.run_charts(
+            cache.layer_stats, cache.metrics, presentation=True, run=info["name"]
+        )
         return export.lesson_pack(
             charts, config=info.get("config"), title=f"gradflow: {info['name']}"
         )
@@ -654,7 +661,7 @@ def _loss_before(metrics, step):
     return before, "NaN" if np.isnan(losses.loc[step]) else "infinite"
 
 
-def _histograms(histograms, stats, tensor, key, presentation):
+def _histograms(histograms, stats, tensor, key, presentation, run):
     if histograms.empty:
         st.info("No histograms in this run: turn on **Record histograms** under More settings.")
         return
@@ -665,6 +672,7 @@ def _histograms(histograms, stats, tensor, key, presentation):
     show_live_chart(
         figures.histogram_heatmap(histograms, layer, hist_tensor, presentation=presentation),
         f"{key}.hist",
+        run=run,
     )
 
 

@@ -232,7 +232,7 @@ def _component(base_url_path, versions):
     )
 
 
-def show_live_chart(chart, key, exports=True):
+def show_live_chart(chart, key, exports=True, run=None):
     """Draw a chart that later reruns update with only what changed.
 
     A drop-in for `charts.show_chart` on pages that redraw a growing figure
@@ -252,9 +252,11 @@ def show_live_chart(chart, key, exports=True):
         key: A key unique on the page (widget identity; also names what the
             browser holds).
         exports: Whether to offer downloads. Defaults to `True`.
+        run: The name of the run the chart shows, for its files, or None
+            (default; `charts.export_buttons`).
     """
     if not available():
-        show_chart(chart, key, exports)
+        show_chart(chart, key, exports, run)
         return
     sent_key = _SENT + key
     update, sent = figure_update(chart.figure, st.session_state.get(sent_key), config=_CONFIG)
@@ -271,7 +273,7 @@ def show_live_chart(chart, key, exports=True):
     if chart.description:
         st.caption(chart.description)
     if exports:
-        export_buttons(chart, key)
+        export_buttons(chart, key, run)
 
 
 def forget(key):
