@@ -8,7 +8,7 @@ from gradflow.ui.charts import presentation_style
 st.title("Compare")
 st.caption("The same network with one difference, side by side, on one shared colour scale.")
 
-config = controls.training_form(sync_url=False)
+config = controls.training_form()
 presentation_style()
 compare.ab_launcher(config)
 st.divider()

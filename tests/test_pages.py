@@ -91,6 +91,16 @@ def test_compare_page_offers_an_ab_launch():
     assert "Start comparison" in labels(app, "button")
 
 
+def test_a_shared_compare_link_restores_its_settings():
+    """The Compare page read no link: a teacher's "/compare?depth=20" opened at depth 5."""
+    app = run_page("compare.py", depth="20", activation="tanh")
+    assert next(s for s in app.slider if s.label == "Depth").value == 20
+    assert next(s for s in app.selectbox if s.label == "A").value == "tanh"
+    next(s for s in app.slider if s.label == "Depth").set_value(12)
+    app.run()
+    assert app.query_params["depth"] == "12" and app.query_params["activation"] == "tanh"
+
+
 def test_runs_page_lists_runs_from_the_store(page_environment):
     from gradflow.store import RunStore
 

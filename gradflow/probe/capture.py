@@ -140,10 +140,16 @@ class LayerOutputs:
         self.layers.append(layer)
         # RNNs with return_state give [output, *states]: the output comes first.
         self.tensors.append(flat[0])
-        self.others.append(flat[1:])
+        # A mask or an index has no gradient to turn to.
+        self.others.append([t for t in flat[1:] if _is_float(t)])
 
     def __len__(self):
         return len(self.paths)
+
+
+def _is_float(value):
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and keras.backend.is_float_dtype(dtype)
 
 
 def reached_outputs(tensors, others, gradients):
