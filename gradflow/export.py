@@ -31,7 +31,8 @@ import numpy as np
 import pandas as pd
 import plotly.io
 
-from gradflow import figures
+from gradflow import figures, schema
+from gradflow.diagnosis import diagnose
 from gradflow.figures import style
 from gradflow.image_renderer import ImageRenderer
 
@@ -298,11 +299,13 @@ def _json_safe(value):
     return str(value)
 
 
-def lesson_pack(charts, config=None, title="gradflow lesson pack"):
+def lesson_pack(charts, config=None, title="gradflow lesson pack", alerts=None):
     """A zip for a lesson: figures (PNG + HTML), data CSVs, config and README.
 
     Layout: `README.txt`, `config.json`, `figures/<name>.png`,
-    `figures/<name>.html`, `data/<name>.csv`.
+    `figures/<name>.html`, `data/<name>.csv`, and with `alerts`
+    `data/alerts.csv`, whose first messages the README quotes (what the
+    dashboard's Alerts view said: a handout says what went wrong too).
 
     Example:
 
@@ -315,6 +318,9 @@ def lesson_pack(charts, config=None, title="gradflow lesson pack"):
         config: the run configuration dict written to `config.json`, or None
             (default) for `{}`.
         title: first line of the README. Default `"gradflow lesson pack"`.
+        alerts: the run's events (`step, layer, kind, message`, as
+            `run_alerts` gives them; empty: the README says the rules found
+            nothing), or None (default) to leave them out.
 
     Returns:
         The zip file as bytes.
@@ -352,6 +358,10 @@ def lesson_pack(charts, config=None, title="gradflow lesson pack"):
                 f"  {chart.description}",
                 "",
             ]
+        if alerts is not None:
+            alerts = _alerts_in_order(alerts)
+            archive.writestr("data/alerts.csv", to_csv(alerts))
+            readme += _alerts_readme(alerts)
         readme += [
             "config.json: the settings of the run.",
             "The HTML files are interactive (zoom, hover) and work offline.",
@@ -367,7 +377,54 @@ def lesson_pack(charts, config=None, title="gradflow lesson pack"):
     return buffer.getvalue()
 
 
-def run_charts(layer_stats, metrics, presentation=False, run=None):
+# The README quotes this many alerts; data/alerts.csv holds them all.
+_ALERTS_QUOTED = 10
+
+
+def _alerts_in_order(alerts):
+    columns = list(schema.EVENTS_COLUMNS)
+    frame = pd.DataFrame(alerts, columns=columns) if len(alerts) else pd.DataFrame(columns=columns)
+    frame = frame.drop_duplicates(subset=["kind", "layer", "message"])
+    return frame.sort_values("step", kind="stable").reset_index(drop=True)[columns]
+
+
+def _alerts_readme(alerts):
+    if alerts.empty:
+        return [
+            "data/alerts.csv: empty. The diagnosis rules found no vanishing, exploding, dead or",
+            "  non-finite gradients in this run.",
+            "",
+        ]
+    lines = [f"data/alerts.csv: what the diagnosis rules found ({len(alerts)} alerts). The first:"]
+    for row in alerts.head(_ALERTS_QUOTED).itertuples():
+        where = f", layer {row.layer}" if row.layer else ""
+        lines.append(f"  - step {row.step}{where} [{row.kind}]: {row.message}")
+    return [*lines, ""]
+
+
+def run_alerts(layer_stats, events):
+    """A run's stored events and what the diagnosis rules find in its statistics.
+
+    Example:
+
+    ```python
+    alerts = run_alerts(store.layer_stats(run_id), store.events(run_id))
+    ```
+
+    Args:
+        layer_stats: tidy layer-statistics DataFrame.
+        events: the run's stored events (`RunStore.events`).
+
+    Returns:
+        One events DataFrame (`step, layer, kind, message`), possibly empty.
+    """
+    found = [f for f in (events, diagnose(layer_stats)) if len(f)]
+    if not found:
+        return pd.DataFrame(columns=list(schema.EVENTS_COLUMNS))
+    return _alerts_in_order(pd.concat(found, ignore_index=True))
+
+
+def run_charts(layer_stats, metrics, presentation=False, run=None, histograms=None):
     """The standard figures of one run, keyed by file-friendly name.
 
     Heatmaps of `max_abs` and `l2_norm` (kernels, or all weights when the
@@ -381,6 +438,10 @@ def run_charts(layer_stats, metrics, presentation=False, run=None):
         presentation: slide-sized fonts. Default False.
         run: the run's name, or None (default). Given, every figure and CSV
             says it (`Chart.for_run`): these charts go into files.
+        histograms: the run's gradient histograms (`RunStore.histograms`),
+            or None (default). With some, the kernel histograms of the
+            layers nearest the input and the output are added: side by side
+            they show gradients shrinking (or growing) with depth.
 
     Returns:
         A dict name -> `Chart`, possibly empty.
@@ -407,9 +468,26 @@ def run_charts(layer_stats, metrics, presentation=False, run=None):
         chart = figures.metrics_chart(metrics, presentation=presentation)
         if len(chart.data):
             charts["metrics"] = chart
+    charts.update(_histogram_charts(histograms, presentation))
     if run is not None:
         charts = {name: chart.for_run(run) for name, chart in charts.items()}
     return charts
+
+
+def _histogram_charts(histograms, presentation):
+    if histograms is None or not len(histograms):
+        return {}
+    kernels = histograms[histograms["tensor"] == "kernel"]
+    if kernels.empty:
+        return {}
+    layers = kernels.sort_values("layer_index", kind="stable").drop_duplicates("layer")["layer"]
+    ends = {"histogram_first_layer": layers.iloc[0], "histogram_last_layer": layers.iloc[-1]}
+    if len(layers) == 1:
+        ends.pop("histogram_last_layer")
+    return {
+        name: figures.histogram_heatmap(kernels, layer, "kernel", presentation=presentation)
+        for name, layer in ends.items()
+    }
 
 
 def _write(out_dir, filename, payload):
@@ -431,7 +509,8 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
 
     Args:
         store: a `gradflow.store.RunStore` (anything with `layer_stats`,
-            `metrics` and `run_info` methods).
+            `metrics` and `run_info` methods; `histograms` and `events` too,
+            if it has them, for the histograms and the lesson pack's alerts).
         run_id: the run to export.
         fmt: one of `"png"`, `"svg"`, `"pdf"`, `"html"`, `"csv"`, `"zip"`
             (a lesson pack).
@@ -450,11 +529,13 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
     """
     _check_format(fmt, EXPORT_FORMATS, "fmt")
     info = store.run_info(run_id) or {}
+    layer_stats = store.layer_stats(run_id)
     charts = run_charts(
-        store.layer_stats(run_id),
+        layer_stats,
         store.metrics(run_id),
         presentation=presentation,
         run=info.get("name") or run_id,
+        histograms=store.histograms(run_id) if hasattr(store, "histograms") else None,
     )
     if not charts:
         raise ExportError(f"Run {run_id!r} has no recorded statistics or metrics to export yet.")
@@ -468,7 +549,20 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
     if fmt == "zip":
         title = f"gradflow lesson pack: {info.get('name') or run_id}"
         return [
-            _write(out_dir, f"{base}_lesson.zip", lesson_pack(charts, info.get("config"), title))
+            _write(
+                out_dir,
+                f"{base}_lesson.zip",
+                lesson_pack(
+                    charts,
+                    info.get("config"),
+                    title,
+                    alerts=(
+                        run_alerts(layer_stats, store.events(run_id))
+                        if hasattr(store, "events")
+                        else None
+                    ),
+                ),
+            )
         ]
     if fmt in IMAGE_FORMATS:
         payloads = to_images(list(charts.values()), fmt)

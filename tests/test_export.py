@@ -301,6 +301,68 @@ def test_export_run_from_a_real_run_store(store_path, tmp_path):
     pd.testing.assert_frame_equal(back, expected, check_dtype=False)
 
 
+def vanishing_run(store):
+    """A stored run whose input layer's gradients vanish, with histograms and one stored event."""
+    stats = make_layer_stats(steps=12, layers=("dense", "mid", "=top"))
+    stats.loc[stats["layer_index"] == 0, ["max_abs", "l2_norm", "mean_abs"]] *= 1e-9
+    run_id = store.create_run({"depth": 3}, name="sigmoid deep")
+    writer = store.writer(run_id, background_flush=False)
+    writer.add_layer_stats(stats)
+    for step in range(1, 13):
+        writer.add_metrics(step, {"loss": 1.0 / step})
+        counts = np.eye(len(figures.BIN_COLUMNS))[step % 5] * 10
+        writer.add_histograms(
+            step,
+            [
+                (layer, index, "kernel", counts)
+                for index, layer in enumerate(("dense", "mid", "=top"))
+            ],
+        )
+    writer.add_event(3, "", "info", "=HYPERLINK(1) the optimizer was rebuilt")
+    writer.close(status="completed")
+    return run_id, stats
+
+
+@needs_browser
+def test_a_lesson_pack_says_what_the_rules_found_and_shows_the_ends_histograms(
+    store_path, tmp_path
+):
+    from gradflow import diagnose
+    from gradflow.store import RunStore
+
+    store = RunStore(store_path)
+    run_id, stats = vanishing_run(store)
+    (zip_path,) = export.export_run(store, run_id, "zip", tmp_path)
+    archive = zipfile.ZipFile(zip_path)
+    names = set(archive.namelist())
+    assert {"figures/histogram_first_layer.png", "figures/histogram_last_layer.png"} <= names
+    readme = archive.read("README.txt").decode()
+    assert "Distribution of |gradient| over training: dense (kernels)" in readme
+    assert "Distribution of |gradient| over training: =top (kernels)" in readme
+    alerts = pd.read_csv(io.BytesIO(archive.read("data/alerts.csv")), keep_default_na=False)
+    found = diagnose(store.layer_stats(run_id))
+    assert len(alerts) == len(found) + 1
+    assert set(found["message"]) < set(alerts["message"])
+    # Sorted by step; a message that would run in a spreadsheet does not.
+    assert alerts["step"].is_monotonic_increasing
+    assert "'=HYPERLINK(1) the optimizer was rebuilt" in set(alerts["message"])
+    assert f"what the diagnosis rules found ({len(alerts)} alerts)" in readme
+    assert "[vanishing]: Layer dense: gradient norm" in readme
+
+
+def test_a_lesson_pack_of_a_calm_run_says_the_rules_found_nothing(monkeypatch):
+    # No browser needed to read the README: the PNGs are stubbed.
+    monkeypatch.setattr(export, "to_images", lambda charts, fmt: [b"png"] * len(charts))
+    blob = export.lesson_pack({"loss": figures.metrics_chart(make_metrics())}, alerts=[])
+    archive = zipfile.ZipFile(io.BytesIO(blob))
+    assert "found no vanishing, exploding, dead or" in archive.read("README.txt").decode()
+    assert archive.read("data/alerts.csv").decode().strip() == "step,layer,kind,message"
+    without = zipfile.ZipFile(
+        io.BytesIO(export.lesson_pack({"loss": figures.metrics_chart(make_metrics())}))
+    )
+    assert "data/alerts.csv" not in without.namelist()
+
+
 @pytest.mark.parametrize(
     ("title", "run", "expected"),
     [

@@ -193,6 +193,9 @@ def test_lesson_pack_has_strict_json_everywhere(diverged, tmp_path):
             strict_json(archive.read(name).decode("utf-8"))
         for name in (n for n in names if n.endswith(".csv")):
             assert len(pd.read_csv(io.BytesIO(archive.read(name)))) > 0, name
+        # The handout says the run diverged, and where.
+        alerts = pd.read_csv(io.BytesIO(archive.read("data/alerts.csv")))
+        assert "nonfinite" in set(alerts["kind"])
 
 
 def test_the_live_page_shows_the_diverged_run_and_its_origin(diverged):

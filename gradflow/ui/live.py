@@ -578,10 +578,19 @@ def _lesson_pack_button(info, cache, key):
 
     def build():
         charts = export.run_charts(
-            cache.layer_stats, cache.metrics, presentation=True, run=info["name"]
+            cache.layer_stats,
+            cache.metrics,
+            presentation=True,
+            run=info["name"],
+            histograms=cache.histograms,
         )
+        # What the Alerts view shows, so the handout says what went wrong too.
+        alerts = _run_events(resources.run_store(), info["run_id"], cache)
         return export.lesson_pack(
-            charts, config=info.get("config"), title=f"gradflow: {info['name']}"
+            charts,
+            config=info.get("config"),
+            title=f"gradflow: {info['name']}",
+            alerts=[] if alerts is None else alerts,
         )
 
     st.download_button(
@@ -591,7 +600,7 @@ def _lesson_pack_button(info, cache, key):
         mime="application/zip",
         key=f"{key}.lesson_pack",
         on_click="ignore",
-        help="Figures (PNG + interactive HTML), the data as CSV, the settings and a README, for slides and handouts.",
+        help="Figures (PNG + interactive HTML), the data as CSV, the alerts, the settings and a README, for slides and handouts.",
     )
 
 
