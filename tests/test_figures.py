@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from gradflow import figures, schema
-from gradflow.figures import decimate
+from gradflow.figures import decimate, style
 from gradflow.figures import grid as grid_lib
 
 EVIL = "<script>alert(1)</script>"
@@ -413,6 +413,22 @@ def test_layer_lines_log_axis_one_line_per_layer_and_nan_marker():
     assert nan_marker.y[0] > np.nanmax(np.asarray(lines[2].y, dtype=float))  # drawn above the data
     subset = figures.layer_lines(frame, layers=["dense_2", 0])
     assert [t.name for t in subset.figure.data if t.mode == "lines"] == ["dense_2", "dense"]
+
+
+def test_many_layers_get_a_depth_scale_instead_of_a_legend_of_names():
+    """A 20-layer legend did not fit beside the chart: an exported PNG cut it after ten names."""
+    layers = tuple(f"dense_{i}" for i in range(20))
+    deep = figures.layer_lines(make_layer_stats(layers=layers), "max_abs", "kernel")
+    lines = [t for t in deep.figure.data if t.mode == "lines"]
+    assert [t.name for t in lines] == list(layers)
+    assert not any(t.showlegend for t in lines)
+    (scale,) = [t for t in deep.figure.data if t.marker.showscale]
+    assert list(scale.marker.colorbar.ticktext) == ["dense_0 (input)", "dense_19"]
+    # Each line's colour is the scale's at its depth.
+    assert lines[0].line.color == style.line_colors(20)[0]
+    shallow = figures.layer_lines(make_layer_stats(), "max_abs", "kernel")
+    assert all(t.showlegend is not False for t in shallow.figure.data if t.mode == "lines")
+    assert not any(t.marker.showscale for t in shallow.figure.data if t.type == "scatter")
 
 
 def test_metrics_chart_draws_train_and_validation_per_panel():

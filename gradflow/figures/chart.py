@@ -66,8 +66,14 @@ class Chart:
         figure.update_layout(
             title_subtitle_text=html.escape(run, quote=False),
             title_subtitle_font_size=size,
-            # Room for the subtitle's line, which would touch the plot.
-            margin_t=(figure.layout.margin.t or 60) + size,
+            # Room for the subtitle's line, which would touch the plot; the
+            # title pinned to the top, clear of subplot titles above the plots.
+            margin_t=(figure.layout.margin.t or 60)
+            + (2 if figure.layout.annotations else 1) * size,
+            title_yref="container",
+            title_y=1.0,
+            title_yanchor="top",
+            title_pad_t=size // 2,
         )
         if figure.layout.title.text is None:
             # A subtitle alone is not drawn: give it a title line to hang from.

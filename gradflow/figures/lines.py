@@ -1,5 +1,7 @@
 """Line charts: a statistic per layer over steps, and loss/accuracy curves."""
 
+import math
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -131,8 +133,11 @@ def layer_lines(
                 name=label,
                 line=dict(color=color, width=2),
                 hovertemplate=f"{label}<br>step %{{x}}<br>%{{customdata:.3g}}<extra></extra>",
+                showlegend=len(labels) <= len(style.OKABE_ITO),
             )
         )
+    if len(labels) > len(style.OKABE_ITO):
+        figure.add_trace(_depth_scale(labels))
     rows_nf, cols_nf = np.nonzero(layer_grid.present & ~np.isfinite(layer_grid.values))
     marker_y = np.full(len(rows_nf), 10.0 ** (log_max + _MARKER_HEADROOM / 2))
     label_array = np.asarray(labels, dtype=object)
@@ -157,6 +162,37 @@ def layer_lines(
     )
     style.apply_style(figure, presentation)
     return Chart(figure, data, plain_title, description)
+
+
+def _depth_scale(labels):
+    """A colour bar from the input layer to the output one, instead of a legend.
+
+    Beyond eight layers the lines are coloured by depth (`style.line_colors`);
+    a legend of 20 to 100 names did not fit beside the chart (a PNG cut it
+    after the tenth) and said less than the scale does. Hovering a line
+    still names its layer.
+    """
+    last = len(labels) - 1
+    return go.Scatter(
+        x=[None],
+        y=[None],
+        mode="markers",
+        showlegend=False,
+        hoverinfo="skip",
+        marker=dict(
+            color=[0],
+            cmin=0,
+            cmax=last,
+            colorscale=style.HEATMAP_COLORSCALE,
+            showscale=True,
+            colorbar=dict(
+                title=dict(text="layer", side="right"),
+                tickvals=[0, last],
+                ticktext=[f"{labels[0]} (input)", labels[last]],
+                thickness=14,
+            ),
+        ),
+    )
 
 
 def check_metrics(metrics, argument="metrics"):
@@ -281,8 +317,14 @@ def metrics_chart(
         figure.update_xaxes(title_text="step", row=1, col=col)
         if panel == "loss" and log_loss:
             figure.update_yaxes(type="log", row=1, col=col)
+    # The legend in the bottom margin, sized for it: placed at a share of
+    # the plot's height below it, it covered the "step" titles at slide size.
     figure.update_layout(
-        title=style.escape_label(plain_title), legend=dict(orientation="h", y=-0.2)
+        title=style.escape_label(plain_title),
+        legend=dict(orientation="h", yref="container", y=0.0, yanchor="bottom"),
     )
     style.apply_style(figure, presentation)
+    legend_rows = math.ceil(sum(1 for t in figure.data if t.showlegend is not False) / 2)
+    font = figure.layout.legend.font.size
+    figure.update_layout(margin_b=figure.layout.margin.b + legend_rows * (font + 10))
     return Chart(figure, pd.concat(pieces, ignore_index=True), plain_title, description)
