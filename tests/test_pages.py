@@ -224,6 +224,99 @@ def test_inspect_warns_of_a_layer_no_gradient_reaches(monkeypatch):
     assert warnings[0].startswith("No gradient reaches layer 'unused' (kernel, bias, output)")
 
 
+def upload_and_snapshot(model_path, data, loss=None):
+    """The Inspect page with a model file and an .npz batch uploaded, after Take snapshot."""
+    import io
+
+    import numpy as np
+
+    app = run_page("inspect_model.py")
+    app.radio[0].set_value("Upload my own")
+    app.run()
+    batch = io.BytesIO()
+    np.savez(batch, **data)
+    app.file_uploader[0].set_value(("m.keras", model_path.read_bytes(), "application/zip"))
+    app.file_uploader[1].set_value(("batch.npz", batch.getvalue(), "application/zip"))
+    app.run()
+    if loss is not None:
+        next(s for s in app.selectbox if s.label == "Loss").set_value(loss)
+        app.run()
+    next(b for b in app.button if b.label == "Take snapshot").click()
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    return app
+
+
+def logits_model(tmp_path, loss=None):
+    import keras
+
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(5, name="scores")(inputs), name="logits")
+    if loss is not None:
+        model.compile(optimizer="adam", loss=loss)
+    model.save(tmp_path / "m.keras")
+    return model, tmp_path / "m.keras"
+
+
+def test_an_uploaded_logits_model_is_read_with_its_own_saved_loss(tmp_path):
+    """Read as probabilities its loss was 7.6 against 1.7, its gradients 3-5x too large."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    model, path = logits_model(
+        tmp_path, keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
+    y = np.arange(8) % 5
+    with tf.GradientTape() as tape:
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, model(x))
+    expected = np.linalg.norm(tape.gradient(loss, model.trainable_variables[0]))
+    app = upload_and_snapshot(path, {"x": x, "y": y})
+    assert [e.value for e in app.error] == [] and [w.value for w in app.warning] == []
+    assert float(app.metric[0].value) == pytest.approx(float(loss), rel=1e-3)
+    kernel = app.dataframe[0].value.query("tensor == 'kernel'")
+    assert kernel["l2_norm"].iloc[0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_inspect_page_says_what_is_wrong_without_a_traceback(tmp_path):
+    import numpy as np
+
+    _, path = logits_model(tmp_path)
+    x = np.ones((6, 4), "float32")
+    # Saved without a loss: the page asks for one.
+    app = upload_and_snapshot(path, {"x": x, "y": np.arange(6) % 5})
+    assert "choose the loss in the **Loss** box" in app.error[0].value
+    # Labels numbered from 1.
+    app = upload_and_snapshot(
+        path, {"x": x, "y": np.arange(6) % 5 + 1}, loss="sparse_categorical_crossentropy"
+    )
+    assert "They look numbered from 1" in app.error[0].value
+    # Raw scores read as probabilities: a snapshot, with a warning beside it.
+    app = upload_and_snapshot(
+        path, {"x": x, "y": np.arange(6) % 5}, loss="sparse_categorical_crossentropy"
+    )
+    assert app.metric and "(from logits)" in app.warning[0].value
+
+
+def test_a_model_with_two_outputs_gets_a_message(tmp_path):
+    import keras
+    import numpy as np
+
+    inputs = keras.Input((4,))
+    model = keras.Model(
+        inputs, [keras.layers.Dense(2, name="a")(inputs), keras.layers.Dense(1, name="b")(inputs)]
+    )
+    model.save(tmp_path / "two.keras")
+    app = upload_and_snapshot(
+        tmp_path / "two.keras", {"x": np.ones((4, 4), "float32"), "y": np.zeros(4)}, loss="mse"
+    )
+    assert (
+        "gradflow probes models with one output; this model has 2 ('a', 'b')" in app.error[0].value
+    )
+
+
 def test_number_boxes_refuse_what_start_would_and_errors_use_the_labels():
     """A 0 in Record every N steps once greyed out Start with a message in code names."""
     app = run_page("live_training.py")

@@ -15,6 +15,8 @@ keeps that function for repeated use on many batches.
 """
 
 import dataclasses
+import functools
+import re
 
 import keras
 import numpy as np
@@ -107,7 +109,7 @@ def resolve_loss(model, loss, argument="loss"):
         )
     if isinstance(loss, str):
         try:
-            return keras.losses.get(loss)
+            return loss_object(keras.losses.get(loss))
         except ValueError:
             raise ValueError(
                 f"Unknown loss name `{argument}`={loss!r}. Use a Keras loss name such as "
@@ -120,6 +122,67 @@ def resolve_loss(model, loss, argument="loss"):
             f"(y_true, y_pred) or None; got {type(loss).__name__}: {loss!r}."
         )
     return loss
+
+
+@functools.cache
+def _loss_classes():
+    """Keras's built-in loss functions -> the loss class that wraps each."""
+    found = {}
+    for name in dir(keras.losses):
+        kind = getattr(keras.losses, name)
+        if isinstance(kind, type) and issubclass(kind, keras.losses.Loss):
+            try:
+                function = kind().fn
+            except Exception:  # Loss itself, or a class that needs arguments.
+                continue
+            found.setdefault(function, kind)
+    return found
+
+
+def loss_object(function):
+    """The loss class of a built-in loss function (`binary_crossentropy` -> `BinaryCrossentropy()`).
+
+    `keras.losses.get("binary_crossentropy")` gives the bare function, which
+    refuses labels of shape `(n,)` for an output of shape `(n, 1)` ("target
+    and output must have the same rank"); `compile` and `fit` accept them,
+    because the class brings the two to one rank first. Anything else is
+    returned as it is.
+    """
+    kind = _loss_classes().get(function) if callable(function) else None
+    return function if kind is None else kind()
+
+
+# What TensorFlow accepts in the name scopes Keras opens with a model's and
+# its layers' names (`tensorflow/python/framework/ops.py`).
+_ROOT_SCOPE = re.compile(r"[A-Za-z0-9.][A-Za-z0-9_.\\/>-]*")
+_INNER_SCOPE = re.compile(r"[A-Za-z0-9_.\\/>-]*")
+
+
+def check_probe_model(model):
+    """Refuse, in words, what the probe cannot differentiate: odd names, several outputs.
+
+    A model or layer named "my model!" made TensorFlow fail with "is not a
+    valid root scope name" deep inside the traced pass (which Keras's own
+    `fit` does too), and left Keras's name scope open, so that every model
+    built after it in the thread had its variables under that name.
+    """
+    for layer in [model, *(layer for _, layer in capture.leaf_layers(model))]:
+        if not (_ROOT_SCOPE if layer is model else _INNER_SCOPE).fullmatch(layer.name):
+            what = "model" if layer is model else "layer"
+            raise ValueError(
+                f"The {what} name {layer.name!r} cannot be used by TensorFlow (nor by Keras's "
+                "own `fit`): names may hold letters, digits and . _ - / > only, and must start "
+                f"with a letter, a digit or a dot. Rename the {what} (and save the model again)."
+            )
+    outputs = getattr(model, "outputs", None)
+    if outputs is not None and len(outputs) > 1:
+        raise ValueError(
+            f"gradflow probes models with one output; this model has {len(outputs)} "
+            f"({', '.join(repr(name) for name in getattr(model, 'output_names', None) or [])}). "
+            "Build a model "
+            "of the input and the one output you want to study, e.g. "
+            "keras.Model(model.input, model.outputs[0]), and probe that."
+        )
 
 
 def check_batch_sizes(x, y):
@@ -235,6 +298,12 @@ class GradientProbe:
             tape.watch(inputs)
             with capture.record_layer_outputs(model) as outputs:
                 y_pred = model(x, training=self.training)
+            if len(tf.nest.flatten(y_pred)) > 1:  # a subclassed model has no `outputs` before
+                raise ValueError(
+                    "gradflow probes models with one output; this model returns "
+                    f"{len(tf.nest.flatten(y_pred))}. Probe a model that returns the one you "
+                    "want to study."
+                )
             loss = _mean_loss(self.loss_fn, y, y_pred)
             if model.losses:
                 loss += tf.add_n(
@@ -304,6 +373,7 @@ class GradientProbe:
         y = sensitivity.to_tensors(y, "y")
         check_batch_sizes(x, y)
         check_input_shape(self.model, x)
+        check_probe_model(self.model)
         capture.ensure_built(self.model, x)
         with sensitivity.restored_state(self.model, enabled=self.training):
             loss, statistics, histograms, maxima = self._compiled(x, y)

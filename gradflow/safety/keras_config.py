@@ -38,7 +38,42 @@ _LAYERS = {
     "ReLU", "LeakyReLU", "PReLU", "ELU", "Softmax",
     # Recurrent.
     "SimpleRNN", "SimpleRNNCell", "LSTM", "LSTMCell", "GRU", "GRUCell", "RNN",
-    "StackedRNNCells", "Bidirectional", "TimeDistributed",
+    "StackedRNNCells", "Bidirectional", "TimeDistributed", "ConvLSTM1D", "ConvLSTM2D",
+    "ConvLSTM3D",
+    # Attention and einsum projections.
+    "MultiHeadAttention", "GroupQueryAttention", "Attention", "AdditiveAttention",
+    "EinsumDense",
+    # Preprocessing that reads no file: scaling, and image resizing and augmentation.
+    "Rescaling", "Normalization", "Resizing", "CenterCrop", "RandomFlip", "RandomRotation",
+    "RandomZoom", "RandomTranslation", "RandomContrast", "RandomCrop", "RandomBrightness",
+    "ActivityRegularization",
+}
+# Keras ops a Functional model records as layers (`x + shortcut`, `x * 2.0`,
+# `keras.ops.mean(x)`), by the module Keras writes for them. Pure tensor math
+# on their inputs: no functions, no files, and none that makes an array of a
+# size its config sets (`Full`, `Arange`, `Tile`, ...), which a forward pass
+# would allocate.
+_OPS = {
+    "keras.src.ops.numpy": {
+        "Abs", "Absolute", "Add", "All", "Amax", "Amin", "Any", "Arctan", "Arctan2", "Argmax",
+        "Argmin", "Average", "Ceil", "Clip", "Concatenate", "Cos", "Cosh", "Cumsum", "Divide",
+        "DivideNoNan", "Dot", "Einsum", "Equal", "Exp", "Expm1", "ExpandDims", "Flip", "Floor",
+        "FloorDivide", "GetItem", "Greater", "GreaterEqual", "Hypot", "Isfinite", "Isinf",
+        "Isnan", "Less", "LessEqual", "Log", "Log10", "Log1p", "Log2", "Logaddexp",
+        "LogicalAnd", "LogicalNot", "LogicalOr", "Matmul", "Max", "Maximum", "Mean", "Min",
+        "Minimum", "Mod", "Moveaxis", "Multiply", "NanToNum", "Negative", "NotEqual", "OnesLike",
+        "Pad", "Power", "Prod", "Reciprocal", "Reshape", "Round", "Sign", "Sin", "Sinh", "Sort",
+        "Split", "Sqrt", "Square", "Squeeze", "Stack", "Std", "Subtract", "Sum", "Swapaxes",
+        "Take", "TakeAlongAxis", "Tan", "Tanh", "Tensordot", "Transpose", "Tril", "Triu",
+        "TrueDivide", "Var", "Where", "ZerosLike",
+    },
+    "keras.src.ops.nn": {
+        "AveragePool", "Celu", "Elu", "Gelu", "Glu", "HardSigmoid", "HardSilu", "HardTanh",
+        "LeakyRelu", "LogSigmoid", "LogSoftmax", "MaxPool", "Moments", "Normalize", "Relu",
+        "Relu6", "Selu", "Sigmoid", "Silu", "Softmax", "Softplus", "Softsign",
+    },
+    "keras.src.ops.math": {"Erf", "Logsumexp", "Rsqrt", "TopK"},
+    "keras.src.ops.core": {"Cast", "StopGradient"},
 }
 _INITIALIZERS = {
     "Constant", "GlorotNormal", "GlorotUniform", "HeNormal", "HeUniform", "Identity",
@@ -63,9 +98,13 @@ _ALLOWED.update(
         "FloatDTypePolicy": {"keras", "keras.dtype_policies"},
     }
 )
+for module, names in _OPS.items():
+    for name in names:
+        _ALLOWED.setdefault(name, set()).add(module)
 _MODEL_MODULES = set().union(*_ALLOWED.values())
-# compile_config is dropped before deserialization (`compile=False`), but it is
-# still walked: it may only name Keras optimizers, schedules, losses and metrics.
+# compile_config is never deserialized (`compile=False`), but it is still
+# walked: if it names anything but Keras optimizers, schedules, losses and
+# metrics, it is dropped from the parsed config (`_Walker.visit_compile_config`).
 _COMPILE_MODULES = {
     "keras.optimizers",
     "keras.optimizers.schedules",
@@ -163,6 +202,7 @@ class _Walker:
     def __init__(self, max_weight_entries):
         self.max_weight_entries = max_weight_entries
         self.weight_entries = 0
+        self.dropped_compile_config = None
 
     def visit(self, node, path, depth, in_compile):
         if depth > _MAX_DEPTH:
@@ -182,7 +222,10 @@ class _Walker:
                     )
                 child_path = f"{path}.{key}" if path else key
                 self.check_named_value(key, value, child_path, in_compile)
-                self.visit(value, child_path, depth + 1, in_compile or key == "compile_config")
+                if key == "compile_config" and not in_compile:
+                    self.visit_compile_config(node, value, child_path, depth + 1)
+                    continue
+                self.visit(value, child_path, depth + 1, in_compile)
         elif isinstance(node, list):
             for i, value in enumerate(node):
                 self.visit(value, f"{path}[{i}]", depth + 1, in_compile)
@@ -192,6 +235,20 @@ class _Walker:
             raise UnsafeInputError(
                 f"Unexpected value of type {type(node).__name__} at {_where(path)}."
             )
+
+    def visit_compile_config(self, parent, value, path, depth):
+        """The training settings: never deserialized (`compile=False`), so not refused.
+
+        A model compiled with the user's own loss or metric is otherwise fine;
+        refused, its owner was told to rebuild a model that has nothing
+        wrong. Settings that are not all built-in are dropped from the parsed
+        config, so that nothing downstream (`models.saved_loss`) reads them.
+        """
+        try:
+            self.visit(value, path, depth, in_compile=True)
+        except UnsafeInputError as error:
+            parent["compile_config"] = None
+            self.dropped_compile_config = str(error)
 
     def check_object(self, node, path, in_compile):
         class_name = node["class_name"]
@@ -343,6 +400,35 @@ def _declared_weights(class_name, config, input_dims):
     if class_name in ("SimpleRNN", "SimpleRNNCell", "LSTM", "LSTMCell", "GRU", "GRUCell"):
         gates = {"L": 4, "G": 3}.get(class_name[0], 1)
         return gates * units * (last + units + 2)
+    if class_name.startswith("ConvLSTM"):
+        kernel, filters = _size(config, "kernel_size"), _size(config, "filters", 0)
+        if None in (kernel, filters):
+            return None
+        return 4 * kernel * (channels + filters) * filters + 4 * filters
+    if class_name == "MultiHeadAttention":
+        heads, key = _size(config, "num_heads", 0), _size(config, "key_dim", 0)
+        value = _size(config, "value_dim", 0) if config.get("value_dim") is not None else key
+        if None in (heads, key, value):
+            return None
+        projections = heads * (2 * key + value)
+        return last * projections + projections + heads * value * last + last
+    if class_name == "GroupQueryAttention":
+        sizes = [
+            _size(config, k, 0) for k in ("num_query_heads", "num_key_value_heads", "head_dim")
+        ]
+        if None in sizes:
+            return None
+        query_heads, key_value_heads, head = sizes
+        projections = head * (query_heads + 2 * key_value_heads)
+        return last * projections + projections + query_heads * head * last + last
+    if class_name == "EinsumDense":
+        shape = config.get("output_shape")
+        shape = shape if isinstance(shape, list) else [shape]
+        # Unknown (batch or sequence) axes of the output carry no weights.
+        sizes = [1 if d is None else _size({"d": d}, "d") for d in shape]
+        if None in sizes:
+            return None
+        return math.prod(sizes) * (last + 1)
     if "Conv" in class_name:
         kernel = _size(config, "kernel_size")
         filters = _size(config, "filters", 0)

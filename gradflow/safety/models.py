@@ -84,7 +84,11 @@ def safe_load_model(
             TensorFlow alone reserves about 2.5 GiB of it. Defaults to 6 GiB.
 
     Returns:
-        An uncompiled `keras.Model`.
+        A `keras.Model`. When the file was saved compiled with one built-in
+        Keras loss, the model is compiled with that loss alone (its
+        `from_logits` and other plain settings kept; optimizer and metrics
+        left out), so `gradflow.snapshot(model, x, y)` differentiates the
+        loss the model trains with. Otherwise it is not compiled.
 
     Raises:
         UnsafeInputError: the file was refused; the message says what was
@@ -100,7 +104,7 @@ def safe_load_model(
     with tempfile.TemporaryDirectory(prefix="gradflow-upload-") as private:
         copy = os.path.join(private, "model.keras")
         _private_copy(path, copy, max_bytes)
-        check_keras_file(
+        config = check_keras_file(
             copy,
             max_bytes=max_bytes,
             max_entries=max_entries,
@@ -121,7 +125,74 @@ def safe_load_model(
             "The model built differently here than in the checking process "
             f"({model.count_params():,} vs {summary['params']:,} parameters); refused."
         )
+    loss = saved_loss(config)
+    if loss is not None:
+        # Only the loss: a model trained on logits (from_logits=True) read
+        # with the bare name of its loss got wrong gradients, 3-5x too large.
+        model.compile(loss=loss)
     return model
+
+
+# Settings of a built-in loss taken from its saved config: plain values only.
+_LOSS_SETTINGS = {
+    "from_logits",
+    "label_smoothing",
+    "axis",
+    "ignore_class",
+    "delta",
+    "alpha",
+    "gamma",
+    "apply_class_balancing",
+    "reduction",
+    "name",
+}
+
+
+def saved_loss(config):
+    """The loss a `.keras` file was compiled with, if it is one built-in Keras loss.
+
+    Read from the already checked `config.json` (its `compile_config` names
+    only `keras.losses`, `keras.metrics` and `keras.optimizers` objects); the
+    loss is built here from its class in `keras.losses` and plain settings,
+    never through Keras's deserializer.
+
+    Args:
+        config: the parsed `config.json`.
+
+    Returns:
+        A `keras.losses.Loss`, or None: no loss saved, a custom or per-output
+        loss, or settings this cannot rebuild.
+    """
+    import keras
+
+    from gradflow.probe.snapshot import loss_object
+
+    compile_config = config.get("compile_config") if isinstance(config, dict) else None
+    loss = compile_config.get("loss") if isinstance(compile_config, dict) else None
+    if isinstance(loss, dict) and loss.get("class_name") == "function":
+        loss = loss.get("config")  # a built-in function, by name
+    if isinstance(loss, str):
+        try:
+            return loss_object(keras.losses.get(loss))
+        except (ValueError, TypeError):
+            return None
+    if not isinstance(loss, dict) or loss.get("module") != "keras.losses":
+        return None
+    if loss.get("registered_name") not in (None, loss.get("class_name")):
+        return None  # a custom loss under a built-in's name
+    kind = getattr(keras.losses, str(loss.get("class_name")), None)
+    if not (isinstance(kind, type) and issubclass(kind, keras.losses.Loss)):
+        return None
+    settings = loss.get("config") if isinstance(loss.get("config"), dict) else {}
+    plain = {
+        key: value
+        for key, value in settings.items()
+        if key in _LOSS_SETTINGS and isinstance(value, (str, int, float, bool, type(None)))
+    }
+    try:
+        return kind(**plain)
+    except (TypeError, ValueError):
+        return None
 
 
 def check_keras_file(path, *, max_bytes, max_entries, max_weight_entries):

@@ -15,13 +15,21 @@ from gradflow import figures
 from gradflow.diagnosis import no_gradient_message
 from gradflow.ui.charts import show_chart
 
-LOSSES = [
-    "sparse_categorical_crossentropy",
-    "categorical_crossentropy",
-    "binary_crossentropy",
-    "mse",
-    "mae",
-]
+SAVED_LOSS = "the model's own (saved with it)"
+# Choice -> (Keras loss name, from_logits). "From logits" is for an output
+# layer without softmax/sigmoid: read as probabilities, its scores gave wrong
+# gradients.
+LOSSES = {
+    SAVED_LOSS: (None, None),
+    "sparse_categorical_crossentropy": ("sparse_categorical_crossentropy", False),
+    "sparse_categorical_crossentropy (from logits)": ("sparse_categorical_crossentropy", True),
+    "categorical_crossentropy": ("categorical_crossentropy", False),
+    "categorical_crossentropy (from logits)": ("categorical_crossentropy", True),
+    "binary_crossentropy": ("binary_crossentropy", False),
+    "binary_crossentropy (from logits)": ("binary_crossentropy", True),
+    "mse": ("mse", None),
+    "mae": ("mae", None),
+}
 _RESULT = "inspect.snapshot"
 # What the last snapshot was taken of, and what the widgets choose now.
 _TAKEN_OF = "inspect.snapshot_of"
@@ -47,9 +55,14 @@ def snapshot_of_example(name):
 def snapshot_of_upload(model_file, data_file, loss):
     """Snapshot of an uploaded `.keras` model on an uploaded batch.
 
+    Args:
+        model_file, data_file: the uploads.
+        loss: a key of `LOSSES`.
+
     Returns:
         `(snapshot, None)`, or `(None, message)` when a file is refused or the
-        batch does not fit the model.
+        batch does not fit the model; a snapshot may come with a note instead
+        (`(snapshot, note)`) when its loss looks wrong for the model.
     """
     import gradflow
 
@@ -58,15 +71,106 @@ def snapshot_of_upload(model_file, data_file, loss):
             model = gradflow.safe_load_model(_save_upload(model_file, folder))
             arrays = gradflow.load_arrays(_save_upload(data_file, folder))
         except gradflow.UnsafeInputError as error:
-            return None, f"That file was refused: {error}"
+            return None, f"That file was refused: {str(error).removeprefix('Refused model file: ')}"
     x = arrays.get("x", arrays.get("x_train"))
     y = arrays.get("y", arrays.get("y_train"))
     if x is None or y is None:
         return None, f"The data file needs arrays named `x` and `y`; it has {sorted(arrays)}."
+    loss_fn, problem = _chosen_loss(model, loss)
+    if problem:
+        return None, problem
+    problem = _label_problem(model, loss_fn, y)
+    if problem:
+        return None, problem
     try:
-        return gradflow.snapshot(model, x, y, loss=loss), None
+        shot = gradflow.snapshot(model, x, y, loss=loss_fn)
     except (ValueError, TypeError) as error:
-        return None, f"The batch does not fit this model: {plain_error(error)}{_loss_hint(error)}"
+        return None, f"No snapshot: {plain_error(error)}{_loss_hint(error)}"
+    except Exception as error:  # TensorFlow's own errors: a message, never a traceback.
+        return None, f"No snapshot: TensorFlow could not run this batch: {plain_error(error)}"
+    return shot, _logits_note(model, loss_fn)
+
+
+def _chosen_loss(model, choice):
+    """`(loss, None)` for the choice in the Loss box, or `(None, message)`."""
+    import keras
+
+    name, from_logits = LOSSES.get(choice, (choice, None))
+    if name is None:
+        if getattr(model, "loss", None) is None:
+            return None, (
+                "This model file was saved without a built-in Keras loss (not compiled, or "
+                "compiled with a loss of its own): choose the loss in the **Loss** box."
+            )
+        return model.loss, None
+    if from_logits is None:
+        return name, None
+    kinds = {
+        "sparse_categorical_crossentropy": keras.losses.SparseCategoricalCrossentropy,
+        "categorical_crossentropy": keras.losses.CategoricalCrossentropy,
+        "binary_crossentropy": keras.losses.BinaryCrossentropy,
+    }
+    return kinds[name](from_logits=from_logits), None
+
+
+def _output_units(model):
+    shape = getattr(model, "output_shape", None)
+    if isinstance(shape, tuple) and shape and isinstance(shape[-1], int):
+        return shape[-1]
+    return None
+
+
+def _label_problem(model, loss, y):
+    """A message when class labels cannot be this model's classes, else None.
+
+    TensorFlow's own words for it ("Received a label value of 5 which is
+    outside the valid range of [0, 5)") came as a traceback.
+    """
+    import keras
+    import numpy as np
+
+    sparse = loss == "sparse_categorical_crossentropy" or isinstance(
+        loss, keras.losses.SparseCategoricalCrossentropy
+    )
+    units = _output_units(model)
+    y = np.asarray(y)
+    if not sparse or units is None or y.size == 0 or not np.issubdtype(y.dtype, np.number):
+        return None
+    if not np.all(np.isfinite(y)) or not np.all(np.equal(np.mod(y, 1), 0)):
+        return (
+            "The labels are not whole class numbers, which sparse categorical crossentropy "
+            "needs. For numbers to predict, choose **mse** or **mae** as the loss."
+        )
+    low, high = int(y.min()), int(y.max())
+    if 0 <= low and high < units:
+        return None
+    message = (
+        f"The labels run from {low} to {high}, but this model has {units} outputs, so it "
+        f"takes class numbers 0 to {units - 1}."
+    )
+    if low == 1 and high == units:
+        message += " They look numbered from 1: subtract 1 from every label."
+    return message
+
+
+def _logits_note(model, loss):
+    """A note when a probability loss reads an output layer that has no softmax/sigmoid."""
+    import keras
+
+    settings = loss.get_config() if isinstance(loss, keras.losses.Loss) else {}
+    name = loss if isinstance(loss, str) else type(loss).__name__
+    if "crossentropy" not in name.lower() or settings.get("from_logits"):
+        return None
+    last = model.layers[-1] if getattr(model, "layers", None) else None
+    activation = getattr(last, "activation", None)
+    if activation is None or getattr(activation, "__name__", "") != "linear":
+        return None
+    return (
+        f"The model's last layer ({last.name}) has no softmax or sigmoid: it outputs raw "
+        "scores (logits), which this loss reads as probabilities. Unless a layer after it "
+        "does the softmax, choose the loss marked **(from logits)**: the gradients below "
+        "may be far too large."
+    )
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -95,7 +199,13 @@ def plain_error(error):
 
 
 def _loss_hint(error):
-    if "`target` and `output`" not in str(error):
+    text = str(error)
+    if "must have rank" in text and "target.ndim - 1" in text:
+        return (
+            " The labels look one-hot (one row of 0s and 1s per sample): choose "
+            "categorical_crossentropy, or give one class number per sample."
+        )
+    if "`target` and `output`" not in text:
         return ""
     return (
         " Check the loss against the labels: sparse_categorical_crossentropy takes one class "
@@ -127,7 +237,13 @@ def model_source():
         type=["npz", "csv"],
         key="inspect.data_file",
     )
-    loss = st.selectbox("Loss", LOSSES, key="inspect.loss")
+    loss = st.selectbox(
+        "Loss",
+        list(LOSSES),
+        key="inspect.loss",
+        help="The model's own is the loss it was compiled with before saving, when that is a "
+        "built-in Keras loss.",
+    )
     if st.button("Take snapshot", type="primary", disabled=not (model_file and data_file)):
         with st.spinner("Checking the files and computing gradients…"):
             st.session_state[_RESULT] = snapshot_of_upload(model_file, data_file, loss)
@@ -139,11 +255,12 @@ def snapshot_report():
     if st.session_state.get(_TAKEN_OF) != st.session_state.get(_SHOWN):
         return
     shot, message = st.session_state.get(_RESULT, (None, None))
-    if message:
-        st.error(message)
-        return
     if shot is None:
+        if message:
+            st.error(message)
         return
+    if message:  # a note beside a snapshot
+        st.warning(message)
     st.metric("Loss on this batch", f"{shot.loss:.4g}")
     for layer, tensors in shot.no_gradient.items():
         st.warning(no_gradient_message(layer, tensors))
