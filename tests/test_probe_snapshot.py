@@ -512,3 +512,39 @@ def test_weights_no_gradient_reaches_have_no_rows_and_are_named():
         shot.layer_stats[["layer", "tensor"]].values.tolist()
     )
     assert gradflow.diagnose(shot.layer_stats).empty
+
+
+def test_a_binary_classifier_takes_one_label_per_sample_as_fit_does():
+    """The bare `binary_crossentropy` function refused labels of shape (n,) for an (n, 1) output."""
+    keras.utils.set_random_seed(6)
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1, activation="sigmoid")]
+    )
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
+    y = (np.arange(8) % 2).astype("float32")
+    with tf.GradientTape() as tape:
+        loss = keras.losses.BinaryCrossentropy()(y[:, None], model(x))
+    expected = [np.linalg.norm(g) for g in tape.gradient(loss, model.trainable_variables)]
+    shot = gradflow.snapshot(model, x, y, loss="binary_crossentropy")
+    np.testing.assert_allclose(shot.loss, float(loss), rtol=1e-6)
+    np.testing.assert_allclose(shot.weights["l2_norm"], expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("model_name", "layer_name", "said"),
+    [
+        ("my model!", "dense", "The model name 'my model!'"),
+        ("net", "dense 1 (hidden)", "The layer name"),
+    ],
+)
+def test_names_tensorflow_cannot_scope_are_refused_in_words(model_name, layer_name, said):
+    """They failed deep in the traced pass, and left Keras's name scope open for later models."""
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(2, name=layer_name)], name=model_name
+    )
+    x = np.ones((2, 3), "float32")
+    with pytest.raises(ValueError, match="Rename the") as caught:
+        gradflow.snapshot(model, x, x[:, :2], loss="mse")
+    assert said in str(caught.value)
+    fresh = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="fresh")])
+    assert not fresh.weights[0].path.startswith(model_name)
