@@ -381,11 +381,22 @@ def lesson_pack(charts, config=None, title="gradflow lesson pack", alerts=None):
 _ALERTS_QUOTED = 10
 
 
+# The README quotes the gravest alerts first: a diverged run's NaN origin came
+# after sixteen vanishing-gradient lines of the step before.
+_GRAVITY = {"nonfinite": 0, "exploding": 1, "no_gradient": 2}
+
+
 def _alerts_in_order(alerts):
     columns = list(schema.EVENTS_COLUMNS)
     frame = pd.DataFrame(alerts, columns=columns) if len(alerts) else pd.DataFrame(columns=columns)
     frame = frame.drop_duplicates(subset=["kind", "layer", "message"])
-    return frame.sort_values("step", kind="stable").reset_index(drop=True)[columns]
+    # The monitor's own NaN-origin event and the rules' one say the same
+    # thing in other words: the first given (the stored one) stays.
+    twice = (frame["kind"] == "nonfinite") & frame.duplicated(subset=["step", "layer", "kind"])
+    frame = frame[~twice]
+    gravity = frame["kind"].map(_GRAVITY).fillna(len(_GRAVITY))
+    order = np.lexsort((frame["step"].to_numpy(), gravity.to_numpy()))
+    return frame.iloc[order].reset_index(drop=True)[columns]
 
 
 def _alerts_readme(alerts):
@@ -477,7 +488,8 @@ def run_charts(layer_stats, metrics, presentation=False, run=None, histograms=No
 def _histogram_charts(histograms, presentation):
     if histograms is None or not len(histograms):
         return {}
-    kernels = histograms[histograms["tensor"] == "kernel"]
+    # An RNN's input kernels are `lstm_cell/kernel`: kernels too (`schema.tensor_kind`).
+    kernels = histograms[histograms["tensor"].map(schema.tensor_kind) == "kernel"]
     if kernels.empty:
         return {}
     layers = kernels.sort_values("layer_index", kind="stable").drop_duplicates("layer")["layer"]
@@ -485,7 +497,12 @@ def _histogram_charts(histograms, presentation):
     if len(layers) == 1:
         ends.pop("histogram_last_layer")
     return {
-        name: figures.histogram_heatmap(kernels, layer, "kernel", presentation=presentation)
+        name: figures.histogram_heatmap(
+            kernels,
+            layer,
+            kernels.loc[kernels["layer"] == layer, "tensor"].iloc[0],
+            presentation=presentation,
+        )
         for name, layer in ends.items()
     }
 

@@ -343,11 +343,38 @@ def test_a_lesson_pack_says_what_the_rules_found_and_shows_the_ends_histograms(
     found = diagnose(store.layer_stats(run_id))
     assert len(alerts) == len(found) + 1
     assert set(found["message"]) < set(alerts["message"])
-    # Sorted by step; a message that would run in a spreadsheet does not.
-    assert alerts["step"].is_monotonic_increasing
+    # The gravest first, then by step; a message that would run in a spreadsheet does not.
+    assert alerts["kind"].iloc[0] == "nonfinite"
+    assert alerts["step"].iloc[1:].is_monotonic_increasing
     assert "'=HYPERLINK(1) the optimizer was rebuilt" in set(alerts["message"])
     assert f"what the diagnosis rules found ({len(alerts)} alerts)" in readme
     assert "[vanishing]: Layer dense: gradient norm" in readme
+
+
+def test_an_rnns_cell_kernels_are_its_kernels_and_one_nan_origin_is_told_once():
+    """The LSTM's `lstm_cell/kernel` was left out: the "first layer" histogram was the output's."""
+    counts = {c: 1.0 for c in figures.BIN_COLUMNS}
+    histograms = pd.DataFrame(
+        [
+            dict(step=s, layer=layer, layer_index=i, tensor=tensor, **counts)
+            for s in (1, 2)
+            for i, (layer, tensor) in enumerate(
+                [
+                    ("lstm", "lstm_cell/kernel"),
+                    ("lstm", "lstm_cell/recurrent_kernel"),
+                    ("output", "kernel"),
+                ]
+            )
+        ]
+    )
+    stats = make_layer_stats(layers=("lstm", "mid", "output"))
+    charts = export.run_charts(stats, make_metrics(), histograms=histograms)
+    assert charts["histogram_first_layer"].title.endswith(": lstm (lstm_cell/kernel)")
+    assert charts["histogram_last_layer"].title.endswith(": output (kernels)")
+    origin = export.run_alerts(stats, pd.DataFrame()).query("kind == 'nonfinite'")
+    stored = origin.assign(message="Non-finite gradient first at step 6, layer 'a&b'.")
+    both = export.run_alerts(stats, stored)
+    assert both.query("kind == 'nonfinite'")["message"].tolist() == stored["message"].tolist()
 
 
 def test_a_lesson_pack_of_a_calm_run_says_the_rules_found_nothing(monkeypatch):
