@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from gradflow.lab.config import RunConfig, field_table
+from gradflow.lab.config import RunConfig, field_table, run_name
 from gradflow.lab.presets import PRESETS, get_preset
 
 EXIT_OK = 0
@@ -167,10 +167,19 @@ def _config_from(args):
             value = getattr(args, name)
             given[name] = ("true" if value else "false") if isinstance(value, bool) else value
     try:
-        base = get_preset(args.preset).config.to_query() if args.preset else {}
-        return RunConfig.from_query({**base, **given})
+        preset = get_preset(args.preset).config if args.preset else None
+        config = RunConfig.from_query({**(preset.to_query() if preset else {}), **given})
     except ValueError as error:
         raise UsageError(f"gradflow train: {error}") from None
+    if (
+        preset is not None
+        and given.get("name") is None
+        and config.replace(name=preset.name) != preset
+    ):
+        # A preset's title describes its own settings: "Deep sigmoid network" on
+        # a relu run named that run's figures and CSV files wrongly.
+        config = config.replace(name=None)
+    return config
 
 
 def _train(args):
@@ -182,7 +191,7 @@ def _train(args):
     store = RunStore(args.db)
     run_id = store.create_run(
         config,
-        name=config.name,
+        name=run_name(config),
         source="cli",
         total_steps=None if config.epochs else config.steps,
     )

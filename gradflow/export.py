@@ -537,7 +537,7 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
 
     Returns:
         A list of the `pathlib.Path`s written, named
-        `<run name>_<figure>.<fmt>` (or `<run name>_lesson.zip`).
+        `<run name>_<run id>_<figure>.<fmt>` (or `<run name>_<run id>_lesson.zip`).
 
     Raises:
         ValueError: if `fmt` is not an export format.
@@ -559,8 +559,13 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     out_dir = out_dir.resolve()
-    base = safe_filename(
-        info.get("name") or f"run-{run_id}", default=f"run-{safe_filename(run_id, 'run')}"
+    # The run's id after its name: two runs of one name (a repeat with another
+    # seed) exported to one folder overwrote each other's files.
+    run_part = safe_filename(run_id, "run")
+    base = (
+        f"{safe_filename(info['name'])[:60].rstrip('._-')}_{run_part}"
+        if info.get("name")
+        else f"run-{run_part}"
     )
 
     if fmt == "zip":

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gradflow import cli
-from gradflow.lab.config import RunConfig
+from gradflow.lab.config import RunConfig, run_name
 from gradflow.lab.presets import get_preset
 from gradflow.store import RunStore
 
@@ -131,9 +131,14 @@ def test_preset_with_overrides_and_boolean_flags(tmp_path):
     # From the preset: learning rate 1.0 and He init; from the flags: the rest.
     assert (config.learning_rate, config.initializer) == (1.0, "he_normal")
     assert (config.steps, config.depth, config.residual, config.histograms) == (2, 2, True, True)
-    # `--no-residual` turns off what a preset (here: residual) turned on.
+    # `--no-residual` turns off what a preset (here: residual) turned on; the
+    # preset's title, which says "residual", no longer names the run.
     args = cli._build_parser().parse_args(["train", "--preset", "residual", "--no-residual"])
-    assert cli._config_from(args) == get_preset("residual").config.replace(residual=False)
+    changed = cli._config_from(args)
+    assert changed == get_preset("residual").config.replace(residual=False, name=None)
+    assert store.run_info(store.runs()["run_id"].iloc[0])["name"] == run_name(config)
+    args = cli._build_parser().parse_args(["train", "--preset", "residual"])
+    assert cli._config_from(args).name == get_preset("residual").config.name
 
 
 def test_serve_runs_streamlit_on_the_repository_app(monkeypatch, tmp_path):

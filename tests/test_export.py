@@ -266,7 +266,7 @@ def test_export_run_writes_only_inside_out_dir(tmp_path, fmt):
     paths = export.export_run(FakeStore(f"../../evil {EVIL}"), "abc123", fmt, out_dir)
     names = sorted(p.name for p in paths)
     assert names == sorted(
-        f"evil_script_alert_1_script_{chart}.{fmt}"
+        f"evil_script_alert_1_script_abc123_{chart}.{fmt}"
         for chart in ("max_abs_heatmap", "l2_norm_heatmap", "max_abs_lines", "profile", "metrics")
     )
     assert all(p.parent == out_dir.resolve() and p.stat().st_size > 0 for p in paths)
@@ -279,7 +279,7 @@ def test_export_run_png_and_zip(tmp_path):
     assert len(paths) == 5
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
     (zip_path,) = export.export_run(FakeStore("relu run"), "abc123", "zip", tmp_path)
-    assert zip_path.name == "relu_run_lesson.zip"
+    assert zip_path.name == "relu_run_abc123_lesson.zip"
     assert "data/metrics.csv" in zipfile.ZipFile(zip_path).namelist()
 
 
@@ -293,7 +293,7 @@ def test_export_run_from_a_real_run_store(store_path, tmp_path):
         writer.add_metrics(step, {"loss": 1.0 / step})
     writer.close(status="completed")
     (csv_path, *_) = export.export_run(store, run_id, "csv", tmp_path)
-    assert csv_path.name == "tiny_max_abs_heatmap.csv"
+    assert csv_path.name == f"tiny_{run_id}_max_abs_heatmap.csv"
     back = pd.read_csv(csv_path)
     # Exactly the values drawn, after a column that says which run they are.
     expected = figures.heatmap(make_layer_stats(), "max_abs").data

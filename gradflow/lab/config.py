@@ -521,3 +521,27 @@ def _described(value):
 def _short(value):
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def run_name(config):
+    """A short name a student recognises in a list of runs.
+
+    The settings a lesson varies, where they differ from the defaults: two
+    runs that differ only in their initializer once had the same name.
+    """
+    if config.name:
+        return config.name
+    default = RunConfig()
+    parts = [config.activation, f"depth {config.depth}"]
+    if config.initializer != default.initializer:
+        parts.append(
+            f"{config.initializer} σ={config.init_stddev:g}"
+            if config.initializer == "random_normal"
+            else config.initializer
+        )
+    for field, words in (("normalization", "{} norm"), ("clipping", "clip {}")):
+        value = getattr(config, field)
+        if value != getattr(default, field):
+            parts.append(words.format(value))
+    parts.append(f"{config.optimizer} lr={config.learning_rate:g}")
+    return " · ".join(parts)

@@ -51,7 +51,7 @@ import streamlit as st
 
 from gradflow import diagnosis, export, figures, schema
 from gradflow.figures.style import STATISTIC_LABELS, no_data_figure
-from gradflow.lab.config import RunConfig
+from gradflow.lab.config import run_name
 from gradflow.ui import controls, resources
 from gradflow.ui.board import watch_place, watch_warm
 from gradflow.ui.charts import image_export_available, plain_markdown
@@ -128,30 +128,6 @@ def show_on_live_page(run_id):
         controls.load_config_into_widgets(config)
         query.update(config.to_query())
     st.switch_page("pages/live_training.py", query_params=query)
-
-
-def run_name(config):
-    """A short name a student recognises in a list of runs.
-
-    The settings a lesson varies, where they differ from the defaults: two
-    runs that differ only in their initializer once had the same name.
-    """
-    if config.name:
-        return config.name
-    default = RunConfig()
-    parts = [config.activation, f"depth {config.depth}"]
-    if config.initializer != default.initializer:
-        parts.append(
-            f"{config.initializer} σ={config.init_stddev:g}"
-            if config.initializer == "random_normal"
-            else config.initializer
-        )
-    for field, words in (("normalization", "{} norm"), ("clipping", "clip {}")):
-        value = getattr(config, field)
-        if value != getattr(default, field):
-            parts.append(words.format(value))
-    parts.append(f"{config.optimizer} lr={config.learning_rate:g}")
-    return " · ".join(parts)
 
 
 def live_page(config):
