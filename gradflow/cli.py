@@ -18,6 +18,7 @@ import argparse
 import math
 import os
 import pathlib
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -62,6 +63,7 @@ def main(argv=None):
         2 for a bad command line or config, 130 when interrupted.
     """
     parser = _build_parser()
+    args = None
     try:
         args = parser.parse_args(argv)
         if not getattr(args, "command", None):
@@ -75,6 +77,15 @@ def main(argv=None):
     except KeyboardInterrupt:
         _say_error("gradflow: interrupted")
         return EXIT_INTERRUPTED
+    except sqlite3.DatabaseError as error:
+        # `--db` named a file that is not a run store, or a folder.
+        where = getattr(args, "db", None) or "the run store"
+        _say_error(f"gradflow: {where} is not a gradflow run store (an SQLite file): {error}")
+        return EXIT_USAGE
+    except OSError as error:
+        # A `--out` that is a file, a folder that cannot be made, a full disk.
+        _say_error(f"gradflow: {error.strerror or error}: {error.filename or ''}".rstrip(": "))
+        return EXIT_FAILED
 
 
 def _build_parser():
@@ -326,7 +337,9 @@ class _ProgressFollower:
 def _runs(args):
     from gradflow.store import RunStore
 
-    runs = RunStore(args.db).runs()
+    store = RunStore(args.db)
+    store.recover()  # a run whose `gradflow train` was killed is not "running"
+    runs = store.runs()
     if not len(runs):
         print("No runs yet. Start one with: gradflow train")
         return EXIT_OK

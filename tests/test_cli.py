@@ -231,3 +231,59 @@ def test_final_table_shows_nan_instead_of_hiding_it(tmp_path):
     )
     assert second["layer"] == "dense_2" and second["nonfinite"] == 5
     assert np.isnan(second["max_abs"]) and np.isnan(second["l2_norm"])
+
+
+def test_a_killed_train_reads_interrupted_not_running_for_ever(tmp_path, capsys):
+    """After `kill -9`, `gradflow runs` said "running" and `Run.wait()` never returned."""
+    import signal
+    import time
+
+    import gradflow
+
+    db = tmp_path / "runs.db"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gradflow", "train", "--steps", "1000000", "--db", str(db), *TINY],
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            runs = RunStore(db).runs() if db.exists() else None
+            if runs is not None and len(runs) and (runs["progress_step"].fillna(0) > 0).all():
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the run never started training")
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    run_id = RunStore(db).runs()["run_id"].iloc[0]
+    assert gradflow.Run(run_id, db).wait(timeout=10) == "interrupted"
+    assert cli.main(["runs", "--db", str(db)]) == 0
+    assert "interrupted" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "said", "code"),
+    [
+        (["runs", "--db", "{tmp}/not-a-db.db"], "is not a gradflow run store", 2),
+        (["runs", "--db", "{tmp}"], "is not a gradflow run store", 2),
+        (["export", "RUN", "--format", "csv", "--out", "{tmp}/a-file"], "File exists", 1),
+        (["export", "RUN", "--format", "csv", "--out", "{tmp}/a-file/sub"], "Not a directory", 1),
+    ],
+)
+def test_a_bad_db_or_out_path_is_one_line_not_a_traceback(
+    trained, argv, said, code, tmp_path, capsys
+):
+    _, store, run_id = trained
+    (tmp_path / "not-a-db.db").write_bytes(b"these are not the bytes of an SQLite file" * 50)
+    (tmp_path / "a-file").write_text("x")
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("RUN", run_id) for a in argv]
+    if "--db" not in argv:
+        argv += ["--db", str(store.path)]
+    assert cli.main(argv) == code
+    error = capsys.readouterr().err.strip()
+    assert said in error and "Traceback" not in error and len(error.splitlines()) == 1, error

@@ -1,5 +1,6 @@
 """`gradflow.train(config)` and the `Run` it returns."""
 
+import math
 import time
 
 from gradflow.store import ACTIVE_STATUSES, RunStore
@@ -99,6 +100,7 @@ class Run:
         self.store = store if isinstance(store, RunStore) else RunStore(store)
         self.run_id = run_id
         self._manager = manager
+        self._recovered_at = -math.inf
         self._info = self.store.run_info(run_id)
 
     def __repr__(self):
@@ -110,6 +112,11 @@ class Run:
         `interrupted` or `failed` (read now)."""
         if self._manager is not None:
             self._manager.poll()
+        elif time.monotonic() - self._recovered_at > 1.0:
+            # A run whose process is gone (a `kill -9` of `gradflow train`)
+            # read "running" for ever, and `wait()` never returned.
+            self.store.recover()
+            self._recovered_at = time.monotonic()
         return self.store.status(self.run_id)
 
     @property
