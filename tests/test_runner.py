@@ -136,6 +136,23 @@ def test_final_status_and_reason(store, config, status, message):
         assert last < config.steps  # it stopped at the NaN
 
 
+def test_a_run_that_fails_outside_its_steps_keeps_every_recorded_step(store, monkeypatch):
+    """A validation set that failed at an epoch's end left the store at step 1 of 5."""
+    from gradflow.lab import control, worker
+
+    def fail(self, epoch, logs=None):
+        raise RuntimeError("the validation batch did not fit")
+
+    monkeypatch.setattr(control.RunControl, "on_epoch_end", fail, raising=False)
+    config = RunConfig(steps=500, batch_size=128, depth=2, width=8)
+    run_id = store.create_run(config.to_dict(), name="fails")
+    assert worker.execute(store, run_id) == "failed"
+    info = store.run_info(run_id)
+    assert "the validation batch did not fit" in info["message"]
+    # Digits: 1,437 training examples, so 12 steps of 128 in the first epoch.
+    assert sorted(store.layer_stats(run_id)["step"].unique()) == list(range(1, 13))
+
+
 def test_a_paced_run_trains_the_same_steps_at_its_pace(store):
     """`pace`: a class can watch a run live. One step per call then (an even
     pace), and the statistics of the run at full speed."""

@@ -24,6 +24,7 @@ outlives its launcher.
 """
 
 import argparse
+import contextlib
 import gc
 import math
 import os
@@ -112,12 +113,19 @@ def _train(store, run_id):
         on_pause=monitor.flush,
         pace=config.pace,
     )
-    model.fit(
-        **inputs,
-        epochs=epochs,
-        verbose=0,
-        callbacks=[monitor, FirstStepPublisher(monitor), control],
-    )
+    try:
+        model.fit(
+            **inputs,
+            epochs=epochs,
+            verbose=0,
+            callbacks=[monitor, FirstStepPublisher(monitor), control],
+        )
+    except BaseException:
+        # Keras calls no callback when `fit` raises outside the step (the
+        # validation set, a Ctrl-C in a callback): keep every recorded step.
+        with contextlib.suppress(Exception):  # The error being raised matters more.
+            monitor.flush()
+        raise
     # Optimizer steps taken: after a non-finite halt, fit's last few batches
     # changed nothing and do not count.
     store.heartbeat(run_id, int(model.optimizer.iterations.numpy()))

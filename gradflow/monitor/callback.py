@@ -3,6 +3,7 @@
 import itertools
 import math
 import os
+import threading
 import time
 
 import keras
@@ -237,17 +238,38 @@ class GradientMonitor(keras.callbacks.Callback):
     @property
     def history(self):
         """Tidy per-layer statistics of every recorded step (a DataFrame)."""
+        self._catch_up()
         return self._tables()[0]
 
     @property
     def metrics(self):
         """Per-step metrics in long form: `step, name, value` (a DataFrame)."""
+        self._catch_up()
         return self._tables()[1]
 
     @property
     def events(self):
         """Events such as the non-finite origin: `step, layer, kind, message`."""
+        self._catch_up()
         return pd.DataFrame(self._events, columns=list(schema.EVENTS_COLUMNS))
+
+    def _catch_up(self):
+        """Read the steps a `fit` recorded that has not ended through `on_train_end`.
+
+        Keras calls no callback when another callback raises (a validation
+        set that does not fit, a Ctrl-C landing in one): the monitor's last
+        steps stayed in its ring, and `history` read empty just when the
+        user looked for what went wrong. Only in the thread that runs the
+        `fit`, between two of its steps (or after it), as the monitor's own
+        reads are.
+        """
+        model = getattr(self, "model", None)
+        if (
+            model is not None
+            and model.__dict__.get(_OWNER, (None,))[0] is self
+            and getattr(self, "_fit_thread", None) == threading.get_ident()
+        ):
+            self._collect()
 
     @property
     def histogram_rows(self):
@@ -297,6 +319,7 @@ class GradientMonitor(keras.callbacks.Callback):
             # its own step back before this `fit` saves it.
             owner[0]._abandon(RuntimeError(_ENDED_OUTSIDE_THE_STEP))
         object.__setattr__(model, _OWNER, (self, self.params))
+        self._fit_thread = threading.get_ident()
         strategy = model.distribute_strategy
         self._is_chief = bool(getattr(strategy.extended, "should_checkpoint", True))
         executions_per_read = (
