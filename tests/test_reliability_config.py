@@ -82,8 +82,10 @@ def _integer_cases():
 
 @pytest.mark.parametrize("field, value, valid", list(_integer_cases()))
 def test_integer_fields_at_and_beyond_their_bounds(field, value, valid):
+    # A run records at most every `steps` steps (checked with the fields together, below).
+    steps = {"steps": max(value, 300)} if field == "record_every" and valid else {}
     if valid:
-        assert getattr(RunConfig(**{field: value}), field) == value
+        assert getattr(RunConfig(**{field: value}, **steps), field) == value
     else:
         message = expect_field_error(field, **{field: value})
         assert str(value) in message  # the value received is shown
@@ -233,6 +235,8 @@ def test_query_values_must_be_strings_or_one_element_lists():
         ({"dataset": "regression", "loss": "categorical_crossentropy"}, ("loss",)),
         ({"loss": "binary_crossentropy"}, ("loss",)),
         ({"loss": "binary_crossentropy", "dataset": "gaussians"}, ("loss",)),
+        # It completed with nothing recorded, no loss, no table, no warning.
+        ({"steps": 20, "record_every": 50}, ("record_every",)),
     ],
 )
 def test_contradicting_fields_name_a_field(values, fields):
@@ -354,6 +358,8 @@ Y = np.arange(20) % 2
             "labels must be whole numbers",
         ),
         ({"x_train": X, "y_train": Y, "x_val": X[:4], "y_val": Y[:3]}, "one row per example"),
+        # It failed in Keras's input checks at the first validation, after an epoch.
+        ({"x_train": X, "y_train": Y, "x_val": X[:4, :1], "y_val": Y[:4]}, "same features"),
         ({"x": np.where(X > 30, np.nan, X), "y": Y}, "finite"),
         ({"x": np.where(X > 30, np.inf, X), "y": Y}, "finite"),
         ({"features": X, "labels": Y}, "must hold arrays named 'x' and 'y'"),
@@ -366,6 +372,7 @@ Y = np.arange(20) % 2
         "negative-label",
         "bad-val-label",
         "short-val-y",
+        "val-features",
         "nan-x",
         "inf-x",
         "wrong-names",
@@ -410,6 +417,20 @@ def test_corrupt_npz_files_are_refused_as_unsafe(tmp_path, content):
     path.write_bytes(content)
     with pytest.raises(UnsafeInputError):
         load_dataset(RunConfig(dataset="file", data_path=str(path)))
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [Y[:, np.newaxis], np.eye(2, dtype="float32")[Y]],
+    ids=["a column of class numbers (CIFAR-10's)", "one-hot rows"],
+)
+def test_class_labels_in_keras_other_layouts_are_classes(tmp_path, labels):
+    """They trained as a regression (a linear output, mse, no accuracy) without a word."""
+    data = _load(tmp_path, x=X, y=labels)
+    assert data.task == "classification" and data.n_classes == 2
+    assert "2 classes" in data.description
+    # A float column stays a target to predict.
+    assert _load(tmp_path, x=X, y=X[:, :1] / 7).task == "regression"
 
 
 def test_a_good_file_loads(tmp_path):

@@ -267,6 +267,11 @@ class RunConfig:
                 "`dataset='adding'` is a sequence task and needs architecture='rnn', "
                 f"got architecture={self.architecture!r}."
             )
+        if self.epochs is None and self.record_every > self.steps:
+            raise ValueError(
+                f"`record_every`={self.record_every} is more than `steps`={self.steps}: no step "
+                f"would be recorded. Use a number from 1 to {self.steps}."
+            )
         if self.dataset == "file" and not self.data_path:
             raise ValueError("`dataset='file'` needs `data_path` (an .npz or .csv file), got None.")
         if self.dataset != "file" and self.data_path:

@@ -353,6 +353,14 @@ def _from_file(path, rng):
             f"'y_train' and optionally 'x_val', 'y_val'); it has {sorted(arrays)}."
         )
     x_train, y_train, x_val, y_val = split
+    name = os.path.basename(str(path))
+    if np.shape(x_train)[1:] != np.shape(x_val)[1:]:
+        # Found only at the first validation, after the first epoch trained.
+        raise ValueError(
+            f"In {name}, the validation examples have shape {np.shape(x_val)[1:]} but the "
+            f"training examples {np.shape(x_train)[1:]}: x_val needs the same features as x_train."
+        )
+    y_train, y_val = _class_layout(y_train), _class_layout(y_val)
     labels = np.concatenate([np.ravel(y_train), np.ravel(y_val)])
     is_labels = (
         np.issubdtype(labels.dtype, np.integer)
@@ -365,7 +373,7 @@ def _from_file(path, rng):
             # The output layer gets one unit per class: one stray label of
             # 2e9 would ask for a model of hundreds of gigabytes.
             raise ValueError(
-                f"The labels in {os.path.basename(str(path))} go up to {n_classes - 1}, which would "
+                f"The labels in {name} go up to {n_classes - 1}, which would "
                 f"mean {n_classes:,} classes; gradflow allows at most {MAX_CLASSES:,}. Labels must be "
                 "class numbers 0, 1, 2, ...; for a regression target, store y as floats with decimals."
             )
@@ -374,8 +382,25 @@ def _from_file(path, rng):
         n_classes = None
         kind = "regression"
     x_train, x_val = (np.asarray(a, "float32") for a in (x_train, x_val))
-    description = f"{os.path.basename(str(path))}: {len(x_train) + len(x_val)} examples, {kind}"
+    description = f"{name}: {len(x_train) + len(x_val)} examples, {kind}"
     return (x_train, y_train, x_val, y_val), n_classes, description
+
+
+def _class_layout(y):
+    """Class labels kept as Keras keeps them elsewhere, as one class number per example.
+
+    A column of integers `(n, 1)` (CIFAR-10's labels) and one-hot rows
+    `(n, classes)` trained as a regression with a 1-unit or k-unit linear
+    output, without a word. Float columns stay targets to predict.
+    """
+    y = np.asarray(y)
+    if y.ndim != 2:
+        return y
+    if y.shape[1] == 1 and (np.issubdtype(y.dtype, np.integer) or y.dtype == np.bool_):
+        return y[:, 0]
+    if y.shape[1] > 1 and len(y) and np.isin(y, (0, 1)).all() and (y.sum(axis=1) == 1).all():
+        return y.argmax(axis=1)
+    return y
 
 
 # Checks and shaping.
