@@ -230,12 +230,16 @@ def _train(args):
     )
     table = final_layer_table(store, run_id)
     if len(table):
-        print(f"Gradients per layer at step {int(table.attrs['step'])}:")
+        print(
+            f"Gradients per layer at step {int(table.attrs['step'])} (all of a layer's "
+            "weights together; the exported heatmaps show kernels):"
+        )
         print(table.to_string(index=False, float_format=lambda value: f"{value:.3g}"))
-    print(
-        f"Export: gradflow export {run_id} --format html --out gradflow-export"
-        + (f" --db {args.db}" if args.db else "")
-    )
+    if len(table):  # a run that recorded nothing has nothing to export
+        print(
+            f"Export: gradflow export {run_id} --format html --out gradflow-export"
+            + (f" --db {args.db}" if args.db else "")
+        )
     return EXIT_FAILED if status == "failed" else EXIT_OK
 
 

@@ -262,7 +262,9 @@ def metrics_chart(
     description = (
         "Training (solid) and validation (dashed) "
         + ", ".join(panels or list(names))
-        + " per step."
+        + " per step. Training metrics other than the loss are Keras's running mean over "
+        "the epoch so far (they jump at each new epoch); validation is measured after each "
+        "epoch."
     )
     pieces = []
     if not panels:
