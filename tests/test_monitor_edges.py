@@ -42,6 +42,15 @@ def classifier(output_activation="softmax", units=CLASSES, seed=0):
     )
 
 
+def compile_for_logits(model):
+    """Plain SGD on a head without softmax, as the subclassed-model tests train."""
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
 def rows(monitor, layer, tensor):
     history = monitor.history
     return history[(history["layer"] == layer) & (history["tensor"] == tensor)].sort_values("step")
@@ -892,10 +901,7 @@ def test_a_blocks_own_weight_is_filed_under_the_block(activations):
     inputs = keras.Input((5,))
     hidden = ScaledBlock(name="block_b")(ScaledBlock(name="block_a")(inputs))
     model = keras.Model(inputs, keras.layers.Dense(CLASSES, name="out")(hidden), name="net")
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.1),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
+    compile_for_logits(model)
     x, y = data()
     reference = keras.models.clone_model(model)
     reference.set_weights(model.get_weights())
@@ -950,10 +956,7 @@ def test_two_layers_of_one_name_are_two_layers(activations):
     """They were one layer `proj` with two weights of each kind, and the second call `proj#2`."""
     keras.utils.set_random_seed(0)
     model = TwoOfOneName()
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.1),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
+    compile_for_logits(model)
     x, y = data()
     model(x[:BATCH])
     with tf.GradientTape() as tape:
@@ -996,10 +999,7 @@ def test_a_layer_called_more_often_than_there_are_rows_keeps_every_layer():
     """The first calls took the rows, so the head, nearest the loss, lost its row."""
     keras.utils.set_random_seed(0)
     model = TiedLoop()
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.1),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
+    compile_for_logits(model)
     x, y = data()
     model(x[:1])
     reference = TiedLoop()
