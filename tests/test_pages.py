@@ -298,6 +298,13 @@ def test_the_inspect_page_says_what_is_wrong_without_a_traceback(tmp_path):
         path, {"x": x, "y": np.arange(6) % 5}, loss="sparse_categorical_crossentropy"
     )
     assert app.metric and "(from logits)" in app.warning[0].value
+    # Unnamed arrays (`np.savez(f, x, y)`) with a NaN among the inputs.
+    app = upload_and_snapshot(
+        path,
+        {"arr_0": np.where(np.eye(6, 4) > 0, np.nan, x), "arr_1": np.arange(6) % 5},
+        loss="sparse_categorical_crossentropy (from logits)",
+    )
+    assert "The inputs hold 4 NaN or infinite value(s)" in app.error[0].value
 
 
 def test_a_model_with_two_outputs_gets_a_message(tmp_path):

@@ -362,7 +362,7 @@ Y = np.arange(20) % 2
         ({"x_train": X, "y_train": Y, "x_val": X[:4, :1], "y_val": Y[:4]}, "same features"),
         ({"x": np.where(X > 30, np.nan, X), "y": Y}, "finite"),
         ({"x": np.where(X > 30, np.inf, X), "y": Y}, "finite"),
-        ({"features": X, "labels": Y}, "must hold arrays named 'x' and 'y'"),
+        ({"data": X, "answers": Y}, "must hold arrays named 'x' and 'y'"),
     ],
     ids=[
         "empty",
@@ -431,6 +431,17 @@ def test_class_labels_in_keras_other_layouts_are_classes(tmp_path, labels):
     assert "2 classes" in data.description
     # A float column stays a target to predict.
     assert _load(tmp_path, x=X, y=X[:, :1] / 7).task == "regression"
+
+
+@pytest.mark.parametrize(
+    "arrays",
+    [{"arr_0": X, "arr_1": Y}, {"X": X, "Y": Y}, {"features": X, "labels": Y}],
+    ids=["np.savez(f, x, y)", "upper case", "features and labels"],
+)
+def test_arrays_named_as_people_name_them_load(tmp_path, arrays):
+    """Only `x` and `y` were read: `np.savez(f, x, y)` stores `arr_0` and `arr_1`."""
+    data = _load(tmp_path, **arrays)
+    assert data.n_classes == 2 and len(data.x_train) + len(data.x_val) == 20
 
 
 def test_a_good_file_loads(tmp_path):

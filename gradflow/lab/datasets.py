@@ -343,8 +343,8 @@ def _from_file(path, rng):
             split = (x, y, arrays["x_val"], arrays["y_val"])
         else:
             split = _split(x, y, rng)
-    elif "x" in arrays and "y" in arrays:
-        x, y = arrays["x"], arrays["y"]
+    elif examples_and_targets(arrays) is not None:
+        x, y = examples_and_targets(arrays)
         _check_arrays("file", x, y, None)
         split = _split(x, y, rng)
     else:
@@ -401,6 +401,30 @@ def _class_layout(y):
     if y.shape[1] > 1 and len(y) and np.isin(y, (0, 1)).all() and (y.sum(axis=1) == 1).all():
         return y.argmax(axis=1)
     return y
+
+
+# Names a data file may give its arrays, most usual first.
+_X_NAMES = ("x", "X", "features", "inputs")
+_Y_NAMES = ("y", "Y", "labels", "label", "targets", "target")
+
+
+def examples_and_targets(arrays):
+    """`(x, y)` from the arrays of a data file, or None when it does not say which is which.
+
+    Beyond `x` and `y`: upper case, `features`/`labels`-style names, and the
+    `arr_0`, `arr_1` that `np.savez(f, x, y)` writes for unnamed arrays.
+
+    Args:
+        arrays: a mapping of name -> array (`gradflow.load_arrays`).
+
+    Returns:
+        `(x, y)`, or None.
+    """
+    x = next((arrays[n] for n in _X_NAMES if n in arrays), None)
+    y = next((arrays[n] for n in _Y_NAMES if n in arrays), None)
+    if x is None and y is None and set(arrays) == {"arr_0", "arr_1"}:
+        x, y = arrays["arr_0"], arrays["arr_1"]
+    return None if x is None or y is None else (x, y)
 
 
 # Checks and shaping.

@@ -72,10 +72,21 @@ def snapshot_of_upload(model_file, data_file, loss):
             arrays = gradflow.load_arrays(_save_upload(data_file, folder))
         except gradflow.UnsafeInputError as error:
             return None, f"That file was refused: {str(error).removeprefix('Refused model file: ')}"
-    x = arrays.get("x", arrays.get("x_train"))
-    y = arrays.get("y", arrays.get("y_train"))
-    if x is None or y is None:
+    from gradflow.lab.datasets import examples_and_targets
+
+    pair = examples_and_targets(arrays)
+    if pair is None and "x_train" in arrays and "y_train" in arrays:
+        pair = arrays["x_train"], arrays["y_train"]
+    if pair is None:
         return None, f"The data file needs arrays named `x` and `y`; it has {sorted(arrays)}."
+    x, y = pair
+    bad = _nonfinite_count(x)
+    if bad:
+        # The compiled pass gives a finite loss all the same: numbers that mean nothing.
+        return None, (
+            f"The inputs hold {bad} NaN or infinite value(s): gradients of them mean nothing. "
+            "Fill or drop those examples first."
+        )
     loss_fn, problem = _chosen_loss(model, loss)
     if problem:
         return None, problem
@@ -89,6 +100,13 @@ def snapshot_of_upload(model_file, data_file, loss):
     except Exception as error:  # TensorFlow's own errors: a message, never a traceback.
         return None, f"No snapshot: TensorFlow could not run this batch: {plain_error(error)}"
     return shot, _logits_note(model, loss_fn)
+
+
+def _nonfinite_count(x):
+    import numpy as np
+
+    x = np.asarray(x)
+    return int(np.size(x) - np.isfinite(x).sum()) if np.issubdtype(x.dtype, np.number) else 0
 
 
 def _chosen_loss(model, choice):
