@@ -365,8 +365,10 @@ def lesson_pack(charts, config=None, title="gradflow lesson pack", alerts=None):
         readme += [
             "config.json: the settings of the run.",
             "The HTML files are interactive (zoom, hover) and work offline.",
-            "The CSV files hold exactly the values drawn; long runs are shown as the",
-            "maximum over blocks of steps, so no spike, NaN or Inf is hidden.",
+            "The CSV files hold exactly the values drawn. In a long run a heatmap shows",
+            "the maximum over blocks of steps, and a loss curve each block's lowest and",
+            "highest value (its `block` column: points a block), so no spike, dip, NaN or",
+            "Inf is hidden.",
             "Text cells starting with = + - @ are prefixed with ' for spreadsheet safety.",
         ]
         archive.writestr(

@@ -431,6 +431,23 @@ def test_many_layers_get_a_depth_scale_instead_of_a_legend_of_names():
     assert not any(t.marker.showscale for t in shallow.figure.data if t.type == "scatter")
 
 
+def test_a_long_runs_loss_csv_says_it_is_each_blocks_lowest_and_highest():
+    """Unlabelled, its mean read 0.196 against the run's true 0.116."""
+    steps = np.arange(1, 100_001)
+    loss = 1.0 / np.sqrt(steps) + 0.01 * np.sin(steps)
+    metrics = pd.DataFrame({"step": steps, "name": "loss", "value": loss})
+    data = figures.metrics_chart(metrics, max_points=1000).data
+    block = decimate.envelope_block(len(steps), 1000)
+    assert block == 200 and (data["block"] == block).all()
+    # Each block of 200 steps kept its lowest and its highest value.
+    first = loss[:block]
+    assert data["value"].iloc[:2].tolist() == sorted(
+        [first.min(), first.max()], key=list(first).index
+    )
+    short = figures.metrics_chart(metrics.iloc[:300]).data
+    assert (short["block"] == 1).all() and len(short) == 300
+
+
 def test_metrics_chart_draws_train_and_validation_per_panel():
     metrics = pd.DataFrame(
         [

@@ -87,6 +87,12 @@ def decimate_max(grid, max_columns=DEFAULT_MAX_COLUMNS, *, power_of_two_blocks=F
     )
 
 
+def envelope_block(count, max_points=DEFAULT_MAX_COLUMNS):
+    """Points per block `decimate_envelope` thins `count` points with; 1 when it keeps them all."""
+    block = math.ceil(2 * count / max_points) if count else 1
+    return 1 if block <= 2 else block
+
+
 def decimate_envelope(steps, values, max_points=DEFAULT_MAX_COLUMNS):
     """Thin a long 1-D series to its per-block minimum and maximum.
 
@@ -111,8 +117,8 @@ def decimate_envelope(steps, values, max_points=DEFAULT_MAX_COLUMNS):
     steps = np.asarray(steps)
     values = np.asarray(values, dtype=np.float64)
     n = len(values)
-    block = math.ceil(2 * n / max_points) if n else 1
-    if block <= 2:
+    block = envelope_block(n, max_points)
+    if block == 1:
         return steps, values
     pad = (-n) % block
     n_blocks = (n + pad) // block

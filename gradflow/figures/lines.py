@@ -262,13 +262,16 @@ def metrics_chart(
     description = (
         "Training (solid) and validation (dashed) "
         + ", ".join(panels or list(names))
-        + " per step. Training metrics other than the loss are Keras's running mean over "
+        + " per step (a long run: each block's lowest and highest value, `block` points a "
+        "block). Training metrics other than the loss are Keras's running mean over "
         "the epoch so far (they jump at each new epoch); validation is measured after each "
         "epoch."
     )
     pieces = []
     if not panels:
-        empty = pd.DataFrame({"step": np.array([], dtype=np.int64), "name": [], "value": []})
+        empty = pd.DataFrame(
+            {"step": np.array([], dtype=np.int64), "name": [], "value": [], "block": []}
+        )
         return Chart(
             style.no_data_figure("No metrics recorded yet.", presentation),
             empty,
@@ -290,7 +293,12 @@ def metrics_chart(
             if name not in recorded:
                 continue
             steps, values = metric_series(metrics, name, max_points)
-            pieces.append(pd.DataFrame({"step": steps, "name": name, "value": values}))
+            # How many recorded points each kept point stands for: a long
+            # run's CSV is each block's lowest and highest value, and said not.
+            block = decimate.envelope_block(int((metrics["name"] == name).sum()), max_points)
+            pieces.append(
+                pd.DataFrame({"step": steps, "name": name, "value": values, "block": block})
+            )
             figure.add_trace(
                 go.Scatter(
                     x=steps,
