@@ -190,7 +190,29 @@ def _config_from(args):
         # A preset's title describes its own settings: "Deep sigmoid network" on
         # a relu run named that run's figures and CSV files wrongly.
         config = config.replace(name=None)
+    for note in _unused_flags(given, config):
+        print(f"gradflow train: note: {note}", file=sys.stderr)
     return config
+
+
+def _unused_flags(given, config):
+    """Flags given that this run will not use: they were accepted without a word."""
+    if "clip_value" in given and config.clipping == "none":
+        yield (
+            "--clip-value has no effect without clipping; add --clipping value, norm or "
+            "global_norm."
+        )
+    if "rnn_cell" in given and config.architecture != "rnn":
+        yield f"--rnn-cell is for --architecture rnn; this run is {config.architecture}."
+    if "init_stddev" in given and config.initializer != "random_normal":
+        yield (
+            f"--init-stddev is for --initializer random_normal; this run uses {config.initializer}."
+        )
+    if given.get("residual") == "false" and config.architecture == "residual_mlp":
+        yield (
+            "--no-residual leaves a residual_mlp's skip connections on; use --architecture mlp "
+            "for none."
+        )
 
 
 def _train(args):

@@ -287,3 +287,20 @@ def test_a_bad_db_or_out_path_is_one_line_not_a_traceback(
     assert cli.main(argv) == code
     error = capsys.readouterr().err.strip()
     assert said in error and "Traceback" not in error and len(error.splitlines()) == 1, error
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--clip-value", "0.5"], "--clip-value has no effect without clipping"),
+        (["--rnn-cell", "lstm"], "--rnn-cell is for --architecture rnn"),
+        (["--init-stddev", "2"], "--init-stddev is for --initializer random_normal"),
+        (["--architecture", "residual_mlp", "--no-residual"], "skip connections on"),
+        (["--clipping", "norm", "--clip-value", "1"], None),
+    ],
+)
+def test_flags_a_run_will_not_use_get_a_note(flags, said, capsys):
+    """They were accepted without a word: a student thought they had clipped the gradients."""
+    cli._config_from(cli._build_parser().parse_args(["train", *flags]))
+    error = capsys.readouterr().err
+    assert (said in error) if said else error == "", error
