@@ -473,6 +473,11 @@ def run_charts(layer_stats, metrics, presentation=False, run=None, histograms=No
             layer_stats, "max_abs", weights, presentation=presentation
         )
         charts["profile"] = figures.profile(layer_stats, tensor=weights, presentation=presentation)
+    if any(schema.tensor_kind(k) == "recurrent_kernel" for k in kinds):
+        # A recurrent net's gradient through time: its recurrent kernels.
+        charts["recurrent_kernel_heatmap"] = figures.heatmap(
+            layer_stats, "l2_norm", "recurrent_kernel", presentation=presentation
+        )
     if "activation" in kinds:
         charts["activation_heatmap"] = figures.heatmap(
             layer_stats, "max_abs", "activation", presentation=presentation

@@ -371,6 +371,10 @@ def test_an_rnns_cell_kernels_are_its_kernels_and_one_nan_origin_is_told_once():
     charts = export.run_charts(stats, make_metrics(), histograms=histograms)
     assert charts["histogram_first_layer"].title.endswith(": lstm (lstm_cell/kernel)")
     assert charts["histogram_last_layer"].title.endswith(": output (kernels)")
+    # The gradient through time has a heatmap of its own (the Live page offers it too).
+    recurrent = stats.assign(tensor=stats["tensor"].replace({"bias": "lstm_cell/recurrent_kernel"}))
+    chart = export.run_charts(recurrent, make_metrics())["recurrent_kernel_heatmap"]
+    assert chart.title == "gradient L2 norm per layer (recurrent kernels)"
     origin = export.run_alerts(stats, pd.DataFrame()).query("kind == 'nonfinite'")
     stored = origin.assign(message="Non-finite gradient first at step 6, layer 'a&b'.")
     both = export.run_alerts(stats, stored)

@@ -578,6 +578,20 @@ def test_histogram_heatmap_shows_log_share_per_bin():
     assert set(chart.data["bin"]) == {10, 12}
 
 
+def test_an_rnns_cell_kernels_have_their_histograms():
+    """The Live page asked for "kernel" and an LSTM's `lstm_cell/kernel` raised instead."""
+    frame = pd.concat(
+        [
+            histogram_rows(range(1, 4), tensor="lstm_cell/kernel"),
+            histogram_rows(range(1, 4), tensor="lstm_cell/recurrent_kernel"),
+        ]
+    )
+    kernel = figures.histogram_heatmap(frame, "dense", "kernel")
+    recurrent = figures.histogram_heatmap(frame, "dense", "recurrent_kernel")
+    assert np.asarray(heat_trace(kernel).z).shape == (schema.HISTOGRAM_BINS, 3)
+    assert recurrent.title.endswith("dense (recurrent kernels)")
+
+
 def test_histogram_axis_labels_of_the_open_ended_bins_stand_alone():
     """ ">=1e4" was drawn over "1e4", and "<1e-12" over "1e-12": half a bin apart."""
     chart = figures.histogram_heatmap(histogram_rows(range(1, 3)), "dense")

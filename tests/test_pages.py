@@ -324,6 +324,18 @@ def test_a_model_with_two_outputs_gets_a_message(tmp_path):
     )
 
 
+def test_an_rnns_recurrent_kernels_are_a_choice_of_their_own():
+    """The gradient through time, where an RNN's gradients vanish, had no view of its own."""
+    import pandas as pd
+
+    from gradflow.ui.live import _tensor_choices
+
+    stats = pd.DataFrame(
+        {"tensor": ["lstm_cell/kernel", "lstm_cell/recurrent_kernel", "lstm_cell/bias", "kernel"]}
+    )
+    assert _tensor_choices(stats) == ["kernel", "recurrent_kernel", "bias", "all_weights"]
+
+
 def test_number_boxes_refuse_what_start_would_and_errors_use_the_labels():
     """A 0 in Record every N steps once greyed out Start with a message in code names."""
     app = run_page("live_training.py")

@@ -38,7 +38,10 @@ def histogram_counts(histograms, layer, tensor):
         )
     if histograms.empty:
         return np.array([], dtype=np.int64), np.zeros((0, schema.HISTOGRAM_BINS))
-    rows = histograms[(histograms["layer"] == layer) & (histograms["tensor"] == tensor)]
+    # An RNN's `lstm_cell/kernel` is its kernel (`schema.is_tensor`), as in every other figure.
+    names = pd.Series(histograms["tensor"].unique())
+    kinds = set(names[[schema.is_tensor(str(name), tensor) for name in names]])
+    rows = histograms[(histograms["layer"] == layer) & histograms["tensor"].isin(kinds)]
     if rows.empty:
         pairs = histograms[["layer", "tensor"]].drop_duplicates().head(20)
         raise ValueError(

@@ -195,6 +195,7 @@ def _wrap_axis_titles(figure):
 # Tensor kinds as a title says them ("all_weights" is `grid.ALL_WEIGHTS`).
 _TENSOR_WORDS = {
     "kernel": "kernels",
+    "recurrent_kernel": "recurrent kernels",
     "bias": "biases",
     "activation": "layer outputs",
     "all_weights": "all weights",

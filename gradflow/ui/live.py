@@ -90,6 +90,9 @@ _STATUS_TEXT = {
 _VIEWS = ["Heatmaps", "Lines", "Profile", "Histograms", "Loss", "Alerts"]
 _TENSOR_LABELS = {
     "kernel": "Kernels",
+    # An RNN's weights from one time step to the next: where gradients
+    # vanish through time.
+    "recurrent_kernel": "Recurrent kernels",
     "bias": "Biases",
     "activation": "Activations",
     figures.ALL_WEIGHTS: "All weights",
@@ -583,7 +586,7 @@ def _lesson_pack_button(info, cache, key):
 def _tensor_choices(stats):
     present = set(stats["tensor"].unique())
     kinds = {figures.tensor_kind(t) for t in present}  # an RNN's cell/kernel is a kernel
-    choices = [t for t in ("kernel", "bias") if t in kinds]
+    choices = [t for t in ("kernel", "recurrent_kernel", "bias") if t in kinds]
     if present - {"activation"}:
         choices.append(figures.ALL_WEIGHTS)
     if "activation" in present:
