@@ -71,7 +71,7 @@ def snapshot_of_upload(model_file, data_file, loss):
             model = gradflow.safe_load_model(_save_upload(model_file, folder))
             arrays = gradflow.load_arrays(_save_upload(data_file, folder))
         except gradflow.UnsafeInputError as error:
-            return None, f"That file was refused: {str(error).removeprefix('Refused model file: ')}"
+            return None, f"That file was refused: {_for_the_page(error)}"
     from gradflow.lab.datasets import examples_and_targets
 
     pair = examples_and_targets(arrays)
@@ -100,6 +100,18 @@ def snapshot_of_upload(model_file, data_file, loss):
     except Exception as error:  # TensorFlow's own errors: a message, never a traceback.
         return None, f"No snapshot: TensorFlow could not run this batch: {plain_error(error)}"
     return shot, _logits_note(model, loss_fn)
+
+
+def _for_the_page(error):
+    """A loader's refusal in a dashboard user's words.
+
+    The library's messages name its arguments ("over the limit of
+    `max_bytes`=52,428,800 ... or raise `max_bytes`"), which a student in
+    the browser cannot raise.
+    """
+    text = str(error).removeprefix("Refused model file: ")
+    text = re.sub(r" or raise `[a-z_]+`", "", text)
+    return re.sub(r"`[a-z_]+`=", "", text)
 
 
 def _nonfinite_count(x):
