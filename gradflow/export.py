@@ -533,8 +533,7 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
 
     Args:
         store: a `gradflow.store.RunStore` (anything with `layer_stats`,
-            `metrics` and `run_info` methods; `histograms` and `events` too,
-            if it has them, for the histograms and the lesson pack's alerts).
+            `metrics`, `histograms`, `events` and `run_info` methods).
         run_id: the run to export.
         fmt: one of `"png"`, `"svg"`, `"pdf"`, `"html"`, `"csv"`, `"zip"`
             (a lesson pack).
@@ -559,7 +558,7 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
         store.metrics(run_id),
         presentation=presentation,
         run=info.get("name") or run_id,
-        histograms=store.histograms(run_id) if hasattr(store, "histograms") else None,
+        histograms=store.histograms(run_id),
     )
     if not charts:
         raise ExportError(f"Run {run_id!r} has no recorded statistics or metrics to export yet.")
@@ -568,12 +567,7 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
     out_dir = out_dir.resolve()
     # The run's id after its name: two runs of one name (a repeat with another
     # seed) exported to one folder overwrote each other's files.
-    run_part = safe_filename(run_id, "run")
-    base = (
-        f"{safe_filename(info['name'])[:60].rstrip('._-')}_{run_part}"
-        if info.get("name")
-        else f"run-{run_part}"
-    )
+    base = file_stem(run_id, info.get("name") or "run")
 
     if fmt == "zip":
         title = f"gradflow lesson pack: {info.get('name') or run_id}"
@@ -585,11 +579,7 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
                     charts,
                     info.get("config"),
                     title,
-                    alerts=(
-                        run_alerts(layer_stats, store.events(run_id))
-                        if hasattr(store, "events")
-                        else None
-                    ),
+                    alerts=run_alerts(layer_stats, store.events(run_id)),
                 ),
             )
         ]

@@ -56,7 +56,7 @@ def make_metrics(steps=8):
 
 
 class FakeStore:
-    """The three RunStore methods export_run uses, over fixed frames."""
+    """The RunStore methods export_run uses, over fixed frames (no events, no histograms)."""
 
     def __init__(self, name):
         self.name = name
@@ -73,6 +73,12 @@ class FakeStore:
 
     def metrics(self, run_id):
         return make_metrics()
+
+    def events(self, run_id):
+        return pd.DataFrame(columns=["step", "layer", "kind", "message"])
+
+    def histograms(self, run_id):
+        return pd.DataFrame()
 
 
 @needs_browser

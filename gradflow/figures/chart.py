@@ -1,10 +1,11 @@
 """`Chart`: a Plotly figure together with the exact data it plots."""
 
 import dataclasses
-import html
 
 import pandas as pd
 import plotly.graph_objects as go
+
+from gradflow.figures import style
 
 
 @dataclasses.dataclass
@@ -64,7 +65,7 @@ class Chart:
         # Plotly's default subtitle is small beside a slide's fonts.
         size = figure.layout.font.size or 13
         figure.update_layout(
-            title_subtitle_text=html.escape(run, quote=False),
+            title_subtitle_text=style.escape_label(run),
             title_subtitle_font_size=size,
             # Room for the subtitle's line, which would touch the plot; the
             # title pinned to the top, clear of subplot titles above the plots.
@@ -77,7 +78,7 @@ class Chart:
         )
         if figure.layout.title.text is None:
             # A subtitle alone is not drawn: give it a title line to hang from.
-            figure.update_layout(title_text=html.escape(self.title or run, quote=False))
+            figure.update_layout(title_text=style.escape_label(self.title or run))
         data = self.data.copy()
         if "run" not in data.columns:
             data.insert(0, "run", run)

@@ -281,7 +281,7 @@ def compare_metrics(
         for metric, dash in ((name, "solid"), (f"val_{name}", "dash")):
             if metric not in recorded or (dash == "dash" and not validation):
                 continue
-            steps, values = lines.metric_series(metrics, metric, max_points)
+            steps, values, _ = lines.metric_series(metrics, metric, max_points)
             pieces.append(
                 pd.DataFrame({"run": run, "step": steps, "name": metric, "value": values})
             )

@@ -209,12 +209,16 @@ def check_metrics(metrics, argument="metrics"):
 
 
 def metric_series(metrics, name, max_points):
-    """Steps and values of one metric, sorted, decimated to its envelope."""
+    """`(steps, values, block)` of one metric, sorted, decimated to its envelope.
+
+    `block` is how many recorded points each kept point stands for (1: all kept).
+    """
     rows = metrics[metrics["name"] == name]
     steps = rows["step"].to_numpy(dtype=np.int64)
     values = rows["value"].to_numpy(dtype=np.float64, na_value=np.nan)
     order = np.argsort(steps, kind="stable")
-    return decimate.decimate_envelope(steps[order], values[order], max_points)
+    kept = decimate.decimate_envelope(steps[order], values[order], max_points)
+    return (*kept, decimate.envelope_block(len(steps), max_points))
 
 
 def metrics_chart(
@@ -292,10 +296,9 @@ def metrics_chart(
         ):
             if name not in recorded:
                 continue
-            steps, values = metric_series(metrics, name, max_points)
-            # How many recorded points each kept point stands for: a long
-            # run's CSV is each block's lowest and highest value, and said not.
-            block = decimate.envelope_block(int((metrics["name"] == name).sum()), max_points)
+            # `block`: a long run's CSV is each block's lowest and highest
+            # value, and it did not say so.
+            steps, values, block = metric_series(metrics, name, max_points)
             pieces.append(
                 pd.DataFrame({"step": steps, "name": name, "value": values, "block": block})
             )

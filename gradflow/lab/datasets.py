@@ -343,8 +343,8 @@ def _from_file(path, rng):
             split = (x, y, arrays["x_val"], arrays["y_val"])
         else:
             split = _split(x, y, rng)
-    elif examples_and_targets(arrays) is not None:
-        x, y = examples_and_targets(arrays)
+    elif (pair := examples_and_targets(arrays)) is not None:
+        x, y = pair
         _check_arrays("file", x, y, None)
         split = _split(x, y, rng)
     else:

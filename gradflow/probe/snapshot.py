@@ -176,13 +176,17 @@ def check_probe_model(model):
             )
     outputs = getattr(model, "outputs", None)
     if outputs is not None and len(outputs) > 1:
-        raise ValueError(
-            f"gradflow probes models with one output; this model has {len(outputs)} "
-            f"({', '.join(repr(name) for name in getattr(model, 'output_names', None) or [])}). "
-            "Build a model "
-            "of the input and the one output you want to study, e.g. "
-            "keras.Model(model.input, model.outputs[0]), and probe that."
-        )
+        raise _several_outputs(model, len(outputs))
+
+
+def _several_outputs(model, count):
+    names = getattr(model, "output_names", None) or []
+    listed = f" ({', '.join(repr(name) for name in names)})" if len(names) == count else ""
+    return ValueError(
+        f"gradflow probes models with one output; this model has {count}{listed}. Build a "
+        "model of the input and the one output you want to study, e.g. "
+        "keras.Model(model.input, model.outputs[0]), and probe that."
+    )
 
 
 def check_batch_sizes(x, y):
@@ -299,11 +303,7 @@ class GradientProbe:
             with capture.record_layer_outputs(model) as outputs:
                 y_pred = model(x, training=self.training)
             if len(tf.nest.flatten(y_pred)) > 1:  # a subclassed model has no `outputs` before
-                raise ValueError(
-                    "gradflow probes models with one output; this model returns "
-                    f"{len(tf.nest.flatten(y_pred))}. Probe a model that returns the one you "
-                    "want to study."
-                )
+                raise _several_outputs(model, len(tf.nest.flatten(y_pred)))
             loss = _mean_loss(self.loss_fn, y, y_pred)
             if model.losses:
                 loss += tf.add_n(
