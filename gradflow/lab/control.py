@@ -44,10 +44,10 @@ class RunControl(keras.callbacks.Callback):
             publish the steps a monitor still holds. Default None.
         pace: at most this many optimizer steps a second, or None (default)
             for full speed: the runner trains the lab's small models at
-            about 1,000 steps a second (`bench/bench_runner.py`), so a run
-            of a few hundred steps ends before a teacher can say what the
-            heatmap shows. After a pause the pace starts afresh (no burst
-            to catch up).
+            about 1,000 steps a second (`bench/bench_runner.py`, thirty-first
+            session), so a run of a few hundred steps ends before a teacher
+            can say what the heatmap shows. After a pause the pace starts
+            afresh (no burst to catch up).
 
     Attributes:
         steps: optimizer steps done in this `fit`.
