@@ -18,9 +18,11 @@ import argparse
 import math
 import os
 import pathlib
+import re
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -234,15 +236,20 @@ def _train(args):
         f"{config.dataset}; store {store.path}",
         file=sys.stderr,
     )
+    _import_tensorflow_quietly()  # before the bar, which its log lines would break
     # Training stays in this (main) thread, as Keras wants; a second thread
     # only reads the store to draw the progress bar.
     follower = None if args.no_progress else _ProgressFollower(store.path, run_id, config)
     started = time.monotonic()
+    status = "failed"  # unless `execute` returns
     try:
         status = execute(store, run_id)
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
     finally:
         if follower is not None:
-            follower.finish()
+            follower.finish(status)
     elapsed = time.monotonic() - started
     info = store.run_info(run_id)
     steps = info["progress_step"]
@@ -263,6 +270,33 @@ def _train(args):
             + (f" --db {args.db}" if args.db else "")
         )
     return EXIT_FAILED if status == "failed" else EXIT_OK
+
+
+# TensorFlow's start-up lines ("oneDNN custom operations are on", "Could not
+# find cuda drivers") go through absl before absl is initialised, where
+# TF_CPP_MIN_LOG_LEVEL does not reach them (abseil/abseil-cpp#1957).
+_START_UP_NOISE = re.compile(r"^(I\d{4} |WARNING: All log messages before absl::InitializeLog)")
+
+
+def _import_tensorflow_quietly():
+    """Imports TensorFlow and Keras without their informational start-up lines.
+
+    Whatever else the import writes to stderr (warnings, errors) is passed on.
+    """
+    if "keras" in sys.modules:
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            import keras  # noqa: F401  (imports TensorFlow, its backend)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            lines = caught.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if not _START_UP_NOISE.match(line)))
 
 
 def final_layer_table(store, run_id):
@@ -338,10 +372,15 @@ class _ProgressFollower:
         while True:
             finished = self._done.wait(self._interval)
             try:
-                step = int(reader.run_info(self._run_id)["progress_step"])
+                info = reader.run_info(self._run_id)
+                step = int(info["progress_step"])
                 losses = reader.metrics(self._run_id, after_step=loss_step, names=["loss"])
             except Exception:  # A busy database must not end the training.
                 continue
+            if self._bar.total is None and info["total_steps"] is not None:
+                # A run of epochs: the worker sets its length once the data is loaded.
+                self._bar.total = int(info["total_steps"])
+                self._bar.refresh()
             if len(losses):
                 last = losses.iloc[-1]
                 loss_step = int(last["step"])
@@ -354,9 +393,12 @@ class _ProgressFollower:
             if finished:
                 return
 
-    def finish(self):
+    def finish(self, status="completed"):
         self._done.set()
         self._thread.join(timeout=10)
+        if status != "completed":
+            # Left as "training 3/300" with a time to go, a diverged run looks stuck.
+            self._bar.set_description(status)
         self._bar.close()
 
 

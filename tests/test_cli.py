@@ -169,8 +169,10 @@ def test_python_dash_m_gradflow_train(tmp_path):
             "-m",
             "gradflow",
             "train",
-            "--steps",
-            "5",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "512",
             "--depth",
             "2",
             "--width",
@@ -185,9 +187,13 @@ def test_python_dash_m_gradflow_train(tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "completed after 5 steps" in result.stdout
+    # digits: 1,437 training examples, 3 batches of 512.
+    assert "completed after 3 steps" in result.stdout
     assert "dense_1" in result.stdout and "l2_norm" in result.stdout
-    assert "step/s" in result.stderr  # the progress bar
+    # The progress bar, with the length of a run of epochs once its data is loaded.
+    assert "step/s" in result.stderr and "3/3" in result.stderr
+    # TensorFlow's start-up lines, which TF_CPP_MIN_LOG_LEVEL does not silence, stay out of it.
+    assert "oneDNN" not in result.stderr and "InitializeLog" not in result.stderr
     assert RunStore(db).runs()["status"].tolist() == ["completed"]
 
 
@@ -231,6 +237,17 @@ def test_final_table_shows_nan_instead_of_hiding_it(tmp_path):
     )
     assert second["layer"] == "dense_2" and second["nonfinite"] == 5
     assert np.isnan(second["max_abs"]) and np.isnan(second["l2_norm"])
+
+
+def test_a_run_that_did_not_complete_ends_its_bar_with_its_status(tmp_path, capsys):
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run({"record_every": 1}, source="cli", total_steps=300)
+    with store.writer(run_id) as writer:
+        writer.progress(3)
+    follower = cli._ProgressFollower(store.path, run_id, RunConfig(steps=300), interval=0.01)
+    follower.finish("diverged")
+    bar = capsys.readouterr().err.splitlines()[-1].split("\r")[-1]
+    assert bar.startswith("diverged:") and "3/300" in bar
 
 
 def test_a_killed_train_reads_interrupted_not_running_for_ever(tmp_path, capsys):

@@ -176,6 +176,7 @@ def test_epochs_run_whole_passes(store):
     run = gradflow.train(config, store=store)
     # digits: 1437 training examples -> 3 batches of 512 per epoch.
     assert run.status == "completed" and run.layer_stats["step"].max() == 6
+    assert store.run_info(run.run_id)["total_steps"] == 6  # "step 2 / 6" while it trains
     assert {"val_loss", "loss"} <= set(run.metrics["name"])
 
 

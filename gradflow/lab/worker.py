@@ -91,6 +91,10 @@ def _train(store, run_id):
     inputs = fit_inputs(data, config.batch_size, config.seed)
     epochs = config.epochs or math.ceil(config.steps / inputs["steps_per_epoch"])
     total_steps = config.steps if config.epochs is None else epochs * inputs["steps_per_epoch"]
+    if config.epochs is not None:
+        # Only now, with the data set's size, is a run of epochs' length known:
+        # progress bars and the Runs page show "step 40 / 450", not "step 40".
+        store.set_total_steps(run_id, int(total_steps))
     # Several steps per call of the compiled function; the same steps, batches
     # and statistics as one per call (`tests/test_runner.py`).
     model.steps_per_execution = (
