@@ -296,6 +296,16 @@ def test_the_saved_loss_comes_back_with_its_settings(tmp_path, loss, expected):
 # ---------------------------------------------------------------- code execution
 
 
+def test_a_model_saved_before_it_was_built_is_explained_not_keras_words(tmp_path):
+    model = keras.Sequential([keras.layers.Dense(4), keras.layers.Dense(2)])
+    path = tmp_path / "unbuilt.keras"
+    with pytest.warns(UserWarning, match="not yet been built"):
+        model.save(path)
+    with pytest.raises(UnsafeInputError, match="saved before it was built") as caught:
+        safe_load_model(path)
+    assert "count_params" not in str(caught.value)
+
+
 def test_lambda_layer_that_writes_a_file_is_refused(tmp_path):
     canary = tmp_path / "canary.txt"
     # Built from source text so the saved bytecode holds the path as a constant.

@@ -137,11 +137,18 @@ def _rehearse(request):
 
     import keras
 
+    from gradflow.safety.errors import UnsafeInputError
+
     model = keras.saving.load_model(path, safe_mode=True, compile=False)
+    if not model.built:
+        # Keras's own words here are about `count_params` and `layer.build`.
+        raise UnsafeInputError(
+            "This model was saved before it was built, so it has no weights yet and no "
+            "gradients of its own to show. Call it on one batch (or start it with "
+            "`keras.Input(shape=...)`), then save it again."
+        )
     params = int(model.count_params())
     if params > request["max_weight_entries"]:
-        from gradflow.safety.errors import UnsafeInputError
-
         raise UnsafeInputError(
             f"The model builds {params:,} weight values, over the limit of "
             f"`max_weight_entries`={request['max_weight_entries']:,}."
