@@ -1,4 +1,5 @@
-"""Browser sessions and their runs: a reload keeps the run, a closed tab stops it."""
+"""Browser sessions and their runs: a reload keeps the run, a closed tab stops it
+(once no other tab that started or opened it is open)."""
 
 import re
 import time
@@ -49,7 +50,16 @@ def test_reload_keeps_the_run_and_a_closed_tab_stops_it(chromium, tmp_path, arti
         time.sleep(8)  # longer than the grace period: the reloaded session owns the run now
         assert store.status(run_id) == "running"
 
-        context.close()  # the student closes the tab
+        # A student opens the teacher's link to the run, looks, and closes the tab.
+        visitor = chromium.new_context()
+        look = visitor.new_page()
+        look.goto(page.url)
+        look.get_by_text(re.compile(r"Training · step \d+")).first.wait_for(timeout=60_000)
+        visitor.close()
+        time.sleep(8)  # longer than the grace period: the teacher's tab still owns the run
+        assert store.status(run_id) == "running"
+
+        context.close()  # the teacher closes the tab
         assert _wait_status(store, run_id, {"stopped", "completed"}, 60) == "stopped"
 
 

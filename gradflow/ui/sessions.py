@@ -2,9 +2,11 @@
 
 A student who closes the tab should not leave a worker training for nobody
 on a shared classroom server. Each run started from the dashboard is owned by
-the browser session that started (or last opened) it; a reaper thread stops
-active runs whose owner has been gone for `GRACE_SECONDS`. A page reload
-keeps the run: the run id is in the URL, and the new session claims it.
+the browser sessions that started or opened it; a reaper thread stops active
+runs whose owners have all been gone for `GRACE_SECONDS`. A page reload keeps
+the run: the run id is in the URL, and the new session claims it. A student
+who opens the teacher's shared link and closes it again leaves the teacher's
+run training: the teacher's own session still owns it.
 """
 
 import os
@@ -30,8 +32,8 @@ class SessionOwnership:
     def __init__(self, store, grace_seconds=GRACE_SECONDS):
         self.store = store
         self.grace_seconds = grace_seconds
-        self._owner = {}  # run_id -> session id
-        self._gone_since = {}  # run_id -> monotonic time its owner was first missed
+        self._owners = {}  # run_id -> ids of the sessions that started or opened it
+        self._gone_since = {}  # run_id -> monotonic time its last owner was first missed
         self._lock = threading.Lock()
         self._thread = threading.Thread(
             target=self._loop, name="gradflow-session-reaper", daemon=True
@@ -39,16 +41,16 @@ class SessionOwnership:
         self._thread.start()
 
     def claim(self, run_id):
-        """Make the current browser session the owner of `run_id`."""
+        """Make the current browser session one of the owners of `run_id`."""
         ctx = get_script_run_ctx()
         if ctx is None:
             return
         with self._lock:
-            self._owner[run_id] = ctx.session_id
+            self._owners.setdefault(run_id, set()).add(ctx.session_id)
             self._gone_since.pop(run_id, None)
 
     def reap(self, now=None):
-        """Stop active runs whose session has been gone longer than the grace period.
+        """Stop active runs whose sessions have all been gone longer than the grace period.
 
         Returns:
             The run ids asked to stop.
@@ -59,8 +61,10 @@ class SessionOwnership:
         session_manager = Runtime.instance()._session_mgr
         stopped = []
         with self._lock:
-            for run_id, session_id in list(self._owner.items()):
-                if session_manager.is_active_session(session_id):
+            for run_id, sessions in list(self._owners.items()):
+                # A session that is gone is kept: one whose connection only
+                # dropped comes back with its id and claims nothing again.
+                if any(session_manager.is_active_session(s) for s in sessions):
                     self._gone_since.pop(run_id, None)
                     continue
                 first_missed = self._gone_since.setdefault(run_id, now)
@@ -69,7 +73,7 @@ class SessionOwnership:
                 if self.store.status(run_id) in ("queued", "running", "paused"):
                     self.store.request(run_id, "stop")
                     stopped.append(run_id)
-                del self._owner[run_id]
+                del self._owners[run_id]
                 self._gone_since.pop(run_id, None)
         return stopped
 
