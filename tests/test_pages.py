@@ -1,5 +1,6 @@
 """Every dashboard page runs without an exception and shows its widgets (Streamlit AppTest)."""
 
+import dataclasses
 import json
 import pathlib
 import sqlite3
@@ -37,7 +38,7 @@ def without_run_board(monkeypatch):
     monkeypatch.setattr(resources, "run_board", lambda: None)
 
 
-def run_page(name, **query):
+def run_page(name, /, **query):
     from streamlit.testing.v1 import AppTest
 
     app = AppTest.from_file(str(REPO / "pages" / name), default_timeout=120)
@@ -1011,6 +1012,12 @@ def test_runs_are_named_by_what_sets_them_apart():
     assert run_name(exploding) == "relu · depth 10 · random_normal σ=2 · sgd lr=0.05"
     tamed = RunConfig(normalization="batch", clipping="norm")
     assert "batch norm · clip norm" in run_name(tamed)
+    # A SimpleRNN and an LSTM on the adding problem, and a CNN and an MLP, had one name.
+    rnn = RunConfig(architecture="rnn", dataset="adding", depth=1, activation="tanh")
+    assert run_name(rnn).startswith("SimpleRNN · tanh · depth 1")
+    assert run_name(rnn).endswith("· on adding")
+    assert run_name(dataclasses.replace(rnn, rnn_cell="lstm")).startswith("LSTM · tanh")
+    assert run_name(RunConfig(architecture="cnn")).startswith("CNN · relu")
 
     app = run_page("live_training.py")
     next(s for s in app.selectbox if s.label == "Preset").set_value("large_init").run()
@@ -1018,6 +1025,48 @@ def test_runs_are_named_by_what_sets_them_apart():
     assert app.session_state["cfg._config"].name == PRESETS["large_init"].title
     next(s for s in app.slider if s.label == "Depth").set_value(3).run()
     assert app.session_state["cfg._config"].name is None  # no longer the preset
+
+
+def test_a_preset_or_link_trains_its_settings_that_have_no_widget():
+    """The LSTM preset trained sequences of 50 from 1,000 examples, not its 30 from 2,000,
+    under another name; a link's sequence length, loss and name were dropped."""
+    from gradflow.lab.config import RunConfig
+    from gradflow.lab.presets import PRESETS
+
+    app = run_page("live_training.py")
+    next(s for s in app.selectbox if s.label == "Preset").set_value("rnn_lstm").run()
+    next(b for b in app.button if b.label == "Load preset").click().run()
+    assert app.session_state["cfg._config"] == PRESETS["rnn_lstm"].config
+    assert app.query_params["sequence_length"] == "30"  # the link says it too
+    next(s for s in app.select_slider if s.label == "Learning rate").set_value(0.1).run()
+    changed = app.session_state["cfg._config"]
+    assert (changed.sequence_length, changed.n_samples, changed.rnn_cell) == (30, 2000, "lstm")
+    assert changed.name is None  # no longer the preset's experiment
+
+    link = {
+        "architecture": "rnn",
+        "dataset": "adding",
+        "depth": "1",
+        "sequence_length": "30",
+        "loss": "mae",
+        "name": "My LSTM demo",
+        "epochs": "2",
+    }
+    linked = run_page("live_training.py", **link)
+    config = linked.session_state["cfg._config"]
+    assert (config.sequence_length, config.loss, config.name, config.epochs) == (
+        30,
+        "mae",
+        "My LSTM demo",
+        2,
+    )
+    next(s for s in linked.select_slider if s.label == "Steps").set_value(100).run()
+    assert linked.session_state["cfg._config"].epochs is None  # a length in steps now
+
+    # Whoever sends a link must not choose a file on the server for the run to read.
+    hostile = run_page("live_training.py", dataset="file", data_path="/etc/passwd")
+    assert hostile.session_state["cfg._config"] == RunConfig()
+    assert any("cannot choose a data file" in w.value for w in hostile.warning)
 
 
 def test_an_ended_runs_alerts_are_pointed_to_from_every_view(page_environment):

@@ -532,12 +532,18 @@ def run_name(config):
     """A short name a student recognises in a list of runs.
 
     The settings a lesson varies, where they differ from the defaults: two
-    runs that differ only in their initializer once had the same name.
+    runs that differ only in their initializer once had the same name, and
+    so did a SimpleRNN and an LSTM (the name starts exported files' names).
     """
     if config.name:
         return config.name
     default = RunConfig()
-    parts = [config.activation, f"depth {config.depth}"]
+    parts = []
+    if config.architecture == "rnn":
+        parts.append(_RNN_WORDS[config.rnn_cell])
+    elif config.architecture != default.architecture:
+        parts.append(_ARCHITECTURE_WORDS[config.architecture])
+    parts += [config.activation, f"depth {config.depth}"]
     if config.initializer != default.initializer:
         parts.append(
             f"{config.initializer} σ={config.init_stddev:g}"
@@ -549,4 +555,10 @@ def run_name(config):
         if value != getattr(default, field):
             parts.append(words.format(value))
     parts.append(f"{config.optimizer} lr={config.learning_rate:g}")
+    if config.dataset != default.dataset:
+        parts.append(f"on {config.dataset}")
     return " · ".join(parts)
+
+
+_RNN_WORDS = {"simple_rnn": "SimpleRNN", "lstm": "LSTM", "gru": "GRU"}
+_ARCHITECTURE_WORDS = {"cnn": "CNN", "residual_mlp": "residual MLP"}

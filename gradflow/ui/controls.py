@@ -134,10 +134,17 @@ def _with_option(options, value):
 
 
 def load_config_into_widgets(config, prefix="cfg"):
-    """Put a `RunConfig`'s values into the form's widgets (call before they render)."""
+    """Put a `RunConfig`'s values into the form's widgets (call before they render).
+
+    Its settings that have no widget (a preset's sequence length, its title)
+    stay with the form: `config_from_widgets` keeps them.
+    """
     for field, *_ in WIDGETS:
         st.session_state[_key(prefix, field)] = _to_widget(field, getattr(config, field))
     st.session_state[_key(prefix, "_config")] = config
+    # A run the CLI trained on a file: the form does not read files on the
+    # server (its links would then choose them), so it says the file is missing.
+    st.session_state[_key(prefix, "_base")] = dataclasses.replace(config, data_path=None)
 
 
 def lab_config_of(info):
@@ -152,8 +159,15 @@ def lab_config_of(info):
 
 def _initial_config():
     """The configuration in the URL query, or the defaults when the link is broken."""
+    query = st.query_params.to_dict()
+    if "data_path" in query or query.get("dataset") == "file":
+        # Whoever sends the link would choose a file on the server for it to read.
+        return RunConfig(), (
+            "A link cannot choose a data file on the server: the dashboard trains on its "
+            "own data sets (use `gradflow train --data-path` for yours). Using the defaults."
+        )
     try:
-        settings = {k: v for k, v in st.query_params.to_dict().items() if k in _FIELD_NAMES}
+        settings = {k: v for k, v in query.items() if k in _FIELD_NAMES}
         return RunConfig.from_query(settings), None
     except ValueError as error:
         return RunConfig(), f"The link's settings were not valid ({error}). Using the defaults."
@@ -228,6 +242,7 @@ def training_form(prefix="cfg", container=None, sync_url=True):
     if remembered not in st.session_state:
         config, warning = _initial_config() if sync_url else (RunConfig(), None)
         st.session_state[remembered] = config
+        st.session_state[_key(prefix, "_base")] = config
         if warning:
             st.session_state[_key(prefix, "_warning")] = warning
     # Streamlit forgets widget values on pages that do not draw them; refill
@@ -254,10 +269,6 @@ def training_form(prefix="cfg", container=None, sync_url=True):
     except ValueError as error:
         problem.error(_in_words(str(error)), icon=":material/error:")
         return None
-    preset = PRESETS.get(st.session_state.get(_key(prefix, "_loaded_preset")))
-    if preset is not None and _unnamed(config) == _unnamed(preset.config):
-        # Its runs keep the preset's title until a setting changes.
-        config = preset.config
     st.session_state[remembered] = config
     if sync_url:
         # Keep what is not a setting (the open run) in the link.
@@ -273,6 +284,12 @@ def config_from_widgets(prefix="cfg"):
     again: a click that arrives together with a changed setting gets the
     changed setting.
 
+    The settings no widget shows (a preset's or a link's sequence length,
+    number of examples, loss, epochs) come from the configuration the form
+    was loaded with, a preset's or a link's; so does its name (a preset's
+    title), while every setting is still that configuration's. Epochs stay
+    while the Steps slider is where it was.
+
     Args:
         prefix: The form's session-state key prefix. Defaults to `"cfg"`.
 
@@ -285,14 +302,18 @@ def config_from_widgets(prefix="cfg"):
     values = {
         field: _from_widget(field, st.session_state[_key(prefix, field)]) for field, *_ in WIDGETS
     }
-    return RunConfig(**values)
+    base = st.session_state.get(_key(prefix, "_base")) or RunConfig()
+    if values["steps"] != base.steps:
+        values["epochs"] = None  # the student chose a length in steps
+    config = dataclasses.replace(base, name=None, **values)
+    # A preset's runs keep its title until a setting changes.
+    return base if config == _unnamed(base) else config
 
 
 def _apply_preset(prefix):
     name = st.session_state[_key(prefix, "_preset")]
     if name in PRESETS:
         load_config_into_widgets(PRESETS[name].config, prefix)
-        st.session_state[_key(prefix, "_loaded_preset")] = name
 
 
 def _unnamed(config):
