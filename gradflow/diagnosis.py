@@ -157,6 +157,14 @@ def _nonfinite_mask(table):
     return flagged
 
 
+def _every_layer_broken(table, step):
+    """Whether every layer recorded at `step` has a non-finite gradient (and there are several)."""
+    at_step = table[table["step"] == step]
+    layers = at_step.groupby("layer_index", observed=True).size().index
+    broken = at_step[_nonfinite_mask(at_step)]["layer_index"].unique()
+    return len(layers) > 1 and len(broken) == len(layers)
+
+
 def first_nonfinite(layer_stats):
     """Find the first step and the first layer, in backprop order, with a NaN/Inf gradient.
 
@@ -502,17 +510,29 @@ def diagnose(layer_stats, thresholds=None):
     origin = first_nonfinite(table)
     if origin is not None:
         count = "" if math.isnan(origin.count) else f", {origin.count:.0f} entries"
+        if _every_layer_broken(table, origin.step):
+            # A NaN made in the forward pass (or the loss) reaches every
+            # gradient at once: the layer nearest the loss is then only where
+            # backprop starts, not where the NaN was made.
+            where = (
+                f"Every layer's gradient turned NaN/Inf at once, from {origin.layer} down: "
+                "what a NaN or infinite loss gives. It was most likely made in the forward "
+                "pass (a layer's output: a log or square root of a negative number, a "
+                "division by zero, an overflow from large weights or a large learning rate) "
+                "or in the loss; gradients cannot say which layer made it."
+            )
+        else:
+            where = (
+                "It is the layer nearest the loss with a broken gradient, so the NaN starts "
+                "here or in the loss; the layers below only inherit it."
+            )
         events.append(
             (
                 origin.step,
                 origin.layer,
                 "nonfinite",
-                (
-                    f"Layer {origin.layer}: first non-finite (NaN/Inf) gradient at step "
-                    f"{origin.step} ({origin.tensor}{count}). It is the layer nearest the loss "
-                    "with a broken gradient, so the NaN starts here or in the loss; the layers "
-                    "below only inherit it."
-                ),
+                f"Layer {origin.layer}: first non-finite (NaN/Inf) gradient at step "
+                f"{origin.step} ({origin.tensor}{count}). {where}",
             )
         )
     norms = _layer_norms(table)

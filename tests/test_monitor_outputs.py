@@ -76,6 +76,46 @@ def test_nonfinite_origin_is_the_layer_nearest_the_loss(activations):
     assert step3[("blowup", "scale")] > 0 and step3[("below", "kernel")] > 0
     assert step3[("above", "kernel")] == 0
     assert monitor.history.query("step < 3")["nonfinite"].sum() == 0
+    # A NaN made in backprop, below a finite layer: its origin is named.
+    assert "nearest the loss" in events["message"].iloc[0]
+
+
+class ForwardLog(keras.layers.Layer):
+    """log(x): NaN in the forward pass where x < 0."""
+
+    def call(self, x):
+        return keras.ops.log(x)
+
+
+def test_a_nan_made_in_the_forward_pass_is_not_blamed_on_the_layer_nearest_the_loss():
+    """A log of a negative number in a middle layer was reported as starting in the output
+    layer, "the layers below only inherit it"."""
+    from gradflow import diagnose
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(3, kernel_initializer="identity", name="pre"),
+            ForwardLog(name="log"),
+            keras.layers.Dense(1, name="out"),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.uniform(1.0, 2.0, size=(N, 3)).astype("float32")
+    x[2 * BATCH] = -1.0  # in the batch of step 3
+    y = rng.normal(size=(N, 1)).astype("float32")
+    monitor = GradientMonitor(stop_on_nonfinite=True)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+
+    event = monitor.events.query("kind == 'nonfinite'").iloc[0]
+    assert event["step"] == 3
+    assert "The loss itself was NaN at step 3" in event["message"]
+    assert "forward pass" in event["message"] and "nearest the loss" not in event["message"]
+    found = diagnose(monitor.history).query("kind == 'nonfinite'").iloc[0]
+    assert "Every layer's gradient turned NaN/Inf at once" in found["message"]
+    assert "only inherit" not in found["message"]
 
 
 class HeadFirst(keras.Model):
@@ -158,6 +198,48 @@ def test_an_encoder_read_through_its_states_alone_has_its_gradient(in_step, monk
     assert shot.no_gradient == {}
     outputs = shot.activations.set_index("layer")
     np.testing.assert_allclose(outputs.loc["encoder", "l2_norm"], expected, rtol=1e-5)
+
+
+def weight_free_first_layers():
+    """A model whose first layers depend on no variable, and dLoss/d(their outputs) at step 1."""
+    keras.utils.set_random_seed(2)
+    left, right = keras.Input((3,), name="left"), keras.Input((2,), name="right")
+    joined = keras.layers.Concatenate(name="joined")([left, right])
+    scaled = keras.layers.Rescaling(2.0, name="scaled")(joined)
+    hidden = keras.layers.Dense(4, activation="tanh", name="hidden")(scaled)
+    model = keras.Model([left, right], keras.layers.Dense(1, name="out")(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    rng = np.random.default_rng(2)
+    x = [rng.normal(size=(N, 3)).astype("float32"), rng.normal(size=(N, 2)).astype("float32")]
+    y = rng.normal(size=(N, 1)).astype("float32")
+    # Reference: the first batch through the same layers, outputs watched.
+    with tf.GradientTape() as tape:
+        joined_value = model.get_layer("joined")([x[0][:BATCH], x[1][:BATCH]])
+        tape.watch(joined_value)
+        scaled_value = model.get_layer("scaled")(joined_value)
+        tape.watch(scaled_value)
+        prediction = model.get_layer("out")(model.get_layer("hidden")(scaled_value))
+        loss = keras.losses.MeanSquaredError()(y[:BATCH], prediction)
+    expected = [float(tf.norm(g)) for g in tape.gradient(loss, [joined_value, scaled_value])]
+    return model, x, y, dict(zip(["joined", "scaled"], expected, strict=True))
+
+
+@pytest.mark.parametrize("in_step", [False, True])
+def test_layers_that_depend_on_no_variable_have_their_output_gradient(in_step, monkeypatch):
+    """A Rescaling or a Concatenate of the inputs first had no row and an event saying the
+    loss did not depend on it: the tape had never seen their outputs."""
+    if in_step:
+        monkeypatch.setattr(deferred, "MAX_PARAMETERS", 0)
+    model, x, y, expected = weight_free_first_layers()
+    monitor = GradientMonitor(activations=True)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+
+    assert monitor._plan.deferred is not in_step
+    first = monitor.history.query("step == 1 and tensor == 'activation'").set_index("layer")
+    assert list(first.index) == ["joined", "scaled", "hidden", "out"]
+    for layer, norm in expected.items():
+        np.testing.assert_allclose(first.loc[layer, "l2_norm"], norm, rtol=1e-5)
+    assert monitor.events.query("kind == 'no_gradient'").empty
 
 
 # every=1 takes the deferred path of small models (a finiteness check of the

@@ -7,6 +7,9 @@ something it depends on changed. Every case is checked against the
 hand-written tape loop of `tests/test_monitor.py`.
 """
 
+import os
+import pathlib
+
 import keras
 import numpy as np
 import pandas as pd
@@ -257,6 +260,47 @@ def test_a_fit_a_callback_broke_is_closed_by_the_next_one(tmp_path):
     # A plain fit now runs Keras's own step, which does not halt on a NaN.
     model.fit(np.full_like(x, np.nan), y, batch_size=BATCH, verbose=0)
     assert not np.isfinite(model.get_weights()[0]).any()
+
+
+_SCRIPT_A_CALLBACK_KILLS = """
+import sys
+import keras, numpy as np
+import gradflow
+
+class Broken(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            raise RuntimeError("a bug in someone's callback")
+
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+x, y = np.ones((40, 3), "float32"), np.ones((40, 1), "float32")
+monitor = gradflow.GradientMonitor(store=sys.argv[1])
+model.fit(x, y, batch_size=4, verbose=0, callbacks=[monitor, Broken()])
+"""
+
+
+def test_a_script_that_dies_of_another_callbacks_error_keeps_its_steps_stored(tmp_path):
+    """The store kept none of the 3 recorded steps, and the run read "running" for ever:
+    no next `fit` came to close it."""
+    import subprocess
+    import sys
+
+    from gradflow.store import RunStore
+
+    script = tmp_path / "script.py"
+    script.write_text(_SCRIPT_A_CALLBACK_KILLS)
+    db = tmp_path / "runs.db"
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parent.parent))
+    result = subprocess.run(
+        [sys.executable, str(script), str(db)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 1 and "someone's callback" in result.stderr
+    store = RunStore(db)
+    info = store.run_info(store.runs()["run_id"].iloc[0])
+    assert info["status"] == "failed" and "someone's callback" in info["message"]
+    assert sorted(store.layer_stats(info["run_id"])["step"].unique()) == [1, 2, 3]
 
 
 @pytest.mark.parametrize("next_call", ["fit", "train_on_batch"])

@@ -1,10 +1,14 @@
 """`GradientMonitor`: per-layer gradient statistics of `model.fit`, every step."""
 
+import atexit
+import contextlib
 import itertools
 import math
 import os
+import sys
 import threading
 import time
+import weakref
 
 import keras
 import numpy as np
@@ -394,6 +398,7 @@ class GradientMonitor(keras.callbacks.Callback):
     def _begin_fit(self):
         model = self.model
         self._watch_for_the_next_fit()
+        _IN_A_FIT.add(self)
         self._clipping = not self._plan.probing and clipping_optimizer(model.optimizer) is not None
         # `_last_step` and `_final_step` count as the optimizer does (the
         # ring's steps); every step this monitor reports adds `_step_offset`.
@@ -596,6 +601,7 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def _close_outputs(self, status, message):
         """Close the TensorBoard files and the store writer; `status` only if this run is ours."""
+        _IN_A_FIT.discard(self)
         summaries, self._summaries = self._summaries, None
         writer, self._writer = self._writer, None
         try:
@@ -649,7 +655,7 @@ class GradientMonitor(keras.callbacks.Callback):
         # With its layout: a later `fit` of this monitor may have other rows (a frozen layer).
         self._blocks.append((steps, stats, metrics, histograms, self._layout))
         self._frames = None
-        self._check_nonfinite(steps, stats)
+        self._check_nonfinite(steps, stats, metrics)
         if self._writer is not None or self._summaries is not None:
             self._publish(steps, stats, metrics, histograms)
 
@@ -676,20 +682,35 @@ class GradientMonitor(keras.callbacks.Callback):
                 continue  # by an earlier `fit` of this monitor
             self._add_event(step, layer, "no_gradient", no_gradient_message(layer, tensors))
 
-    def _check_nonfinite(self, steps, stats):
+    def _check_nonfinite(self, steps, stats, metrics):
         if self._nonfinite_step is not None:
             return
-        for step, block in zip(steps, stats, strict=False):
+        for step, block, values in zip(steps, stats, metrics, strict=False):
             row = nonfinite_origin(block, self._layout)
             if row is None:
                 continue
             layer, tensor = self._layout.layers[row], self._layout.tensors[row]
             count = int(block[row, schema.STATISTICS.index("nonfinite")])
-            message = (
-                f"First non-finite gradient at step {int(step)}: {count} NaN/Inf entries in "
-                f"the {tensor} gradient of layer {layer!r} (the layer nearest the loss "
-                "with one; backpropagation carried it towards the input from there)."
-            )
+            loss = float(values[STEP_METRICS.index("loss")])
+            if math.isfinite(loss):
+                message = (
+                    f"First non-finite gradient at step {int(step)}: {count} NaN/Inf entries "
+                    f"in the {tensor} gradient of layer {layer!r} (the layer nearest the loss "
+                    "with one; backpropagation carried it towards the input from there)."
+                )
+            else:
+                # Every gradient comes from the loss: all of them are NaN, and
+                # the layer nearest the loss is only where backprop starts.
+                message = (
+                    f"The loss itself was {'NaN' if math.isnan(loss) else 'infinite'} at step "
+                    f"{int(step)}, so every gradient is non-finite (NaN/Inf) from layer {layer!r} "
+                    "down. "
+                    "The NaN/Inf was made in the forward pass: a layer's output (a log or "
+                    "square root of a negative number, a division by zero, an overflow from "
+                    "large weights or a large learning rate) or the loss. Gradients cannot "
+                    "say which layer made it; the steps before show how the weights and "
+                    "gradients grew."
+                )
             self._nonfinite_step = int(step)
             self._add_event(int(step), layer, "nonfinite", message)
             if self.stop_on_nonfinite:
@@ -925,6 +946,22 @@ def _layer_history(blocks):
 
 
 _ENDED_OUTSIDE_THE_STEP = "`fit` ended with an error outside the train step (in a callback?)"
+
+# Monitors whose `fit` has begun and not ended. When another callback raises,
+# Keras calls none of the monitor's hooks; if the script then dies of that
+# error, nothing else would store the steps still in the ring or close the
+# run, which would read "running" with none of its steps.
+_IN_A_FIT = weakref.WeakSet()
+
+
+@atexit.register
+def _close_runs_left_open():
+    for monitor in list(_IN_A_FIT):
+        # The error that ends the program, if one does (set before exit hooks run).
+        error = getattr(sys, "last_value", None) or RuntimeError(_ENDED_OUTSIDE_THE_STEP)
+        with contextlib.suppress(Exception):  # Exiting must not fail here.
+            monitor._abandon(error)
+
 
 # The `(monitor, params)` of the monitor recording a model's current `fit`.
 _OWNER = "_gradflow_monitor"

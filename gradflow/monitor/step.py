@@ -198,7 +198,7 @@ def instrumented_train_step(plan):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
 
         # Forward pass
-        with tf.GradientTape() as tape, _layer_outputs(plan) as outputs:
+        with tf.GradientTape() as tape, _layer_outputs(plan, tape) as outputs:
             if model._call_has_training_arg:
                 y_pred = model(x, training=True)
             else:
@@ -453,7 +453,7 @@ def probed_train_step(plan, original_train_step, probe_every, probe_loss=None):
     plan.probing = True
 
     def probe(x, y, sample_weight, upcoming, when):
-        with tf.GradientTape() as tape, _layer_outputs(plan) as outputs:
+        with tf.GradientTape() as tape, _layer_outputs(plan, tape) as outputs:
             # Inference mode: a second training-mode call would update batch
             # norm statistics and advance dropout seeds behind the model's back.
             y_pred = model(x, training=False) if model._call_has_training_arg else model(x)
@@ -822,10 +822,12 @@ class _WeightSegments:
         return self.groups.max_abs(values)
 
 
-def _layer_outputs(plan):
+def _layer_outputs(plan, tape):
     # Always, also without activation rows: the order of the calls numbers
-    # the layers. It costs the trace only; unused outputs add no work.
-    return record_layer_outputs(plan.model)
+    # the layers. It costs the trace only; unused outputs add no work. The
+    # tape watches each output, so that a layer that depends on no variable
+    # (a Rescaling first) has its gradient too.
+    return record_layer_outputs(plan.model, watch=tape.watch)
 
 
 def _gradients(plan, tape, loss, variables, outputs):

@@ -193,7 +193,7 @@ def reached_outputs(tensors, others, gradients):
 
 
 @contextlib.contextmanager
-def record_layer_outputs(model, layers=None):
+def record_layer_outputs(model, layers=None, watch=None):
     """Record the output of every leaf layer called inside the block.
 
     Example:
@@ -211,6 +211,10 @@ def record_layer_outputs(model, layers=None):
         model: The Keras model (or layer) whose leaf layers are recorded.
         layers: Optional list of `(path, layer)` to record instead of
             `leaf_layers(model)`.
+        watch: Optional; a tape's `watch`, called on every float output. A
+            layer whose output depends on no variable (a `Rescaling` or
+            `Flatten` first, a `Concatenate` of the inputs) is otherwise not
+            on the tape, and its output gradient reads as unreached.
 
     Yields:
         A `LayerOutputs`, filled while the block runs.
@@ -226,6 +230,10 @@ def record_layer_outputs(model, layers=None):
 
             def recording_call(*args, _path=path, _layer=layer, _original=original, **kwargs):
                 result = _original(*args, **kwargs)
+                if watch is not None:
+                    for tensor in keras.tree.flatten(result):
+                        if _is_float(tensor):
+                            watch(tensor)
                 outputs._add(_path, _layer, result)
                 return result
 
