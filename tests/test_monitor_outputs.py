@@ -378,18 +378,24 @@ def test_attaches_to_an_existing_run_and_leaves_its_status(store_path):
     assert store.run_info(run_id)["status"] == "running"
 
 
-def test_tensorboard_summaries_hold_the_recorded_values(tmp_path):
-    x, y = blow_up_data(bad_step=99)
-    monitor = GradientMonitor(tensorboard_dir=tmp_path, histograms=True)
-    blow_up_model().fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+def read_tensorboard(logdir):
+    """`(scalars, histograms)`: `{(tag, step): array}` from the event files in `logdir`."""
     scalars, histograms = {}, {}
-    for path in glob.glob(str(tmp_path / "events.out.tfevents.*")):
+    for path in glob.glob(str(logdir / "events.out.tfevents.*")):
         for event in tf.compat.v1.train.summary_iterator(path):
             for value in event.summary.value:
                 array = tf.make_ndarray(value.tensor)
                 plugin = value.metadata.plugin_data.plugin_name
                 target = scalars if plugin == "scalars" else histograms
                 target[(value.tag, event.step)] = array
+    return scalars, histograms
+
+
+def test_tensorboard_summaries_hold_the_recorded_values(tmp_path):
+    x, y = blow_up_data(bad_step=99)
+    monitor = GradientMonitor(tensorboard_dir=tmp_path, histograms=True)
+    blow_up_model().fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    scalars, histograms = read_tensorboard(tmp_path)
     expected = monitor.history.set_index(["step", "layer", "tensor"])
     for (step, layer, tensor), row in expected.iterrows():
         tag = f"gradients/{layer}/{tensor}/l2_norm"
@@ -399,6 +405,36 @@ def test_tensorboard_summaries_hold_the_recorded_values(tmp_path):
         np.testing.assert_allclose(scalars[("gradflow/loss", step)], value, rtol=1e-6)
     buckets = histograms[("log10_abs_gradient/below/kernel", 1)]
     assert buckets.shape == (schema.HISTOGRAM_BINS, 3) and buckets[:, 2].sum() == 12
+
+
+def test_tensorboard_shows_the_step_that_broke_and_every_metric(tmp_path):
+    """NaN values were left out, so the curves ended before the blow-up; compiled and
+    validation metrics never reached TensorBoard."""
+    x, y = blow_up_data(bad_step=3)
+    model = blow_up_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", metrics=["mae"])
+    monitor = GradientMonitor(tensorboard_dir=tmp_path)
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        validation_data=(x[:BATCH], y[:BATCH]),
+        callbacks=[monitor],
+    )
+    scalars, _ = read_tensorboard(tmp_path)
+    broken = monitor.history.query("step == 3 and layer == 'blowup'").iloc[0]
+    assert not np.isfinite(broken["l2_norm"])
+    assert not np.isfinite(scalars[("gradients/blowup/scale/l2_norm", 3)])
+    assert scalars[("gradients/blowup/scale/nonfinite", 3)] == broken["nonfinite"] > 0
+    assert ("gradients/above/kernel/nonfinite", 3) not in scalars  # finite there
+    assert ("gradients/below/kernel/update_ratio", 1) in scalars
+    metrics = monitor.metrics
+    for name in ("mae", "val_loss", "val_mae"):
+        step, value = metrics.query("name == @name")[["step", "value"]].iloc[-1]
+        np.testing.assert_allclose(scalars[(f"gradflow/{name}", int(step))], value, rtol=1e-6)
 
 
 class OwnStep(keras.Model):

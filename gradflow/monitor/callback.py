@@ -762,6 +762,8 @@ class GradientMonitor(keras.callbacks.Callback):
         self._frames = None
         if self._writer is not None:
             self._writer.add_metrics(step, values)
+        if self._summaries is not None:
+            self._summaries.write_metrics(step, values)
 
     def _add_event(self, step, layer, kind, message):
         self._events.append((step, layer, kind, message))

@@ -16,6 +16,9 @@ from gradflow import schema
 
 # Per-layer statistics written as scalars (the rest stay in the store).
 SCALAR_COLUMNS = ("l2_norm", "max_abs", "weight_norm", "update_ratio", "l2_norm_clipped")
+# The metrics whose NaN means "does not apply" (a batch that only
+# accumulates its gradient is not clipped); any other NaN is training's.
+NAN_MEANS_NOT_APPLICABLE = ("global_norm_clipped", "clipped")
 
 
 def _metadata(plugin_name):
@@ -43,6 +46,12 @@ class SummaryWriter:
     Tags: `gradients/<layer>/<tensor>/<statistic>`, `gradflow/<metric>` and
     `log10_abs_gradient/<layer>/<tensor>` (a histogram over log10|g|).
 
+    A NaN that means "does not apply" (no update ratio at a layer's first
+    step, no clipped norm without clipping) is left out; a NaN of a broken
+    step is written, with `gradients/<layer>/<tensor>/nonfinite` (the count
+    of NaN/Inf entries), so TensorBoard's curves show the step that broke
+    instead of ending before it.
+
     Args:
         logdir: The folder TensorBoard reads (`tensorboard --logdir ...`).
     """
@@ -63,25 +72,15 @@ class SummaryWriter:
         """
         with self._writer.as_default():
             for row in layer_stats.itertuples(index=False):
-                for column in SCALAR_COLUMNS:
+                broken = getattr(row, "nonfinite", 0) > 0
+                columns = SCALAR_COLUMNS + (("nonfinite",) if broken else ())
+                for column in columns:
                     value = getattr(row, column)
-                    if np.isnan(value):
+                    if np.isnan(value) and not broken:
                         continue
-                    tf.summary.write(
-                        f"gradients/{row.layer}/{row.tensor}/{column}",
-                        tf.constant(value, tf.float32),
-                        step=int(row.step),
-                        metadata=self._scalar,
-                    )
+                    self._scalar_at(f"gradients/{row.layer}/{row.tensor}/{column}", value, row.step)
             for row in metrics.itertuples(index=False):
-                if np.isnan(row.value):
-                    continue
-                tf.summary.write(
-                    f"gradflow/{row.name}",
-                    tf.constant(row.value, tf.float32),
-                    step=int(row.step),
-                    metadata=self._scalar,
-                )
+                self._metric(row.step, row.name, row.value)
             for step, layer, tensor, counts in histograms or ():
                 buckets = np.stack([self._left, self._right, counts], axis=1)
                 tf.summary.write(
@@ -90,6 +89,20 @@ class SummaryWriter:
                     step=int(step),
                     metadata=self._histogram,
                 )
+
+    def write_metrics(self, step, values):
+        """Write `{name: value}` of one step (compiled and validation metrics) as `gradflow/<name>`."""
+        with self._writer.as_default():
+            for name, value in values.items():
+                self._metric(step, name, value)
+
+    def _metric(self, step, name, value):
+        if np.isnan(value) and name in NAN_MEANS_NOT_APPLICABLE:
+            return
+        self._scalar_at(f"gradflow/{name}", value, step)
+
+    def _scalar_at(self, tag, value, step):
+        tf.summary.write(tag, tf.constant(value, tf.float32), step=int(step), metadata=self._scalar)
 
     def close(self):
         self._writer.flush()
