@@ -603,6 +603,22 @@ def test_constructor_refuses_arguments_of_the_wrong_kind(kwargs, message):
         GradientMonitor(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"store": "{tmp}"}, "`store` must be a run-store file, got the folder"),
+        ({"store": "{tmp}/notes.csv"}, "`store`='.*notes.csv' is not a gradflow run store"),
+        ({"tensorboard_dir": "{tmp}/notes.csv"}, "`tensorboard_dir` must be a folder"),
+    ],
+)
+def test_paths_that_cannot_be_used_are_refused_by_name_before_fit(tmp_path, kwargs, message):
+    """They failed at the start of `fit` in SQLite's or TensorFlow's words, naming neither."""
+    (tmp_path / "notes.csv").write_text("a,b\n1,2\n")
+    kwargs = {key: value.replace("{tmp}", str(tmp_path)) for key, value in kwargs.items()}
+    with pytest.raises(ValueError, match=message):
+        GradientMonitor(**kwargs)
+
+
 def test_snapshot_refuses_an_empty_batch_and_a_missing_model():
     from gradflow import snapshot
 

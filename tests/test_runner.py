@@ -112,7 +112,7 @@ def test_several_steps_per_call_train_exactly_as_one_step_per_call(store, monkey
                 activation="linear",
             ),
             "diverged",
-            "non-finite gradient",
+            "every gradient is non-finite",
         ),
         (
             RunConfig(dataset="file", data_path="/nonexistent/data.npz", steps=5),

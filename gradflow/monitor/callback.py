@@ -36,6 +36,7 @@ from gradflow.monitor.step import (
 )
 from gradflow.monitor.tensorboard import SummaryWriter
 from gradflow.probe.snapshot import resolve_loss
+from gradflow.store.store import check_store_path
 
 # The ring holds this many executions of the train function, so the callback
 # can read it every few batches instead of after each one. A read is a few
@@ -207,6 +208,14 @@ class GradientMonitor(keras.callbacks.Callback):
                 raise ValueError(
                     f"`{name}` must be a string or None, got {type(value).__name__} {value!r}."
                 )
+        # Here, not at the start of `fit` in SQLite's or TensorFlow's words.
+        if isinstance(store, (str, os.PathLike)):
+            check_store_path(store, "store")
+        if tensorboard_dir is not None and os.path.isfile(tensorboard_dir):
+            raise ValueError(
+                "`tensorboard_dir` must be a folder (TensorBoard's --logdir), got the file "
+                f"{os.fspath(tensorboard_dir)!r}."
+            )
         if rules is not None and not isinstance(rules, Thresholds):
             raise ValueError(
                 "`rules` must be a gradflow.diagnosis.Thresholds or None, got "

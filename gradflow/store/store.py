@@ -5,6 +5,7 @@ import os
 import pathlib
 import re
 import socket
+import sqlite3
 import threading
 import time
 import uuid
@@ -81,6 +82,7 @@ class RunStore:
     def __init__(self, path=None, arrow_reads=False):
         self.arrow_reads = bool(arrow_reads)
         self.path = pathlib.Path(path) if path is not None else tables.default_path()
+        check_store_path(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
         self._series_cache = {}  # run key -> _SeriesTable
@@ -652,6 +654,43 @@ class _SeriesTable:
 
     def __len__(self):
         return len(self.frame)
+
+
+class NotARunStoreError(sqlite3.DatabaseError, ValueError):
+    """A path given as a run store is a folder or a file of another kind."""
+
+
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def check_store_path(path, argument="path"):
+    """Raise unless `path` can be a run store: a new or empty file, or an SQLite file.
+
+    SQLite's own words come later and name neither the argument nor the file
+    ("unable to open database file", "file is not a database").
+
+    Args:
+        path: The path to check.
+        argument: The argument's name for the message.
+
+    Raises:
+        NotARunStoreError: a `ValueError` (and `sqlite3.DatabaseError`)
+            naming `argument` and the path.
+    """
+    path = pathlib.Path(path)
+    if path.is_dir():
+        raise NotARunStoreError(
+            f"`{argument}` must be a run-store file, got the folder {str(path)!r}: "
+            f"e.g. {str(path / 'runs.db')!r}."
+        )
+    if path.is_file() and path.stat().st_size > 0:
+        with open(path, "rb") as file:
+            head = file.read(len(_SQLITE_HEADER))
+        if head != _SQLITE_HEADER:
+            raise NotARunStoreError(
+                f"`{argument}`={str(path)!r} is not a gradflow run store (an SQLite file): "
+                f"it starts with {head[:8]!r}. Give a new file name, e.g. 'runs.db'."
+            )
 
 
 def _newer_than(where, params, after_step, column="step"):
