@@ -395,9 +395,11 @@ def _dead_relu(table, thresholds, steps):
                     "dead_relu",
                     (
                         f"Layer {row.layer}: {row.share:.0%} of its {what} entries are exactly 0 "
-                        f"at step {row.step} (more than {limit:.0%}) — many ReLU units are dead: "
-                        "they output 0 for every sample, so no gradient flows through them. Try "
-                        "a smaller learning rate, He initialization or leaky_relu."
+                        f"at step {row.step} (more than {limit:.0%}): no gradient flows through "
+                        "many of its units. With ReLU they are dead (they output 0 for every "
+                        "sample): try a smaller learning rate, He initialization or leaky_relu. "
+                        "With tanh or sigmoid they are saturated (their slope is 0 at ±1): try "
+                        "smaller initial weights or normalization."
                     ),
                 )
             )

@@ -586,6 +586,13 @@ def test_a_layer_that_passes_back_nothing_is_not_called_saturated():
     )
     found = diagnosis.diagnose(table)
     assert found["kind"].tolist() == ["dead_relu"]
+    # The rule cannot see the activation: saturated tanh units give these zeros too, and
+    # "many ReLU units are dead" with ReLU advice was wrong for them.
+    message = found["message"].iloc[0]
+    assert (
+        "With ReLU they are dead" in message
+        and "With tanh or sigmoid they are saturated" in message
+    )
 
 
 @pytest.mark.parametrize(

@@ -699,7 +699,7 @@ _ALERT_WORDS = {
     "nonfinite": "NaN/Inf gradients",
     "exploding": "exploding gradients",
     "vanishing": "vanishing gradients",
-    "dead_relu": "dead ReLUs",
+    "dead_relu": "dead ReLUs or saturated units",
     "saturation": "saturated units",
     "no_gradient": "layers no gradient reaches",
 }
