@@ -532,7 +532,11 @@ def test_own_train_step_without_any_loss_trains_and_says_what_the_probe_needs():
     [
         ("not_a_loss", ValueError, r"Unknown loss name `probe_loss`='not_a_loss'"),
         (3, TypeError, r"`probe_loss` must be a Keras loss object.*got int: 3"),
-        (["mse"], ValueError, r"`probe_loss` must be one loss, got a list"),
+        (
+            ["mse"],
+            ValueError,
+            r"`probe_loss` must be one loss, got a list of losses, one per output",
+        ),
     ],
 )
 def test_a_probe_loss_that_is_no_loss_is_refused_by_name(bad, error, message):

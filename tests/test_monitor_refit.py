@@ -321,6 +321,24 @@ def test_a_plain_call_after_a_callback_broke_a_monitored_fit_runs_keras_step(tmp
     assert len(monitor.history) > 0  # the step recorded before the error is kept
 
 
+def test_a_monitor_given_to_a_second_model_says_it_needs_one_of_its_own(tmp_path):
+    """The second model's steps went on from the first's, in its stored run, and layers
+    of one name shared their curves; the only note blamed a new optimizer."""
+    x, y = make_data()
+    first, second = make_model(), make_model()
+    for model in (first, second):
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    monitor = GradientMonitor(store=tmp_path / "runs.db")
+    first.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+    recorded = len(monitor.history)
+    with pytest.raises(ValueError, match=f"recorded model '{first.name}'.*of its own"):
+        second.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+    assert len(monitor.history) == recorded
+    assert int(second.optimizer.iterations) == 0  # it did not train
+    first.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])  # its own model: fine
+    assert len(monitor.history) == 2 * recorded
+
+
 def test_one_monitor_given_to_several_fits_keeps_its_stored_run_current(tmp_path):
     """The stored run once said "completed" while the second `fit` wrote to it,
     and its planned steps stayed the first fit's (progress past 100%)."""

@@ -382,6 +382,25 @@ def test_errors_name_the_argument(call, error, words):
         call(model, x, y)
 
 
+def test_a_model_compiled_with_a_loss_per_output_gets_words_not_keras_internals():
+    """The message read "got a _DictWrapper of losses (DictWrapper({...}))"."""
+    inputs = keras.Input((3,))
+    model = keras.Model(
+        inputs,
+        {
+            "o1": keras.layers.Dense(1, name="o1")(inputs),
+            "o2": keras.layers.Dense(1, name="o2")(inputs),
+        },
+    )
+    model.compile(optimizer="sgd", loss={"o1": "mse", "o2": "mae"})
+    x, y = np.ones((4, 3), "float32"), np.ones((4, 1), "float32")
+    with pytest.raises(ValueError) as caught:
+        gradflow.snapshot(model, x, {"o1": y, "o2": y})
+    message = str(caught.value)
+    assert "got a dict of losses, one per output ({'o1': 'mse', 'o2': 'mae'})" in message
+    assert "Wrapper" not in message and "keras.Model(model.input, model.outputs[0])" in message
+
+
 def test_snapshot_is_deterministic_and_nonfinite_is_counted():
     model, x, y, loss, _ = two_dense_mse()
     x = x.copy()

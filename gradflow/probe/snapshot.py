@@ -103,9 +103,15 @@ def resolve_loss(model, loss, argument="loss"):
                 "or call `model.compile(loss=...)` first."
             )
     if isinstance(loss, (list, tuple, dict)):
+        # Plain types for the message: a compiled model's dict of losses is a
+        # TensorFlow tracking wrapper ("_DictWrapper").
+        shown = dict(loss) if isinstance(loss, dict) else list(loss)
         raise ValueError(
-            f"gradflow probes single-output models: `{argument}` must be one loss, got a "
-            f"{type(loss).__name__} of losses ({loss!r})."
+            f"gradflow probes models with one output: `{argument}` must be one loss, got a "
+            f"{type(shown).__name__} of losses, one per output ({shown!r}). Build a model of "
+            "the input "
+            "and the one output you want to study, e.g. keras.Model(model.input, "
+            "model.outputs[0]), and give that output's loss."
         )
     if isinstance(loss, str):
         try:
