@@ -21,7 +21,11 @@ if runs.empty:
     st.stop()
 
 labels = {row.run_id: f"{row.name} · {row.status} · {row.run_id}" for row in runs.itertuples()}
-chosen = st.selectbox("Run", list(labels), format_func=labels.get)
+# Keyed: its labels hold the names, and a renamed run made an unkeyed box
+# start over at the first run (which the next Delete then asked about).
+if st.session_state.get("runs.chosen") not in labels:
+    st.session_state.pop("runs.chosen", None)  # deleted: the box starts at the first
+chosen = st.selectbox("Run", list(labels), format_func=labels.get, key="runs.chosen")
 open_col, rename_col, delete_col = st.columns([1, 2, 1])
 if open_col.button("Open in Live training"):
     show_on_live_page(chosen)

@@ -134,6 +134,24 @@ def test_the_runs_page_deletes_a_finished_run_and_stops_a_training_one(page_envi
     assert training in store.runs()["run_id"].tolist()
 
 
+def test_a_renamed_run_stays_the_one_picked(page_environment):
+    """After Rename the picker jumped to the first run, and the next Delete asked to delete it."""
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    picked = store.create_run({"depth": 3}, name="CNN demo", status="completed")
+    store.create_run({"depth": 3}, name="newer run", status="completed")
+    app = run_page("runs.py")
+    assert next(s for s in app.selectbox if s.label == "Run").value != picked  # not the first
+    next(s for s in app.selectbox if s.label == "Run").set_value(picked).run()
+    next(t for t in app.text_input if t.label == "New name").input("CNN demo (renamed)")
+    next(b for b in app.button if b.label == "Rename").click().run()
+    assert store.run_info(picked)["name"] == "CNN demo (renamed)"
+    assert next(s for s in app.selectbox if s.label == "Run").value == picked
+    next(b for b in app.button if b.label == "Delete").click().run()
+    assert any(f"Delete CNN demo (renamed) · completed · {picked}" in w.value for w in app.warning)
+
+
 def test_a_run_opened_from_the_runs_page_brings_its_settings(page_environment):
     """ "Open in Live training" once left the form on other settings and the link bare."""
     from gradflow.lab.config import RunConfig
