@@ -42,7 +42,15 @@ def test_reload_keeps_the_run_and_a_closed_tab_stops_it(chromium, tmp_path, arti
         store = RunStore(db)
         context = chromium.new_context()
         page = context.new_page()
-        run_id = _start_long_run(page, url)
+        first = _start_long_run(page, url)
+        assert _wait_status(store, first, {"running"}, 120) == "running"
+
+        # Start again: the page shows one run, so the one it started before stops
+        # (it trained on out of sight, taking a slot of the class's server).
+        page.get_by_role("button", name="Start training").click()
+        page.wait_for_url(re.compile(rf"run=(?!{first})[0-9a-f]+"), timeout=60_000)
+        run_id = re.search(r"run=([0-9a-f]+)", page.url).group(1)
+        assert _wait_status(store, first, {"stopped"}, 60) == "stopped"
         assert _wait_status(store, run_id, {"running"}, 120) == "running"
 
         page.reload()

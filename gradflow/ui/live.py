@@ -74,6 +74,8 @@ WARMING_POLL_SECONDS = 1.0
 LIVE_MAX_COLUMNS = 500
 _EMPTY_HEIGHT = 380  # px, an empty chart frame: as tall as a heatmap
 _CURRENT = "live.run_id"
+# The runs this browser session started (a second Start stops the one before).
+_STARTED = "live.started"
 _PLOTLY_EARLY = "live.plotly_early"
 _FOLLOWED = "live.followed"  # runs this session saw active and has not redrawn since they ended
 
@@ -209,7 +211,35 @@ def _start_run():
         config = controls.config_from_widgets()
     except ValueError:  # The form shows why on this run; nothing starts.
         return
-    open_run(resources.run_manager().start(config, name=run_name(config)))
+    _stop_the_run_this_page_started()
+    run_id = resources.run_manager().start(config, name=run_name(config))
+    st.session_state.setdefault(_STARTED, set()).add(run_id)
+    open_run(run_id)
+
+
+def _stop_the_run_this_page_started():
+    """Stop the open run before a new one, if this page started it and it still trains.
+
+    The page shows one run: a second Start once left the first training out
+    of sight, taking a slot of a shared server. A run this page only opened
+    (a shared link) is someone else's and trains on.
+    """
+    previous = st.session_state.get(_CURRENT)
+    if previous is None or previous not in st.session_state.get(_STARTED, ()):
+        return
+    store = resources.run_store()
+    try:
+        info = store.run_info(previous)
+    except ValueError:  # deleted meanwhile
+        return
+    if info["status"] not in ACTIVE:
+        return
+    message = "Stopped: a new run was started from its page."
+    if not store.set_status(previous, "stopped", message, only_from=("queued",)):
+        store.request(previous, "stop")
+    st.toast(
+        f"Stopped **{plain_markdown(info['name'])}** to start the new run; it stays on the Runs page."
+    )
 
 
 def _trainer_readiness(status=None):
