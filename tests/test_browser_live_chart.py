@@ -256,11 +256,10 @@ def test_a_live_tick_sends_the_new_columns_not_the_history(chromium, tmp_path, a
             page.wait_for_function(f"({TRACE_TYPES})().includes('scatter')", timeout=60_000)
             # The profile view goes through the same component (one step's values per layer).
             page.get_by_text("Profile", exact=True).click()
-            page.wait_for_function(
-                "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => p.layout && "
-                "String(p.layout.title && p.layout.title.text).startsWith('Gradient flow at step'))",
-                timeout=60_000,
-            )
+            page.wait_for_function(f"({PROFILE_STEP})() > 0", timeout=60_000)
+            # It follows the run (it once stayed at the step it was opened at).
+            shown = page.evaluate(PROFILE_STEP)
+            page.wait_for_function(f"({PROFILE_STEP})() > {shown}", timeout=30_000)
             page.get_by_text("Heatmaps", exact=True).click()
             page.wait_for_function(f"({TRACE_TYPES})().includes('heatmap')", timeout=60_000)
             # Slide fonts (a whole-page rerun): the layout changes, the columns stay.
@@ -290,6 +289,10 @@ def test_a_live_tick_sends_the_new_columns_not_the_history(chromium, tmp_path, a
     assert received_per_s < whole_figures / 5, (received_per_s, whole_figures)
 
 
+# The step in the Profile view's title ("Gradient flow at step 12 ..."), 0 if none.
+PROFILE_STEP = """() => Math.max(0, ...[...document.querySelectorAll('.js-plotly-plot')].map(p => {
+  const m = String(p.layout && p.layout.title && p.layout.title.text).match(/^Gradient flow at step (\\d+)/);
+  return m ? Number(m[1]) : 0; }))"""
 STATIC = "/app/static/gradflow/"
 # The live page of a run handed to a worker draws its empty heatmap panels ("... per layer").
 PLOTLY_DRAWN = """() => window.Plotly !== undefined && [...document.querySelectorAll('.js-plotly-plot')]

@@ -497,11 +497,7 @@ def _charts(info, cache, key):
         )
     elif view == "Profile":
         steps = sorted(stats["step"].unique())
-        step = (
-            st.select_slider("Step", steps, value=steps[-1], key=f"{key}.profile_step")
-            if len(steps) > 1
-            else steps[0]
-        )
+        step = _profile_step(steps, key) if len(steps) > 1 else steps[0]
         show_live_chart(
             figures.profile(stats, step=step, tensor=tensor, presentation=presentation),
             f"{key}.profile",
@@ -610,6 +606,20 @@ def _lesson_pack_button(info, cache, key):
         key=f"{key}.lesson_pack",
         on_click="ignore",
         help="Figures (PNG + interactive HTML), the data as CSV, the alerts, the settings and a README, for slides and handouts.",
+    )
+
+
+def _profile_step(steps, key):
+    """The Profile view's Step slider: at the newest step, following it as the run trains,
+    until the student moves it to another step (it stayed where it was first drawn)."""
+    chosen, newest = f"{key}.profile_step", f"{key}.profile_newest"
+    if st.session_state.get(chosen) in (None, st.session_state.get(newest)) or (
+        st.session_state[chosen] not in steps
+    ):
+        st.session_state[chosen] = steps[-1]
+    st.session_state[newest] = steps[-1]
+    return st.select_slider(
+        "Step", steps, key=chosen, help="Follows the newest step; move it to stay at one."
     )
 
 
