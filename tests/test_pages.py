@@ -170,6 +170,10 @@ def test_a_run_opened_from_the_runs_page_brings_its_settings(page_environment):
     assert next(s for s in app.selectbox if s.label == "Activation").value == "sigmoid"
     table = run_page("runs.py")
     assert "Started (UTC)" in str(table.dataframe[0].proto)
+    # A link to the run alone: the form shows its settings, not the defaults beside its charts.
+    bare = run_page("live_training.py", run=lab)
+    assert next(s for s in bare.slider if s.label == "Depth").value == 20
+    assert bare.query_params["activation"] == "sigmoid"
 
 
 def test_run_names_show_as_typed_and_twins_can_be_told_apart(page_environment):

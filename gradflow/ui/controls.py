@@ -13,6 +13,7 @@ import streamlit as st
 from gradflow.lab import config as lab_config
 from gradflow.lab.config import RunConfig
 from gradflow.lab.presets import PRESETS
+from gradflow.ui import resources
 
 _WIDTHS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 _BATCH_SIZES = [1, 8, 16, 32, 64, 128, 256, 512, 1024]
@@ -168,9 +169,24 @@ def _initial_config():
         )
     try:
         settings = {k: v for k, v in query.items() if k in _FIELD_NAMES}
+        if not settings and query.get("run"):
+            # A link to a run alone (`?run=...`): the form shows that run's
+            # settings, not the defaults beside its charts.
+            opened = _settings_of_run(query["run"])
+            if opened is not None:
+                return opened, None
         return RunConfig.from_query(settings), None
     except ValueError as error:
         return RunConfig(), f"The link's settings were not valid ({error}). Using the defaults."
+
+
+def _settings_of_run(run_id):
+    """The lab settings of a stored run (without a server path), or None."""
+    try:
+        config = lab_config_of(resources.run_store().run_info(run_id))
+    except ValueError:  # no such run: the page says so
+        return None
+    return None if config is None else dataclasses.replace(config, data_path=None)
 
 
 def _render(container, prefix, field, label, kind, options):
