@@ -5,6 +5,7 @@ import json
 import pathlib
 import sqlite3
 
+import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -1047,6 +1048,36 @@ def test_runs_are_named_by_what_sets_them_apart():
     assert app.session_state["cfg._config"].name == PRESETS["large_init"].title
     next(s for s in app.slider if s.label == "Depth").set_value(3).run()
     assert app.session_state["cfg._config"].name is None  # no longer the preset
+
+
+def test_a_clipped_run_shows_what_the_optimizer_applied(page_environment):
+    """The norms after clipping were stored but no view drew them: a student saw the
+    output layer's norm above the threshold and concluded clipping did nothing."""
+    import pandas as pd
+
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    rows = pd.DataFrame(
+        {
+            "step": [1, 1],
+            "layer": ["dense", "output"],
+            "layer_index": [0, 1],
+            "tensor": "kernel",
+            "max_abs": [0.5, 0.9],
+            "l2_norm": [0.8, 1.147],
+            "l2_norm_clipped": [0.8, 1.0],
+            "nonfinite": 0,
+        }
+    )
+    for clipping, clipped in (("none", None), ("norm", rows)):
+        run_id = store.create_run({"clipping": clipping}, name=clipping, status="completed")
+        with store.writer(run_id) as writer:
+            writer.add_layer_stats(rows.assign(l2_norm_clipped=np.nan) if clipped is None else rows)
+            writer.progress(1)
+        app = run_page("live_training.py", run=run_id)
+        said = any("Gradient clipping is on" in c.value for c in app.caption)
+        assert said == (clipped is not None)
 
 
 def test_a_preset_or_link_trains_its_settings_that_have_no_widget():

@@ -456,6 +456,8 @@ def _charts(info, cache, key):
     if view != "Alerts" and status not in ACTIVE:
         _alerts_hint(store, run_id, cache)
     tensors = _tensor_choices(stats)
+    # With clipping the rows also hold the norms after it: what the optimizer applied.
+    clipped = "l2_norm_clipped" in stats.columns and stats["l2_norm_clipped"].notna().any()
     if view in ("Heatmaps", "Lines", "Profile", "Histograms"):
         tensor = st.radio(
             "Gradients of",
@@ -480,10 +482,29 @@ def _charts(info, cache, key):
                     f"{key}.{name}",
                     run=run,
                 )
+        if clipped and tensor != "activation":
+            st.caption(
+                ":material/content_cut: Gradient clipping is on: the heatmaps above are the "
+                "gradients as computed, before clipping. Below, the norm of what the optimizer "
+                "applied, after clipping."
+            )
+            show_live_chart(
+                figures.heatmap(
+                    stats,
+                    "l2_norm_clipped",
+                    tensor,
+                    max_columns=LIVE_MAX_COLUMNS,
+                    power_of_two_blocks=True,
+                    presentation=presentation,
+                ),
+                f"{key}.clipped",
+                run=run,
+            )
     elif view == "Lines":
         statistic = st.radio(
             "Statistic",
-            ["max_abs", "l2_norm", "mean_abs"],
+            ["max_abs", "l2_norm", "mean_abs"]
+            + (["l2_norm_clipped"] if clipped and tensor != "activation" else []),
             format_func=STATISTIC_LABELS.get,
             horizontal=True,
             key=f"{key}.line_stat",
