@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gradflow.lab.config import RunConfig
-from gradflow.lab.datasets import DatasetDownloadError, load_dataset
+from gradflow.lab.datasets import DatasetDownloadError, load_dataset, needs_download
 
 
 @pytest.mark.parametrize(
@@ -134,6 +134,7 @@ def test_offline_without_cache_says_where_to_put_the_file(keras_home, dataset):
         "cifar10": keras_home / "datasets" / "cifar-10-python.tar.gz",
     }[dataset]
     architecture = "cnn"
+    assert needs_download(dataset)  # the dashboard says so before Start
     with pytest.raises(DatasetDownloadError) as info:
         load_dataset(RunConfig(dataset=dataset, architecture=architecture))
     message = str(info.value)
@@ -141,10 +142,15 @@ def test_offline_without_cache_says_where_to_put_the_file(keras_home, dataset):
     assert str(expected) in message
     assert "dataset='digits'" in message
     assert not expected.exists()
+    # A run that fails so says it in these words, without the class and the source line.
+    from gradflow.lab.worker import _failure_message
+
+    assert _failure_message(info.value) == message
 
 
 def test_cached_mnist_loads_offline(keras_home):
     _fake_mnist(keras_home / "datasets" / "mnist.npz")
+    assert not needs_download("mnist") and not needs_download("digits")
     data = load_dataset(RunConfig(dataset="mnist", architecture="cnn"))
     assert data.x_train.shape == (4, 28, 28, 1) and data.x_val.shape == (2, 28, 28, 1)
     assert data.x_train.max() <= 1.0 and data.n_classes == 10

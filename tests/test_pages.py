@@ -1050,6 +1050,27 @@ def test_runs_are_named_by_what_sets_them_apart():
     assert app.session_state["cfg._config"].name is None  # no longer the preset
 
 
+def test_a_data_set_this_server_has_not_downloaded_is_said_before_start(
+    page_environment, monkeypatch, tmp_path
+):
+    """An offline class server offered MNIST; its runs failed with a developer's error,
+    above "The first statistics appear after the first recorded step" (they never would)."""
+    from gradflow.store import RunStore
+
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    app = run_page("live_training.py", dataset="mnist", architecture="cnn")
+    assert any("not on this server yet" in i.value for i in app.sidebar.info)
+    assert not any("not on this server" in i.value for i in run_page("live_training.py").info)
+
+    store = RunStore(page_environment)
+    failed = store.create_run({"dataset": "mnist"}, name="mnist", status="running")
+    store.set_status(failed, "failed", "The mnist data set needs a one-time download of ...")
+    app = run_page("live_training.py", run=failed)
+    captions = [c.value for c in app.caption]
+    assert "This run recorded no statistics." in captions
+    assert not any("first statistics appear" in c for c in captions)
+
+
 def test_a_clipped_run_shows_what_the_optimizer_applied(page_environment):
     """The norms after clipping were stored but no view drew them: a student saw the
     output layer's norm above the threshold and concluded clipping did nothing."""

@@ -264,6 +264,15 @@ def _downloaded(name):
     return _scaled(split), 10, "CIFAR-10: 60,000 32x32 colour images, 10 classes"
 
 
+def needs_download(dataset):
+    """Whether `dataset` is one that is downloaded and its files are not on this machine yet."""
+    entries = _REMOTE_FILES.get(dataset, ())
+    return any(
+        not os.path.exists(os.path.join(keras_cache_dir(), subdir, filename))
+        for subdir, filename, *_ in entries
+    )
+
+
 def _fetch(dataset, subdir, filename, origin, file_hash):
     folder = os.path.join(keras_cache_dir(), subdir)
     target = os.path.join(folder, filename)
@@ -283,7 +292,8 @@ def _fetch(dataset, subdir, filename, origin, file_hash):
         raise DatasetDownloadError(
             f"The {dataset} data set needs a one-time download of {origin}, which failed "
             f"({error}). Download it on a computer with internet access and put it at "
-            f"{target}, or choose dataset='digits', which needs no download."
+            f"{target}, or choose the digits data set (dataset='digits'), which needs no "
+            "download."
         ) from error
 
 

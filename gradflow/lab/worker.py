@@ -144,9 +144,23 @@ def _train(store, run_id):
 
 
 def _failure_message(error):
+    if isinstance(error, _SAID_FOR_PEOPLE):
+        # Written for whoever reads the run (a data set that needs a download,
+        # a refused file): the class and the source line only get in the way.
+        return str(error)
     where = traceback.extract_tb(error.__traceback__)
     last = f" (at {os.path.basename(where[-1].filename)}:{where[-1].lineno})" if where else ""
     return f"{type(error).__name__}: {error}{last}"
+
+
+def _said_for_people():
+    from gradflow.lab.datasets import DatasetDownloadError
+    from gradflow.safety.errors import UnsafeInputError
+
+    return (DatasetDownloadError, UnsafeInputError)
+
+
+_SAID_FOR_PEOPLE = _said_for_people()
 
 
 def _limit_threads(threads):

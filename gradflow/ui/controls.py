@@ -12,6 +12,7 @@ import streamlit as st
 
 from gradflow.lab import config as lab_config
 from gradflow.lab.config import RunConfig
+from gradflow.lab.datasets import needs_download
 from gradflow.lab.presets import PRESETS
 from gradflow.ui import resources
 
@@ -285,6 +286,12 @@ def training_form(prefix="cfg", container=None, sync_url=True):
     except ValueError as error:
         problem.error(_in_words(str(error)), icon=":material/error:")
         return None
+    if needs_download(config.dataset):
+        problem.info(
+            f"The {config.dataset} data set is not on this server yet: its first run "
+            "downloads it, which needs internet access. The digits data set is always here.",
+            icon=":material/download:",
+        )
     st.session_state[remembered] = config
     if sync_url:
         # Keep what is not a setting (the open run) in the link.

@@ -554,9 +554,11 @@ def _heatmap_places(presentation):
 
 
 def _empty_panel(active, plotly=True):
-    st.caption("The first statistics appear after the first recorded step.")
     if active:
+        st.caption("The first statistics appear after the first recorded step.")
         _empty_heatmaps("Waiting for the first training step…", plotly)
+    else:  # They never will: a run that failed before its first step, or was stopped.
+        st.caption("This run recorded no statistics.")
 
 
 def _empty_heatmaps(message, plotly=True):
