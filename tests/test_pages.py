@@ -193,6 +193,16 @@ def test_run_names_show_as_typed_and_twins_can_be_told_apart(page_environment):
     assert len(set(labels)) == len(labels)
     assert any(first in label for label in labels) and any(second in label for label in labels)
 
+    # Picked runs go into the link, and the link opens the comparison (it opened empty).
+    picker.set_value([first, second]).run()
+    assert app.query_params["runs"] == f"{first},{second}"
+    linked = run_page("compare.py", runs=f"{first},{second}")
+    assert next(m for m in linked.multiselect if m.label == "Runs to compare").value == [
+        first,
+        second,
+    ]
+    assert not any("Pick two or more runs" in i.value for i in linked.info)
+
 
 def test_inspect_shows_a_snapshot_only_beside_what_it_was_taken_of():
     """The example's results once stayed under the empty upload form, unlabelled."""

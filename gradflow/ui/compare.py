@@ -12,6 +12,7 @@ from gradflow.ui.live_chart import show_live_chart
 
 _SELECTED = "compare.run_ids"
 _PICKER = "compare.picker"
+_LINKED = "runs"  # the URL's list of compared runs
 # Fields worth an A/B lesson, with the choices offered for each.
 VARIABLE_FIELDS = {
     spec[0]: spec
@@ -82,10 +83,20 @@ def run_picker():
         for (run_id, label), twin in zip(labels.items(), repeated, strict=True)
     }
     if _PICKER not in st.session_state:
-        st.session_state[_PICKER] = [r for r in st.session_state.get(_SELECTED, []) if r in labels]
+        # A link to a comparison (`?runs=a,b`) opens it; else the last A/B launch.
+        linked = [r for r in st.query_params.get(_LINKED, "").split(",") if r]
+        st.session_state[_PICKER] = [
+            r for r in linked or st.session_state.get(_SELECTED, []) if r in labels
+        ]
     # Keep only runs that still exist (one may have been deleted on the Runs page).
     st.session_state[_PICKER] = [r for r in st.session_state[_PICKER] if r in labels]
-    return st.multiselect("Runs to compare", list(labels), format_func=labels.get, key=_PICKER)
+    chosen = st.multiselect("Runs to compare", list(labels), format_func=labels.get, key=_PICKER)
+    # In the link, so that a teacher can send the class this comparison.
+    if chosen:
+        st.query_params[_LINKED] = ",".join(chosen)
+    else:
+        st.query_params.pop(_LINKED, None)
+    return chosen
 
 
 def comparison(run_ids):
