@@ -22,10 +22,21 @@ if runs.empty:
 
 labels = {row.run_id: f"{row.name} · {row.status} · {row.run_id}" for row in runs.itertuples()}
 # Keyed: its labels hold the names, and a renamed run made an unkeyed box
-# start over at the first run (which the next Delete then asked about).
-if st.session_state.get("runs.chosen") not in labels:
-    st.session_state.pop("runs.chosen", None)  # deleted: the box starts at the first
-chosen = st.selectbox("Run", list(labels), format_func=labels.get, key="runs.chosen")
+# start over at the first run (which the next Delete then asked about). Until
+# the user picks one, it follows the newest run (a script's run appears in it).
+if (
+    not st.session_state.get("runs.picked")
+    or st.session_state.get("runs.chosen") not in labels  # deleted
+):
+    st.session_state["runs.picked"] = False
+    st.session_state["runs.chosen"] = next(iter(labels))
+chosen = st.selectbox(
+    "Run",
+    list(labels),
+    format_func=labels.get,
+    key="runs.chosen",
+    on_change=lambda: st.session_state.update({"runs.picked": True}),
+)
 open_col, rename_col, delete_col = st.columns([1, 2, 1])
 if open_col.button("Open in Live training"):
     show_on_live_page(chosen)

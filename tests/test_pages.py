@@ -384,14 +384,28 @@ def test_an_rnns_recurrent_kernels_are_a_choice_of_their_own():
     assert _tensor_choices(stats) == ["kernel", "recurrent_kernel", "bias", "all_weights"]
 
 
-def test_number_boxes_refuse_what_start_would_and_errors_use_the_labels():
-    """A 0 in Record every N steps once greyed out Start with a message in code names."""
+def test_a_bad_or_empty_number_box_turns_start_off_and_says_why_beside_it():
+    """A box with a range kept an out-of-range number on show while Start trained the
+    value before; an emptied box took its minimum (a clip threshold of 1e-6), silently;
+    the message was only at the top of the sidebar, far above the box."""
     app = run_page("live_training.py")
     boxes = {box.label: box for box in app.number_input}
-    assert boxes["Record every N steps"].min == 1
-    assert 0 < boxes["Clip threshold"].min <= 1e-6
-    assert boxes["Max-norm constraint (0 = off)"].min == 0
-    assert boxes["Seed"].max == 2**31 - 1
+    boxes["Record every N steps"].set_value(0).run()
+    start = next(b for b in app.button if b.label == "Start training")
+    said = "**Record every N steps** must be an integer from 1 to 1000000, got 0."
+    assert start.disabled
+    assert any(said in e.value for e in app.sidebar.error)
+    assert any(said in w.value and "Start training is off" in w.value for w in app.main.warning)
+    boxes = {box.label: box for box in app.number_input}
+    boxes["Record every N steps"].set_value(1).run()
+    boxes = {box.label: box for box in app.number_input}
+    boxes["Clip threshold"].set_value(None).run()
+    assert next(b for b in app.button if b.label == "Start training").disabled
+    assert any(
+        "**Clip threshold** is empty: enter a number above 0 to 1e+06." in e.value
+        for e in app.sidebar.error
+    )
+    assert app.session_state["cfg._config"].clip_value == 1.0  # the last valid settings
     from gradflow.ui.controls import _in_words
 
     assert _in_words("`record_every` must be an integer from 1 to 1000000, got 0.") == (

@@ -205,34 +205,29 @@ def _render(container, prefix, field, label, kind, options):
         container.slider(label, options[0], options[1], step=0.05, key=key)
     elif kind == "toggle":
         container.toggle(label, key=key)
+    # Number boxes take what is typed, with no range of their own: a box with
+    # one kept an out-of-range number on show, under Streamlit's note, while
+    # Start trained the value before, and an emptied box took its minimum
+    # (a clip threshold of 1e-6). RunConfig's check says what is wrong beside
+    # the form and beside Start, which it turns off. `value=None` lets an
+    # emptied box read None ("enter a number") instead of 0.
     elif kind == "number":
-        low, high = _bounds(field, value)
-        container.number_input(label, min_value=int(low), max_value=int(high), step=1, key=key)
+        container.number_input(label, value=None, step=1, key=key)
     elif kind == "number_float":
-        low, high = _bounds(field, value)
-        container.number_input(label, min_value=low, max_value=high, format="%g", key=key)
+        container.number_input(label, value=None, format="%g", key=key)
 
 
-# The smallest value a box accepts where RunConfig wants "greater than 0".
-_ABOVE_ZERO = 1e-6
-
-
-def _bounds(field, value=None):
-    """`(min, max)` for a number box, from RunConfig's own range, so the box refuses what
-    Start would (a student typing 0 sees the box stop at its minimum, not a greyed-out button).
-
-    A valid value already in the box (from a link) widens them: Streamlit
-    raises for a value outside a box's range.
-    """
+def _empty_box(field):
+    """The error for a number box left empty, with the range it takes."""
     meta = _FIELD_META[field]
-    low, high = float(meta["low"]), float(meta["high"])
-    if field == "max_norm":
-        low = 0.0  # 0 is "off" in the form
-    elif meta["kind"] == "float" and meta.get("low_open"):
-        low += _ABOVE_ZERO
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        low, high = min(low, value), max(high, value)
-    return low, high
+    label = next(label for name, label, *_ in WIDGETS if name == field)
+    low, high = (
+        (f"{int(meta['low']):,}", f"{int(meta['high']):,}")
+        if meta["kind"] == "int"
+        else (f"{meta['low']:g}", f"{meta['high']:g}")
+    )
+    above = "above" if meta.get("low_open") else "from"
+    return ValueError(f"**{label}** is empty: enter a number {above} {low} to {high}.")
 
 
 def _in_words(message):
@@ -284,8 +279,10 @@ def training_form(prefix="cfg", container=None, sync_url=True):
     try:
         config = config_from_widgets(prefix)
     except ValueError as error:
-        problem.error(_in_words(str(error)), icon=":material/error:")
+        st.session_state[_key(prefix, "_problem")] = _in_words(str(error))
+        problem.error(st.session_state[_key(prefix, "_problem")], icon=":material/error:")
         return None
+    st.session_state.pop(_key(prefix, "_problem"), None)
     if needs_download(config.dataset):
         problem.info(
             f"The {config.dataset} data set is not on this server yet: its first run "
@@ -298,6 +295,11 @@ def training_form(prefix="cfg", container=None, sync_url=True):
         others = {k: v for k, v in st.query_params.to_dict().items() if k not in _FIELD_NAMES}
         st.query_params.from_dict({**others, **config.to_query()})
     return config
+
+
+def form_problem(prefix="cfg"):
+    """What is wrong with the form's settings (in its labels' words), or None."""
+    return st.session_state.get(_key(prefix, "_problem"))
 
 
 def config_from_widgets(prefix="cfg"):
@@ -325,6 +327,9 @@ def config_from_widgets(prefix="cfg"):
     values = {
         field: _from_widget(field, st.session_state[_key(prefix, field)]) for field, *_ in WIDGETS
     }
+    for field, _, kind, _ in WIDGETS:
+        if kind.startswith("number") and values[field] is None and field not in _ZERO_IS_NONE:
+            raise _empty_box(field)
     base = st.session_state.get(_key(prefix, "_base")) or RunConfig()
     if values["steps"] != base.steps:
         values["epochs"] = None  # the student chose a length in steps

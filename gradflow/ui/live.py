@@ -204,6 +204,13 @@ def control_buttons(config, run_id, status):
         help="While paused: train exactly one more step.",
     ):
         store.request(run_id, "step")
+    if config is None and controls.form_problem():
+        # Also here, beside the grey button: the sidebar's message may be far
+        # above the box that caused it, out of view.
+        st.warning(
+            controls.form_problem() + " Start training is off until it is fixed in the sidebar.",
+            icon=":material/error:",
+        )
 
 
 def _start_run():
