@@ -411,6 +411,33 @@ def test_a_bad_or_empty_number_box_turns_start_off_and_says_why_beside_it():
     assert _in_words("`record_every` must be an integer from 1 to 1000000, got 0.") == (
         "**Record every N steps** must be an integer from 1 to 1000000, got 0."
     )
+    # A setting with its value, in backticks or not (it read "`architecture='cnn'` needs ...").
+    from gradflow.lab.config import RunConfig
+
+    with pytest.raises(ValueError) as caught:
+        RunConfig(architecture="cnn", dataset="spirals")
+    assert _in_words(str(caught.value)).startswith("**Architecture** cnn needs an image data set (")
+    assert _in_words(str(caught.value)).endswith("got **Dataset** spirals.")
+
+
+@pytest.mark.parametrize(
+    "module",
+    sorted(p.stem for p in (REPO / "gradflow" / "ui").glob("*.py") if p.stem != "__init__"),
+)
+def test_every_ui_module_imports_on_its_own(module):
+    """An import cycle (controls -> resources -> charts -> controls) failed only when
+    a module was the first one imported."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", f"import gradflow.ui.{module}"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-1500:]
 
 
 def test_split_backprop_page_runs_the_lesson():

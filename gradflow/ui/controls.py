@@ -7,6 +7,7 @@ Seed. The configuration lives in the URL query, so a link restores it.
 """
 
 import dataclasses
+import re
 
 import streamlit as st
 
@@ -14,7 +15,6 @@ from gradflow.lab import config as lab_config
 from gradflow.lab.config import RunConfig
 from gradflow.lab.datasets import needs_download
 from gradflow.lab.presets import PRESETS
-from gradflow.ui import resources
 
 _WIDTHS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 _BATCH_SIZES = [1, 8, 16, 32, 64, 128, 256, 512, 1024]
@@ -183,6 +183,9 @@ def _initial_config():
 
 def _settings_of_run(run_id):
     """The lab settings of a stored run (without a server path), or None."""
+    # Here: gradflow.ui.resources imports the chart modules, which import this one.
+    from gradflow.ui import resources
+
     try:
         config = lab_config_of(resources.run_store().run_info(run_id))
     except ValueError:  # no such run: the page says so
@@ -231,10 +234,29 @@ def _empty_box(field):
 
 
 def _in_words(message):
-    """A RunConfig error with each `field` named as its widget is labelled."""
-    for field, label, *_ in WIDGETS:
-        message = message.replace(f"`{field}`", f"**{label}**")
-    return message
+    """A RunConfig error with each `field` named as its widget is labelled.
+
+    `field` becomes **Label**, and `field='value'` (with or without the
+    backticks) becomes **Label** value: "**Architecture** cnn needs an image
+    data set (...), got **Dataset** spirals."
+    """
+    labels = {field: label for field, label, *_ in WIDGETS}
+
+    def said(match):
+        field = match.group("field") or match.group("bare")
+        value = match.group("value") if match.group("field") else match.group("bare_value")
+        if field not in labels:
+            return match.group(0)
+        return f"**{labels[field]}**" + (f" {value}" if value is not None else "")
+
+    return _FIELD_NOTATION.sub(said, message)
+
+
+# `field`, `field='value'`, field='value' (a RunConfig message's ways of naming a setting).
+_FIELD_NOTATION = re.compile(
+    r"`(?P<field>\w+)(?:='(?P<value>[^'`]*)')?`"
+    r"|(?<![\w`])(?P<bare>\w+)='(?P<bare_value>[^']*)'"
+)
 
 
 def training_form(prefix="cfg", container=None, sync_url=True):
