@@ -1122,6 +1122,38 @@ def test_a_data_set_this_server_has_not_downloaded_is_said_before_start(
     assert not any("first statistics appear" in c for c in captions)
 
 
+def test_the_nan_origin_is_one_alert_not_two(page_environment):
+    """The monitor's stored event and the rules' finding of the same step both showed."""
+    import pandas as pd
+
+    from gradflow.store import RunStore
+    from gradflow.ui.live import _Cache, _run_events
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 2}, name="diverged", status="running")
+    stats = pd.DataFrame(
+        {
+            "step": [1, 1, 2, 2],
+            "layer": ["dense", "output"] * 2,
+            "layer_index": [0, 1] * 2,
+            "tensor": "kernel",
+            "max_abs": [0.5, 0.5, np.nan, np.nan],
+            "l2_norm": [0.5, 0.5, np.nan, np.nan],
+            "nonfinite": [0, 0, 8, 4],
+        }
+    )
+    with store.writer(run_id) as writer:
+        writer.add_layer_stats(stats)
+        writer.add_event(2, "output", "nonfinite", "First non-finite gradient at step 2: ...")
+        writer.progress(2)
+    cache = _Cache(store.layer_stats(run_id), store.metrics(run_id), store.histograms(run_id))
+    cache.last_step = 2
+    events = _run_events(store, run_id, cache)
+    assert events.query("kind == 'nonfinite'")["message"].tolist() == [
+        "First non-finite gradient at step 2: ..."
+    ]
+
+
 def test_a_clipped_run_shows_what_the_optimizer_applied(page_environment):
     """The norms after clipping were stored but no view drew them: a student saw the
     output layer's norm above the threshold and concluded clipping did nothing."""
