@@ -526,6 +526,11 @@ def test_compare_profiles_and_metrics_overlay_runs():
     assert list(chart.figure.data[1].x) == [0, 1, 2, 3]
     expected = b[(b["tensor"] == "kernel") & (b["step"] == 6)].sort_values("layer_index")["l2_norm"]
     np.testing.assert_allclose(np.asarray(chart.figure.data[1].y), expected.to_numpy())
+    # Which step it shows (it did not say).
+    assert chart.title == "gradient L2 norm by depth (kernels) at step 6"
+    shorter = a[a["step"] < 6]
+    chart = figures.compare_profiles({"relu": shorter, "sigmoid": b}, statistic="l2_norm")
+    assert chart.title.endswith("at each run's last step")
 
     metrics = pd.DataFrame(
         {

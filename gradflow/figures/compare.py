@@ -187,9 +187,19 @@ def compare_profiles(
         pieces.append(piece)
     columns = ["run", "layer_index", "layer", "step", statistic]
     data = pd.concat(pieces, ignore_index=True) if pieces else pd.DataFrame(columns=columns)
+    shown_steps = sorted({int(s) for s in data["step"]}) if len(data) else []
+    # Which step it is: each run's last unless one was chosen.
+    at = (
+        f" at step {shown_steps[0]}"
+        if len(shown_steps) == 1
+        else " at each run's last step"
+        if step is None
+        else f" at step {step} or the last before it"
+    )
     plain_title = (
         title
-        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} by depth ({style.tensor_label(tensor)})"
+        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} by depth"
+        f" ({style.tensor_label(tensor)}){at if shown_steps else ''}"
     )
     description = f"{statistic} of the {tensor} gradients against layer depth (0 = input side), one line per run."
     if data.empty:
@@ -290,13 +300,17 @@ def compare_metrics(
                 go.Scatter(
                     x=steps,
                     y=values,
-                    mode="lines",
+                    # Validation comes once an epoch: its few points, marked,
+                    # stay visible on the training line of the same colour.
+                    mode="lines" if dash == "solid" else "lines+markers",
+                    marker=dict(symbol="diamond", size=8),
                     name=label,
                     line=dict(color=color, dash=dash, width=2),
                     hovertemplate=f"{label}<br>step %{{x}}<br>%{{y:.4g}}<extra></extra>",
                 )
             )
-    plain_title = title or f"{name} over training: " + " vs ".join(run for run, _ in named)
+    # The runs are in the legend (a title with them was cut on a half-width chart).
+    plain_title = title or f"{name} over training"
     description = f"{name} per step of each run (validation dashed when recorded)."
     data = (
         pd.concat(pieces, ignore_index=True)
@@ -318,4 +332,5 @@ def compare_metrics(
     if log_y:
         figure.update_yaxes(type="log")
     style.apply_style(figure, presentation)
+    style.legend_below(figure, columns=1)  # run names are long: one a row
     return Chart(figure, data, plain_title, description)

@@ -1,7 +1,5 @@
 """Line charts: a statistic per layer over steps, and loss/accuracy curves."""
 
-import math
-
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -330,14 +328,7 @@ def metrics_chart(
         figure.update_xaxes(title_text="step", row=1, col=col)
         if panel == "loss" and log_loss:
             figure.update_yaxes(type="log", row=1, col=col)
-    # The legend in the bottom margin, sized for it: placed at a share of
-    # the plot's height below it, it covered the "step" titles at slide size.
-    figure.update_layout(
-        title=style.escape_label(plain_title),
-        legend=dict(orientation="h", yref="container", y=0.0, yanchor="bottom"),
-    )
+    figure.update_layout(title=style.escape_label(plain_title))
     style.apply_style(figure, presentation)
-    legend_rows = math.ceil(sum(1 for t in figure.data if t.showlegend is not False) / 2)
-    font = figure.layout.legend.font.size
-    figure.update_layout(margin_b=figure.layout.margin.b + legend_rows * (font + 10))
+    style.legend_below(figure)
     return Chart(figure, pd.concat(pieces, ignore_index=True), plain_title, description)

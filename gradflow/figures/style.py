@@ -245,3 +245,23 @@ def no_data_figure(message, presentation=False):
     figure.update_xaxes(visible=False)
     figure.update_yaxes(visible=False)
     return apply_style(figure, presentation)
+
+
+def legend_below(figure, columns=2):
+    """Put `figure`'s legend in its bottom margin, with room for it (after `apply_style`).
+
+    Beside the plot, run names took most of a half-width chart; placed at a
+    share of the plot's height below it, the legend covered the axis title
+    at slide size.
+
+    Args:
+        figure: A `go.Figure`, styled.
+        columns: About how many entries fit in a row. Default 2.
+    """
+    figure.update_layout(
+        legend=dict(orientation="h", yref="container", y=0.0, yanchor="bottom"),
+    )
+    entries = sum(1 for trace in figure.data if trace.showlegend is not False)
+    rows = -(-entries // columns)
+    font = figure.layout.legend.font.size
+    figure.update_layout(margin_b=figure.layout.margin.b + rows * (font + 10))

@@ -156,6 +156,7 @@ def _draw_charts(run_ids, was_active):
                 ready, statistic=statistic, tensor="kernel", presentation=presentation
             ),
             "compare.profiles",
+            run=" vs ".join(ready),
         )
     with right:
         ready_metrics = {name: frame for name, frame in metrics.items() if not frame.empty}
@@ -163,5 +164,6 @@ def _draw_charts(run_ids, was_active):
             show_live_chart(
                 figures.compare_metrics(ready_metrics, "loss", presentation=presentation),
                 "compare.loss",
+                run=" vs ".join(ready_metrics),
             )
     return active
