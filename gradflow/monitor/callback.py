@@ -87,6 +87,13 @@ class GradientMonitor(keras.callbacks.Callback):
     numbers are those of the applied, summed gradient; the run store and
     TensorBoard are written by the chief only).
 
+    A monitor records one model (another model's `fit` with it raises). A
+    layer's `trainable` changed without `compile()` again: Keras warns, and a
+    plain `fit` with the step it traced before keeps training that layer;
+    the monitor traces its step anew, so the layer is frozen as its flag
+    says. Call `compile()` after changing `trainable`, as Keras asks, and
+    both train the same.
+
     Example:
 
     ```python
