@@ -108,6 +108,53 @@ def test_softmax_head_gives_output_gradient_of_the_probabilities():
     np.testing.assert_allclose(result.upstream[1].numpy(), expected, rtol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["vjp", "jacobian"])
+def test_a_saturated_sigmoid_head_gets_the_gradients_of_its_loss(method):
+    """The Jacobian way chained through the probabilities: 0 where one rounds to 1,
+    so every gradient came out 0 while the loss's were 20 and 2."""
+    parts = [
+        keras.Sequential(
+            [
+                keras.Input((2,)),
+                keras.layers.Dense(3, kernel_initializer=keras.initializers.Constant(10.0)),
+            ]
+        ),
+        keras.Sequential(
+            [
+                keras.Input((3,)),
+                keras.layers.Dense(
+                    1, activation="sigmoid", kernel_initializer=keras.initializers.Constant(2.0)
+                ),
+            ]
+        ),
+    ]
+    x = np.array([[1.0, 1.0], [2.0, 2.0], [-1.0, -1.0], [3.0, 3.0]], "float32")
+    y = np.array([[0.0], [0.0], [1.0], [1.0]], "float32")
+    assert (np.abs(parts[1](parts[0](x)).numpy() - 0.5) == 0.5).all()  # saturated
+    loss = keras.losses.BinaryCrossentropy()
+    value, weights, _ = joint_tape(parts, x, y, loss)
+    result = gradflow.chain_gradients(parts, x, y, loss="binary_crossentropy", method=method)
+    assert result.loss == pytest.approx(value, rel=1e-6)
+    for got, expected in zip(result[0] + result[1], weights[0] + weights[1], strict=True):
+        assert_float32_close(got.numpy(), expected.numpy())
+    assert np.abs(result[1][0].numpy()).max() == pytest.approx(20.0)
+
+
+def test_the_jacobian_way_says_it_needs_one_tensor_per_part():
+    """A part that hands over a tuple failed with "'tuple' object has no attribute 'shape'"."""
+    inputs = keras.Input((3,))
+    dense = keras.layers.Dense(2)(inputs)
+    pair = keras.Model(inputs, (dense, dense * 2.0))
+    both = keras.Input((2,)), keras.Input((2,))
+    head = keras.Model(list(both), keras.layers.Dense(1)(keras.layers.Add()(list(both))))
+    x, y = np.ones((4, 3), "float32"), np.ones((4, 1), "float32")
+    assert (
+        len(gradflow.chain_gradients([pair, head], x, y, loss="mse")) == 2
+    )  # the VJP way takes it
+    with pytest.raises(ValueError, match=r"needs parts that each give one tensor; `models\[0\]`"):
+        gradflow.chain_gradients([pair, head], x, y, loss="mse", method="jacobian")
+
+
 def test_reusable_backprop_follows_new_batches():
     parts, x, y = split_mlp()
     backprop = ChainedBackprop(parts, loss="mse")

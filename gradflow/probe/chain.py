@@ -56,7 +56,11 @@ class ChainGradients(collections.abc.Sequence):
             `trainable_variables`.
         upstream: One tensor per part: dLoss/d(output of that part), the
             `output_gradients` its tape was given (for the last part, the
-            gradient of the loss with respect to the model's prediction).
+            gradient of the loss with respect to the model's prediction,
+            through the loss's formula on its values: Keras's cross-entropies
+            differentiate a sigmoid/softmax output through its logits, so
+            where a probability rounds to 0 or 1 this is 0 while the weights'
+            gradients are not).
         loss: The scalar loss (batch mean) as a float.
         method: `"vjp"` or `"jacobian"`.
     """
@@ -233,12 +237,18 @@ class ChainedBackprop:
             outputs.append(out)
             h = out
         last_tape, y_pred, loss, shown, shown_loss = self._forward_last(h, y)
+        # Keras's cross-entropies read a sigmoid/softmax output's logits: the
+        # chain starts there. Through the probabilities the loss's gradient
+        # is 0 once one rounds to 0 or 1 (and the Jacobian's is too), and
+        # every gradient came out 0 where the loss's were large.
+        head = getattr(y_pred, "_keras_logits", None)
+        head = y_pred if head is None else head
         tapes.append(last_tape)
         inputs.append(h)
-        outputs.append(y_pred)
+        outputs.append(head)
 
-        # dLoss/d(prediction) is the only gradient taken directly: a row vector.
-        row = tf.reshape(last_tape.gradient(shown_loss, shown), [1, -1])
+        # dLoss/d(head) is the only gradient taken directly: a row vector.
+        row = tf.reshape(last_tape.gradient(loss, head), [1, -1])
         received, gradients = [], []
         for i in reversed(range(len(self.models))):
             received.insert(0, tf.reshape(row, tf.shape(outputs[i])))
@@ -249,12 +259,20 @@ class ChainedBackprop:
             gradients.insert(0, part)
             if i:
                 row = row @ _as_matrix(tapes[i].jacobian(outputs[i], inputs[i]), outputs[i])
+        # What the last part received, as `upstream` documents it (the same as "vjp").
+        received[-1] = last_tape.gradient(shown_loss, shown)
         return loss, gradients, received
 
     def _check_jacobian_sizes(self, x):
         h = x
         for i, model in enumerate(self.models):
             out = model(h, training=False)
+            if not tf.is_tensor(out) and not hasattr(out, "shape"):
+                raise ValueError(
+                    f"`method='jacobian'` needs parts that each give one tensor; `models[{i}]` "
+                    f"gives a {type(out).__name__}. Use `method='vjp'`, which takes parts that "
+                    "hand over several tensors."
+                )
             out_size = int(np.prod(out.shape))
             in_sizes = [int(np.prod(v.shape)) for v in model.trainable_variables]
             if i:
@@ -288,7 +306,13 @@ def chain_gradients(
 
     The result equals the gradients of one joint tape over
     `models[-1](...models[0](x))`; the parts only change how the chain rule is
-    carried out.
+    carried out. That is the gradient of the loss on the prediction, in
+    inference mode (BatchNormalization's moving statistics, no Dropout; use
+    `ChainedBackprop(training=True)` for a training pass): unlike `fit` and
+    `gradflow.snapshot`, it leaves out the parts' regularization losses
+    (`kernel_regularizer`, `add_loss`). A part used twice gets two entries,
+    each with that use's share of its gradient (their sum is the joint
+    tape's).
 
     Example:
 
