@@ -457,6 +457,12 @@ def test_split_backprop_page_takes_a_size_too_large_for_jacobians():
     app.run()
     assert not app.exception, [e.value for e in app.exception]
     assert any("too large to form" in s.value for s in app.success)
+    # Nothing claims the way that was not run agreed, or a size of "nan MB".
+    assert not any("(Jacobians)" in s.value for s in app.success)
+    assert not any("nan MB" in c.value for c in app.caption)
+    # Other sizes picked: the results on show say which sizes they are for.
+    app.multiselect[0].set_value([6, 16]).run()
+    assert any("These results are for the sizes 16" in i.value for i in app.info)
 
 
 def live_chart_updates(app):

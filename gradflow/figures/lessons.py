@@ -77,6 +77,8 @@ def jacobian_cost(cost, *, presentation=False):
     biggest = built["jacobian_megabytes"].max() if len(built) else np.nan
     description = (
         f"The largest Jacobian here takes {biggest:.1f} MB; vector-Jacobian products never form it."
+        if np.isfinite(biggest)
+        else "No Jacobian was formed at these sizes; vector-Jacobian products never form one."
     )
     skipped = jacobians[~formed.loc[jacobians.index].astype(bool)]
     if len(skipped):
