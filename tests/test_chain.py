@@ -155,6 +155,20 @@ def test_the_jacobian_way_says_it_needs_one_tensor_per_part():
         gradflow.chain_gradients([pair, head], x, y, loss="mse", method="jacobian")
 
 
+@pytest.mark.parametrize("method", ["vjp", "jacobian"])
+def test_parts_that_do_not_fit_are_named(method):
+    """The message was a thousand characters of traced graph that never named the parts."""
+    below = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6)])
+    above = keras.Sequential([keras.Input((7,)), keras.layers.Dense(1)])
+    x, y = np.ones((5, 4), "float32"), np.ones((5, 1), "float32")
+    with pytest.raises(ValueError) as caught:
+        gradflow.chain_gradients([below, above], x, y, loss="mse", method=method)
+    message = str(caught.value)
+    assert message.startswith("`models[1]` does not take the output of `models[0]` (shape (5, 6))")
+    assert "expected axis -1 of input shape to have value 7" in message
+    assert "in user code" not in message and "\x1b" not in message
+
+
 def test_reusable_backprop_follows_new_batches():
     parts, x, y = split_mlp()
     backprop = ChainedBackprop(parts, loss="mse")

@@ -27,6 +27,7 @@ result.upstream[1]   # dLoss/d(output of parts[1]), what parts[1]'s tape receive
 import collections.abc
 import contextlib
 import dataclasses
+import re
 
 import keras
 import numpy as np
@@ -152,15 +153,10 @@ class ChainedBackprop:
         x = to_tensors(x, "x")
         y = to_tensors(y, "y")
         check_batch_sizes(x, y)
-        if not all(model.built for model in self.models):
-            # Build every part eagerly, in order, outside the compiled function.
-            h = x
-            for model in self.models:
-                capture.ensure_built(model, h)
-                h = model(h, training=False)
-        if self.method == "jacobian" and tuple(x.shape) not in self._checked_shapes:
-            self._check_jacobian_sizes(x)
-            self._checked_shapes.add(tuple(x.shape))
+        shape = tuple(getattr(x, "shape", ()))
+        if shape not in self._checked_shapes or not all(m.built for m in self.models):
+            self._check_parts(x)
+            self._checked_shapes.add(shape)
         with contextlib.ExitStack() as stack:
             for model in self.models:
                 stack.enter_context(restored_state(model, enabled=self.training))
@@ -263,30 +259,62 @@ class ChainedBackprop:
         received[-1] = last_tape.gradient(shown_loss, shown)
         return loss, gradients, received
 
-    def _check_jacobian_sizes(self, x):
+    def _check_parts(self, x):
+        """One eager forward pass, part by part, before the compiled one.
+
+        It builds the parts in order, says in words which part does not take
+        what the part below gives (inside the compiled pass, Keras's message
+        comes wrapped in the traced graph's), and with `method="jacobian"`
+        applies the size guard.
+        """
         h = x
         for i, model in enumerate(self.models):
-            out = model(h, training=False)
-            if not tf.is_tensor(out) and not hasattr(out, "shape"):
+            try:
+                capture.ensure_built(model, h)
+                out = model(h, training=False)
+            except (ValueError, TypeError, tf.errors.InvalidArgumentError) as error:
+                given = "the input `x`" if i == 0 else f"the output of `models[{i - 1}]`"
+                found = getattr(h, "shape", type(h).__name__)
+                reason = _keras_reason(error)
                 raise ValueError(
-                    f"`method='jacobian'` needs parts that each give one tensor; `models[{i}]` "
-                    f"gives a {type(out).__name__}. Use `method='vjp'`, which takes parts that "
-                    "hand over several tensors."
-                )
-            out_size = int(np.prod(out.shape))
-            in_sizes = [int(np.prod(v.shape)) for v in model.trainable_variables]
-            if i:
-                in_sizes.append(int(np.prod(h.shape)))
-            largest = out_size * max(in_sizes, default=0)
-            if largest > self.max_jacobian_entries:
-                raise ValueError(
-                    f"`method='jacobian'` would build a Jacobian of {largest:,} entries "
-                    f"for `models[{i}]` ({out_size:,} outputs x {max(in_sizes):,} inputs), "
-                    f"more than `max_jacobian_entries`={self.max_jacobian_entries:,}. "
-                    "Use a smaller batch or input, raise `max_jacobian_entries`, or use "
-                    "`method='vjp'`, which gives the same gradients without Jacobians."
-                )
+                    f"`models[{i}]` does not take {given} (shape {found}): {reason}"
+                ) from error
+            if self.method == "jacobian":
+                self._check_jacobian_size(i, model, h, out)
             h = out
+
+    def _check_jacobian_size(self, i, model, h, out):
+        """Refuse a part the Jacobian way cannot take, or whose Jacobian is too large."""
+        if not tf.is_tensor(out) and not hasattr(out, "shape"):
+            raise ValueError(
+                f"`method='jacobian'` needs parts that each give one tensor; `models[{i}]` "
+                f"gives a {type(out).__name__}. Use `method='vjp'`, which takes parts that "
+                "hand over several tensors."
+            )
+        out_size = int(np.prod(out.shape))
+        in_sizes = [int(np.prod(v.shape)) for v in model.trainable_variables]
+        if i:
+            in_sizes.append(int(np.prod(h.shape)))
+        largest = out_size * max(in_sizes, default=0)
+        if largest > self.max_jacobian_entries:
+            raise ValueError(
+                f"`method='jacobian'` would build a Jacobian of {largest:,} entries "
+                f"for `models[{i}]` ({out_size:,} outputs x {max(in_sizes):,} inputs), "
+                f"more than `max_jacobian_entries`={self.max_jacobian_entries:,}. "
+                "Use a smaller batch or input, raise `max_jacobian_entries`, or use "
+                "`method='vjp'`, which gives the same gradients without Jacobians."
+            )
+
+
+def _keras_reason(error):
+    """The line of a Keras call error that says what was wrong (without its ANSI bold)."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines()]
+    lines = [
+        line
+        for line in lines
+        if line and not line.startswith(("Exception encountered", "Arguments received", "•"))
+    ]
+    return lines[0] if lines else type(error).__name__
 
 
 def _as_matrix(jacobian, output):
