@@ -5,7 +5,7 @@ import streamlit as st
 from gradflow.store.tables import ACTIVE_STATUSES
 from gradflow.ui import resources
 from gradflow.ui.live import show_on_live_page
-from gradflow.ui.runs_table import runs_table
+from gradflow.ui.runs_table import run_labels, run_picker, runs_table
 
 st.title("Runs")
 st.caption(
@@ -20,23 +20,8 @@ runs_table(store, runs)
 if runs.empty:
     st.stop()
 
-labels = {row.run_id: f"{row.name} · {row.status} · {row.run_id}" for row in runs.itertuples()}
-# Keyed: its labels hold the names, and a renamed run made an unkeyed box
-# start over at the first run (which the next Delete then asked about). Until
-# the user picks one, it follows the newest run (a script's run appears in it).
-if (
-    not st.session_state.get("runs.picked")
-    or st.session_state.get("runs.chosen") not in labels  # deleted
-):
-    st.session_state["runs.picked"] = False
-    st.session_state["runs.chosen"] = next(iter(labels))
-chosen = st.selectbox(
-    "Run",
-    list(labels),
-    format_func=labels.get,
-    key="runs.chosen",
-    on_change=lambda: st.session_state.update({"runs.picked": True}),
-)
+labels = run_labels(runs)
+chosen = run_picker(runs)
 open_col, rename_col, delete_col = st.columns([1, 2, 1])
 if open_col.button("Open in Live training"):
     show_on_live_page(chosen)
@@ -45,11 +30,10 @@ with rename_col.form("rename", border=False):
         "New name", value=str(runs.set_index("run_id").loc[chosen, "name"]), max_chars=80
     )
     if st.form_submit_button("Rename"):
-        try:
-            store.rename(chosen, new_name)
-        except ValueError as error:
-            st.error(str(error))
+        if not new_name.strip():
+            st.error("Type a name first.")
         else:
+            store.rename(chosen, new_name)
             st.rerun()
 # A run still training keeps writing: it is stopped first, then deleted.
 if store.status(chosen) in ACTIVE_STATUSES:

@@ -104,3 +104,33 @@ def test_runs_table_follows_a_script_run_by_itself(chromium, dashboard, smoke_db
     assert page.locator("[data-testid='stException']").count() == 0
     page.screenshot(path=str(artifacts_dir / "smoke-runs.png"), full_page=True)
     page.close()
+
+
+def test_a_renamed_run_is_the_one_the_next_button_acts_on(chromium, dashboard, smoke_db):
+    """After Rename the browser held the old label, which the server no longer found:
+    the box fell back to the newest run, and the next Delete asked about that one."""
+    from gradflow.store import RunStore
+
+    store = RunStore(smoke_db)
+    picked = store.create_run({"depth": 2}, name="lesson one", status="completed")
+    newest = store.create_run({"depth": 2}, name="someone else's", status="completed")
+    page = chromium.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(f"{dashboard}/runs")
+    picker = page.get_by_role("combobox", name="Run")
+    assert wait_until(lambda: picker.count() == 1 and newest in picker.input_value())
+    picker.click()
+    page.get_by_role("option", name=f"lesson one · completed · {picked}").click()
+    assert wait_until(lambda: picked in picker.input_value())
+    name = page.get_by_label("New name")
+    name.fill("lesson one (relu)")
+    page.get_by_role("button", name="Rename").click()
+    assert wait_until(lambda: store.run_info(picked)["name"] == "lesson one (relu)")
+    assert wait_until(lambda: picker.input_value() == f"lesson one (relu) · completed · {picked}")
+    page.get_by_role("button", name="Delete").click()
+    page.get_by_text(f"Delete lesson one (relu) · completed · {picked} and all its data?").wait_for(
+        timeout=30_000
+    )
+    page.get_by_role("button", name="Cancel").click()
+    assert {picked, newest} <= set(store.runs()["run_id"])
+    assert page.locator("[data-testid='stException']").count() == 0
+    page.close()

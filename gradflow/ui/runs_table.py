@@ -10,6 +10,8 @@ run appears, disappears or changes status, the whole page reruns once, so
 the run picker and the buttons below the table show it too.
 """
 
+import hashlib
+
 import streamlit as st
 
 from gradflow.store import ACTIVE_STATUSES
@@ -56,3 +58,45 @@ def _table(store, drawn):
         st.dataframe(runs[list(COLUMNS)], hide_index=True, width="stretch", column_config=COLUMNS)
     active = runs["status"].isin(ACTIVE_STATUSES).any()
     tick_after(ACTIVE_POLL_SECONDS if active else IDLE_POLL_SECONDS, key="runs.ticker")
+
+
+def run_labels(runs):
+    """`{run_id: "name · status · run_id"}` for `runs`, as the Runs page names them."""
+    return {row.run_id: f"{row.name} · {row.status} · {row.run_id}" for row in runs.itertuples()}
+
+
+def run_picker(runs):
+    """The Runs page's "Run" box; returns the id of the run picked.
+
+    It follows the newest run until the user picks one, then keeps that
+    one. Its labels hold each run's name and status; when a label changes
+    (a rename, a run that ended) the browser still held the old one, which
+    the server no longer found, and the box fell back to the first run: a
+    Delete right after a Rename asked about another run. So the box is a new
+    widget whenever its labels change, given the picked run again.
+
+    Args:
+        runs: `RunStore.runs()`, newest first, not empty.
+    """
+    labels = run_labels(runs)
+    selected = st.session_state.get(_SELECTED)
+    if not st.session_state.get(_PICKED) or selected not in labels:
+        selected = next(iter(labels))  # the newest; a picked run was deleted
+        st.session_state[_PICKED] = False
+    st.session_state[_SELECTED] = selected
+    key = _PICKER + hashlib.sha1("\n".join(labels.values()).encode()).hexdigest()[:12]
+    for old in [k for k in st.session_state if k.startswith(_PICKER) and k != key]:
+        del st.session_state[old]
+    if key not in st.session_state:
+        st.session_state[key] = selected
+
+    def picked():
+        st.session_state[_SELECTED] = st.session_state[key]
+        st.session_state[_PICKED] = True
+
+    return st.selectbox("Run", list(labels), format_func=labels.get, key=key, on_change=picked)
+
+
+_PICKER = "runs.picker."
+_SELECTED = "runs.selected"  # the run id the box shows
+_PICKED = "runs.picked"  # whether the user chose it (else the newest run is shown)
