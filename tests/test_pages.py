@@ -1098,6 +1098,9 @@ def test_runs_are_named_by_what_sets_them_apart():
     assert run_name(rnn).endswith("· on adding")
     assert run_name(dataclasses.replace(rnn, rnn_cell="lstm")).startswith("LSTM · tanh")
     assert run_name(RunConfig(architecture="cnn")).startswith("CNN · relu")
+    # A residual network and the same without, and dropout or max-norm, had one name too.
+    assert "· residual ·" in run_name(RunConfig(residual=True))
+    assert "dropout 0.5 · max-norm 2" in run_name(RunConfig(dropout=0.5, max_norm=2.0))
 
     app = run_page("live_training.py")
     next(s for s in app.selectbox if s.label == "Preset").set_value("large_init").run()
@@ -1188,6 +1191,35 @@ def test_a_clipped_run_shows_what_the_optimizer_applied(page_environment):
         app = run_page("live_training.py", run=run_id)
         said = any("Gradient clipping is on" in c.value for c in app.caption)
         assert said == (clipped is not None)
+
+
+def test_a_max_norm_run_points_to_its_weight_norms(page_environment):
+    """The weight norms before and after the constraint were stored but never drawn."""
+    import pandas as pd
+
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"max_norm": 0.5}, name="max-norm", status="completed")
+    with store.writer(run_id) as writer:
+        writer.add_layer_stats(
+            pd.DataFrame(
+                {
+                    "step": [1],
+                    "layer": ["dense"],
+                    "layer_index": [0],
+                    "tensor": "kernel",
+                    "max_abs": [0.5],
+                    "l2_norm": [0.8],
+                    "weight_norm": [2.83],
+                    "weight_norm_unconstrained": [6.48],
+                    "nonfinite": 0,
+                }
+            )
+        )
+        writer.progress(1)
+    app = run_page("live_training.py", run=run_id)
+    assert any("max-norm constraint is on" in c.value for c in app.caption)
 
 
 def test_a_preset_or_link_trains_its_settings_that_have_no_widget():

@@ -243,6 +243,9 @@ def compare_profiles(
         ticktext=ticktext,
     )
     style.apply_style(figure, presentation)
+    # Below the plot: beside it, the run names left a half-width chart 60 px
+    # and the legend hid a run's line.
+    style.legend_below(figure, columns=1)
     return Chart(figure, data, plain_title, description)
 
 

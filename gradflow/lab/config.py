@@ -533,7 +533,8 @@ def run_name(config):
 
     The settings a lesson varies, where they differ from the defaults: two
     runs that differ only in their initializer once had the same name, and
-    so did a SimpleRNN and an LSTM (the name starts exported files' names).
+    so did a SimpleRNN and an LSTM, and a network and the same one with
+    residual connections (the name starts exported files' names).
     """
     if config.name:
         return config.name
@@ -550,11 +551,21 @@ def run_name(config):
             if config.initializer == "random_normal"
             else config.initializer
         )
+    if config.width != default.width:
+        parts.append(f"width {config.width}")
+    if config.residual and config.architecture != "residual_mlp":
+        parts.append("residual")
     for field, words in (("normalization", "{} norm"), ("clipping", "clip {}")):
         value = getattr(config, field)
         if value != getattr(default, field):
             parts.append(words.format(value))
+    if config.dropout:
+        parts.append(f"dropout {config.dropout:g}")
+    if config.max_norm is not None:
+        parts.append(f"max-norm {config.max_norm:g}")
     parts.append(f"{config.optimizer} lr={config.learning_rate:g}")
+    if config.batch_size != default.batch_size:
+        parts.append(f"batch {config.batch_size}")
     if config.dataset != default.dataset:
         parts.append(f"on {config.dataset}")
     return " · ".join(parts)

@@ -465,6 +465,11 @@ def _charts(info, cache, key):
     tensors = _tensor_choices(stats)
     # With clipping the rows also hold the norms after it: what the optimizer applied.
     clipped = "l2_norm_clipped" in stats.columns and stats["l2_norm_clipped"].notna().any()
+    # With a max-norm constraint, the weight norms before and after it.
+    constrained = (
+        "weight_norm_unconstrained" in stats.columns
+        and stats["weight_norm_unconstrained"].notna().any()
+    )
     if view in ("Heatmaps", "Lines", "Profile", "Histograms"):
         tensor = st.radio(
             "Gradients of",
@@ -507,11 +512,22 @@ def _charts(info, cache, key):
                 f"{key}.clipped",
                 run=run,
             )
+        if constrained and tensor != "activation":
+            st.caption(
+                ":material/straighten: The max-norm constraint is on: **Lines** shows each "
+                "layer's weight norm after it and before it (the constraint scales down a "
+                "kernel whose norm passes the limit)."
+            )
     elif view == "Lines":
         statistic = st.radio(
             "Statistic",
             ["max_abs", "l2_norm", "mean_abs"]
-            + (["l2_norm_clipped"] if clipped and tensor != "activation" else []),
+            + (["l2_norm_clipped"] if clipped and tensor != "activation" else [])
+            + (
+                ["weight_norm", "weight_norm_unconstrained"]
+                if constrained and tensor != "activation"
+                else []
+            ),
             format_func=STATISTIC_LABELS.get,
             horizontal=True,
             key=f"{key}.line_stat",
