@@ -1193,6 +1193,53 @@ def test_a_clipped_run_shows_what_the_optimizer_applied(page_environment):
         assert said == (clipped is not None)
 
 
+def test_a_run_this_page_did_not_start_is_watched_until_taken_over(page_environment):
+    """A student who opened the teacher's link could pause the demo for the whole class."""
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 2}, name="teacher's demo", status="running")
+    app = run_page("live_training.py", run=run_id)
+    buttons = {b.label: b for b in app.button}
+    assert buttons["Pause"].disabled and buttons["Stop"].disabled
+    assert any("watching it here does not pause or stop it" in c.value for c in app.caption)
+    buttons["Take control"].click().run()
+    buttons = {b.label: b for b in app.button}
+    assert not buttons["Pause"].disabled and not buttons["Stop"].disabled
+    assert "Take control" not in buttons
+    store.set_status(run_id, "completed")
+
+
+def test_a_run_recorded_every_few_steps_says_so_and_whose_loss_it_shows(page_environment):
+    """Step once changed no chart, and the status line put step 45's loss beside step 47."""
+    import pandas as pd
+
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"record_every": 5}, name="every 5", status="paused")
+    with store.writer(run_id) as writer:
+        writer.add_layer_stats(
+            pd.DataFrame(
+                {
+                    "step": [45],
+                    "layer": ["dense"],
+                    "layer_index": [0],
+                    "tensor": "kernel",
+                    "max_abs": [0.5],
+                    "l2_norm": [0.8],
+                    "nonfinite": 0,
+                }
+            )
+        )
+        writer.add_metrics(45, {"loss": 2.212})
+        writer.progress(47)
+    app = run_page("live_training.py", run=run_id)
+    assert any("loss 2.212 (at step 45)" in m.value for m in app.markdown)
+    assert any("recorded every 5 steps" in c.value for c in app.caption)
+    store.set_status(run_id, "stopped")
+
+
 def test_a_max_norm_run_points_to_its_weight_norms(page_environment):
     """The weight norms before and after the constraint were stored but never drawn."""
     import pandas as pd

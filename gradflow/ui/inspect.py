@@ -292,6 +292,11 @@ def snapshot_report():
     if message:  # a note beside a snapshot
         st.warning(message)
     st.metric("Loss on this batch", f"{shot.loss:.4g}")
+    st.caption(
+        "One batch, in inference mode, with no weight update: Dropout passes everything "
+        "through and BatchNormalization uses its moving statistics, as in `model.predict`. "
+        "(`gradflow.snapshot(..., training=True)` takes a training pass.)"
+    )
     for layer, tensors in shot.no_gradient.items():
         st.warning(no_gradient_message(layer, tensors))
     presentation = st.session_state.get("ui.presentation", False)

@@ -189,21 +189,37 @@ def control_buttons(config, run_id, status):
         on_click=_start_run,
     )
     paused = status == "paused"
+    # A run this page did not start (a shared link, a run from another tab)
+    # is watched: a student's Pause paused the teacher's demo for everyone.
+    watched = status in ACTIVE and run_id not in st.session_state.get(_STARTED, ())
     if pause.button(
         "Resume" if paused else "Pause",
-        disabled=status not in ("running", "paused"),
+        disabled=status not in ("running", "paused") or watched,
         width="stretch",
     ):
         store.request(run_id, "resume" if paused else "pause")
-    if stop.button("Stop", disabled=status not in ACTIVE, width="stretch"):
+    if stop.button("Stop", disabled=status not in ACTIVE or watched, width="stretch"):
         store.request(run_id, "stop")
     if step.button(
         "Step once",
-        disabled=not paused,
+        disabled=not paused or watched,
         width="stretch",
         help="While paused: train exactly one more step.",
     ):
         store.request(run_id, "step")
+    if watched:
+        note, take = st.columns([4, 1])
+        note.caption(
+            "This run was started in another tab or by someone else: watching it here does "
+            "not pause or stop it."
+        )
+        take.button(
+            "Take control",
+            width="stretch",
+            help="Pause, Stop and Step once then act on this run, for everyone watching it.",
+            # Before the fragment runs again, so that the buttons above are on in that run.
+            on_click=lambda: st.session_state.setdefault(_STARTED, set()).add(run_id),
+        )
     if config is None and controls.form_problem():
         # Also here, beside the grey button: the sidebar's message may be far
         # above the box that caused it, out of view.
@@ -462,6 +478,13 @@ def _charts(info, cache, key):
     view = st.segmented_control("View", _VIEWS, default="Heatmaps", key=f"{key}.view") or "Heatmaps"
     if view != "Alerts" and status not in ACTIVE:
         _alerts_hint(store, run_id, cache)
+    every = (info.get("config") or {}).get("record_every", 1)
+    if isinstance(every, int) and every > 1:
+        # Else a Step once that changed no chart looked like a step that did nothing.
+        st.caption(
+            f":material/info: Statistics are recorded every {every} steps (**Record every N "
+            "steps**): the charts move at each recorded step, not at every step."
+        )
     tensors = _tensor_choices(stats)
     # With clipping the rows also hold the norms after it: what the optimizer applied.
     clipped = "l2_norm_clipped" in stats.columns and stats["l2_norm_clipped"].notna().any()
@@ -683,10 +706,13 @@ def _tensor_choices(stats):
 def _status_line(info, cache, status, watched=False):
     total = info.get("total_steps") or 0
     step = int(info.get("progress_step") or cache.last_step or 0)
-    loss = cache.metrics[cache.metrics["name"] == "loss"]["value"] if len(cache.metrics) else []
+    losses = cache.metrics[cache.metrics["name"] == "loss"] if len(cache.metrics) else []
     parts = [_STATUS_TEXT.get(status, status), f"step {step}" + (f" / {total}" if total else "")]
-    if len(loss):
-        parts.append(f"loss {loss.iloc[-1]:.4g}")
+    if len(losses):
+        last = losses.iloc[-1]
+        # With "Record every N steps" above 1 the loss is that of the last recorded step.
+        at = "" if int(last["step"]) == step else f" (at step {int(last['step'])})"
+        parts.append(f"loss {last['value']:.4g}{at}")
     st.markdown(f"**{plain_markdown(info['name'])}** — " + " · ".join(parts))
     if total:
         st.progress(min(step / total, 1.0))
