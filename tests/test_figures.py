@@ -531,6 +531,12 @@ def test_compare_profiles_and_metrics_overlay_runs():
     shorter = a[a["step"] < 6]
     chart = figures.compare_profiles({"relu": shorter, "sigmoid": b}, statistic="l2_norm")
     assert chart.title.endswith("at each run's last step")
+    # A network with layers between its kernels (BatchNormalization, Activation) lines
+    # up by depth: by layer index its second kernel layer stood at 3, beside the other's 1.
+    spread = b.assign(layer_index=b["layer_index"] * 3)
+    chart = figures.compare_profiles({"plain": b, "batch norm": spread}, statistic="l2_norm")
+    assert list(chart.figure.data[0].x) == list(chart.figure.data[1].x) == [0, 1, 2, 3]
+    assert chart.data.query("run == 'batch norm'")["layer_index"].tolist() == [0, 3, 6, 9]
 
     metrics = pd.DataFrame(
         {

@@ -166,8 +166,10 @@ def compare_profiles(
         presentation: large fonts for slides. Default False.
 
     Returns:
-        A `Chart`; `.data` has columns `run, layer_index, layer, step,
-        <statistic>`.
+        A `Chart`; `.data` has columns `run, depth, layer_index, layer,
+        step, <statistic>`: `depth` counts a run's layers that have
+        `tensor` (0 nearest the input), so that runs with extra layers
+        between them (BatchNormalization, activations) line up.
 
     Raises:
         TypeError, ValueError: for an empty `runs`, an invalid frame or step.
@@ -184,8 +186,12 @@ def compare_profiles(
             continue
         piece = profile_lib.profile_frame(frame, shown, tensor, [statistic])
         piece.insert(0, "run", name)
+        # Depth counts the layers with this tensor: by `layer_index`, a batch-norm
+        # network's 10th dense layer stood at 30 (its BatchNormalization and
+        # Activation layers counted), beside the plain network's at 10.
+        piece.insert(1, "depth", piece["layer_index"].rank(method="dense").astype(int) - 1)
         pieces.append(piece)
-    columns = ["run", "layer_index", "layer", "step", statistic]
+    columns = ["run", "depth", "layer_index", "layer", "step", statistic]
     data = pd.concat(pieces, ignore_index=True) if pieces else pd.DataFrame(columns=columns)
     shown_steps = sorted({int(s) for s in data["step"]}) if len(data) else []
     # Which step it is: each run's last unless one was chosen.
@@ -201,7 +207,10 @@ def compare_profiles(
         or f"{style.STATISTIC_LABELS.get(statistic, statistic)} by depth"
         f" ({style.tensor_label(tensor)}){at if shown_steps else ''}"
     )
-    description = f"{statistic} of the {tensor} gradients against layer depth (0 = input side), one line per run."
+    description = (
+        f"{statistic} of the {tensor} gradients against depth (the n-th layer with a {tensor}, "
+        "0 = input side), one line per run."
+    )
     if data.empty:
         return Chart(
             style.no_data_figure("No layer statistics recorded yet.", presentation),
@@ -220,7 +229,7 @@ def compare_profiles(
         label = style.escape_label(name)
         figure.add_trace(
             go.Scatter(
-                x=piece["layer_index"].to_numpy(),
+                x=piece["depth"].to_numpy(),
                 y=np.power(10.0, logscale.to_log(raw, log_min)),
                 customdata=np.stack([raw, piece["step"].to_numpy(dtype=np.float64)], axis=1),
                 text=style.layer_labels(piece["layer"].tolist(), piece["layer_index"].tolist()),
@@ -233,7 +242,7 @@ def compare_profiles(
     tickvals, ticktext = logscale.decade_ticks(log_min, log_max)
     figure.update_layout(
         title=style.escape_label(plain_title),
-        xaxis_title="layer index (0 = input side)",
+        xaxis_title=f"depth: {style.tensor_label(tensor)} layers, 0 = input side",
         yaxis_title=style.statistic_label(statistic) + " (log scale)",
     )
     figure.update_yaxes(
