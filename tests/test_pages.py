@@ -402,7 +402,7 @@ def test_a_bad_or_empty_number_box_turns_start_off_and_says_why_beside_it():
     boxes["Clip threshold"].set_value(None).run()
     assert next(b for b in app.button if b.label == "Start training").disabled
     assert any(
-        "**Clip threshold** is empty: enter a number above 0 to 1e+06." in e.value
+        "**Clip threshold** is empty: enter a number greater than 0 and at most 1e+06." in e.value
         for e in app.sidebar.error
     )
     assert app.session_state["cfg._config"].clip_value == 1.0  # the last valid settings
@@ -418,6 +418,11 @@ def test_a_bad_or_empty_number_box_turns_start_off_and_says_why_beside_it():
         RunConfig(architecture="cnn", dataset="spirals")
     assert _in_words(str(caught.value)).startswith("**Architecture** cnn needs an image data set (")
     assert _in_words(str(caught.value)).endswith("got **Dataset** spirals.")
+    with pytest.raises(ValueError) as caught:
+        RunConfig(max_norm=-1.0)
+    assert _in_words(str(caught.value)).startswith(
+        "**Max-norm constraint (0 = off)** must be 0 (off) or a number greater than 0"
+    )
 
 
 @pytest.mark.parametrize(

@@ -224,13 +224,18 @@ def _empty_box(field):
     """The error for a number box left empty, with the range it takes."""
     meta = _FIELD_META[field]
     label = next(label for name, label, *_ in WIDGETS if name == field)
+    # Written as RunConfig's own range messages write them.
     low, high = (
-        (f"{int(meta['low']):,}", f"{int(meta['high']):,}")
+        (str(int(meta["low"])), str(int(meta["high"])))
         if meta["kind"] == "int"
         else (f"{meta['low']:g}", f"{meta['high']:g}")
     )
-    above = "above" if meta.get("low_open") else "from"
-    return ValueError(f"**{label}** is empty: enter a number {above} {low} to {high}.")
+    span = (
+        f"greater than {low} and at most {high}"
+        if meta.get("low_open")
+        else f"from {low} to {high}"
+    )
+    return ValueError(f"**{label}** is empty: enter a number {span}.")
 
 
 def _in_words(message):
@@ -249,7 +254,8 @@ def _in_words(message):
             return match.group(0)
         return f"**{labels[field]}**" + (f" {value}" if value is not None else "")
 
-    return _FIELD_NOTATION.sub(said, message)
+    # The form's "off" for an optional number (Max-norm, Speed limit) is 0, not Python's None.
+    return _FIELD_NOTATION.sub(said, message).replace("must be None or ", "must be 0 (off) or ")
 
 
 # `field`, `field='value'`, field='value' (a RunConfig message's ways of naming a setting).
