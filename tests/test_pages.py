@@ -1215,30 +1215,29 @@ def test_a_run_this_page_did_not_start_is_watched_until_taken_over(page_environm
     store.set_status(run_id, "completed")
 
 
-def test_a_run_recorded_every_few_steps_says_so_and_whose_loss_it_shows(page_environment):
-    """Step once changed no chart, and the status line put step 45's loss beside step 47."""
+def one_layer_run(db, config, status, step=1, progress=None, loss=None, **columns):
+    """A stored run with one kernel row at `step` (extra statistic `columns`) and its id."""
     import pandas as pd
 
     from gradflow.store import RunStore
 
-    store = RunStore(page_environment)
-    run_id = store.create_run({"record_every": 5}, name="every 5", status="paused")
+    store = RunStore(db)
+    run_id = store.create_run(config, name="stored", status=status)
+    row = {"step": [step], "layer": ["dense"], "layer_index": [0], "tensor": "kernel"}
+    row.update({"max_abs": [0.5], "l2_norm": [0.8], "nonfinite": 0}, **columns)
     with store.writer(run_id) as writer:
-        writer.add_layer_stats(
-            pd.DataFrame(
-                {
-                    "step": [45],
-                    "layer": ["dense"],
-                    "layer_index": [0],
-                    "tensor": "kernel",
-                    "max_abs": [0.5],
-                    "l2_norm": [0.8],
-                    "nonfinite": 0,
-                }
-            )
-        )
-        writer.add_metrics(45, {"loss": 2.212})
-        writer.progress(47)
+        writer.add_layer_stats(pd.DataFrame(row))
+        if loss is not None:
+            writer.add_metrics(step, {"loss": loss})
+        writer.progress(step if progress is None else progress)
+    return store, run_id
+
+
+def test_a_run_recorded_every_few_steps_says_so_and_whose_loss_it_shows(page_environment):
+    """Step once changed no chart, and the status line put step 45's loss beside step 47."""
+    store, run_id = one_layer_run(
+        page_environment, {"record_every": 5}, "paused", step=45, progress=47, loss=2.212
+    )
     app = run_page("live_training.py", run=run_id)
     assert any("loss 2.212 (at step 45)" in m.value for m in app.markdown)
     assert any("recorded every 5 steps" in c.value for c in app.caption)
@@ -1247,29 +1246,13 @@ def test_a_run_recorded_every_few_steps_says_so_and_whose_loss_it_shows(page_env
 
 def test_a_max_norm_run_points_to_its_weight_norms(page_environment):
     """The weight norms before and after the constraint were stored but never drawn."""
-    import pandas as pd
-
-    from gradflow.store import RunStore
-
-    store = RunStore(page_environment)
-    run_id = store.create_run({"max_norm": 0.5}, name="max-norm", status="completed")
-    with store.writer(run_id) as writer:
-        writer.add_layer_stats(
-            pd.DataFrame(
-                {
-                    "step": [1],
-                    "layer": ["dense"],
-                    "layer_index": [0],
-                    "tensor": "kernel",
-                    "max_abs": [0.5],
-                    "l2_norm": [0.8],
-                    "weight_norm": [2.83],
-                    "weight_norm_unconstrained": [6.48],
-                    "nonfinite": 0,
-                }
-            )
-        )
-        writer.progress(1)
+    _, run_id = one_layer_run(
+        page_environment,
+        {"max_norm": 0.5},
+        "completed",
+        weight_norm=[2.83],
+        weight_norm_unconstrained=[6.48],
+    )
     app = run_page("live_training.py", run=run_id)
     assert any("max-norm constraint is on" in c.value for c in app.caption)
 

@@ -503,38 +503,19 @@ def _charts(info, cache, key):
         )
     if view == "Heatmaps":
         left, right = _heatmap_places(presentation)
+        heatmap = functools.partial(
+            _live_heatmap, stats, tensor=tensor, run=run, presentation=presentation
+        )
         for column, statistic, name in ((left, "max_abs", "max"), (right, "l2_norm", "norm")):
             with column:
-                show_live_chart(
-                    figures.heatmap(
-                        stats,
-                        statistic,
-                        tensor,
-                        max_columns=LIVE_MAX_COLUMNS,
-                        power_of_two_blocks=True,
-                        presentation=presentation,
-                    ),
-                    f"{key}.{name}",
-                    run=run,
-                )
+                heatmap(statistic, f"{key}.{name}")
         if clipped and tensor != "activation":
             st.caption(
                 ":material/content_cut: Gradient clipping is on: the heatmaps above are the "
                 "gradients as computed, before clipping. Below, the norm of what the optimizer "
                 "applied, after clipping."
             )
-            show_live_chart(
-                figures.heatmap(
-                    stats,
-                    "l2_norm_clipped",
-                    tensor,
-                    max_columns=LIVE_MAX_COLUMNS,
-                    power_of_two_blocks=True,
-                    presentation=presentation,
-                ),
-                f"{key}.clipped",
-                run=run,
-            )
+            heatmap("l2_norm_clipped", f"{key}.clipped")
         if constrained and tensor != "activation":
             st.caption(
                 ":material/straighten: The max-norm constraint is on: **Lines** shows each "
@@ -675,6 +656,22 @@ def _lesson_pack_button(info, cache, key):
         key=f"{key}.lesson_pack",
         on_click="ignore",
         help="Figures (PNG + interactive HTML), the data as CSV, the alerts, the settings and a README, for slides and handouts.",
+    )
+
+
+def _live_heatmap(stats, statistic, key, tensor, run, presentation):
+    """One live heatmap of `statistic` (layer x step), at most `LIVE_MAX_COLUMNS` columns."""
+    show_live_chart(
+        figures.heatmap(
+            stats,
+            statistic,
+            tensor,
+            max_columns=LIVE_MAX_COLUMNS,
+            power_of_two_blocks=True,
+            presentation=presentation,
+        ),
+        key,
+        run=run,
     )
 
 
