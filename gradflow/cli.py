@@ -72,6 +72,8 @@ def main(argv=None):
             raise UsageError(
                 "gradflow: choose a command: train, runs, export or serve (see --help)"
             )
+        if getattr(args, "db", None):
+            _check_db(args.db)
         return args.handler(args)
     except UsageError as error:
         _say_error(str(error))
@@ -88,6 +90,16 @@ def main(argv=None):
         # A `--out` that is a file, a folder that cannot be made, a full disk.
         _say_error(f"gradflow: {error.strerror or error}: {error.filename or ''}".rstrip(": "))
         return EXIT_FAILED
+
+
+def _check_db(path):
+    """A `--db` that is a folder or another kind of file, in the flag's name (RunStore's says `path`)."""
+    from gradflow.store.store import NotARunStoreError, check_store_path
+
+    try:
+        check_store_path(path, "--db")
+    except NotARunStoreError as error:
+        raise UsageError(f"gradflow: {error}") from None
 
 
 def _build_parser():

@@ -392,10 +392,6 @@ def _alerts_in_order(alerts):
     columns = list(schema.EVENTS_COLUMNS)
     frame = pd.DataFrame(alerts, columns=columns) if len(alerts) else pd.DataFrame(columns=columns)
     frame = frame.drop_duplicates(subset=["kind", "layer", "message"])
-    # The monitor's own NaN-origin event and the rules' one say the same
-    # thing in other words: the first given (the stored one) stays.
-    twice = (frame["kind"] == "nonfinite") & frame.duplicated(subset=["step", "layer", "kind"])
-    frame = frame[~twice]
     gravity = frame["kind"].map(_GRAVITY).fillna(len(_GRAVITY))
     order = np.lexsort((frame["step"].to_numpy(), gravity.to_numpy()))
     return frame.iloc[order].reset_index(drop=True)[columns]
@@ -431,10 +427,36 @@ def run_alerts(layer_stats, events):
     Returns:
         One events DataFrame (`step, layer, kind, message`), possibly empty.
     """
-    found = [f for f in (events, diagnose(layer_stats)) if len(f)]
-    if not found:
+    return _alerts_in_order(merge_alerts(events, diagnose(layer_stats)))
+
+
+def merge_alerts(stored, found):
+    """A run's stored events and what the diagnosis rules found, each alert told once.
+
+    A finding of a kind, step and layer the run stored already is left out:
+    the monitor's NaN-origin event and the rules' say the same thing in other
+    words, and the Alerts view and the lesson pack said it twice.
+
+    Args:
+        stored: the run's stored events (`RunStore.events`).
+        found: events from `gradflow.diagnose`.
+
+    Returns:
+        One events DataFrame (`step, layer, kind, message`), the stored
+        events first, possibly empty.
+    """
+    if len(stored) and len(found):
+        told = set(zip(stored["kind"], stored["step"], stored["layer"], strict=True))
+        found = found[
+            [
+                key not in told
+                for key in zip(found["kind"], found["step"], found["layer"], strict=True)
+            ]
+        ]
+    parts = [frame for frame in (stored, found) if len(frame)]
+    if not parts:
         return pd.DataFrame(columns=list(schema.EVENTS_COLUMNS))
-    return _alerts_in_order(pd.concat(found, ignore_index=True))
+    return pd.concat(parts, ignore_index=True)
 
 
 def run_charts(layer_stats, metrics, presentation=False, run=None, histograms=None):

@@ -21,7 +21,7 @@ if runs.empty:
     st.stop()
 
 labels = run_labels(runs)
-chosen = run_picker(runs)
+chosen = run_picker(labels)
 open_col, rename_col, delete_col = st.columns([1, 2, 1])
 if open_col.button("Open in Live training"):
     show_on_live_page(chosen)

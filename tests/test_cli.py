@@ -287,7 +287,7 @@ def test_a_killed_train_reads_interrupted_not_running_for_ever(tmp_path, capsys)
     ("argv", "said", "code"),
     [
         (["runs", "--db", "{tmp}/not-a-db.db"], "is not a gradflow run store", 2),
-        (["runs", "--db", "{tmp}"], "is not a gradflow run store", 2),
+        (["runs", "--db", "{tmp}"], "`--db` must be a run-store file, got the folder", 2),
         (["export", "RUN", "--format", "csv", "--out", "{tmp}/a-file"], "File exists", 1),
         (["export", "RUN", "--format", "csv", "--out", "{tmp}/a-file/sub"], "Not a directory", 1),
     ],

@@ -34,6 +34,8 @@ import threading
 import traceback
 import warnings
 
+from gradflow.lab.datasets import DatasetDownloadError
+from gradflow.safety.errors import UnsafeInputError
 from gradflow.store import ACTIVE_STATUSES, RunStore
 
 
@@ -153,14 +155,8 @@ def _failure_message(error):
     return f"{type(error).__name__}: {error}{last}"
 
 
-def _said_for_people():
-    from gradflow.lab.datasets import DatasetDownloadError
-    from gradflow.safety.errors import UnsafeInputError
-
-    return (DatasetDownloadError, UnsafeInputError)
-
-
-_SAID_FOR_PEOPLE = _said_for_people()
+# Errors whose message is written for whoever reads the run.
+_SAID_FOR_PEOPLE = (DatasetDownloadError, UnsafeInputError)
 
 
 def _limit_threads(threads):

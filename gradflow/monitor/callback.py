@@ -248,7 +248,6 @@ class GradientMonitor(keras.callbacks.Callback):
         self._diagnosed_blocks = 0
         self._nonfinite_step = None
         self._plan = None
-        self._recorded_model = None  # a weak reference to the model it records
         # Added to the optimizer's step count to number the steps of this
         # `fit`: non-zero once the count went back below what this monitor
         # had recorded (a new optimizer, `compile()` again), see `_begin_fit`.
@@ -322,7 +321,8 @@ class GradientMonitor(keras.callbacks.Callback):
             raise ValueError(
                 "GradientMonitor needs a compiled model; call `model.compile()` first."
             )
-        first = self._recorded_model() if self._recorded_model is not None else None
+        # The plan of this monitor's last `fit` holds the model it recorded.
+        first = self._plan.model if self._plan is not None else None
         if first is not None and first is not model:
             # Its steps would go on from the first model's and layers of one
             # name would join its curves, in one history and one stored run.
@@ -331,7 +331,6 @@ class GradientMonitor(keras.callbacks.Callback):
                 "needs a GradientMonitor of its own (make one for each model, e.g. inside "
                 "the loop over models)."
             )
-        self._recorded_model = weakref.ref(model)
         # Every callback of one `fit` gets the same `params` dict. Each
         # monitor rebuilds the train step, so a second one would silently
         # leave the first with nothing.

@@ -815,18 +815,10 @@ _ALERT_WORDS = {
 
 
 def _run_events(store, run_id, cache):
-    """The run's stored events and what the rules find in what was read, or None if neither has any.
-
-    A rule's finding of a kind and step the run already stored (the monitor's
-    NaN origin) is left out: the Alerts view said it twice, in two wordings.
-    """
-    stored, found = store.events(run_id), _rule_events(cache)
-    if len(stored) and len(found):
-        told = set(zip(stored["kind"], stored["step"], strict=True))
-        new = [(k, s) not in told for k, s in zip(found["kind"], found["step"], strict=True)]
-        found = found[new]
-    both = [f for f in (stored, found) if not f.empty]
-    return pd.concat(both, ignore_index=True) if both else None
+    """The run's stored events and what the rules find in what was read, each told once
+    (`export.merge_alerts`), or None if there are none."""
+    alerts = export.merge_alerts(store.events(run_id), _rule_events(cache))
+    return alerts if len(alerts) else None
 
 
 def _alerts(store, run_id, cache):

@@ -65,7 +65,7 @@ def run_labels(runs):
     return {row.run_id: f"{row.name} · {row.status} · {row.run_id}" for row in runs.itertuples()}
 
 
-def run_picker(runs):
+def run_picker(labels):
     """The Runs page's "Run" box; returns the id of the run picked.
 
     It follows the newest run until the user picks one, then keeps that
@@ -76,9 +76,8 @@ def run_picker(runs):
     widget whenever its labels change, given the picked run again.
 
     Args:
-        runs: `RunStore.runs()`, newest first, not empty.
+        labels: `run_labels(runs)` of `RunStore.runs()`, newest first, not empty.
     """
-    labels = run_labels(runs)
     selected = st.session_state.get(_SELECTED)
     if not st.session_state.get(_PICKED) or selected not in labels:
         selected = next(iter(labels))  # the newest; a picked run was deleted
