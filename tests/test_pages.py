@@ -400,6 +400,10 @@ def test_a_bad_or_empty_number_box_turns_start_off_and_says_why_beside_it():
     boxes["Record every N steps"].set_value(1).run()
     boxes = {box.label: box for box in app.number_input}
     boxes["Clip threshold"].set_value(None).run()
+    # With clipping off the threshold is not read: it must not turn Start off.
+    assert not next(b for b in app.button if b.label == "Start training").disabled
+    assert not app.sidebar.error
+    next(s for s in app.selectbox if s.label == "Gradient clipping").set_value("norm").run()
     assert next(b for b in app.button if b.label == "Start training").disabled
     assert any(
         "**Clip threshold** is empty: enter a number greater than 0 and at most 1e+06." in e.value
@@ -1338,3 +1342,15 @@ def test_the_speed_limit_is_a_setting_a_link_keeps():
     assert app.session_state["cfg._config"].pace == 5
     linked = run_page("live_training.py", pace="10")
     assert next(s for s in linked.select_slider if s.label.startswith("Speed limit")).value == 10
+
+
+def test_a_bad_number_in_a_box_the_run_does_not_read_leaves_start_on():
+    """An Init stddev of -1 blocked Start with the Glorot initializer, which never reads it."""
+    app = run_page("live_training.py")
+    boxes = {box.label: box for box in app.number_input}
+    boxes["Init stddev (random_normal)"].set_value(-1.0).run()
+    assert not next(b for b in app.button if b.label == "Start training").disabled
+    assert app.session_state["cfg._config"].init_stddev == 0.05  # the run keeps a good value
+    next(s for s in app.selectbox if s.label == "Initializer").set_value("random_normal").run()
+    assert next(b for b in app.button if b.label == "Start training").disabled
+    assert any("**Init stddev (random_normal)** must be" in e.value for e in app.sidebar.error)

@@ -395,6 +395,23 @@ def field_table():
     return [(f.name, f.default, dict(f.metadata)) for f in dataclasses.fields(RunConfig)]
 
 
+def check_setting(name, value):
+    """Check one `RunConfig` setting alone, as the configuration checks it.
+
+    Args:
+        name: The field's name, such as `"clip_value"`.
+        value: The value to check.
+
+    Returns:
+        The value as the configuration would hold it (`1` becomes `1.0`).
+
+    Raises:
+        ValueError: if the value is not allowed (the message names the field).
+    """
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    return _check_field(fields[name], value)
+
+
 def parse_field_text(field, text):
     """Turn the string form of one field back into its value.
 

@@ -355,15 +355,36 @@ def config_from_widgets(prefix="cfg"):
     values = {
         field: _from_widget(field, st.session_state[_key(prefix, field)]) for field, *_ in WIDGETS
     }
+    base = st.session_state.get(_key(prefix, "_base")) or RunConfig()
+    for field, is_read in _READ_ONLY_WHEN.items():
+        if field in values and not is_read(values) and not _allowed(field, values[field]):
+            # A box the run does not read (a clip threshold with clipping off)
+            # must not grey out Start; the run keeps the configuration's value,
+            # and the box's problem shows once its choice is made.
+            values[field] = getattr(base, field)
     for field, _, kind, _ in WIDGETS:
         if kind.startswith("number") and values[field] is None and field not in _ZERO_IS_NONE:
             raise _empty_box(field)
-    base = st.session_state.get(_key(prefix, "_base")) or RunConfig()
     if values["steps"] != base.steps:
         values["epochs"] = None  # the student chose a length in steps
     config = dataclasses.replace(base, name=None, **values)
     # A preset's runs keep its title until a setting changes.
     return base if config == _unnamed(base) else config
+
+
+# Settings that only one choice of another setting reads.
+_READ_ONLY_WHEN = {
+    "clip_value": lambda values: values["clipping"] != "none",
+    "init_stddev": lambda values: values["initializer"] == "random_normal",
+}
+
+
+def _allowed(field, value):
+    try:
+        lab_config.check_setting(field, value)
+    except ValueError:
+        return False
+    return True
 
 
 def _apply_preset(prefix):
