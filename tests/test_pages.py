@@ -1354,3 +1354,18 @@ def test_a_bad_number_in_a_box_the_run_does_not_read_leaves_start_on():
     next(s for s in app.selectbox if s.label == "Initializer").set_value("random_normal").run()
     assert next(b for b in app.button if b.label == "Start training").disabled
     assert any("**Init stddev (random_normal)** must be" in e.value for e in app.sidebar.error)
+
+
+def test_inspect_charts_say_one_batch_not_a_training_step():
+    """A snapshot's charts read "Gradient flow at step 0", as if a run had trained."""
+    import json
+
+    app = run_page("inspect_model.py")
+    next(b for b in app.button if b.label == "Take snapshot").click()
+    app.run()
+    titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in app.get("plotly_chart")]
+    assert titles[:2] == [
+        "Gradient flow on one batch (kernels)",
+        "Gradient flow on one batch (layer outputs)",
+    ]
+    assert not any("step" in title for title in titles)

@@ -64,6 +64,7 @@ def profile(
     statistics=("max_abs", "mean_abs"),
     *,
     title=None,
+    when=None,
     presentation=False,
 ):
     """Bars of gradient statistics per layer at one step (input on the left).
@@ -86,6 +87,9 @@ def profile(
         statistics: columns drawn as side-by-side bars. Default
             `("max_abs", "mean_abs")`.
         title: figure title, or None (default).
+        when: words for when the statistics were taken, used in the title
+            and description, such as `"on one batch"` for a snapshot. None
+            (default): "at step N".
         presentation: large fonts for slides. Default False.
 
     Returns:
@@ -100,9 +104,10 @@ def profile(
     for statistic in statistics:
         grid_lib.check_layer_stats(layer_stats, statistic)
     shown_step = resolve_step(layer_stats, tensor, step)
-    plain_title = title or f"Gradient flow at step {shown_step} ({style.tensor_label(tensor)})"
+    when = when or f"at step {shown_step}"
+    plain_title = title or f"Gradient flow {when} ({style.tensor_label(tensor)})"
     description = (
-        f"Per-layer {' and '.join(statistics)} of the {tensor} gradients at step {shown_step}, "
+        f"Per-layer {' and '.join(statistics)} of the {tensor} gradients {when}, "
         "input layer on the left, log scale: the classic gradient-flow picture."
     )
     if shown_step is None:

@@ -280,6 +280,10 @@ def model_source():
             st.session_state[_TAKEN_OF] = st.session_state[_SHOWN]
 
 
+# A snapshot has no training steps: its statistics are filed under step 0.
+_ONE_BATCH = "on one batch"
+
+
 def snapshot_report():
     """Tables and charts of the session's last snapshot."""
     if st.session_state.get(_TAKEN_OF) != st.session_state.get(_SHOWN):
@@ -307,14 +311,20 @@ def snapshot_report():
         kinds = {figures.tensor_kind(t) for t in shot.weights["tensor"]}
         tensor = "kernel" if "kernel" in kinds else figures.ALL_WEIGHTS
         show_chart(
-            figures.profile(shot.weights, step=0, tensor=tensor, presentation=presentation),
+            figures.profile(
+                shot.weights, step=0, tensor=tensor, when=_ONE_BATCH, presentation=presentation
+            ),
             "inspect.weights",
         )
         st.dataframe(shot.weights, hide_index=True)
     with activations:
         show_chart(
             figures.profile(
-                shot.activations, step=0, tensor="activation", presentation=presentation
+                shot.activations,
+                step=0,
+                tensor="activation",
+                when=_ONE_BATCH,
+                presentation=presentation,
             ),
             "inspect.activations",
         )
