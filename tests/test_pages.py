@@ -1358,8 +1358,6 @@ def test_a_bad_number_in_a_box_the_run_does_not_read_leaves_start_on():
 
 def test_inspect_charts_say_one_batch_not_a_training_step():
     """A snapshot's charts read "Gradient flow at step 0", as if a run had trained."""
-    import json
-
     app = run_page("inspect_model.py")
     next(b for b in app.button if b.label == "Take snapshot").click()
     app.run()
@@ -1369,3 +1367,32 @@ def test_inspect_charts_say_one_batch_not_a_training_step():
         "Gradient flow on one batch (layer outputs)",
     ]
     assert not any("step" in title for title in titles)
+
+
+def test_histograms_of_all_weights_say_they_show_the_kernels(page_environment):
+    """'All weights' drew the kernels' histograms under a choice that promised every weight."""
+    import pandas as pd
+    from streamlit.testing.v1 import AppTest
+
+    from gradflow import schema
+
+    store, run_id = one_layer_run(page_environment, {"histograms": True}, "completed")
+    with store.writer(run_id) as writer:
+        writer.add_layer_stats(
+            pd.DataFrame(
+                {"step": [1], "layer": ["dense"], "layer_index": [0], "tensor": ["bias"]}
+                | {"max_abs": [0.1], "l2_norm": [0.1], "nonfinite": [0]}
+            )
+        )
+        counts = np.zeros(schema.HISTOGRAM_BINS, dtype=np.int64)
+        writer.add_histograms(1, [("dense", 0, "kernel", counts), ("dense", 0, "bias", counts)])
+    app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
+    app.query_params["run"] = run_id
+    app.session_state["live.view"] = "Histograms"
+    app.session_state["live.tensor"] = "all_weights"
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert any("**All weights** chosen, this shows the kernels'" in c.value for c in app.caption)
+    app.session_state["live.tensor"] = "bias"
+    app.run()
+    assert not any("**All weights**" in c.value for c in app.caption)

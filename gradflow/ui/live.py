@@ -766,6 +766,13 @@ def _histograms(histograms, stats, tensor, key, presentation, run):
     with_hist = [layer for layer in layers if layer in set(histograms["layer"])]
     layer = st.selectbox("Layer", with_hist, key=f"{key}.hist_layer")
     hist_tensor = "kernel" if tensor == figures.ALL_WEIGHTS else tensor
+    if tensor == figures.ALL_WEIGHTS:
+        # A histogram is recorded per tensor; one over a layer's kernel and
+        # bias together does not exist, so the chart shows the kernel's.
+        st.caption(
+            "Histograms are recorded for each tensor on its own: with **All weights** chosen, "
+            "this shows the kernels'. Choose another kind above for the others."
+        )
     show_live_chart(
         figures.histogram_heatmap(histograms, layer, hist_tensor, presentation=presentation),
         f"{key}.hist",
