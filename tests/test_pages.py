@@ -1396,3 +1396,31 @@ def test_histograms_of_all_weights_say_they_show_the_kernels(page_environment):
     app.session_state["live.tensor"] = "bias"
     app.run()
     assert not any("**All weights**" in c.value for c in app.caption)
+
+
+@pytest.mark.parametrize("started_here", [True, False])
+def test_a_speed_limit_moved_during_the_pages_run_goes_to_that_run(page_environment, started_here):
+    """A teacher slowing a demo down mid-run changed nothing until the next Start, silently."""
+    from streamlit.testing.v1 import AppTest
+
+    from gradflow.store import RunStore, tables
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 2}, name="demo", status="running")
+    app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
+    app.query_params["run"] = run_id
+    if started_here:
+        app.session_state["live.started"] = {run_id}
+    app.run()
+    assert store.pending_request(run_id) is None  # opening the page asks nothing
+    speed = next(s for s in app.select_slider if s.label.startswith("Speed limit"))
+    speed.set_value(2).run()
+    assert not app.exception, [e.value for e in app.exception]
+    toasts = [t.value for t in app.toast]
+    if started_here:
+        assert store.pending_request(run_id) == tables.pace_request(2.0)
+        assert toasts == ["This run now trains at most 2 steps a second."]
+    else:
+        assert store.pending_request(run_id) is None
+        assert "is for the runs you start" in toasts[0]
+    store.set_status(run_id, "completed")

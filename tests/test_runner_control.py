@@ -95,6 +95,59 @@ def test_a_pace_spreads_the_steps_evenly_over_time(store_path):
     assert (np.diff(times) >= 0.5 / 40).all(), np.diff(times)
 
 
+def clocked_fit(store, run_id, control, steps):
+    """Fits `steps` steps under `control`; the times their batches ended."""
+    import time
+
+    import keras
+
+    times = []
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.monotonic())
+
+    done, _ = fit(tiny_model(), [control, Clock()])
+    assert done == steps
+    return np.array(times)
+
+
+@pytest.mark.parametrize("paused", [False, True])
+def test_a_speed_limit_moved_during_the_run_takes_effect(store_path, paused):
+    """The Speed limit moved in a demo applied only from the next Start, silently."""
+    store = RunStore(store_path)
+    run_id = store.create_run({})
+    if paused:
+        store.request(run_id, "pause")
+    store.request_pace(run_id, 40)
+    if paused:
+        store.request(run_id, "resume")
+    control = RunControl(store, run_id, max_steps=12, poll_interval=1e-9)
+    times = clocked_fit(store, run_id, control, 12)
+    assert control.pace == 40.0
+    assert times[-1] - times[1] >= 0.98 * 10 / 40, np.diff(times)
+    assert store.pending_request(run_id) is None
+    # And back to full speed.
+    slowed = RunControl(store, run_id, max_steps=12, poll_interval=1e-9, pace=2)
+    store.request_pace(run_id, None)
+    times = clocked_fit(store, run_id, slowed, 12)
+    assert slowed.pace is None and times[-1] - times[0] < 3.0
+
+
+def test_a_pace_request_is_checked():
+    from gradflow.store import tables
+
+    assert tables.requested_pace(tables.pace_request(2.5)) == (True, 2.5)
+    assert tables.requested_pace(tables.pace_request(None)) == (True, None)
+    assert tables.requested_pace("pause") == (False, None)
+
+
+def test_a_bad_pace_is_refused_naming_it(store_path):
+    store = RunStore(store_path)
+    with pytest.raises(ValueError, match="`pace`"):
+        store.request_pace(store.create_run({}), 0)
+
+
 @pytest.mark.parametrize(
     "arguments, match",
     [

@@ -6,6 +6,7 @@ import time
 import keras
 
 from gradflow.checks import positive_int, positive_number
+from gradflow.store import tables
 
 
 class RunControl(keras.callbacks.Callback):
@@ -47,7 +48,9 @@ class RunControl(keras.callbacks.Callback):
             about 1,000 steps a second (`bench/bench_runner.py`, thirty-first
             session), so a run of a few hundred steps ends before a teacher
             can say what the heatmap shows. After a pause the pace starts
-            afresh (no burst to catch up).
+            afresh (no burst to catch up). `RunStore.request_pace` changes
+            it during the run. With several steps per call the pace is kept
+            per call: at 1 step a second, a call of 5 steps every 5 seconds.
 
     Attributes:
         steps: optimizer steps done in this `fit`.
@@ -178,6 +181,8 @@ class RunControl(keras.callbacks.Callback):
         self._due = now + self._steps_per_call / self.pace
 
     def _obey(self, action):
+        if self._new_pace(action):
+            return
         if action == "stop":
             self._stop("stop")
         elif action == "pause":
@@ -185,6 +190,14 @@ class RunControl(keras.callbacks.Callback):
         elif action == "step":
             # While running, "step" means: do this one, then pause.
             self._pause()
+
+    def _new_pace(self, action):
+        """Takes a pace request (the Speed limit moved during the run); True if it was one."""
+        is_pace, pace = tables.requested_pace(action)
+        if is_pace:
+            self.pace = pace
+            self._due = 0.0  # the new pace starts now, with no burst to catch up
+        return is_pace
 
     def _stop(self, reason):
         self.stop_reason = self.stop_reason or reason
@@ -199,6 +212,7 @@ class RunControl(keras.callbacks.Callback):
         last_heartbeat = time.monotonic()
         while True:
             action = self.store.pending_request(self.run_id)
+            self._new_pace(action)  # takes effect after the pause
             if action == "resume":
                 self.store.set_status(self.run_id, "running", only_from=("paused",))
                 return

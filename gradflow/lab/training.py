@@ -179,6 +179,10 @@ class Run:
         """Asks a paused run for exactly one more optimizer step."""
         self.store.request(self.run_id, "step")
 
+    def set_pace(self, pace):
+        """Asks the run to train at most `pace` steps a second from now on (None: full speed)."""
+        self.store.request_pace(self.run_id, pace)
+
     def stop(self):
         """Stops the run: a queued run at once, a training one after its current step."""
         if not self.store.set_status(

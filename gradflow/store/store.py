@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from gradflow import schema
+from gradflow.checks import positive_number
 from gradflow.store import blocks, migrate, tables
 from gradflow.store.writer import RunWriter
 
@@ -317,6 +318,20 @@ class RunStore:
         self._conn().execute(
             "INSERT INTO requests (run, action, created_at) VALUES (?, ?, ?)",
             (self._key(run_id), action, time.time()),
+        )
+
+    def request_pace(self, run_id, pace):
+        """Asks the run's worker to train at most `pace` steps a second from now on.
+
+        Args:
+            run_id: the run.
+            pace: steps a second, greater than 0, or None for full speed.
+        """
+        if pace is not None:
+            pace = positive_number("pace", pace, unit="of steps a second")
+        self._conn().execute(
+            "INSERT INTO requests (run, action, created_at) VALUES (?, ?, ?)",
+            (self._key(run_id), tables.pace_request(pace), time.time()),
         )
 
     def pending_request(self, run_id, consume=True):

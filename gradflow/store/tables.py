@@ -32,6 +32,23 @@ FINAL_STATUSES = tuple(s for s in STATUSES if s not in ACTIVE_STATUSES)
 
 SOURCES = ("lab", "monitor", "cli")
 REQUESTS = ("pause", "resume", "stop", "step")
+# A change of a run's speed limit is the request "pace <steps a second>",
+# or "pace full" for full speed (`RunStore.request_pace`).
+_PACE = "pace "
+
+
+def pace_request(pace):
+    """The request text that sets a run's pace (steps a second, or None for full speed)."""
+    return _PACE + ("full" if pace is None else repr(float(pace)))
+
+
+def requested_pace(action):
+    """`(True, pace)` for a pace request (pace None: full speed), else `(False, None)`."""
+    if not isinstance(action, str) or not action.startswith(_PACE):
+        return False, None
+    value = action[len(_PACE) :]
+    return True, None if value == "full" else float(value)
+
 
 # Statistic columns stored per layer_stats block, in this order.
 STAT_COLUMNS = schema.STATISTICS + schema.EXTRA_COLUMNS

@@ -77,6 +77,8 @@ _CURRENT = "live.run_id"
 # The runs this browser session started (a second Start stops the one before).
 _STARTED = "live.started"
 _PLOTLY_EARLY = "live.plotly_early"
+# The Speed limit the form had at the page's last run (a change goes to the open run).
+_PACE_SHOWN = "live.pace_shown"
 _FOLLOWED = "live.followed"  # runs this session saw active and has not redrawn since they ended
 
 _STATUS_TEXT = {
@@ -166,6 +168,7 @@ def _live(config):
             st.query_params.pop("run", None)
     status = info["status"] if info else None
     control_buttons(config, run_id, status)
+    _follow_speed_limit(config, run_id, status)
     paces = [_trainer_readiness(status)]
     if run_id is not None and info is None:
         st.warning("That run no longer exists (or the link is wrong).")
@@ -227,6 +230,26 @@ def control_buttons(config, run_id, status):
             controls.form_problem() + " Start training is off until it is fixed in the sidebar.",
             icon=":material/error:",
         )
+
+
+def _follow_speed_limit(config, run_id, status):
+    """Send a Speed limit moved during the page's own run to that run.
+
+    A teacher slows a run down in the middle of a demo to talk over a
+    heatmap: the limit applied only from the next Start, silently.
+    """
+    if config is None:
+        return
+    before = st.session_state.get(_PACE_SHOWN, config.pace)
+    st.session_state[_PACE_SHOWN] = config.pace
+    if config.pace == before or status not in ACTIVE:
+        return
+    if run_id not in st.session_state.get(_STARTED, ()):
+        st.toast("The new **Speed limit** is for the runs you start: this one is watched here.")
+        return
+    resources.run_store().request_pace(run_id, config.pace)
+    speed = "full speed" if config.pace is None else f"at most {config.pace:g} steps a second"
+    st.toast(f"This run now trains {speed}.")
 
 
 def _start_run():
