@@ -144,6 +144,30 @@ def test_an_error_inside_training_keeps_the_recorded_steps_and_closes_the_run(tm
     assert sorted(monitor.history["step"].unique()) == [1, 2, 3]
 
 
+def test_a_run_early_stopping_ends_says_where_it_ended(tmp_path):
+    """A stored run EarlyStopping ended at step 8 of 40 read "step 8 / 40" for ever."""
+    x, y = data()
+    store = RunStore(tmp_path / "runs.db")
+    model = classifier()
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    monitor = GradientMonitor(store=store)
+    # No epoch improves the loss by 1e9: the second epoch ends the fit.
+    stopper = keras.callbacks.EarlyStopping(monitor="loss", min_delta=1e9, patience=0)
+    model.fit(x, y, batch_size=BATCH, epochs=10, verbose=0, callbacks=[monitor, stopper])
+    steps = N // BATCH
+    assert int(model.optimizer.iterations.numpy()) == 2 * steps
+    info = store.run_info(monitor.run_id)
+    assert (info["status"], info["total_steps"]) == ("completed", 2 * steps)
+    assert info["message"] == (
+        f"Training ended at step {2 * steps} of the {10 * steps} planned: a callback stopped "
+        "it (such as EarlyStopping)."
+    )
+    # A fit that runs to its end says nothing of the kind.
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[monitor])
+    info = store.run_info(monitor.run_id)
+    assert (info["status"], info["total_steps"], info["message"]) == ("completed", 3 * steps, None)
+
+
 class InterruptedModel(keras.Sequential):
     """A model whose train function raises KeyboardInterrupt on its `interrupt_at`-th call.
 

@@ -1424,3 +1424,15 @@ def test_a_speed_limit_moved_during_the_pages_run_goes_to_that_run(page_environm
         assert store.pending_request(run_id) is None
         assert "is for the runs you start" in toasts[0]
     store.set_status(run_id, "completed")
+
+
+def test_a_run_that_ended_early_says_why_beside_its_step_count(page_environment):
+    """A run EarlyStopping ended showed 'Completed · step 8 / 8' with no word of why."""
+    store, run_id = one_layer_run(page_environment, {}, "running", step=8)
+    said = (
+        "Training ended at step 8 of the 40 planned: a callback stopped it (such as EarlyStopping)."
+    )
+    store.set_status(run_id, "completed", said)
+    app = run_page("live_training.py", run=run_id)
+    shown = [c.value.replace("\\", "") for c in app.caption]  # as escaped markdown shows it
+    assert any(said in c for c in shown), shown

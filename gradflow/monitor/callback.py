@@ -549,7 +549,27 @@ class GradientMonitor(keras.callbacks.Callback):
         if self._nonfinite_step is not None:
             status = "diverged"
             message = self._events[0][3] if self._events else None
+        else:
+            message = self._ended_early()
         self._close_outputs(status, message)
+
+    def _ended_early(self):
+        """A stored run another callback ended early (EarlyStopping) ends where it stopped.
+
+        It said "step 40 / 100" for ever, as if 60 steps had been lost.
+        Returns the run's message then, else None.
+        """
+        planned = self._final_numbered_step()
+        if not (self._created_run and self._store is not None and planned is not None):
+            return None
+        done = self._current_step()
+        if not self.model.stop_training or done >= planned:
+            return None
+        self._store.set_total_steps(self.run_id, done)
+        return (
+            f"Training ended at step {done} of the {planned} planned: a callback "
+            "stopped it (such as EarlyStopping)."
+        )
 
     # Internals ---------------------------------------------------------------
 

@@ -749,6 +749,9 @@ def _status_line(info, cache, status, watched=False):
             )
     if status in ("failed", "interrupted") and info.get("message"):
         st.error(info["message"])
+    if status in ("completed", "stopped") and info.get("message"):
+        # Why it ended where it did: EarlyStopping, a new run started from its page.
+        st.caption(f":material/info: {plain_markdown(info['message'])}")
     if status == "diverged":
         origin = diagnosis.first_nonfinite(cache.layer_stats)
         where = f" It started at step {origin.step} in layer **{origin.layer}**." if origin else ""
