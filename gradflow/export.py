@@ -404,7 +404,17 @@ def _alerts_readme(alerts):
             "  non-finite gradients in this run.",
             "",
         ]
-    lines = [f"data/alerts.csv: what the diagnosis rules found ({len(alerts)} alerts). The first:"]
+    # In order of gravity (a NaN first), then of step: not the run's first alerts.
+    lines = [
+        "data/alerts.csv: what the diagnosis rules found (1 alert):"
+        if len(alerts) == 1
+        else f"data/alerts.csv: what the diagnosis rules found ({len(alerts)} alerts). "
+        + (
+            f"The {_ALERTS_QUOTED} most serious, NaN/Inf first, then by step:"
+            if len(alerts) > _ALERTS_QUOTED
+            else "The most serious first (NaN/Inf), then by step:"
+        )
+    ]
     for row in alerts.head(_ALERTS_QUOTED).itertuples():
         where = f", layer {row.layer}" if row.layer else ""
         lines.append(f"  - step {row.step}{where} [{row.kind}]: {row.message}")

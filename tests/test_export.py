@@ -353,7 +353,11 @@ def test_a_lesson_pack_says_what_the_rules_found_and_shows_the_ends_histograms(
     assert alerts["kind"].iloc[0] == "nonfinite"
     assert alerts["step"].iloc[1:].is_monotonic_increasing
     assert "'=HYPERLINK(1) the optimizer was rebuilt" in set(alerts["message"])
-    assert f"what the diagnosis rules found ({len(alerts)} alerts)" in readme
+    # "The first:" read as the run's earliest alerts; they are its gravest.
+    assert (
+        f"what the diagnosis rules found ({len(alerts)} alerts). The most serious first "
+        "(NaN/Inf), then by step:"
+    ) in readme
     assert "[vanishing]: Layer dense: gradient norm" in readme
 
 
@@ -420,3 +424,21 @@ def test_exported_figures_say_their_run_escaped(tmp_path):
         page = path.read_text()
         assert "sigmoid &lt;script&gt;alert(1)&lt;/script&gt;" in page, path.name
         assert EVIL not in page, path.name
+
+
+@pytest.mark.parametrize(
+    "count, heading",
+    [
+        (1, "found (1 alert):"),
+        (3, "found (3 alerts). The most serious first (NaN/Inf), then by step:"),
+        (12, "found (12 alerts). The 10 most serious, NaN/Inf first, then by step:"),
+    ],
+)
+def test_the_lesson_packs_readme_says_which_alerts_it_quotes(count, heading):
+    """It said "The first:" above the gravest alerts, not the run's first ones."""
+    alerts = pd.DataFrame(
+        {"step": range(count), "layer": "dense", "kind": "vanishing", "message": "m"}
+    )
+    lines = export._alerts_readme(alerts)
+    assert lines[0].endswith(heading)
+    assert len([line for line in lines if line.startswith("  - step")]) == min(count, 10)
