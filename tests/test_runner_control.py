@@ -134,6 +134,37 @@ def test_a_speed_limit_moved_during_the_run_takes_effect(store_path, paused):
     assert slowed.pace is None and times[-1] - times[0] < 3.0
 
 
+def test_a_speed_limit_set_during_a_run_of_several_steps_a_call_runs_them_one_by_one(
+    store_path,
+):
+    """At 1 step a second, a run of 3 steps a call trained in bursts of 3 every 3 s."""
+    import time
+
+    import keras
+
+    store = RunStore(store_path)
+    run_id = store.create_run({})
+    plain = fit_in_calls_of_three(RunControl(store, run_id, max_steps=12))
+    store.request_pace(run_id, 20)
+    published = []
+    control = RunControl(
+        store, run_id, max_steps=12, poll_interval=1e-9, on_pause=lambda: published.append(1)
+    )
+    times = []
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.monotonic())
+
+    assert fit_in_calls_of_three(control, [Clock()]) == plain == 12
+    # The first call ran whole (the request is read at its end); then each
+    # call's first two steps were published inside it, and all kept the pace.
+    assert len(published) == 2 * 3
+    assert times[-1] - times[0] >= 0.95 * 9 / 20, np.diff(times)
+    assert (np.diff(times)[1:] >= 0.95 * 3 / 20).all(), np.diff(times)
+    assert store.pending_request(run_id) is None
+
+
 def test_a_pace_request_is_checked():
     from gradflow.store import tables
 
@@ -224,7 +255,8 @@ def test_a_step_is_one_optimizer_step_with_several_steps_per_call(
 
 
 def test_stepping_inside_calls_records_the_steps_of_an_uninterrupted_run(store_path):
-    """The monitor's statistics, paused and stepped inside calls of 3, equal one step a call's."""
+    """The monitor's statistics, paused and stepped inside calls of 3, or paced one step at a
+    time inside them, equal one step a call's."""
     from gradflow.monitor import GradientMonitor
 
     store = RunStore(store_path)
@@ -232,10 +264,14 @@ def test_stepping_inside_calls_records_the_steps_of_an_uninterrupted_run(store_p
     for steps_per_call, requests in (
         (1, []),
         (3, ["pause", "step", "step", "step", "step", "resume"]),
+        (3, [200]),  # a Speed limit of 200 steps a second, set during the run
     ):
         run_id = store.create_run({})
         for action in requests:
-            store.request(run_id, action)
+            if isinstance(action, int):
+                store.request_pace(run_id, action)
+            else:
+                store.request(run_id, action)
         monitor = GradientMonitor(stop_on_nonfinite=True)
         control = RunControl(
             store, run_id, max_steps=12, poll_interval=0.01, on_pause=monitor.flush
@@ -243,7 +279,10 @@ def test_stepping_inside_calls_records_the_steps_of_an_uninterrupted_run(store_p
         assert fit_in_calls_of_three(control, [monitor], steps_per_call) == 12
         assert store.pending_request(run_id) is None
         histories.append(monitor.history)
-    plain, stepped = histories
-    assert sorted(stepped["step"].unique()) == list(range(1, 13))
+    plain, *others = histories
     numeric = ["step", "l2_norm", "max_abs", "weight_norm", "update_ratio"]
-    np.testing.assert_allclose(stepped[numeric].to_numpy(), plain[numeric].to_numpy(), rtol=1e-6)
+    for stepped in others:
+        assert sorted(stepped["step"].unique()) == list(range(1, 13))
+        np.testing.assert_allclose(
+            stepped[numeric].to_numpy(), plain[numeric].to_numpy(), rtol=1e-6
+        )

@@ -49,8 +49,9 @@ class RunControl(keras.callbacks.Callback):
             session), so a run of a few hundred steps ends before a teacher
             can say what the heatmap shows. After a pause the pace starts
             afresh (no burst to catch up). `RunStore.request_pace` changes
-            it during the run. With several steps per call the pace is kept
-            per call: at 1 step a second, a call of 5 steps every 5 seconds.
+            it during the run; a run of several steps per call then runs
+            them one at a time (a one-step trace, as for `"step"`), each
+            published (`on_pause`) as it is made.
 
     Attributes:
         steps: optimizer steps done in this `fit`.
@@ -113,7 +114,7 @@ class RunControl(keras.callbacks.Callback):
         model.train_function = self._train_function
 
     def _train_function(self, iterator):
-        if not self._stepping:
+        if not (self._stepping or self._paced_in_steps()):
             logs = self._whole_call(iterator)
             self.steps += self._steps_per_call
             return logs
@@ -122,15 +123,29 @@ class RunControl(keras.callbacks.Callback):
         for done in range(1, self._steps_per_call + 1):
             logs = self._step_once(iterator)
             self.steps += 1
-            if done < self._steps_per_call and self._stepping:
+            if done == self._steps_per_call:
+                break
+            if self._stepping:
                 self._pause()
-                if self.stop_reason is not None:
-                    # Keras takes this call for a whole one: keep its
-                    # metrics, which belong to this step, out of the logs.
-                    return {"loss": logs["loss"]} if "loss" in logs else {}
+            elif self._paced_in_steps():
+                # A speed limit set during a run of several steps a call: one
+                # step at a time, each shown, not a burst of five every five
+                # seconds at 1 step a second.
+                if self.on_pause is not None:
+                    self.on_pause()
+                self._keep_pace()
+                self._obey(self.store.pending_request(self.run_id))
+            if self.stop_reason is not None:
+                # Keras takes this call for a whole one: keep its
+                # metrics, which belong to this step, out of the logs.
+                return {"loss": logs["loss"]} if "loss" in logs else {}
         # The call's last step pauses in `on_train_batch_end`, once the other
         # callbacks have seen its logs.
         return logs
+
+    def _paced_in_steps(self):
+        """Whether a call's steps run one at a time to keep the pace."""
+        return self.pace is not None and self._steps_per_call > 1
 
     def _one_step_function(self):
         """A new trace of the model's current train function; `_step_once` runs it one step a call."""
@@ -178,7 +193,7 @@ class RunControl(keras.callbacks.Callback):
         if self._due > now:
             time.sleep(self._due - now)
             now = self._due
-        self._due = now + self._steps_per_call / self.pace
+        self._due = now + (1 if self._paced_in_steps() else self._steps_per_call) / self.pace
 
     def _obey(self, action):
         if self._new_pace(action):
