@@ -2,6 +2,7 @@
 
 import gc
 import glob
+import warnings
 
 import keras
 import numpy as np
@@ -526,6 +527,152 @@ def test_own_train_step_without_any_loss_trains_and_says_what_the_probe_needs():
     assert "train_step" not in model.__dict__
 
 
+class NoCallModel(keras.Model):
+    """Keras's GAN recipe: its own optimizers (`model.optimizer` never steps), no `call`."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(4, activation="tanh", name="hidden")
+        self.out = keras.layers.Dense(1, name="out")
+
+    def compile(self):
+        super().compile()
+        self.own_optimizer = keras.optimizers.SGD(0.05)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(y - self.out(self.hidden(x))))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.own_optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+        return {"g_loss": loss}  # a GAN's logs: no "loss"
+
+
+class TwoOptimizerModel(NoCallModel):
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+@pytest.mark.parametrize("probe_every", [1, 2])
+def test_a_model_with_its_own_optimizers_is_probed_at_the_steps_it_trains(probe_every):
+    """A GAN-like model: every probe was filed under step 1 (each replacing the one
+    before), or, every 2 steps, nothing was recorded and nothing said."""
+    x, y = blow_up_data(bad_step=99)
+    keras.utils.set_random_seed(0)
+    model = TwoOptimizerModel()
+    model.compile()
+    model(x[:1])
+    first = [v.numpy() for v in model.trainable_variables]
+    monitor = GradientMonitor(probe_every=probe_every, probe_loss="mse")
+    with pytest.warns(UserWarning, match="overrides `train_step`"):
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[monitor])
+    steps = 2 * N // BATCH
+    assert int(model.optimizer.iterations) == 0  # as in the GAN recipe
+    assert sorted(monitor.history["step"].unique()) == list(
+        range(probe_every, steps + 1, probe_every)
+    )
+    # What its step returns is numbered by batch across epochs too.
+    g_loss = monitor.metrics.query("name == 'g_loss'")
+    assert g_loss["step"].tolist() == list(range(1, steps + 1))
+    if probe_every == 1:
+        # Step 1 probed the first weights on the first batch.
+        with tf.GradientTape() as tape:
+            probe = TwoOptimizerModel()
+            probe(x[:1])
+            for variable, value in zip(probe.trainable_variables, first, strict=True):
+                variable.assign(value)
+            loss = tf.reduce_mean(tf.square(y[:BATCH] - probe(x[:BATCH])))
+        grads = tape.gradient(loss, probe.trainable_variables)
+        recorded = monitor.history.query("step == 1")
+        for variable, grad in zip(model.trainable_variables, grads, strict=True):
+            row = recorded[recorded["variable"] == variable.path].iloc[0]
+            np.testing.assert_allclose(row["l2_norm"], np.linalg.norm(grad.numpy()), rtol=1e-5)
+
+
+def test_a_model_with_no_call_trains_on_and_is_told_what_to_probe():
+    """Keras's GAN has no `call()`: the probe's forward pass ended `fit` with
+    NotImplementedError."""
+    x, y = blow_up_data(bad_step=99)
+    keras.utils.set_random_seed(0)
+    model = NoCallModel()
+    model.compile()
+    monitor = GradientMonitor(probe_loss="mse")
+    with pytest.warns(UserWarning) as caught:
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[monitor])
+    assert any("no `call()`" in str(w.message) for w in caught)
+    assert int(model.own_optimizer.iterations) == 2 * N // BATCH
+    with warnings.catch_warnings(record=True) as read:
+        warnings.simplefilter("always")
+        assert monitor.history.empty
+        g_loss = monitor.metrics.query("name == 'g_loss'")
+    assert g_loss["step"].tolist() == list(range(1, 2 * N // BATCH + 1))
+    assert not [w for w in read if issubclass(w.category, FutureWarning)]  # pandas's concat
+
+
+class StatefulOwnStep(OwnStep):
+    """A stateful RNN with its own train step."""
+
+    def __init__(self):
+        keras.Model.__init__(self)
+        self.hidden = keras.layers.SimpleRNN(4, stateful=True, name="rnn")
+        self.out = keras.layers.Dense(1, name="out")
+
+
+def test_the_probe_leaves_a_stateful_rnns_state_to_the_models_own_step():
+    """The probe's forward pass advanced the carried state before the model's step:
+    the model trained to other weights with the monitor than without it."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, 5, 3)).astype("float32")
+    y = rng.normal(size=(N, 1)).astype("float32")
+    trained = []
+    for callbacks in ([], [GradientMonitor(probe_every=1, probe_loss="mse")]):
+        keras.utils.set_random_seed(0)
+        model = StatefulOwnStep()
+        model.compile(optimizer=keras.optimizers.SGD(0.05))
+        model(x[:BATCH])
+        model.hidden.reset_state()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks)
+        trained.append([v.numpy() for v in model.trainable_variables])
+    for plain, monitored in zip(*trained, strict=True):
+        np.testing.assert_allclose(monitored, plain, rtol=1e-6, atol=1e-7)
+
+
+class PerSampleAddedLoss(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(0.01 * tf.reduce_sum(tf.square(x), axis=-1))  # one value a sample
+        return x
+
+
+def test_the_probe_adds_a_per_sample_added_loss_as_keras_does():
+    """`add_loss` of a per-sample tensor ended `fit`: "Shapes must be equal rank"."""
+    x, y = blow_up_data(bad_step=99)
+    keras.utils.set_random_seed(0)
+    model = OwnStep()
+    model.hidden = keras.Sequential([keras.layers.Dense(4, name="inner"), PerSampleAddedLoss()])
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    model(x[:1])
+    before = [v.numpy() for v in model.trainable_variables]
+    monitor = GradientMonitor(probe_every=1, probe_loss="mse")
+    with pytest.warns(UserWarning, match="overrides `train_step`"):
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    reference = OwnStep()
+    reference.hidden = keras.Sequential([keras.layers.Dense(4), PerSampleAddedLoss()])
+    reference(x[:1])
+    for variable, value in zip(reference.trainable_variables, before, strict=True):
+        variable.assign(value)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(y[:BATCH] - reference(x[:BATCH])))
+        loss += tf.add_n([tf.reduce_sum(v) for v in reference.losses])
+    np.testing.assert_allclose(
+        monitor.metrics.query("name == 'loss' and step == 1")["value"].iloc[0],
+        float(loss),
+        rtol=1e-5,
+    )
+    assert tape.gradient(loss, reference.trainable_variables)[0] is not None
+
+
 # The same checks, and words, as `snapshot(loss=...)` (`snapshot.resolve_loss`).
 @pytest.mark.parametrize(
     "bad, error, message",
@@ -533,7 +680,7 @@ def test_own_train_step_without_any_loss_trains_and_says_what_the_probe_needs():
         ("not_a_loss", ValueError, r"Unknown loss name `probe_loss`='not_a_loss'"),
         (3, TypeError, r"`probe_loss` must be a Keras loss object.*got int: 3"),
         (
-            ["mse"],
+            ["mse", "mae"],
             ValueError,
             r"`probe_loss` must be one loss, got a list of losses, one per output",
         ),

@@ -567,3 +567,148 @@ def test_names_tensorflow_cannot_scope_are_refused_in_words(model_name, layer_na
     assert said in str(caught.value)
     fresh = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="fresh")])
     assert not fresh.weights[0].path.startswith(model_name)
+
+
+class RunningMax(keras.layers.Layer):
+    """Keeps the largest input it has seen in a non-trainable weight, in any mode."""
+
+    def build(self, input_shape):
+        self.seen = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+    def call(self, x):
+        self.seen.assign(tf.maximum(self.seen, tf.reduce_max(x)))
+        return x
+
+
+def stateful_rnn_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((5, 3), batch_size=4),
+            keras.layers.SimpleRNN(4, stateful=True, name="rnn"),
+            RunningMax(name="watch"),
+            keras.layers.Dense(1, name="out"),
+        ]
+    )
+    model.compile(loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_snapshot_leaves_a_stateful_rnns_state_and_a_layers_counter_alone(training):
+    """Two snapshots of one batch disagreed (the carried state moved), and a layer's
+    counter kept what the snapshot's pass had assigned."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 5, 3)).astype("float32")
+    y = rng.normal(size=(4, 1)).astype("float32")
+    model = stateful_rnn_model()
+    model.predict(x, verbose=0)  # a state that is not the initial one
+    state = model.get_layer("rnn").states[0].numpy()
+    seen = float(model.get_layer("watch").seen.numpy())
+    first = gradflow.snapshot(model, 10 * x, y, training=training)
+    second = gradflow.snapshot(model, 10 * x, y, training=training)
+    assert first.loss == second.loss
+    np.testing.assert_array_equal(model.get_layer("rnn").states[0].numpy(), state)
+    assert float(model.get_layer("watch").seen.numpy()) == seen
+    # The snapshot's loss is the model's on that state: a tape on a copy says so.
+    copy = stateful_rnn_model()
+    copy.set_weights(model.get_weights())
+    copy.get_layer("rnn").states[0].assign(state)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(y - copy(10 * x, training=training)))
+    np.testing.assert_allclose(first.loss, float(loss), rtol=1e-6)
+    grads = tape.gradient(loss, copy.trainable_variables)
+    np.testing.assert_allclose(
+        first.weights["l2_norm"].to_numpy(), [np.linalg.norm(g) for g in grads], rtol=1e-5
+    )
+
+
+def test_a_snapshot_of_an_unbuilt_stateful_rnn_leaves_its_initial_state():
+    rng = np.random.default_rng(0)
+    model = stateful_rnn_model()
+    x = rng.normal(size=(4, 5, 3)).astype("float32")
+    gradflow.snapshot(model, x, rng.normal(size=(4, 1)).astype("float32"))
+    assert not model.get_layer("rnn").states[0].numpy().any()
+
+
+def classifier_of_three():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, activation="softmax")])
+    model.compile(loss="sparse_categorical_crossentropy")
+    return model
+
+
+_X = np.random.default_rng(0).normal(size=(8, 5)).astype("float32")
+_Y = np.random.default_rng(1).integers(0, 3, 8)
+
+
+@pytest.mark.parametrize(
+    "x, y, loss, error, message",
+    [
+        (_X, _Y + 5, None, ValueError, "The labels run from 5 to 7, but this model has 3 outputs"),
+        (_X, _Y - 1, None, ValueError, "takes class numbers 0 to 2"),
+        (_X, np.eye(3)[_Y], None, ValueError, r"look one-hot \(shape \(8, 3\)\)"),
+        (_X, _Y, "categorical_crossentropy", ValueError, r"one-hot labels of shape \(batch, 3\)"),
+        (_X.astype(str), _Y, None, TypeError, "`x` must be a numeric array .* strings"),
+        (_X, np.array(["cat"] * 8), None, TypeError, "Turn text labels into class numbers"),
+        (_X, _Y, keras.losses.MeanSquaredError, TypeError, r"MeanSquaredError\(\)\."),
+        ([_X, _X], _Y, None, ValueError, "`x` is a list of 2 arrays, but model"),
+        (_X, None, None, TypeError, "`y` is None"),
+        (tf.data.Dataset.from_tensor_slices(_X).batch(4), _Y, None, TypeError, "tf.data.Dataset"),
+        ((batch for batch in [_X]), _Y, None, TypeError, "`x` is a generator"),
+    ],
+    ids=[
+        "labels past the classes",
+        "negative labels",
+        "one-hot labels, sparse loss",
+        "class numbers, one-hot loss",
+        "strings in x",
+        "text labels",
+        "a loss class",
+        "two inputs for one",
+        "no labels",
+        "a dataset",
+        "a generator",
+    ],
+)
+def test_a_mistaken_batch_or_loss_is_said_in_words_not_in_tensorflows(x, y, loss, error, message):
+    """Each came as a traceback of TensorFlow's graph, or as 'an array of Python objects'."""
+    with pytest.raises(error, match=message):
+        gradflow.snapshot(classifier_of_three(), x, y, loss=loss)
+
+
+def test_a_batch_given_as_python_lists_is_one_array():
+    """`x.tolist()` was read as a structure of scalars: "must have a batch dimension"."""
+    model = classifier_of_three()
+    from_lists = gradflow.snapshot(model, _X.tolist(), _Y.tolist())
+    from_arrays = gradflow.snapshot(model, _X, _Y)
+    assert from_lists.loss == from_arrays.loss
+
+
+class NamedOutput(keras.Model):
+    """One output, returned in a dict, as many subclassed models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3, name="dense")
+
+    def call(self, x):
+        return {"logits": self.dense(x)}
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_model_with_its_one_output_in_a_dict_is_probed(compiled):
+    """It was refused as a model of several outputs, or failed inside the traced pass."""
+    keras.utils.set_random_seed(0)
+    model = NamedOutput()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if compiled:
+        model.compile(loss={"logits": loss})
+    shot = gradflow.snapshot(model, _X, _Y, loss=None if compiled else loss)
+    with tf.GradientTape() as tape:
+        reference = loss(_Y, model(_X)["logits"])
+    grads = tape.gradient(reference, model.trainable_variables)
+    np.testing.assert_allclose(shot.loss, float(reference), rtol=1e-6)
+    np.testing.assert_allclose(
+        shot.weights["l2_norm"].to_numpy(), [np.linalg.norm(g) for g in grads], rtol=1e-5
+    )

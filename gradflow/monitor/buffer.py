@@ -35,6 +35,12 @@ def _local_variable(value, dtype):
     )
 
 
+def replica_counter(strategy, value):
+    """An int64 counter that each replica keeps (a read gives the first replica's)."""
+    with strategy.scope():
+        return _local_variable(value, tf.int64)
+
+
 def pad_rows(stats, histograms, rows):
     """Pad a step's per-row records to the ring's `rows`.
 

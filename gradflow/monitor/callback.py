@@ -428,7 +428,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self._clipping = not self._plan.probing and clipping_optimizer(model.optimizer) is not None
         # `_last_step` and `_final_step` count as the optimizer does (the
         # ring's steps); every step this monitor reports adds `_step_offset`.
-        self._last_step = int(step_counter(model.optimizer).numpy())
+        self._last_step = self._counted_steps()
         self._number_on_from(self._last_step)
         planned = _planned_steps(self.params)
         # Lets a short run skip compiling the deferred ring's read.
@@ -798,7 +798,13 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def _current_step(self):
         """The step the optimizer is at, as this monitor numbers it."""
-        return int(step_counter(self.model.optimizer).numpy()) + self._step_offset
+        return self._counted_steps() + self._step_offset
+
+    def _counted_steps(self):
+        """The count the ring's steps follow: the optimizer's, or a probe's batches."""
+        if self._plan.batches is not None:
+            return int(self._plan.batches.numpy())
+        return int(step_counter(self.model.optimizer).numpy())
 
     def _final_numbered_step(self):
         return None if self._final_step is None else self._final_step + self._step_offset
@@ -887,8 +893,11 @@ class GradientMonitor(keras.callbacks.Callback):
                 step_metrics = pd.DataFrame(columns=list(schema.METRICS_COLUMNS))
             extra = pd.DataFrame(self._metric_rows, columns=list(schema.METRICS_COLUMNS))
             if len(extra):
-                step_metrics = pd.concat([step_metrics, extra], ignore_index=True)
-                step_metrics = step_metrics.sort_values("step", kind="stable", ignore_index=True)
+                # Not concatenated with an empty frame, which pandas warns of (a
+                # probe that recorded nothing, and its model's logs).
+                if len(step_metrics):
+                    extra = pd.concat([step_metrics, extra], ignore_index=True)
+                step_metrics = extra.sort_values("step", kind="stable", ignore_index=True)
             self._frames = (history, step_metrics)
         return self._frames
 

@@ -28,9 +28,10 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from gradflow import schema
 from gradflow.checks import warn_user
 from gradflow.monitor import deferred, trace_gradients
-from gradflow.monitor.buffer import STEP_METRICS, RingBuffer, pad_rows
+from gradflow.monitor.buffer import STEP_METRICS, RingBuffer, pad_rows, replica_counter
 from gradflow.probe.capture import reached_outputs, record_layer_outputs
 from gradflow.probe.naming import layer_order, variable_names
+from gradflow.probe.sensitivity import carried_state
 from gradflow.statistics import (
     ShapeGroups,
     Stacked,
@@ -77,8 +78,11 @@ class StepPlan:
         # Whether the step only copies its gradients and weights and the read
         # summarizes them (`gradflow.monitor.deferred`); decided by `prepare`.
         self.deferred = False
-        # Set by `probed_train_step`: a probe records through the in-step path.
+        # Set by `probed_train_step`: a probe records through the in-step path,
+        # and numbers its steps by `batches`, the batches the model's own
+        # `train_step` ran (a variable).
         self.probing = False
+        self.batches = None
         # Filled while the step is traced: the path of each recorded layer
         # output, in call order (`path#2` for a second call of a shared layer).
         self.activation_paths = []
@@ -446,13 +450,42 @@ def probed_train_step(plan, original_train_step, probe_every, probe_loss=None):
             loss), the probe records nothing and warns once, when traced.
 
     Returns:
-        A function `train_step(data) -> logs`.
+        A function `train_step(data) -> logs`; one that only counts batches
+        when the model has no forward pass to probe (a GAN without `call`).
     """
     model = plan.model
     optimizer = plan.optimizer
     plan.probing = True
+    # The probe numbers its steps by the batches it sees: a model with its own
+    # optimizers (a GAN's `d_optimizer` and `g_optimizer`) never steps
+    # `model.optimizer`, and every probe landed on step 1. With a `train_step`
+    # that steps `model.optimizer` once a batch the two counts agree.
+    plan.batches = replica_counter(model.distribute_strategy, int(step_counter(optimizer).numpy()))
+    if type(model).call is keras.Model.call:
+        # Keras's GAN recipe: `train_step` calls the generator and the
+        # discriminator; the model itself has no `call`, and a probe's
+        # `model(x)` ended the user's `fit` with NotImplementedError.
+        warn_user(
+            f"GradientMonitor records nothing for model {model.name!r}: it has its own "
+            "`train_step` and no `call()`, so there is no forward pass to probe. Give the "
+            "part you want to see a `call()`, or take `gradflow.snapshot(part, x, y, "
+            "loss=...)` of it (the generator or the discriminator) on a batch."
+        )
+
+        def counted_train_step(data):
+            logs = original_train_step(data)
+            plan.batches.assign_add(1)  # Its compiled metrics are numbered by batch.
+            return logs
+
+        return counted_train_step
+    # What the probe's forward pass may move (a stateful RNN's carried state,
+    # a custom layer's counters) is put back before the model's own step.
+    # Not under tf.distribute, where assigning mirrored variables inside a
+    # replica's step is not allowed.
+    kept = carried_state(model) if plan.replicas == 1 else []
 
     def probe(x, y, sample_weight, upcoming, when):
+        saved = [tf.identity(v.value) for v in kept]
         with tf.GradientTape() as tape, _layer_outputs(plan, tape) as outputs:
             # Inference mode: a second training-mode call would update batch
             # norm statistics and advance dropout seeds behind the model's back.
@@ -460,13 +493,17 @@ def probed_train_step(plan, original_train_step, probe_every, probe_loss=None):
             if probe_loss is not None:
                 loss = tf.reduce_mean(tf.cast(probe_loss(y, y_pred), tf.float32))
                 if model.losses:
-                    loss += tf.cast(tf.add_n(model.losses), tf.float32)
+                    # Each added loss summed, as Keras's own step adds them
+                    # (`add_loss` of a per-sample tensor).
+                    loss += tf.add_n([tf.reduce_sum(tf.cast(v, tf.float32)) for v in model.losses])
             elif model._compile_loss is None and not model.losses:
                 loss = None
             else:
                 loss = model.compute_loss(
                     x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
                 )
+        for variable, value in zip(kept, saved, strict=True):
+            variable.assign(value)
         if loss is None:
             # Keras's `compute_loss` would raise and end the user's `fit`.
             warn_user(
@@ -493,14 +530,16 @@ def probed_train_step(plan, original_train_step, probe_every, probe_loss=None):
 
     def train_step(data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        upcoming = tf.cast(step_counter(optimizer), tf.int64) + 1
+        upcoming = plan.batches.read_value() + 1
         when = tf.equal(tf.math.floormod(upcoming, probe_every), 0)
         if plan.replicas > 1:
             # The all-reduce cannot sit inside a cond under tf.distribute.
             probe(x, y, sample_weight, upcoming, when)
         else:
             tf.cond(when, lambda: probe(x, y, sample_weight, upcoming, None), lambda: None)
-        return original_train_step(data)
+        logs = original_train_step(data)
+        plan.batches.assign_add(1)
+        return logs
 
     return _noting_custom_gradients(plan, train_step)
 

@@ -96,7 +96,8 @@ class ChainedBackprop:
             entries one Jacobian may have. Defaults to 20,000,000.
         training: Forward pass in training mode. Defaults to `False`. With
             `True`, BatchNormalization's moving statistics (and Dropout's seed
-            state) are restored after each call.
+            state, so every call draws the same masks) are restored after each
+            call; so are, in either mode, stateful RNNs' carried states.
 
     Raises:
         TypeError: if `models` is not a list of Keras layers.
@@ -159,7 +160,7 @@ class ChainedBackprop:
             self._checked_shapes.add(shape)
         with contextlib.ExitStack() as stack:
             for model in self.models:
-                stack.enter_context(restored_state(model, enabled=self.training))
+                stack.enter_context(restored_state(model))
             loss, gradients, upstream = self._compiled(x, y)
         return ChainGradients(
             gradients=[list(g) for g in gradients],

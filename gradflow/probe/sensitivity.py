@@ -13,6 +13,7 @@ column.
 """
 
 import contextlib
+import inspect
 
 import keras
 import numpy as np
@@ -57,10 +58,17 @@ def to_tensors(data, name):
     Raises:
         TypeError: if `data` holds something that is not array-like.
     """
+    _check_one_batch(data, name)
+    if _is_nested_numbers(data):
+        # `x.tolist()`: one array, not a structure of scalar inputs.
+        data = np.asarray(data)
 
     def convert(value):
         if isinstance(value, (tf.Tensor, tf.Variable)):
-            return tf.convert_to_tensor(value)
+            tensor = tf.convert_to_tensor(value)
+            if tensor.dtype == tf.string:
+                raise TypeError(f"`{name}` must be numbers, got a tensor of strings.")
+            return tensor
         try:
             array = np.asarray(value)
         except Exception as error:  # noqa: BLE001  (re-raised with context)
@@ -68,10 +76,12 @@ def to_tensors(data, name):
                 f"`{name}` must be a numpy array, a tensor, or a list/dict of them; "
                 f"got {type(value).__name__}."
             ) from error
-        if array.dtype == object:
+        if array.dtype.kind in "USO":
+            what = "strings" if array.dtype.kind in "US" else "Python objects (dtype=object)"
+            hint = " Turn text labels into class numbers first." if name == "y" else ""
             raise TypeError(
-                f"`{name}` must be a numeric array or tensor; got an array of "
-                f"Python objects (dtype=object) of shape {array.shape}."
+                f"`{name}` must be a numeric array or tensor; got an array of {what} of "
+                f"shape {array.shape}.{hint}"
             )
         if np.issubdtype(array.dtype, np.floating):
             array = array.astype(keras.backend.floatx())
@@ -80,20 +90,91 @@ def to_tensors(data, name):
     return tf.nest.map_structure(convert, data)
 
 
+def _check_one_batch(data, name):
+    """Refuse, by name, what is not one batch: None, a Dataset, a generator."""
+    if data is None:
+        raise TypeError(f"`{name}` is None: give the batch's arrays.")
+    if isinstance(data, (tf.data.Dataset, keras.utils.PyDataset)):
+        kind = "tf.data.Dataset" if isinstance(data, tf.data.Dataset) else "PyDataset"
+        raise TypeError(
+            f"`{name}` is a {kind}, but a probe takes one batch of arrays: take "
+            "one with `x, y = next(iter(dataset))` (a tf.data.Dataset of batches) and pass "
+            "those."
+        )
+    if inspect.isgenerator(data) or (
+        hasattr(data, "__next__") and not isinstance(data, (np.ndarray, tf.Tensor))
+    ):
+        raise TypeError(
+            f"`{name}` is a {type(data).__name__}, but a probe takes one batch of arrays: take "
+            "one with `x, y = next(batches)` and pass those."
+        )
+
+
+def _is_nested_numbers(data):
+    """Whether `data` is a Python list of numbers or of such lists (one array, as a list)."""
+    if not isinstance(data, list) or not data:
+        return False
+    first = data[0]
+    if isinstance(first, list):
+        return _is_nested_numbers(first)
+    return isinstance(first, (int, float, np.number)) and not isinstance(first, bool)
+
+
+def carried_state(model):
+    """The variables a forward pass may change: what a probe must put back.
+
+    The model's non-trainable variables (BatchNormalization's moving
+    statistics and Dropout's seed state, which a training-mode pass moves; a
+    custom layer's own counters, which any pass may assign) and the carried
+    states of its stateful RNN layers, which Keras keeps out of
+    `model.variables`.
+
+    Args:
+        model: A Keras model.
+
+    Returns:
+        A list of variables, without repeats.
+    """
+    found = list(model.non_trainable_variables)
+    for layer in _stateful_layers(model):
+        if layer.states is not None:
+            found.extend(tf.nest.flatten(layer.states))
+    unique = {id(v): v for v in found}
+    return list(unique.values())
+
+
+def _stateful_layers(model):
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+        if getattr(layer, "stateful", False) and hasattr(layer, "states")
+    ]
+
+
 @contextlib.contextmanager
 def restored_state(model, enabled=True):
-    """Put the model's non-trainable variables back as they were after the block.
+    """Put back, after the block, everything a forward pass may change in the model.
 
-    A forward pass with `training=True` moves BatchNormalization's moving
-    mean and variance and advances Dropout's seed state. A probe must leave
-    the model as it found it, so those variables are saved and written back.
+    See `carried_state`. A stateful RNN whose state the block created (its
+    first call) gets its initial state back.
+
+    Args:
+        model: A Keras model.
+        enabled: Whether to restore. Defaults to `True`.
     """
-    saved = [(v, v.numpy()) for v in model.non_trainable_variables] if enabled else []
+    if not enabled:
+        yield
+        return
+    saved = [(v, v.numpy()) for v in carried_state(model)]
+    stateless = [layer for layer in _stateful_layers(model) if layer.states is None]
     try:
         yield
     finally:
         for variable, value in saved:
             variable.assign(value)
+        for layer in stateless:
+            if layer.states is not None:
+                layer.reset_state()
 
 
 def sensitivity_maxima(tape, layer_outputs, inputs):
@@ -184,8 +265,8 @@ class InputSensitivity:
                 "sensitivity to the embedding output instead: split the model "
                 "after its Embedding and pass the embeddings as `x`."
             )
-        capture.ensure_built(self.model, x)
-        with restored_state(self.model, enabled=self.training):
+        with restored_state(self.model):
+            capture.ensure_built(self.model, x)
             maxima = self._compiled(x).numpy().astype(np.float64)
         return sensitivity_table(self.model, self._called, maxima)
 

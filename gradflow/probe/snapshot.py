@@ -7,7 +7,9 @@ is each layer's output to the input. Nothing is updated: no optimizer step,
 and the forward pass runs with `training=False` by default so that Dropout is
 off and BatchNormalization neither uses batch statistics nor moves its moving
 mean and variance. With `training=True` the pass behaves as in `fit`, and the
-moving statistics (and Dropout's seed state) are restored afterwards.
+moving statistics (and Dropout's seed state) are restored afterwards; so are,
+in either mode, a stateful RNN's carried state and any non-trainable weight a
+custom layer assigns in `call`.
 
 Everything (forward pass, loss, weight and activation gradients, input
 sensitivity, statistics) runs in one compiled `tf.function`. `GradientProbe`
@@ -26,6 +28,7 @@ import tensorflow as tf
 from gradflow import schema
 from gradflow.checks import flag
 from gradflow.probe import capture, sensitivity
+from gradflow.probe.labels import label_problem
 from gradflow.probe.naming import layer_order, variable_names
 from gradflow.statistics import summarize, zeros_where_missing
 
@@ -102,6 +105,15 @@ def resolve_loss(model, loss, argument="loss"):
                 "or its name such as 'mse' or 'sparse_categorical_crossentropy'), "
                 "or call `model.compile(loss=...)` first."
             )
+    if isinstance(loss, type) and issubclass(loss, keras.losses.Loss):
+        raise TypeError(
+            f"`{argument}` is the class keras.losses.{loss.__name__}; pass one of its "
+            f"objects: keras.losses.{loss.__name__}()."
+        )
+    if isinstance(loss, (list, tuple, dict)) and len(loss) == 1:
+        # A model of one output compiled with `loss={"logits": ...}`.
+        (loss,) = loss.values() if isinstance(loss, dict) else loss
+        return resolve_loss(model, loss, argument)
     if isinstance(loss, (list, tuple, dict)):
         # Plain types for the message: a compiled model's dict of losses is a
         # TensorFlow tracking wrapper ("_DictWrapper").
@@ -226,6 +238,11 @@ def check_input_shape(model, x):
         declared = tf.nest.flatten(model.inputs)  # a subclassed model has none
     except (AttributeError, ValueError):
         return
+    if len(declared) == 1 and isinstance(x, (list, tuple)) and len(x) > 1:
+        raise ValueError(
+            f"`x` is a {type(x).__name__} of {len(x)} arrays, but model {model.name!r} takes "
+            "one input: pass one array."
+        )
     if len(declared) != 1 or not isinstance(x, tf.Tensor):
         return
     expected = tuple(declared[0].shape)
@@ -249,6 +266,9 @@ def _per_sample_words(shape):
 
 
 def _mean_loss(loss_fn, y, y_pred):
+    if isinstance(y_pred, (dict, list, tuple)) and len(y_pred) == 1:
+        # One output in a dict or list (`{"logits": ...}`): its loss reads the tensor.
+        (y_pred,) = y_pred.values() if isinstance(y_pred, dict) else y_pred
     value = loss_fn(y, y_pred)
     # Plain Keras loss functions ("mse") return one value per sample; the
     # training loss is their batch mean (Keras's "sum_over_batch_size").
@@ -380,8 +400,13 @@ class GradientProbe:
         check_batch_sizes(x, y)
         check_input_shape(self.model, x)
         check_probe_model(self.model)
-        capture.ensure_built(self.model, x)
-        with sensitivity.restored_state(self.model, enabled=self.training):
+        # Restored in inference mode too: a stateful RNN's carried state and a
+        # custom layer's counters move in any forward pass.
+        with sensitivity.restored_state(self.model):
+            capture.ensure_built(self.model, x)
+            problem = label_problem(self.model, self.loss_fn, y)
+            if problem:
+                raise ValueError(f"`y` does not fit the loss: {problem}")
             loss, statistics, histograms, maxima = self._compiled(x, y)
         # A relaxed (None-sized) trace has no exact key; its layout is the last one.
         layout = self._layouts.get(_signature(x, y), self._last_layout)
@@ -486,7 +511,8 @@ def snapshot(model, x, y, loss=None, training=False, histograms=True, sensitivit
 
     Returns:
         A `Snapshot` with `.weights`, `.activations`, `.inputs`, `.loss` and
-        `.histograms`. No variable of the model is changed.
+        `.histograms`. No variable of the model is changed, nor a stateful
+        RNN's carried state.
 
     Raises:
         ValueError: if `loss` is None and the model is not compiled, if the

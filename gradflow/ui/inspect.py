@@ -13,6 +13,7 @@ import streamlit as st
 
 from gradflow import figures
 from gradflow.diagnosis import no_gradient_message
+from gradflow.probe.labels import label_problem
 from gradflow.ui.charts import show_chart
 
 SAVED_LOSS = "the model's own (saved with it)"
@@ -90,7 +91,7 @@ def snapshot_of_upload(model_file, data_file, loss):
     loss_fn, problem = _chosen_loss(model, loss)
     if problem:
         return None, problem
-    problem = _label_problem(model, loss_fn, y)
+    problem = label_problem(model, loss_fn, y)
     if problem:
         return None, problem
     try:
@@ -141,46 +142,6 @@ def _chosen_loss(model, choice):
         "binary_crossentropy": keras.losses.BinaryCrossentropy,
     }
     return kinds[name](from_logits=from_logits), None
-
-
-def _output_units(model):
-    shape = getattr(model, "output_shape", None)
-    if isinstance(shape, tuple) and shape and isinstance(shape[-1], int):
-        return shape[-1]
-    return None
-
-
-def _label_problem(model, loss, y):
-    """A message when class labels cannot be this model's classes, else None.
-
-    TensorFlow's own words for it ("Received a label value of 5 which is
-    outside the valid range of [0, 5)") came as a traceback.
-    """
-    import keras
-    import numpy as np
-
-    sparse = loss == "sparse_categorical_crossentropy" or isinstance(
-        loss, keras.losses.SparseCategoricalCrossentropy
-    )
-    units = _output_units(model)
-    y = np.asarray(y)
-    if not sparse or units is None or y.size == 0 or not np.issubdtype(y.dtype, np.number):
-        return None
-    if not np.all(np.isfinite(y)) or not np.all(np.equal(np.mod(y, 1), 0)):
-        return (
-            "The labels are not whole class numbers, which sparse categorical crossentropy "
-            "needs. For numbers to predict, choose **mse** or **mae** as the loss."
-        )
-    low, high = int(y.min()), int(y.max())
-    if 0 <= low and high < units:
-        return None
-    message = (
-        f"The labels run from {low} to {high}, but this model has {units} outputs, so it "
-        f"takes class numbers 0 to {units - 1}."
-    )
-    if low == 1 and high == units:
-        message += " They look numbered from 1: subtract 1 from every label."
-    return message
 
 
 def _logits_note(model, loss):
