@@ -141,6 +141,11 @@ class ImageRenderer:
             raise
         self._browser = browser
         self.starts += 1
+        # Exit hooks run last-registered first: the browser's temporary profile
+        # folder registered its removal as the browser started, and was
+        # removed under a running browser ("Directory not empty" tracebacks).
+        atexit.unregister(self.close)
+        atexit.register(self.close)
 
     def _run(self, coroutine, timeout):
         """Run `coroutine` on the renderer's loop; `TimeoutError` after `timeout` seconds."""

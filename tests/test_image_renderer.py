@@ -165,3 +165,39 @@ def test_killed_owner_leaves_no_browser():
     finally:
         if owner.poll() is None:
             owner.kill()
+
+
+def test_at_exit_the_browser_closes_before_its_profile_folder_goes():
+    """The profile folder was removed under a running browser: now and then a
+    traceback, "OSError: [Errno 39] Directory not empty", after an export."""
+    script = (
+        "import os, shutil, plotly.graph_objects as go\n"
+        "from gradflow import export\n"
+        "removing = shutil.rmtree\n"
+        "pid, profile = None, None\n"
+        "def state():\n"
+        "    try:\n"
+        "        return open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0]\n"
+        "    except OSError:\n"
+        "        return 'gone'\n"
+        "def rmtree(path, *args, **kwargs):\n"
+        "    if str(path) == profile:\n"
+        "        print('profile removed, browser', state(), flush=True)\n"
+        "    return removing(path, *args, **kwargs)\n"
+        "shutil.rmtree = rmtree\n"
+        "export.to_image(go.Figure(go.Scatter(y=[1, 2])), 'png')\n"
+        "pid = export.RENDERER.browser_pid\n"
+        "flags = open(f'/proc/{pid}/cmdline').read().split('\\0')\n"
+        "profile = next(f for f in flags if f.startswith('--user-data-dir=')).split('=', 1)[1]\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr
+    removals = done.stdout.splitlines()
+    assert removals and set(removals) <= {"profile removed, browser gone"}, removals
+    assert "Traceback" not in done.stderr

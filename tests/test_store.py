@@ -449,3 +449,29 @@ def test_arrow_reads_is_still_accepted_and_reads_the_same_frames(tmp_path):
     arrow = RunStore(tmp_path / "runs.db", arrow_reads=True).layer_stats(run_id)
     pd.testing.assert_frame_equal(plain, arrow)
     assert np.isnan(plain["max_abs"].iloc[1]) and np.isposinf(plain["max_abs"].iloc[2])
+
+
+def test_an_sqlite_file_of_something_else_is_refused_and_left_alone(tmp_path):
+    """`gradflow runs --db contacts.db` added the store's tables beside the contacts."""
+    from gradflow.store import RunStore
+    from gradflow.store.store import NotARunStoreError
+
+    path = tmp_path / "contacts.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE contacts (name TEXT)")
+    conn.commit()
+    conn.close()
+    with pytest.raises(
+        NotARunStoreError, match=r"SQLite database of something else \(its tables: contacts\)"
+    ):
+        RunStore(path)
+    conn = sqlite3.connect(path)
+    tables = [row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+    conn.close()
+    assert tables == ["contacts"]
+    # An empty SQLite file, and a store, are taken.
+    empty = tmp_path / "empty.db"
+    sqlite3.connect(empty).close()
+    store = RunStore(empty)
+    store.create_run({})
+    assert len(RunStore(empty).runs()) == 1

@@ -706,6 +706,33 @@ def check_store_path(path, argument="path"):
                 f"`{argument}`={str(path)!r} is not a gradflow run store (an SQLite file): "
                 f"it starts with {head[:8]!r}. Give a new file name, e.g. 'runs.db'."
             )
+        others = _tables_of_another_kind(path)
+        if others:
+            # The store would have added its tables beside them, silently.
+            raise NotARunStoreError(
+                f"`{argument}`={str(path)!r} is an SQLite database of something else (its "
+                f"tables: {', '.join(others[:5])}{', ...' if len(others) > 5 else ''}), not a "
+                "gradflow run store; gradflow leaves it alone. Give a new file name, e.g. "
+                "'runs.db'."
+            )
+
+
+def _tables_of_another_kind(path):
+    """The tables of an SQLite file that holds tables but no gradflow runs, else []."""
+    try:
+        conn = sqlite3.connect(f"{pathlib.Path(path).resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            names = [
+                row[0]
+                for row in conn.execute(
+                    "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name"
+                )
+            ]
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return []  # The store's own opening says what is wrong with it.
+    return [] if not names or "runs" in names else names
 
 
 def _newer_than(where, params, after_step, column="step"):
