@@ -495,8 +495,13 @@ def _serve(args):
         "true",
     ]
     print(f"gradflow: dashboard at http://{args.address}:{args.port} ({' '.join(command)})")
+    sys.stdout.flush()
     # Pages are found relative to app.py, so streamlit runs from its folder.
-    return subprocess.call(command, cwd=app.parent, env=environment)
+    os.chdir(app.parent)
+    # This process becomes the server: a SIGTERM to `gradflow serve` (a
+    # service manager, `kill`) stopped only a parent and left the dashboard
+    # serving the port.
+    os.execve(sys.executable, command, environment)
 
 
 def _say_error(message):

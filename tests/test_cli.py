@@ -12,6 +12,7 @@ from gradflow import cli
 from gradflow.lab.config import RunConfig, run_name
 from gradflow.lab.presets import get_preset
 from gradflow.store import RunStore
+from tests.browser import wait_until
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--depth", "2", "--width", "4", "--batch-size", "16", "--no-progress"]
@@ -143,14 +144,10 @@ def test_preset_with_overrides_and_boolean_flags(tmp_path):
 
 def test_serve_runs_streamlit_on_the_repository_app(monkeypatch, tmp_path):
     calls = []
-
-    def fake_call(command, cwd, env):
-        calls.append((command, cwd, env))
-        return 0
-
-    monkeypatch.setattr(cli.subprocess, "call", fake_call)
-    assert cli.main(["serve", "--port", "8600", "--db", str(tmp_path / "r.db")]) == 0
-    ((command, cwd, env),) = calls
+    monkeypatch.setattr(cli.os, "chdir", lambda folder: calls.append(folder))
+    monkeypatch.setattr(cli.os, "execve", lambda path, command, env: calls.append((command, env)))
+    cli.main(["serve", "--port", "8600", "--db", str(tmp_path / "r.db")])
+    cwd, (command, env) = calls
     app = pathlib.Path(command[command.index("run") + 1])
     assert app == REPO / "app.py" and app.is_file() and cwd == REPO
     assert command[:3] == [sys.executable, "-m", "streamlit"]
@@ -158,6 +155,48 @@ def test_serve_runs_streamlit_on_the_repository_app(monkeypatch, tmp_path):
     # Safe by default: only this machine can reach the dashboard.
     assert command[command.index("--server.address") + 1] == "127.0.0.1"
     assert env["GRADFLOW_DB"] == str((tmp_path / "r.db").resolve())
+
+
+def test_a_sigterm_to_gradflow_serve_stops_the_dashboard(tmp_path):
+    """The server went on serving the port, re-parented, after `kill <gradflow pid>`."""
+    import signal
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gradflow",
+            "serve",
+            "--port",
+            str(port),
+            "--db",
+            str(tmp_path / "r.db"),
+        ],
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    health = f"http://127.0.0.1:{port}/_stcore/health"
+
+    def serving():
+        try:
+            return urllib.request.urlopen(health, timeout=2).status == 200
+        except OSError:
+            return False
+
+    try:
+        assert wait_until(serving, seconds=90)
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
+        assert wait_until(lambda: not serving(), seconds=10)
+    finally:
+        if server.poll() is None:
+            server.kill()
 
 
 def test_python_dash_m_gradflow_train(tmp_path):
