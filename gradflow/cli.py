@@ -20,7 +20,6 @@ import os
 import pathlib
 import re
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import threading

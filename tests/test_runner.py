@@ -180,6 +180,28 @@ def test_epochs_run_whole_passes(store):
     assert {"val_loss", "loss"} <= set(run.metrics["name"])
 
 
+def test_a_run_of_epochs_that_would_record_nothing_fails_saying_why(store):
+    """`--epochs 1 --record-every 100` trained 45 steps, "completed", with no statistics."""
+    config = RunConfig(depth=1, width=4, epochs=1, batch_size=512, record_every=10)
+    run = gradflow.train(config, store=store)
+    assert run.status == "failed"
+    assert run.message == (
+        "Record every 10 steps is more than the 3 steps of this run (1 epoch(s) of 3): no step "
+        "would be recorded. Use a number from 1 to 3."
+    )
+
+
+def test_a_bad_data_file_fails_in_words_without_the_source_line(store, tmp_path):
+    """ "ValueError: The labels in bad.npz go up to ... (at datasets.py:385)"."""
+    path = tmp_path / "bad.npz"
+    rng = np.random.default_rng(0)
+    np.savez(path, x=rng.normal(size=(40, 3)), y=np.r_[np.zeros(39), 50_000].astype("int64"))
+    run = gradflow.train(RunConfig(dataset="file", data_path=str(path), steps=5), store=store)
+    assert run.status == "failed"
+    assert run.message.startswith("The labels in bad.npz go up to 50000")
+    assert "datasets.py" not in run.message
+
+
 @pytest.mark.parametrize(
     "config, error, match",
     [

@@ -67,6 +67,10 @@ class DatasetDownloadError(OSError):
     """A data set needs a one-time download that failed (no network?)."""
 
 
+class DataFileError(ValueError):
+    """Data that cannot be trained on (a file's arrays, labels or shapes); said for people."""
+
+
 @dataclasses.dataclass
 class Dataset:
     """Arrays ready for `model.fit`, and what they are.
@@ -358,7 +362,7 @@ def _from_file(path, rng):
         _check_arrays("file", x, y, None)
         split = _split(x, y, rng)
     else:
-        raise ValueError(
+        raise DataFileError(
             f"The data file {path!r} must hold arrays named 'x' and 'y' (or 'x_train', "
             f"'y_train' and optionally 'x_val', 'y_val'); it has {sorted(arrays)}."
         )
@@ -366,7 +370,7 @@ def _from_file(path, rng):
     name = os.path.basename(str(path))
     if np.shape(x_train)[1:] != np.shape(x_val)[1:]:
         # Found only at the first validation, after the first epoch trained.
-        raise ValueError(
+        raise DataFileError(
             f"In {name}, the validation examples have shape {np.shape(x_val)[1:]} but the "
             f"training examples {np.shape(x_train)[1:]}: x_val needs the same features as x_train."
         )
@@ -382,7 +386,7 @@ def _from_file(path, rng):
         if n_classes > MAX_CLASSES:
             # The output layer gets one unit per class: one stray label of
             # 2e9 would ask for a model of hundreds of gigabytes.
-            raise ValueError(
+            raise DataFileError(
                 f"The labels in {name} go up to {n_classes - 1}, which would "
                 f"mean {n_classes:,} classes; gradflow allows at most {MAX_CLASSES:,}. Labels must be "
                 "class numbers 0, 1, 2, ...; for a regression target, store y as floats with decimals."
@@ -443,18 +447,20 @@ def examples_and_targets(arrays):
 def _check_arrays(name, x, y, n_classes):
     x, y = np.asarray(x), np.asarray(y)
     if x.ndim == 0 or len(x) == 0:
-        raise ValueError(f"The {name} data are empty (x has shape {x.shape}); give some examples.")
+        raise DataFileError(
+            f"The {name} data are empty (x has shape {x.shape}); give some examples."
+        )
     if y.ndim == 0 or len(y) != len(x):
-        raise ValueError(
+        raise DataFileError(
             f"The {name} data have {len(x)} examples in x but y has shape {y.shape}; "
             "x and y need one row per example."
         )
     if not np.issubdtype(x.dtype, np.number) or not np.all(np.isfinite(x)):
-        raise ValueError(f"The {name} features must be finite numbers (got dtype {x.dtype}).")
+        raise DataFileError(f"The {name} features must be finite numbers (got dtype {x.dtype}).")
     if n_classes is not None:
         bad = (y < 0) | (y >= n_classes) | (y != np.round(y))
         if np.any(bad):
-            raise ValueError(
+            raise DataFileError(
                 f"The {name} labels must be whole numbers from 0 to {n_classes - 1}, "
                 f"got {y[bad][0].item()!r} ({int(bad.sum())} bad label(s) in all)."
             )
@@ -468,7 +474,7 @@ def _shape_for(architecture, x):
             return x[..., np.newaxis]
         if len(per_example) == 3:
             return x
-        raise ValueError(
+        raise DataFileError(
             f"architecture='cnn' needs images of shape (height, width) or (height, width, "
             f"channels), got examples of shape {per_example}."
         )
@@ -477,7 +483,7 @@ def _shape_for(architecture, x):
             return x
         if len(per_example) == 3:  # images: one time step per row of pixels
             return x.reshape(len(x), per_example[0], -1)
-        raise ValueError(
+        raise DataFileError(
             f"architecture='rnn' needs sequences of shape (steps, features), got examples "
             f"of shape {per_example}."
         )
@@ -491,7 +497,7 @@ def _targets_for(loss, y, n_classes):
     labels = y.astype("int32").reshape(-1)
     if loss == "binary_crossentropy":
         if n_classes != 2:
-            raise ValueError(
+            raise DataFileError(
                 f"`loss='binary_crossentropy'` needs 2 classes, the data have {n_classes}."
             )
         return labels.astype("float32").reshape(-1, 1)

@@ -34,7 +34,7 @@ import threading
 import traceback
 import warnings
 
-from gradflow.lab.datasets import DatasetDownloadError
+from gradflow.lab.datasets import DataFileError, DatasetDownloadError
 from gradflow.safety.errors import UnsafeInputError
 from gradflow.store import ACTIVE_STATUSES, RunStore
 
@@ -97,6 +97,14 @@ def _train(store, run_id):
         # Only now, with the data set's size, is a run of epochs' length known:
         # progress bars and the Runs page show "step 40 / 450", not "step 40".
         store.set_total_steps(run_id, int(total_steps))
+        if config.record_every > total_steps:
+            # RunConfig checks this against `steps`; a run of epochs trained
+            # to its end and recorded nothing, without a word.
+            raise NothingToRecordError(
+                f"Record every {config.record_every} steps is more than the {total_steps} "
+                f"steps of this run ({epochs} epoch(s) of {inputs['steps_per_epoch']}): no step "
+                f"would be recorded. Use a number from 1 to {total_steps}."
+            )
     # Several steps per call of the compiled function; the same steps, batches
     # and statistics as one per call (`tests/test_runner.py`).
     model.steps_per_execution = (
@@ -155,8 +163,12 @@ def _failure_message(error):
     return f"{type(error).__name__}: {error}{last}"
 
 
+class NothingToRecordError(ValueError):
+    """The run's settings would record no step."""
+
+
 # Errors whose message is written for whoever reads the run.
-_SAID_FOR_PEOPLE = (DatasetDownloadError, UnsafeInputError)
+_SAID_FOR_PEOPLE = (DatasetDownloadError, UnsafeInputError, DataFileError, NothingToRecordError)
 
 
 def _limit_threads(threads):
