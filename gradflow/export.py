@@ -299,7 +299,7 @@ def _json_safe(value):
     return str(value)
 
 
-def lesson_pack(charts, config=None, title="gradflow lesson pack", alerts=None):
+def lesson_pack(charts, config=None, title="gradflow lesson pack", alerts=None, run_info=None):
     """A zip for a lesson: figures (PNG + HTML), data CSVs, config and README.
 
     Layout: `README.txt`, `config.json`, `figures/<name>.png`,
@@ -321,6 +321,10 @@ def lesson_pack(charts, config=None, title="gradflow lesson pack", alerts=None):
         alerts: the run's events (`step, layer, kind, message`, as
             `run_alerts` gives them; empty: the README says the rules found
             nothing), or None (default) to leave them out.
+        run_info: the run's record (`RunStore.run_info`), or None (default):
+            the README then says how the run ended (completed, stopped or
+            diverged, at which step of how many) and how often it recorded,
+            so a pack of a stopped run does not read as a finished one.
 
     Returns:
         The zip file as bytes.
@@ -345,7 +349,8 @@ def lesson_pack(charts, config=None, title="gradflow lesson pack", alerts=None):
         named.append((stem, chart))
     pngs = to_images([chart for _, chart in named], "png")
 
-    readme = [title, "=" * len(title), "", "Made with gradflow. Contents:", ""]
+    readme = [title, "=" * len(title), "", *_ending_readme(run_info, config)]
+    readme += ["Made with gradflow. Contents:", ""]
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
         for (stem, chart), png in zip(named, pngs, strict=True):
@@ -377,6 +382,37 @@ def lesson_pack(charts, config=None, title="gradflow lesson pack", alerts=None):
         )
         archive.writestr("README.txt", "\n".join(readme) + "\n")
     return buffer.getvalue()
+
+
+_ENDINGS = {
+    "completed": "Completed",
+    "stopped": "Stopped",
+    "diverged": "Diverged (a gradient became NaN or infinite)",
+    "interrupted": "Interrupted",
+    "failed": "Failed",
+    "running": "Still training when this pack was made",
+    "paused": "Paused when this pack was made",
+    "queued": "Not started when this pack was made",
+}
+
+
+def _ending_readme(info, config):
+    """How the run ended and how often it recorded: the README's first lines."""
+    if not info:
+        return []
+    step, total = info.get("progress_step"), info.get("total_steps")
+    where = ""
+    if step is not None:
+        where = f" at step {step}" + (f" of {total}" if total else "")
+        if info.get("status") in ("running", "paused", "queued"):
+            where = "," + where
+    lines = [f"{_ENDINGS.get(info.get('status'), info.get('status'))}{where}."]
+    if info.get("message"):
+        lines.append(str(info["message"]))
+    every = (config or {}).get("record_every")
+    if isinstance(every, int) and every > 1:
+        lines.append(f"Statistics were recorded every {every} steps.")
+    return [*lines, ""]
 
 
 # The README quotes this many alerts; data/alerts.csv holds them all.
@@ -473,9 +509,10 @@ def run_charts(layer_stats, metrics, presentation=False, run=None, histograms=No
     """The standard figures of one run, keyed by file-friendly name.
 
     Heatmaps of `max_abs` and `l2_norm` (kernels, or all weights when the
-    model has no kernels), activation gradients when recorded, per-layer
-    lines, the profile at the last step and the loss/accuracy curves.
-    Figures without data are left out.
+    model has no kernels), with clipping the norms applied after it, with a
+    max-norm constraint the weight norms before and after it, activation
+    gradients when recorded, per-layer lines, the profile at the last step
+    and the loss/accuracy curves. Figures without data are left out.
 
     Args:
         layer_stats: tidy layer-statistics DataFrame.
@@ -505,6 +542,18 @@ def run_charts(layer_stats, metrics, presentation=False, run=None, histograms=No
             layer_stats, "max_abs", weights, presentation=presentation
         )
         charts["profile"] = figures.profile(layer_stats, tensor=weights, presentation=presentation)
+    if recorded(layer_stats, "l2_norm_clipped"):
+        # What the optimizer applied: beside the norms before clipping, a
+        # class saw norms of 0.4 where 0.01 was applied.
+        charts["l2_norm_clipped_heatmap"] = figures.heatmap(
+            layer_stats, "l2_norm_clipped", weights, presentation=presentation
+        )
+    if recorded(layer_stats, "weight_norm_unconstrained"):
+        # The max-norm constraint: each layer's weight norm before and after it.
+        for statistic in ("weight_norm_unconstrained", "weight_norm"):
+            charts[f"{statistic}_lines"] = figures.layer_lines(
+                layer_stats, statistic, weights, presentation=presentation
+            )
     if any(schema.tensor_kind(k) == "recurrent_kernel" for k in kinds):
         # A recurrent net's gradient through time: its recurrent kernels.
         charts["recurrent_kernel_heatmap"] = figures.heatmap(
@@ -522,6 +571,11 @@ def run_charts(layer_stats, metrics, presentation=False, run=None, histograms=No
     if run is not None:
         charts = {name: chart.for_run(run) for name, chart in charts.items()}
     return charts
+
+
+def recorded(layer_stats, column):
+    """Whether a run recorded `column` (`l2_norm_clipped` with clipping on, ...)."""
+    return column in layer_stats.columns and bool(layer_stats[column].notna().any())
 
 
 def _histogram_charts(histograms, presentation):
@@ -612,6 +666,7 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
                     info.get("config"),
                     title,
                     alerts=run_alerts(layer_stats, store.events(run_id)),
+                    run_info=info,
                 ),
             )
         ]

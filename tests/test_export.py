@@ -442,3 +442,43 @@ def test_the_lesson_packs_readme_says_which_alerts_it_quotes(count, heading):
     lines = export._alerts_readme(alerts)
     assert lines[0].endswith(heading)
     assert len([line for line in lines if line.startswith("  - step")]) == min(count, 10)
+
+
+def test_a_clipped_or_constrained_runs_exports_show_what_was_applied():
+    """The exports of a clipping run had only the norms before clipping (0.4 where 0.01 was
+    applied), and a max-norm run's weight norms were in no file."""
+    stats = make_layer_stats()
+    plain = export.run_charts(stats, make_metrics())
+    assert not {"l2_norm_clipped_heatmap", "weight_norm_lines"} & set(plain)
+    stats["l2_norm_clipped"] = np.minimum(stats["l2_norm"], 0.01)
+    stats["weight_norm"] = 0.5
+    stats["weight_norm_unconstrained"] = stats["l2_norm"] * 3
+    charts = export.run_charts(stats, make_metrics(), run="clipped run")
+    clipped = charts["l2_norm_clipped_heatmap"]
+    assert clipped.data["l2_norm_clipped"].max() <= 0.01
+    assert charts["weight_norm_lines"].data["weight_norm"].eq(0.5).all()
+    assert charts["weight_norm_unconstrained_lines"].data["weight_norm_unconstrained"].max() > 0.5
+
+
+def test_a_lesson_packs_readme_says_how_its_run_ended(monkeypatch):
+    """A pack of a run stopped at step 52 of 300, or still training, read as a finished one."""
+    monkeypatch.setattr(export, "to_images", lambda charts, fmt: [b"png"] * len(charts))
+    charts = {"loss": figures.metrics_chart(make_metrics())}
+    info = {
+        "status": "stopped",
+        "progress_step": 52,
+        "total_steps": 300,
+        "message": "Stopped: a new run was started from its page.",
+    }
+    blob = export.lesson_pack(charts, {"record_every": 5}, "pack", run_info=info)
+    readme = zipfile.ZipFile(io.BytesIO(blob)).read("README.txt").decode().splitlines()
+    assert readme[3:6] == [
+        "Stopped at step 52 of 300.",
+        "Stopped: a new run was started from its page.",
+        "Statistics were recorded every 5 steps.",
+    ]
+    running = export.lesson_pack(
+        charts, {}, "pack", run_info={"status": "running", "progress_step": 9}
+    )
+    readme = zipfile.ZipFile(io.BytesIO(running)).read("README.txt").decode().splitlines()
+    assert readme[3] == "Still training when this pack was made, at step 9."

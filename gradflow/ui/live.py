@@ -510,12 +510,9 @@ def _charts(info, cache, key):
         )
     tensors = _tensor_choices(stats)
     # With clipping the rows also hold the norms after it: what the optimizer applied.
-    clipped = "l2_norm_clipped" in stats.columns and stats["l2_norm_clipped"].notna().any()
+    clipped = export.recorded(stats, "l2_norm_clipped")
     # With a max-norm constraint, the weight norms before and after it.
-    constrained = (
-        "weight_norm_unconstrained" in stats.columns
-        and stats["weight_norm_unconstrained"].notna().any()
-    )
+    constrained = export.recorded(stats, "weight_norm_unconstrained")
     if view in ("Heatmaps", "Lines", "Profile", "Histograms"):
         tensor = st.radio(
             "Gradients of",
@@ -669,6 +666,7 @@ def _lesson_pack_button(info, cache, key):
             config=info.get("config"),
             title=f"gradflow: {info['name']}",
             alerts=[] if alerts is None else alerts,
+            run_info=info,
         )
 
     st.download_button(
