@@ -519,6 +519,18 @@ def test_profile_step_between_recorded_steps_uses_the_earlier_one_and_flags_nan(
     assert list(marker_traces(chart)["NaN"].x) == ["dense"]
 
 
+def test_profile_marks_layers_whose_gradient_is_exactly_zero():
+    """A dead layer had no bar on the log axis and no marker: it read as missing data."""
+    frame = make_layer_stats()
+    for statistic in ("max_abs", "mean_abs"):
+        set_value(frame, 4, 1, "kernel", statistic, 0.0)
+    chart = figures.profile(frame, step=4, tensor="kernel")
+    [zeros] = [t for t in chart.figure.data if t.name == "exactly 0"]
+    assert list(zeros.x) == [chart.figure.data[0].x[1]] and list(zeros.text) == ["0"]
+    # Only where every drawn statistic is 0; none on a live profile.
+    assert "exactly 0" not in {t.name for t in figures.profile(make_layer_stats()).figure.data}
+
+
 def test_compare_profiles_and_metrics_overlay_runs():
     a, b = make_layer_stats(seed=3), make_layer_stats(seed=4, layers=LAYERS + ("dense_3",))
     chart = figures.compare_profiles({"relu": a, "sigmoid": b}, statistic="l2_norm")

@@ -149,6 +149,7 @@ def profile(
             figure.add_trace(
                 trace.update(hovertemplate="%{customdata}<br>non-finite<extra></extra>")
             )
+    _mark_zero_layers(figure, np.asarray(labels, dtype=object), every, log_min, log_max)
     tickvals, ticktext = logscale.decade_ticks(log_min, log_max)
     figure.update_layout(
         title=style.escape_label(plain_title),
@@ -165,3 +166,27 @@ def profile(
     )
     style.apply_style(figure, presentation)
     return Chart(figure, data, plain_title, description)
+
+
+def _mark_zero_layers(figure, labels, every, log_min, log_max):
+    """A ring with "0" above the layers whose gradient is exactly 0.
+
+    A log axis has no bar for 0: a dead layer looked like missing data,
+    beside the markers of the NaN layers.
+    """
+    rows = np.flatnonzero((every == 0).all(axis=1))
+    if not rows.size:
+        return
+    height = 10.0 ** (log_min + 0.04 * (log_max - log_min))
+    figure.add_trace(
+        go.Scatter(
+            x=labels[rows],
+            y=np.full(rows.size, height),
+            mode="markers+text",
+            text=["0"] * rows.size,
+            textposition="top center",
+            marker=dict(symbol="circle-open", size=10, color="#444444"),
+            name="exactly 0",
+            hovertemplate="%{x}<br>gradient exactly 0 (no bar on a log scale)<extra></extra>",
+        )
+    )
