@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 
-from gradflow.lab.config import RunConfig, field_table, run_name
+from gradflow.lab.config import RunConfig, field_table, rename_settings, run_name
 from gradflow.lab.presets import PRESETS, get_preset
 
 EXIT_OK = 0
@@ -194,7 +194,7 @@ def _config_from(args):
         preset = get_preset(args.preset).config if args.preset else None
         config = RunConfig.from_query({**(preset.to_query() if preset else {}), **given})
     except ValueError as error:
-        raise UsageError(f"gradflow train: {error}") from None
+        raise UsageError(f"gradflow train: {_as_flags(str(error))}") from None
     if (
         preset is not None
         and given.get("name") is None
@@ -206,6 +206,15 @@ def _config_from(args):
     for note in _unused_flags(given, config):
         print(f"gradflow train: note: {note}", file=sys.stderr)
     return config
+
+
+def _as_flags(message):
+    """A RunConfig error with each setting named by its flag: `--learning-rate`, not `learning_rate`."""
+
+    def flag(field, value):
+        return f"--{field.replace('_', '-')}" + (f" {value}" if value is not None else "")
+
+    return rename_settings(message, flag)
 
 
 def _unused_flags(given, config):

@@ -74,9 +74,9 @@ def test_export_csv_writes_files(trained, tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["train", "--depth", "0"], "gradflow train: `depth` must be an integer from 1 to 100"),
-        (["train", "--learning-rate", "fast"], "`learning_rate` must be a number, got 'fast'."),
-        (["train", "--activation", "relu6"], "`activation` must be one of 'relu'"),
+        (["train", "--depth", "0"], "gradflow train: --depth must be an integer from 1 to 100"),
+        (["train", "--learning-rate", "fast"], "--learning-rate must be a number, got 'fast'."),
+        (["train", "--activation", "relu6"], "--activation must be one of 'relu'"),
         (["train", "--architecture", "cnn", "--dataset", "moons"], "needs an image data set"),
         (["train", "--preset", "nope"], "Unknown preset 'nope'"),
         (["train", "--colour", "red"], "unrecognized arguments: --colour red"),

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 import numbers
+import re
 
 ARCHITECTURES = ("mlp", "cnn", "rnn", "residual_mlp")
 ACTIVATIONS = (
@@ -410,6 +411,40 @@ def check_setting(name, value):
     """
     fields = {f.name: f for f in dataclasses.fields(RunConfig)}
     return _check_field(fields[name], value)
+
+
+# `field`, `field='value'`, field='value': how RunConfig's messages name a setting.
+_FIELD_NOTATION = re.compile(
+    r"`(?P<field>\w+)(?:='(?P<value>[^'`]*)')?`"
+    r"|(?<![\w`])(?P<bare>\w+)='(?P<bare_value>[^']*)'"
+)
+
+
+def rename_settings(message, name_of):
+    """A `RunConfig` message with each setting it names written in another way.
+
+    The dashboard names a setting by its widget's label, the command line by
+    its flag.
+
+    Args:
+        message: The message, such as "`learning_rate` must be ...".
+        name_of: `(field, value) -> str or None`: how to write the field
+            (with its value, or None when the message gives none); None
+            keeps the message's own words. Only fields of `RunConfig` are
+            rewritten.
+
+    Returns:
+        The message, rewritten.
+    """
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+
+    def rewrite(match):
+        field = match.group("field") or match.group("bare")
+        value = match.group("value") if match.group("field") else match.group("bare_value")
+        named = name_of(field, value) if field in fields else None
+        return match.group(0) if named is None else named
+
+    return _FIELD_NOTATION.sub(rewrite, message)
 
 
 def parse_field_text(field, text):

@@ -7,7 +7,6 @@ Seed. The configuration lives in the URL query, so a link restores it.
 """
 
 import dataclasses
-import re
 
 import streamlit as st
 
@@ -247,22 +246,15 @@ def _in_words(message):
     """
     labels = {field: label for field, label, *_ in WIDGETS}
 
-    def said(match):
-        field = match.group("field") or match.group("bare")
-        value = match.group("value") if match.group("field") else match.group("bare_value")
+    def said(field, value):
         if field not in labels:
-            return match.group(0)
+            return None
         return f"**{labels[field]}**" + (f" {value}" if value is not None else "")
 
     # The form's "off" for an optional number (Max-norm, Speed limit) is 0, not Python's None.
-    return _FIELD_NOTATION.sub(said, message).replace("must be None or ", "must be 0 (off) or ")
-
-
-# `field`, `field='value'`, field='value' (a RunConfig message's ways of naming a setting).
-_FIELD_NOTATION = re.compile(
-    r"`(?P<field>\w+)(?:='(?P<value>[^'`]*)')?`"
-    r"|(?<![\w`])(?P<bare>\w+)='(?P<bare_value>[^']*)'"
-)
+    return lab_config.rename_settings(message, said).replace(
+        "must be None or ", "must be 0 (off) or "
+    )
 
 
 def training_form(prefix="cfg", container=None, sync_url=True):
