@@ -73,6 +73,8 @@ def main(argv=None):
             )
         if getattr(args, "db", None):
             _check_db(args.db)
+        elif hasattr(args, "db") and os.environ.get("GRADFLOW_DB"):
+            _check_db(os.environ["GRADFLOW_DB"], "$GRADFLOW_DB")
         return args.handler(args)
     except UsageError as error:
         _say_error(str(error))
@@ -85,18 +87,23 @@ def main(argv=None):
         where = getattr(args, "db", None) or "the run store"
         _say_error(f"gradflow: {where} is not a gradflow run store (an SQLite file): {error}")
         return EXIT_USAGE
+    except BrokenPipeError:
+        # `gradflow runs | head -3`: the reader has what it wanted.
+        # Python's recipe: what is left in stdout's buffer goes nowhere at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as error:
         # A `--out` that is a file, a folder that cannot be made, a full disk.
         _say_error(f"gradflow: {error.strerror or error}: {error.filename or ''}".rstrip(": "))
         return EXIT_FAILED
 
 
-def _check_db(path):
+def _check_db(path, argument="--db"):
     """A `--db` that is a folder or another kind of file, in the flag's name (RunStore's says `path`)."""
     from gradflow.store.store import NotARunStoreError, check_store_path
 
     try:
-        check_store_path(path, "--db")
+        check_store_path(path, argument)
     except NotARunStoreError as error:
         raise UsageError(f"gradflow: {error}") from None
 

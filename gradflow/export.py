@@ -647,7 +647,11 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
         histograms=store.histograms(run_id),
     )
     if not charts:
-        raise ExportError(f"Run {run_id!r} has no recorded statistics or metrics to export yet.")
+        still = " yet" if info.get("status") in ("queued", "running", "paused") else ""
+        raise ExportError(
+            f"Run {run_id!r} ({info.get('status')}) has no recorded statistics or metrics to "
+            f"export{still}."
+        )
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     out_dir = out_dir.resolve()

@@ -360,3 +360,20 @@ def test_flags_a_run_will_not_use_get_a_note(flags, said, capsys):
     cli._config_from(cli._build_parser().parse_args(["train", *flags]))
     error = capsys.readouterr().err
     assert (said in error) if said else error == "", error
+
+
+def test_a_listing_piped_into_head_ends_quietly(tmp_path):
+    """`gradflow runs | head -1` said "gradflow: Broken pipe" and exited 1."""
+    store = RunStore(tmp_path / "runs.db")
+    for i in range(400):  # more than a pipe's 64 KiB buffer
+        store.create_run({}, name=f"{i} " + "x" * 190)
+    lister = subprocess.Popen(
+        [sys.executable, "-m", "gradflow", "runs", "--db", str(tmp_path / "runs.db")],
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert lister.stdout.readline().split()[:2] == [b"run_id", b"name"]
+    lister.stdout.close()  # what `head -1` does
+    assert lister.wait(60) == 0
+    assert lister.stderr.read() == b""

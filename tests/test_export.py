@@ -482,3 +482,14 @@ def test_a_lesson_packs_readme_says_how_its_run_ended(monkeypatch):
     )
     readme = zipfile.ZipFile(io.BytesIO(running)).read("README.txt").decode().splitlines()
     assert readme[3] == "Still training when this pack was made, at step 9."
+
+
+def test_exporting_an_ended_run_with_nothing_recorded_does_not_say_yet(tmp_path):
+    from gradflow.store import RunStore
+
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run({}, name="broke at once", status="failed")
+    with pytest.raises(
+        export.ExportError, match=r"\(failed\) has no recorded statistics or metrics to export\.$"
+    ):
+        export.export_run(store, run_id, "csv", tmp_path / "out")
