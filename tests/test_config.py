@@ -192,3 +192,10 @@ def test_config_and_presets_do_not_import_tensorflow():
         "assert 'tensorflow' not in sys.modules and 'keras' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", ["", "   ", "\t\n"])
+def test_a_blank_run_name_is_refused(name):
+    """`--name "   "` named a run that showed as nothing in lists, subtitles and file names."""
+    with pytest.raises(ValueError, match="`name` must be None or hold a visible character"):
+        RunConfig(name=name)

@@ -514,6 +514,11 @@ def _check_field(field, value):
                 f"`{field.name}` must be None or a string of at most {meta['max_length']} "
                 f"characters, got {_short(value)}."
             )
+        if not value.strip():
+            # A blank run name showed as nothing in lists, subtitles and file names.
+            raise ValueError(
+                f"`{field.name}` must be None or hold a visible character, got {value!r}."
+            )
         return value
     low, high = meta["low"], meta["high"]
     none_hint = "None or " if meta.get("optional") else ""
