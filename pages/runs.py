@@ -4,6 +4,7 @@ import streamlit as st
 
 from gradflow.store.tables import ACTIVE_STATUSES
 from gradflow.ui import resources
+from gradflow.ui.charts import plain_markdown
 from gradflow.ui.live import show_on_live_page
 from gradflow.ui.runs_table import run_labels, run_picker, runs_table
 
@@ -43,7 +44,8 @@ if store.status(chosen) in ACTIVE_STATUSES:
 elif delete_col.button("Delete", help="Removes the run and all its statistics."):
     st.session_state["runs.confirm_delete"] = chosen
 if st.session_state.get("runs.confirm_delete") == chosen:
-    st.warning(f"Delete {labels[chosen]} and all its data?")
+    # A student's run name is shown as typed, not as markdown (":red[...]").
+    st.warning(f"Delete {plain_markdown(labels[chosen])} and all its data?")
     yes, no = st.columns(2)
     if yes.button("Yes, delete"):
         st.session_state.pop("runs.confirm_delete")

@@ -145,12 +145,16 @@ def test_a_renamed_run_stays_the_one_picked(page_environment):
     app = run_page("runs.py")
     assert next(s for s in app.selectbox if s.label == "Run").value != picked  # not the first
     next(s for s in app.selectbox if s.label == "Run").set_value(picked).run()
-    next(t for t in app.text_input if t.label == "New name").input("CNN demo (renamed)")
+    # A name with markdown in it is asked about as typed, not as red text.
+    typed = "CNN demo :red[renamed]"
+    next(t for t in app.text_input if t.label == "New name").input(typed)
     next(b for b in app.button if b.label == "Rename").click().run()
-    assert store.run_info(picked)["name"] == "CNN demo (renamed)"
+    assert store.run_info(picked)["name"] == typed
     assert next(s for s in app.selectbox if s.label == "Run").value == picked
     next(b for b in app.button if b.label == "Delete").click().run()
-    assert any(f"Delete CNN demo (renamed) · completed · {picked}" in w.value for w in app.warning)
+    [question] = [w.value for w in app.warning if w.value.startswith("Delete")]
+    assert "CNN demo \\:red\\[renamed\\]" in question
+    assert question.replace("\\", "") == f"Delete {typed} · completed · {picked} and all its data?"
 
 
 def test_a_run_opened_from_the_runs_page_brings_its_settings(page_environment):
@@ -1436,3 +1440,19 @@ def test_a_run_that_ended_early_says_why_beside_its_step_count(page_environment)
     app = run_page("live_training.py", run=run_id)
     shown = [c.value.replace("\\", "") for c in app.caption]  # as escaped markdown shows it
     assert any(said in c for c in shown), shown
+
+
+def test_inspect_exports_name_the_model_they_show(monkeypatch):
+    """Two models' exports were all "Gradient_flow_on_one_batch_kernels.png", saying no model."""
+    from gradflow.ui import charts
+
+    exported = []
+    monkeypatch.setattr(
+        charts, "export_buttons", lambda chart, key, run=None: exported.append((key, run))
+    )
+    app = run_page("inspect_model.py")
+    example = next(s for s in app.selectbox if s.label == "Example").value
+    next(b for b in app.button if b.label == "Take snapshot").click()
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert exported and {run for _, run in exported} == {example}

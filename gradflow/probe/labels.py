@@ -33,7 +33,30 @@ def _kind(loss):
         return "sparse"
     if name == "categoricalcrossentropy":
         return "categorical"
+    if name in _ONE_TO_ONE:
+        return "one_to_one"
     return None
+
+
+# Losses that compare each output with its own target (`mse`, `MeanSquaredError`, ...).
+_ONE_TO_ONE = {
+    name.replace("_", "")
+    for name in (
+        "mse",
+        "mae",
+        "msle",
+        "mape",
+        "mean_squared_error",
+        "mean_absolute_error",
+        "mean_squared_logarithmic_error",
+        "mean_absolute_percentage_error",
+        "huber",
+        "log_cosh",
+        "binary_crossentropy",
+        "binary_focal_crossentropy",
+        "poisson",
+    )
+}
 
 
 def label_problem(model, loss, y):
@@ -55,6 +78,15 @@ def label_problem(model, loss, y):
         return None
     if kind is None or units is None or y.size == 0 or not np.issubdtype(y.dtype, np.number):
         return None
+    if kind == "one_to_one":
+        if units == 1 or (y.ndim >= 2 and y.shape[-1] == units):
+            return None
+        return (
+            f"The labels have shape {y.shape}, one number per example, but this model gives "
+            f"{units} outputs per example, and this loss compares each output with a target "
+            "of its own. For class numbers use sparse categorical crossentropy; for one number "
+            "to predict, a model with one output."
+        )
     if kind == "categorical":
         if y.ndim >= 2 and y.shape[-1] == units:
             return None

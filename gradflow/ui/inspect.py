@@ -35,6 +35,9 @@ _RESULT = "inspect.snapshot"
 # What the last snapshot was taken of, and what the widgets choose now.
 _TAKEN_OF = "inspect.snapshot_of"
 _SHOWN = "inspect.chosen"
+# The model (and batch) the last snapshot shows, named in its exported files:
+# two models' exports were all "Gradient_flow_on_one_batch_kernels.png".
+_SUBJECT = "inspect.subject"
 
 
 def _save_upload(upload, folder):
@@ -221,6 +224,7 @@ def model_source():
             with st.spinner("Computing gradients for one batch…"):
                 st.session_state[_RESULT] = snapshot_of_example(name)
                 st.session_state[_TAKEN_OF] = st.session_state[_SHOWN]
+                st.session_state[_SUBJECT] = name
         return
     model_file = st.file_uploader("Keras model (.keras)", type=["keras"], key="inspect.model_file")
     data_file = st.file_uploader(
@@ -239,6 +243,7 @@ def model_source():
         with st.spinner("Checking the files and computing gradients…"):
             st.session_state[_RESULT] = snapshot_of_upload(model_file, data_file, loss)
             st.session_state[_TAKEN_OF] = st.session_state[_SHOWN]
+            st.session_state[_SUBJECT] = f"{model_file.name} on {data_file.name}"
 
 
 # A snapshot has no training steps: its statistics are filed under step 0.
@@ -265,6 +270,7 @@ def snapshot_report():
     for layer, tensors in shot.no_gradient.items():
         st.warning(no_gradient_message(layer, tensors))
     presentation = st.session_state.get("ui.presentation", False)
+    subject = st.session_state.get(_SUBJECT)
     weights, activations, inputs = st.tabs(
         ["Weight gradients", "Activation gradients", "Input sensitivity"]
     )
@@ -276,6 +282,7 @@ def snapshot_report():
                 shot.weights, step=0, tensor=tensor, when=_ONE_BATCH, presentation=presentation
             ),
             "inspect.weights",
+            run=subject,
         )
         st.dataframe(shot.weights, hide_index=True)
     with activations:
@@ -288,10 +295,13 @@ def snapshot_report():
                 presentation=presentation,
             ),
             "inspect.activations",
+            run=subject,
         )
         st.dataframe(shot.activations, hide_index=True)
     with inputs:
         from gradflow.figures.lessons import sensitivity_bars
 
-        show_chart(sensitivity_bars(shot.inputs, presentation=presentation), "inspect.inputs")
+        show_chart(
+            sensitivity_bars(shot.inputs, presentation=presentation), "inspect.inputs", run=subject
+        )
         st.dataframe(shot.inputs, hide_index=True)

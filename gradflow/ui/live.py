@@ -672,7 +672,9 @@ def _lesson_pack_button(info, cache, key):
     st.download_button(
         "Download lesson pack (.zip)",
         data=build,
-        file_name=f"{export.safe_filename(info['name'])}-lesson.zip",
+        # The run's id after its name, as the CLI's: two runs of one setting
+        # (another seed) gave one file name.
+        file_name=f"{export.file_stem(info['run_id'], info['name'])}_lesson.zip",
         mime="application/zip",
         key=f"{key}.lesson_pack",
         on_click="ignore",
