@@ -753,3 +753,25 @@ def test_live_charts_draw_only_the_trace_types_of_the_served_plotly_bundle():
     used |= {trace.type for trace in no_data_figure("Waiting for the first step").data}
     assert {"heatmap", "scatter", "bar"} <= used  # the builders above draw all three
     assert used <= set(TRACE_TYPES)
+
+
+def test_a_compiled_metrics_panel_says_it_is_an_epochs_running_mean():
+    """Training accuracy jumps at each new epoch (Keras's running mean): on a slide, without
+    the page's caption, the jump read as real."""
+    rows = [dict(step=s, name=n, value=0.5) for s in (1, 2) for n in ("loss", "accuracy")]
+    chart = figures.metrics_chart(pd.DataFrame(rows))
+    titles = [a.text for a in chart.figure.layout.annotations]
+    assert titles[:2] == ["loss", "accuracy (running mean over each epoch)"]
+
+
+@pytest.mark.parametrize("count", [7, 8, 30])
+def test_line_colours_have_no_pale_yellow_on_white(count):
+    """The seventh layer's line was Okabe-Ito yellow, hard to see on a projector."""
+    import plotly.colors
+
+    for colour in figures.style.line_colors(count):
+        red, green, blue = plotly.colors.unlabel_rgb(
+            plotly.colors.convert_colors_to_same_type(colour, "rgb")[0][0]
+        )
+        # Relative luminance (sRGB approximation) well below white's.
+        assert 0.2126 * red + 0.7152 * green + 0.0722 * blue < 200, colour

@@ -285,7 +285,7 @@ def metrics_chart(
         figure=style.new_figure(),
         rows=1,
         cols=len(panels),
-        subplot_titles=[style.escape_label(p) for p in panels],
+        subplot_titles=[style.escape_label(_panel_title(p)) for p in panels],
     )
     for col, panel in enumerate(panels, start=1):
         for name, dash, color in (
@@ -332,3 +332,16 @@ def metrics_chart(
     style.apply_style(figure, presentation)
     style.legend_below(figure)
     return Chart(figure, pd.concat(pieces, ignore_index=True), plain_title, description)
+
+
+# Recorded by the monitor at each step, not Keras's running means.
+_PER_STEP = {"loss", "learning_rate", "global_norm", "global_norm_clipped", "clipped"}
+
+
+def _panel_title(name):
+    """A metric's panel title; a compiled metric's says it is an epoch's running mean.
+
+    On a slide, training accuracy's jump at each new epoch read as a real
+    jump: only the page's caption said why.
+    """
+    return name if name in _PER_STEP else f"{name} (running mean over each epoch)"

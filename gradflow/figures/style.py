@@ -107,10 +107,13 @@ def line_colors(count):
         A list of `count` CSS colour strings.
     """
     if count <= len(OKABE_ITO):
-        return list(OKABE_ITO[:count])
+        # Okabe-Ito's yellow is a line hard to see on white (a projector's
+        # "output" line): its black takes the place.
+        return ["#000000" if c == "#F0E442" else c for c in OKABE_ITO[:count]]
     # Many layers: a sequential scale reads as "depth" (input dark, output
-    # yellow-green), which a cycling palette cannot.
-    positions = [i / (count - 1) for i in range(count)]
+    # green), which a cycling palette cannot; it stops before viridis's pale
+    # yellow end for the same reason.
+    positions = [0.85 * i / (count - 1) for i in range(count)]
     return plotly.colors.sample_colorscale(HEATMAP_COLORSCALE, positions)
 
 
