@@ -1456,3 +1456,31 @@ def test_inspect_exports_name_the_model_they_show(monkeypatch):
     app.run()
     assert not app.exception, [e.value for e in app.exception]
     assert exported and {run for _, run in exported} == {example}
+
+
+def test_a_model_of_two_inputs_is_inspected_from_arrays_named_after_them(tmp_path):
+    """Its upload could not be given: "expects 2 named input(s)" for `x`, "needs arrays named
+    `x` and `y`" for arrays named after the inputs."""
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(2)
+    a, b = keras.Input((3,), name="in_a"), keras.Input((2,), name="in_b")
+    out = keras.layers.Dense(1, name="out")(keras.layers.Concatenate()([a, b]))
+    model = keras.Model([a, b], out)
+    model.compile(loss="mse")
+    model.save(tmp_path / "m.keras")
+    rng = np.random.default_rng(0)
+    data = {"in_a": rng.normal(size=(8, 3)), "in_b": rng.normal(size=(8, 2))}
+    data = {k: v.astype("float32") for k, v in data.items()} | {"y": rng.normal(size=(8, 1))}
+    app = upload_and_snapshot(tmp_path / "m.keras", data)
+    assert not app.error, [e.value for e in app.error]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(data["y"] - model([data["in_a"], data["in_b"]])))
+    kernel = tape.gradient(loss, model.get_layer("out").kernel)
+    weights = app.dataframe[0].value
+    row = weights[weights["variable"].str.endswith("out/kernel")].iloc[0]
+    np.testing.assert_allclose(row["l2_norm"], np.linalg.norm(kernel), rtol=1e-5)
+    # Without them, the page says what to name the arrays.
+    app = upload_and_snapshot(tmp_path / "m.keras", {"x": data["in_a"], "y": data["y"]})
+    assert "needs an array for each, named after the input" in app.error[0].value

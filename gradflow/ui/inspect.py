@@ -78,7 +78,19 @@ def snapshot_of_upload(model_file, data_file, loss):
             return None, f"That file was refused: {_for_the_page(error)}"
     from gradflow.lab.datasets import examples_and_targets
 
-    pair = examples_and_targets(arrays)
+    names = _input_names(model)
+    if len(names) > 1:
+        # A model of several inputs: one array for each, named after it.
+        missing = [name for name in names if name not in arrays]
+        if missing or "y" not in arrays:
+            return None, (
+                f"This model takes {len(names)} inputs ({', '.join(names)}): the .npz file "
+                "needs an array for each, named after the input, and `y`; it has "
+                f"{sorted(arrays)}."
+            )
+        pair = {name: arrays[name] for name in names}, arrays["y"]
+    else:
+        pair = examples_and_targets(arrays)
     if pair is None and "x_train" in arrays and "y_train" in arrays:
         pair = arrays["x_train"], arrays["y_train"]
     if pair is None:
@@ -121,8 +133,18 @@ def _for_the_page(error):
 def _nonfinite_count(x):
     import numpy as np
 
+    if isinstance(x, dict):
+        return sum(_nonfinite_count(part) for part in x.values())
     x = np.asarray(x)
     return int(np.size(x) - np.isfinite(x).sum()) if np.issubdtype(x.dtype, np.number) else 0
+
+
+def _input_names(model):
+    """The names of a model's declared inputs (none for a subclassed model)."""
+    try:
+        return [tensor.name for tensor in model.inputs]
+    except (AttributeError, ValueError, TypeError):
+        return []
 
 
 def _chosen_loss(model, choice):
