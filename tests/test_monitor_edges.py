@@ -121,12 +121,17 @@ class FailingBatches(keras.utils.PyDataset):
         ]
 
 
-def test_an_error_inside_training_keeps_the_recorded_steps_and_closes_the_run(tmp_path):
+def stored_classifier(tmp_path):
+    """Data, a store, a compiled classifier and a monitor storing its runs there."""
     x, y = data()
     store = RunStore(tmp_path / "runs.db")
     model = classifier()
     model.compile("sgd", "sparse_categorical_crossentropy")
-    monitor = GradientMonitor(store=store)
+    return x, y, store, model, GradientMonitor(store=store)
+
+
+def test_an_error_inside_training_keeps_the_recorded_steps_and_closes_the_run(tmp_path):
+    x, y, store, model, monitor = stored_classifier(tmp_path)
     with pytest.raises(Exception, match="the disk went away"):
         model.fit(FailingBatches(x, y, fail_at=3), epochs=1, verbose=0, callbacks=[monitor])
 
@@ -146,11 +151,7 @@ def test_an_error_inside_training_keeps_the_recorded_steps_and_closes_the_run(tm
 
 def test_a_run_early_stopping_ends_says_where_it_ended(tmp_path):
     """A stored run EarlyStopping ended at step 8 of 40 read "step 8 / 40" for ever."""
-    x, y = data()
-    store = RunStore(tmp_path / "runs.db")
-    model = classifier()
-    model.compile("sgd", "sparse_categorical_crossentropy")
-    monitor = GradientMonitor(store=store)
+    x, y, store, model, monitor = stored_classifier(tmp_path)
     # No epoch improves the loss by 1e9: the second epoch ends the fit.
     stopper = keras.callbacks.EarlyStopping(monitor="loss", min_delta=1e9, patience=0)
     model.fit(x, y, batch_size=BATCH, epochs=10, verbose=0, callbacks=[monitor, stopper])
