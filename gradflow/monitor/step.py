@@ -478,13 +478,14 @@ def probed_train_step(plan, original_train_step, probe_every, probe_loss=None):
             return logs
 
         return counted_train_step
-    # What the probe's forward pass may move (a stateful RNN's carried state,
-    # a custom layer's counters) is put back before the model's own step.
-    # Not under tf.distribute, where assigning mirrored variables inside a
-    # replica's step is not allowed.
-    kept = carried_state(model) if plan.replicas == 1 else []
 
     def probe(x, y, sample_weight, upcoming, when):
+        # What the probe's forward pass may move (a stateful RNN's carried
+        # state, a custom layer's counters) is put back before the model's own
+        # step; listed while tracing, when Keras has built the model. Not under
+        # tf.distribute, where assigning mirrored variables inside a replica's
+        # step is not allowed.
+        kept = carried_state(model) if plan.replicas == 1 else []
         saved = [tf.identity(v.value) for v in kept]
         with tf.GradientTape() as tape, _layer_outputs(plan, tape) as outputs:
             # Inference mode: a second training-mode call would update batch
