@@ -21,7 +21,7 @@ def output_units(model):
 
 
 def _kind(loss):
-    """`"sparse"`, `"categorical"` or None: which class-label loss `loss` is."""
+    """`"sparse"`, `"categorical"`, `"one_to_one"` (mse, binary crossentropy, ...) or None."""
     if isinstance(loss, str):
         name = loss
     elif isinstance(loss, keras.losses.Loss):
