@@ -530,7 +530,7 @@ def _check_field(field, value):
             or not (low <= value <= high)
         ):
             raise ValueError(
-                f"`{field.name}` must be {none_hint}an integer from {low} to {high}, "
+                f"`{field.name}` must be {none_hint}an integer {_span(meta)}, "
                 f"got {_described(value)}."
             )
         return int(value)
@@ -542,12 +542,28 @@ def _check_field(field, value):
         or not math.isfinite(value)
         or not (low < value <= high if low_open else low <= value <= high)
     ):
-        lower = f"greater than {low:g}" if low_open else f"at least {low:g}"
         raise ValueError(
-            f"`{field.name}` must be {none_hint}a number {lower} and at most {high:g}, "
-            f"got {_described(value)}."
+            f"`{field.name}` must be {none_hint}a number {_span(meta)}, got {_described(value)}."
         )
     return float(value)
+
+
+def _span(meta):
+    """The range a number setting takes, as its messages say it.
+
+    "from 1 to 100" for an integer; "greater than 0 and at most 1e+06", or
+    "at least 0 and at most 0.9", for a number.
+    """
+    low, high = meta["low"], meta["high"]
+    if meta["kind"] == "int":
+        return f"from {low} to {high}"
+    lower = f"greater than {low:g}" if meta["low_open"] else f"at least {low:g}"
+    return f"{lower} and at most {high:g}"
+
+
+def allowed_range(name):
+    """The range the number setting `name` takes, in its messages' words (`_span`)."""
+    return _span(next(f.metadata for f in dataclasses.fields(RunConfig) if f.name == name))
 
 
 def _check_names(mapping):

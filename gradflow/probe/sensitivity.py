@@ -152,7 +152,7 @@ def _stateful_layers(model):
 
 
 @contextlib.contextmanager
-def restored_state(model, enabled=True):
+def restored_state(model):
     """Put back, after the block, everything a forward pass may change in the model.
 
     See `carried_state`. A stateful RNN whose state the block created (its
@@ -160,11 +160,7 @@ def restored_state(model, enabled=True):
 
     Args:
         model: A Keras model.
-        enabled: Whether to restore. Defaults to `True`.
     """
-    if not enabled:
-        yield
-        return
     saved = [(v, v.numpy()) for v in carried_state(model)]
     stateless = [layer for layer in _stateful_layers(model) if layer.states is None]
     try:

@@ -315,10 +315,7 @@ class RunStore:
         """
         if action not in tables.REQUESTS:
             raise ValueError(f"`action` must be one of {tables.REQUESTS}, got {action!r}.")
-        self._conn().execute(
-            "INSERT INTO requests (run, action, created_at) VALUES (?, ?, ?)",
-            (self._key(run_id), action, time.time()),
-        )
+        self._queue(run_id, action)
 
     def request_pace(self, run_id, pace):
         """Asks the run's worker to train at most `pace` steps a second from now on.
@@ -329,9 +326,12 @@ class RunStore:
         """
         if pace is not None:
             pace = positive_number("pace", pace, unit="of steps a second")
+        self._queue(run_id, tables.pace_request(pace))
+
+    def _queue(self, run_id, action):
         self._conn().execute(
             "INSERT INTO requests (run, action, created_at) VALUES (?, ?, ?)",
-            (self._key(run_id), tables.pace_request(pace), time.time()),
+            (self._key(run_id), action, time.time()),
         )
 
     def pending_request(self, run_id, consume=True):

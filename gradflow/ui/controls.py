@@ -69,7 +69,6 @@ _MORE = [
 ]
 
 _FIELD_NAMES = {f.name for f in dataclasses.fields(RunConfig)}
-_FIELD_META = {f.name: f.metadata for f in dataclasses.fields(RunConfig)}
 WIDGETS = [spec for spec in _MAIN + _MORE if spec[0] in _FIELD_NAMES]
 
 
@@ -221,20 +220,8 @@ def _render(container, prefix, field, label, kind, options):
 
 def _empty_box(field):
     """The error for a number box left empty, with the range it takes."""
-    meta = _FIELD_META[field]
     label = next(label for name, label, *_ in WIDGETS if name == field)
-    # Written as RunConfig's own range messages write them.
-    low, high = (
-        (str(int(meta["low"])), str(int(meta["high"])))
-        if meta["kind"] == "int"
-        else (f"{meta['low']:g}", f"{meta['high']:g}")
-    )
-    span = (
-        f"greater than {low} and at most {high}"
-        if meta.get("low_open")
-        else f"from {low} to {high}"
-    )
-    return ValueError(f"**{label}** is empty: enter a number {span}.")
+    return ValueError(f"**{label}** is empty: enter a number {lab_config.allowed_range(field)}.")
 
 
 def _in_words(message):

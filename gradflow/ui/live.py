@@ -194,7 +194,7 @@ def control_buttons(config, run_id, status):
     paused = status == "paused"
     # A run this page did not start (a shared link, a run from another tab)
     # is watched: a student's Pause paused the teacher's demo for everyone.
-    watched = status in ACTIVE and run_id not in st.session_state.get(_STARTED, ())
+    watched = status in ACTIVE and not _started_here(run_id)
     if pause.button(
         "Resume" if paused else "Pause",
         disabled=status not in ("running", "paused") or watched,
@@ -232,6 +232,11 @@ def control_buttons(config, run_id, status):
         )
 
 
+def _started_here(run_id):
+    """Whether this browser session started the run, or took control of it."""
+    return run_id in st.session_state.get(_STARTED, ())
+
+
 def _follow_speed_limit(config, run_id, status):
     """Send a Speed limit moved during the page's own run to that run.
 
@@ -244,7 +249,7 @@ def _follow_speed_limit(config, run_id, status):
     st.session_state[_PACE_SHOWN] = config.pace
     if config.pace == before or status not in ACTIVE:
         return
-    if run_id not in st.session_state.get(_STARTED, ()):
+    if not _started_here(run_id):
         st.toast("The new **Speed limit** is for the runs you start: this one is watched here.")
         return
     resources.run_store().request_pace(run_id, config.pace)
@@ -271,7 +276,7 @@ def _stop_the_run_this_page_started():
     (a shared link) is someone else's and trains on.
     """
     previous = st.session_state.get(_CURRENT)
-    if previous is None or previous not in st.session_state.get(_STARTED, ()):
+    if previous is None or not _started_here(previous):
         return
     store = resources.run_store()
     try:
