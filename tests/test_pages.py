@@ -817,7 +817,9 @@ def test_the_live_page_is_one_fragment_last_and_alone_in_its_block(page_environm
     messages = full_run_messages(monkeypatch)
     run_id = RunStore(page_environment).create_run({"depth": 3}, name="polled", status="completed")
     app = run_page("live_training.py", run=run_id)
-    assert any("Warming up the trainer" in c.value for c in app.caption)
+    assert any("Warming up the trainer for the next run" in c.value for c in app.caption), (
+        "under a finished run the spare is the next start's"
+    )
     fragment_ids = {m.delta.fragment_id for m in messages if m.WhichOneof("type") == "delta"} - {""}
     assert len(fragment_ids) == 1, "buttons, readiness line and panel are one fragment"
     from gradflow.ui import live

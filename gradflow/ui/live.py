@@ -317,7 +317,11 @@ def _trainer_readiness(status=None):
         # one takes the next run, warm (the queue line says so), or a run
         # has just taken the spare and the next one starts after its first step.
         return None
-    st.caption(":material/hourglass_top: Warming up the trainer (loading TensorFlow)…")
+    # Under a finished run the spare is for the next start, not for the run
+    # on the page, which reads as if it were still loading.
+    ended = status is not None and status not in ACTIVE
+    for_whom = " for the next run" if ended else ""
+    st.caption(f":material/hourglass_top: Warming up the trainer{for_whom} (loading TensorFlow)…")
     if not polls:
         return None  # the run's own ticks redraw the line
     if board is not None:
