@@ -1058,3 +1058,61 @@ def test_a_layer_called_more_often_than_there_are_rows_keeps_every_layer():
     head = outputs.set_index("layer").loc["head"]
     np.testing.assert_allclose(head["l2_norm"], np.linalg.norm(expected), rtol=1e-5)
     np.testing.assert_allclose(head["max_abs"], np.abs(expected).max(), rtol=1e-5)
+
+
+class Unbuilt(keras.Model):
+    """Subclassed, no `build`: Keras builds it inside the traced step by running
+    `call` on placeholders in a scratch graph (`Layer._maybe_build`)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(6, activation="relu", name="hidden")
+        self.out = keras.layers.Dense(CLASSES, name="out")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def test_an_unbuilt_model_with_a_short_last_batch_keeps_its_real_layer_calls():
+    """The scratch graph's layer calls were recorded as the pass's own.
+
+    With activations on, `fit` then ended in `InaccessibleTensorError` on the
+    short last batch's trace (found by an audit: 250 samples at 32 a batch).
+    """
+    x, y = data()
+    x, y = np.concatenate([x, x[:3]]), np.concatenate([y, y[:3]])  # a last batch of 3
+    keras.utils.set_random_seed(0)
+    model = compile_for_logits(Unbuilt())
+    first = {}
+
+    class Before(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == len(x) // BATCH:  # the short last batch
+                first["weights"] = [v.numpy() for v in self.model.trainable_variables]
+
+    monitor = GradientMonitor(activations=True)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[Before(), monitor])
+
+    last = monitor.history.query(f"step == {len(x) // BATCH + 1}")
+    activations = last[last["tensor"] == schema.ACTIVATION]
+    assert activations["layer"].tolist() == ["hidden", "out"], (
+        "no `hidden#2` from the scratch graph"
+    )
+    reference = Unbuilt()
+    reference(x[:1])
+    for variable, value in zip(reference.trainable_variables, first["weights"], strict=True):
+        variable.assign(value)
+    xb, yb = x[-3:], y[-3:]
+    with tf.GradientTape() as tape:
+        hidden = reference.hidden(xb)
+        tape.watch(hidden)
+        logits = reference.out(hidden)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(yb, logits)
+    kernel, _, _, _, d_hidden = tape.gradient(loss, [*reference.trainable_variables, hidden])
+    recorded = last.set_index(["layer", "tensor"])
+    np.testing.assert_allclose(
+        recorded.loc[("hidden", "kernel"), "l2_norm"], np.linalg.norm(kernel), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        recorded.loc[("hidden", schema.ACTIVATION), "l2_norm"], np.linalg.norm(d_hidden), rtol=1e-5
+    )

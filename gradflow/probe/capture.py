@@ -12,6 +12,7 @@ the same tape (eager) or the same trace (`tf.function`).
 import contextlib
 
 import keras
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
 from gradflow.schema import ACTIVATION  # noqa: F401  (re-exported vocabulary)
 
@@ -230,6 +231,12 @@ def record_layer_outputs(model, layers=None, watch=None):
 
             def recording_call(*args, _path=path, _layer=layer, _original=original, **kwargs):
                 result = _original(*args, **kwargs)
+                if in_symbolic_scope():
+                    # Keras building an unbuilt model by running its `call`
+                    # on placeholders in a scratch graph (`Layer._maybe_build`),
+                    # inside the real pass: not a call of that pass, and its
+                    # tensors cannot be used outside the scratch graph.
+                    return result
                 if watch is not None:
                     for tensor in keras.tree.flatten(result):
                         if _is_float(tensor):
