@@ -12,11 +12,14 @@ rows). Rows with `tensor == "activation"` are gradients w.r.t. the layer's
 output (dLoss/d output) and are used only by the rules that say so.
 
 A condition that holds for many steps in a row is reported once, at the first
-step of each such streak, so a long run does not drown the reader in alerts. A
-recorded step where a rule cannot judge a layer (its norm is NaN, the last
-layer has no gradient to compare with) ends the streak: so each step's events
-depend on a few recorded steps before it only, and `diagnose_new` can follow a
-growing run by reading its newest steps.
+step of each such streak, and a layer's alert of one kind comes again only
+once the condition has been clear for `Thresholds.repeat_after` recorded steps:
+a value hovering around a threshold would otherwise start a new alert at every
+crossing, and a long run would drown the reader in them. A recorded step where
+a rule cannot judge a layer (its norm is NaN, the last layer has no gradient
+to compare with) counts as clear: so each step's events depend on a few
+recorded steps before it only, and `diagnose_new` can follow a growing run by
+reading its newest steps.
 
 Example:
 
@@ -52,7 +55,9 @@ class Thresholds:
         exploding_norm: A layer's gradient norm above this is exploding.
             Defaults to 1e3.
         exploding_growth: Exploding also when a layer's norm grew by more than
-            this factor within `growth_window` steps. Defaults to 100.
+            this factor within `growth_window` steps, at two recorded steps
+            in a row (one large batch among small ones is not a trend).
+            Defaults to 100.
         growth_window: The number of steps `exploding_growth` looks back.
             Defaults to 10.
         dead_relu_fraction: A layer whose bias gradient has more than this
@@ -70,7 +75,14 @@ class Thresholds:
             their limits, where their slope is almost 0. Needs activation
             rows, and compares layers next to each other in `layer_index`
             order, so it speaks of plain stacks (a residual branch that
-            skips a layer is not followed). Defaults to 1e-2.
+            skips a layer is not followed). Not for the last layer: under
+            cross-entropy the gradient at a softmax's or sigmoid's output
+            stays near 1/p while the one at its logits goes to 0 as the
+            model gets its samples right, which is learning, not saturation.
+            Defaults to 1e-2.
+        repeat_after: A layer's alert of one kind is given again only after
+            its condition was clear for this many recorded steps. Defaults
+            to 50.
     """
 
     vanishing_norm: float = 1e-7
@@ -81,6 +93,7 @@ class Thresholds:
     dead_relu_fraction: float = 0.5
     dead_activation_fraction: float = 0.9
     saturation_ratio: float = 1e-2
+    repeat_after: int = 50
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -95,10 +108,36 @@ class Thresholds:
                 raise ValueError(
                     f"`{name}` is a share of entries and must be below 1, got {getattr(self, name)!r}."
                 )
-        if int(self.growth_window) != self.growth_window:
-            raise ValueError(
-                f"`growth_window` must be a whole number of steps, got {self.growth_window!r}."
-            )
+        for name in ("growth_window", "repeat_after"):
+            if int(getattr(self, name)) != getattr(self, name):
+                raise ValueError(
+                    f"`{name}` must be a whole number of steps, got {getattr(self, name)!r}."
+                )
+
+
+def run_thresholds(config):
+    """The `Thresholds` of a run's alerts: those its monitor was given, or the defaults.
+
+    A `GradientMonitor(rules=...)` keeps its thresholds in the run's config
+    (`alert_rules`), so that the dashboard and the exports, which run the
+    rules again on the stored statistics, say what the monitor said.
+
+    Args:
+        config: The run's config dict (`RunStore.run_info(run_id)["config"]`),
+            or None.
+
+    Returns:
+        A `Thresholds`; the defaults where the config holds none, or holds
+        values `Thresholds` refuses (a store written by other code).
+    """
+    given = (config or {}).get("alert_rules") if isinstance(config, dict) else None
+    if not isinstance(given, dict):
+        return Thresholds()
+    names = {field.name for field in dataclasses.fields(Thresholds)}
+    try:
+        return Thresholds(**{k: v for k, v in given.items() if k in names})
+    except (TypeError, ValueError):
+        return Thresholds()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +252,7 @@ def _layer_norms(table):
     """Per step and layer: the L2 norm of all weight gradients together."""
     weights = table[table["tensor"] != schema.ACTIVATION]
     if weights.empty or "l2_norm" not in weights.columns:
-        return pd.DataFrame(columns=["step", "layer", "layer_index", "norm"])
+        return pd.DataFrame(columns=["step", "layer", "layer_index", "norm", "_has_bias"])
     # float64: a float32 norm above 1.8e19 would overflow its own square.
     squares = pd.to_numeric(weights["l2_norm"], errors="coerce").astype("float64") ** 2
     broken = squares.isna()
@@ -222,9 +261,9 @@ def _layer_norms(table):
     else:
         broken |= ~np.isfinite(squares)
     norms = (
-        weights.assign(_square=squares, _broken=broken)
+        weights.assign(_square=squares, _broken=broken, _has_bias=weights["tensor"] == "bias")
         .groupby(["step", "layer", "layer_index"], as_index=False, sort=True, observed=True)
-        .agg(_square=("_square", "sum"), _broken=("_broken", "any"))
+        .agg(_square=("_square", "sum"), _broken=("_broken", "any"), _has_bias=("_has_bias", "any"))
     )
     norms["norm"] = np.sqrt(norms.pop("_square"))
     # A norm of +inf over entries that are all finite is beyond float32
@@ -234,10 +273,22 @@ def _layer_norms(table):
     return norms[keep].reset_index(drop=True)
 
 
-def _norm_text(norm):
+def _beside(value, limit):
+    """`value` in the `1.0e-07` style, with digits enough not to read as `limit`.
+
+    "gradient norm 1.0e-07 ... is below 1e-07" read as a contradiction.
+    """
+    for digits in range(1, 7):
+        text = f"{value:.{digits}e}"
+        if float(text) != limit:
+            return text
+    return text
+
+
+def _norm_text(norm, limit):
     if norm == np.inf:  # every entry finite, the sum of their squares not
         return "beyond float32's range (above 3.4e+38)"
-    return f"{norm:.1e}"
+    return _beside(norm, limit)
 
 
 def _onsets(flagged, keys=("layer",)):
@@ -248,31 +299,39 @@ def _onsets(flagged, keys=("layer",)):
     return flagged[flagged["_streak_start"]]
 
 
-def _mark_streaks(frame, condition, steps, keys=("layer",)):
-    """Rows where `condition` holds and did not hold at the previous recorded step.
+def _mark_streaks(frame, condition, steps, quiet, keys=("layer",)):
+    """Rows where `condition` holds, marking those that start a streak.
 
-    `steps` are the table's recorded steps (sorted, unique). A step where a
-    rule could not judge a layer (no finite norm, a last layer with no
-    gradient to compare with) ends its streak: so what a step reports
-    depends on the few recorded steps before it only, and a look at a
-    run's newest steps finds what a look at the whole run does there
-    (`diagnose_new`).
+    A row starts a streak when the condition held for its key at none of
+    the `quiet` recorded steps before it (`Thresholds.repeat_after`; 1:
+    not at the previous one). `steps` are the table's recorded steps
+    (sorted, unique). A step where a rule could not judge a layer (no
+    finite norm, a last layer with no gradient to compare with) counts as
+    clear: so what a step reports depends on the recorded steps `quiet`
+    back only, and a look at a run's newest steps finds what a look at the
+    whole run does there (`diagnose_new`).
     """
     frame = frame.assign(_flag=condition.to_numpy()).sort_values(list(keys) + ["step"])
-    groups = frame.groupby(list(keys), observed=True)
-    flagged_before = groups["_flag"].shift(1, fill_value=False).astype(bool)
-    step = frame["step"].to_numpy()
-    position = np.searchsorted(steps, step)
-    # NaN before the first step: equal to no step.
-    recorded_before = np.where(position > 0, steps[np.maximum(position - 1, 0)], np.nan)
-    continues = flagged_before.to_numpy() & (groups["step"].shift(1).to_numpy() == recorded_before)
-    frame["_streak_start"] = frame["_flag"].to_numpy() & ~continues
+    position = np.searchsorted(steps, frame["step"].to_numpy()).astype("float64")
+    # The position of the key's latest flagged recorded step before each row.
+    flagged_at = pd.Series(np.where(frame["_flag"].to_numpy(), position, np.nan), index=frame.index)
+    key = [frame[k] for k in keys]
+    latest_before = flagged_at.groupby(key, observed=True).shift(1)
+    latest_before = latest_before.groupby(key, observed=True).ffill().to_numpy()
+    recent = position - latest_before <= quiet  # False where none (NaN)
+    frame["_streak_start"] = frame["_flag"].to_numpy() & ~recent
     return frame[frame["_flag"]]
 
 
 def _vanishing(norms, thresholds, steps):
     events = []
-    low = _mark_streaks(norms, norms["norm"] < thresholds.vanishing_norm, steps)
+    # A norm of exactly 0 with a bias row is every unit passing nothing back:
+    # the dead-unit rule says so (its bias gradient is all zeros), in words
+    # that fit; "vanishing, barely learns" beside it told the same twice.
+    dead = (norms["norm"] == 0) & norms["_has_bias"]
+    low = _mark_streaks(
+        norms, (norms["norm"] < thresholds.vanishing_norm) & ~dead, steps, thresholds.repeat_after
+    )
     for row in _onsets(low).itertuples():
         events.append(
             (
@@ -280,7 +339,8 @@ def _vanishing(norms, thresholds, steps):
                 row.layer,
                 "vanishing",
                 (
-                    f"Layer {row.layer}: gradient norm {row.norm:.1e} at step {row.step} is below "
+                    f"Layer {row.layer}: gradient norm {_beside(row.norm, thresholds.vanishing_norm)} "
+                    f"at step {row.step} is below "
                     f"{thresholds.vanishing_norm:.0e} — gradients are vanishing, so this layer "
                     "barely learns."
                 ),
@@ -297,14 +357,17 @@ def _vanishing(norms, thresholds, steps):
             "norm": first["norm"],
             "last_layer": last["layer"],
             "last_norm": last["norm"],
+            "_dead": (first["norm"] == 0) & first["_has_bias"],
         }
     ).reset_index()
     ratios = ratios[(first["layer_index"] != last["layer_index"]).to_numpy()]
-    ratios = ratios[ratios["last_norm"] > 0]
+    ratios = ratios[(ratios["last_norm"] > 0) & ~ratios["_dead"]]
     if ratios.empty:
         return events
     ratios["ratio"] = ratios["norm"] / ratios["last_norm"]
-    small = _mark_streaks(ratios, ratios["ratio"] < thresholds.vanishing_ratio, steps)
+    small = _mark_streaks(
+        ratios, ratios["ratio"] < thresholds.vanishing_ratio, steps, thresholds.repeat_after
+    )
     for row in _onsets(small).itertuples():
         events.append(
             (
@@ -326,7 +389,9 @@ def _exploding(norms, thresholds, steps):
     events = []
     if norms.empty:
         return events
-    high = _mark_streaks(norms, norms["norm"] > thresholds.exploding_norm, steps)
+    high = _mark_streaks(
+        norms, norms["norm"] > thresholds.exploding_norm, steps, thresholds.repeat_after
+    )
     for row in _onsets(high).itertuples():
         events.append(
             (
@@ -334,7 +399,8 @@ def _exploding(norms, thresholds, steps):
                 row.layer,
                 "exploding",
                 (
-                    f"Layer {row.layer}: gradient norm {_norm_text(row.norm)} at step {row.step} "
+                    f"Layer {row.layer}: gradient norm {_norm_text(row.norm, thresholds.exploding_norm)} "
+                    f"at step {row.step} "
                     f"is above {thresholds.exploding_norm:.0e} — gradients are exploding; try a "
                     "smaller learning rate or gradient clipping."
                 ),
@@ -346,15 +412,27 @@ def _exploding(norms, thresholds, steps):
     position = np.searchsorted(steps, norms["step"].to_numpy() - window, side="right")
     then = np.where(position > 0, steps[np.maximum(position - 1, 0)], -1)
     earlier = norms[["layer", "step", "norm"]].rename(
-        columns={"step": "_then", "norm": "then_norm"}
+        columns={"step": "then_step", "norm": "then_norm"}
     )
-    grown = norms.assign(_then=then).merge(earlier, on=["layer", "_then"], how="inner")
+    grown = norms.assign(then_step=then).merge(earlier, on=["layer", "then_step"], how="inner")
     # Growth needs two finite norms; one beyond float32's range is reported above.
     grown = grown[(grown["then_norm"] > 0) & np.isfinite(grown["then_norm"] * grown["norm"])]
     if grown.empty:
         return events
     grown = grown.assign(factor=grown["norm"] / grown["then_norm"])
-    fast = _mark_streaks(grown, grown["factor"] > thresholds.exploding_growth, steps)
+    # One large batch among small ones grows the norm as much for one step:
+    # a trend holds at the next recorded step too.
+    grown = grown.sort_values(["layer", "step"])
+    up = grown["factor"] > thresholds.exploding_growth
+    position = np.searchsorted(steps, grown["step"].to_numpy())
+    by_layer = grown.groupby("layer", observed=True)
+    up_before = up.groupby(grown["layer"], observed=True).shift(1, fill_value=False).astype(bool)
+    previous = np.searchsorted(steps, by_layer["step"].shift(1).fillna(-1).to_numpy())
+    grown = grown.assign(
+        step_before=by_layer["step"].shift(1), factor_before=by_layer["factor"].shift(1)
+    )
+    confirmed = up & up_before & (previous == position - 1)
+    fast = _mark_streaks(grown, confirmed, steps, thresholds.repeat_after)
     for row in _onsets(fast).itertuples():
         events.append(
             (
@@ -362,10 +440,11 @@ def _exploding(norms, thresholds, steps):
                 row.layer,
                 "exploding",
                 (
-                    f"Layer {row.layer}: gradient norm grew {row.factor:.1e}-fold within "
-                    f"{window} steps (from {row.then_norm:.1e} to {row.norm:.1e} at step "
-                    f"{row.step}), more than {thresholds.exploding_growth:g}x — gradients are "
-                    "starting to explode."
+                    f"Layer {row.layer}: gradient norm {row.norm:.1e} at step {row.step} is "
+                    f"{row.factor:.1e} times its {row.then_norm:.1e} at step {row.then_step}, and at "
+                    f"step {row.step_before:.0f} it was {row.factor_before:.1e} times up already: "
+                    f"more than {thresholds.exploding_growth:g}x at two recorded steps in a "
+                    "row — gradients are starting to explode."
                 ),
             )
         )
@@ -386,7 +465,7 @@ def _dead_relu(table, thresholds, steps):
         if rows.empty:
             continue
         rows = rows.drop_duplicates(["step", "layer"])
-        zeros = _mark_streaks(rows, rows["share"] > limit, steps)
+        zeros = _mark_streaks(rows, rows["share"] > limit, steps, thresholds.repeat_after)
         for row in _onsets(zeros).itertuples():
             events.append(
                 (
@@ -416,7 +495,12 @@ def _saturation(table, norms, thresholds, steps):
         return []
     # Pair each output gradient with the one of the next layer up: dLoss/d(output
     # of the layer below) is dLoss/d(input of the layer above).
-    above = outputs.groupby("step", observed=True).shift(-1)
+    by_step = outputs.groupby("step", observed=True)
+    above = by_step.shift(-1)
+    # The last layer's output gradient is the loss's own: under cross-entropy
+    # it stays near 1/p at a softmax while the one at its logits goes to 0
+    # as the model learns (Thresholds.saturation_ratio).
+    top = by_step["layer_index"].transform("max")
     frame = pd.DataFrame(
         {
             "step": outputs["step"],
@@ -424,7 +508,7 @@ def _saturation(table, norms, thresholds, steps):
             "in_size": outputs["size"],
             "out_size": above["size"],
         }
-    ).dropna(subset=["layer"])
+    )[(above["layer_index"] != top).to_numpy()].dropna(subset=["layer"])
     # An input gradient of exactly 0 is units that pass nothing back at all
     # (dead ReLUs, or a sigmoid past float32's reach): the dead-unit rule
     # reports those, from the share of zero entries. A non-finite one is
@@ -437,7 +521,9 @@ def _saturation(table, norms, thresholds, steps):
     frame = frame.assign(ratio=frame["in_size"] / frame["out_size"])
     if frame.empty:
         return []
-    shrunk = _mark_streaks(frame, frame["ratio"] < thresholds.saturation_ratio, steps)
+    shrunk = _mark_streaks(
+        frame, frame["ratio"] < thresholds.saturation_ratio, steps, thresholds.repeat_after
+    )
     return [
         (
             row.step,
@@ -548,23 +634,24 @@ def diagnose(layer_stats, thresholds=None):
     return result.sort_values("step", kind="stable").reset_index(drop=True)
 
 
-def context_start(steps, window):
+def context_start(steps, window, quiet=1):
     """The first of the recorded `steps` a diagnosis of later steps must see.
 
-    The rules compare a step with the recorded step before it (a streak is
-    reported at its first step) and with the latest one at least `window`
-    steps back (`Thresholds.growth_window`), and the step before it with
-    its own: so the two newest steps, and the steps each looks back to.
+    A new step starts an alert unless its condition held at one of the
+    `quiet` recorded steps before it (`Thresholds.repeat_after`); the
+    growth rule's condition at a step compares it with the latest step at
+    least `window` steps back (`Thresholds.growth_window`) and needs it at
+    the recorded step before too. So: the `quiet + 1` newest steps, and the
+    steps the oldest of them looks back to.
 
     Args:
         steps: The steps diagnosed already (an array, not empty; in any
             order, repeated or not: a table's `step` column will do).
         window: `Thresholds.growth_window`.
+        quiet: `Thresholds.repeat_after`. Defaults to 1.
     """
-    steps = np.asarray(steps)
-    newest = steps.max()
-    lower = steps[steps < newest]
-    before = lower.max() if lower.size else newest
+    steps = np.unique(np.asarray(steps))
+    before = steps[max(0, len(steps) - 1 - int(quiet))]
     reach = steps[steps <= before - window]
     return reach.max() if reach.size else steps.min()
 
@@ -601,14 +688,14 @@ def diagnose_new(layer_stats, after_step, thresholds=None):
             f"got {type(after_step).__name__} {after_step!r}."
         )
     table = _table(layer_stats)
-    window = (thresholds or Thresholds()).growth_window
+    rules = thresholds or Thresholds()
     step = table["step"].to_numpy()
     old = step <= after_step
     seen_nonfinite = False
     if old.all():
         table = table.iloc[:0]
     elif old.any():
-        start = context_start(step[old], window)
+        start = context_start(step[old], rules.growth_window, rules.repeat_after)
         # Only the first non-finite step is reported: not a later one when
         # an earlier step, left out of the context, had one.
         seen_nonfinite = bool((_nonfinite_mask(table).to_numpy() & (step < start)).any())

@@ -32,7 +32,7 @@ import pandas as pd
 import plotly.io
 
 from gradflow import figures, schema
-from gradflow.diagnosis import diagnose
+from gradflow.diagnosis import diagnose, run_thresholds
 from gradflow.figures import style
 from gradflow.image_renderer import ImageRenderer
 
@@ -457,23 +457,29 @@ def _alerts_readme(alerts):
     return [*lines, ""]
 
 
-def run_alerts(layer_stats, events):
+def run_alerts(layer_stats, events, thresholds=None):
     """A run's stored events and what the diagnosis rules find in its statistics.
 
     Example:
 
     ```python
-    alerts = run_alerts(store.layer_stats(run_id), store.events(run_id))
+    info = store.run_info(run_id)
+    alerts = run_alerts(
+        store.layer_stats(run_id), store.events(run_id), run_thresholds(info["config"])
+    )
     ```
 
     Args:
         layer_stats: tidy layer-statistics DataFrame.
         events: the run's stored events (`RunStore.events`).
+        thresholds: the rules' `Thresholds` (the run's own:
+            `gradflow.diagnosis.run_thresholds`), or None (default) for the
+            defaults.
 
     Returns:
         One events DataFrame (`step, layer, kind, message`), possibly empty.
     """
-    return _alerts_in_order(merge_alerts(events, diagnose(layer_stats)))
+    return _alerts_in_order(merge_alerts(events, diagnose(layer_stats, thresholds)))
 
 
 def merge_alerts(stored, found):
@@ -669,7 +675,9 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
                     charts,
                     info.get("config"),
                     title,
-                    alerts=run_alerts(layer_stats, store.events(run_id)),
+                    alerts=run_alerts(
+                        layer_stats, store.events(run_id), run_thresholds(info.get("config"))
+                    ),
                     run_info=info,
                 ),
             )

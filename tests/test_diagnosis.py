@@ -68,8 +68,41 @@ RULE_CASES = [
             (3, "d", 0, "kernel", 1.0),
             (4, "d", 0, "kernel", 1e-9),
         ),
-        None,
+        Thresholds(repeat_after=1),
         [(1, "d", "vanishing"), (4, "d", "vanishing")],
+    ),
+    (
+        # A norm hovering around the floor: one alert, not one per crossing.
+        "vanishing_again_only_after_repeat_after_clear_steps",
+        rows(
+            *[(s, "d", 0, "kernel", 1e-9 if s in (1, 3, 6) else 1.0) for s in range(1, 7)],
+        ),
+        Thresholds(repeat_after=2),
+        [(1, "d", "vanishing"), (6, "d", "vanishing")],
+    ),
+    (
+        "hovering_by_default_is_one_alert",
+        rows(*[(s, "d", 0, "kernel", 1e-9 if s % 3 else 1.0) for s in range(1, 40)]),
+        None,
+        [(1, "d", "vanishing")],
+    ),
+    (
+        # Every unit of a layer with a bias passes nothing back: the dead-unit
+        # rule's, not "vanishing" too.
+        "a_dead_layer_is_dead_not_vanishing",
+        rows(
+            (1, "dead", 0, "kernel", 0.0, {"zero_fraction": 1.0}),
+            (1, "dead", 0, "bias", 0.0, {"zero_fraction": 1.0}),
+            (1, "head", 1, "kernel", 0.5),
+        ),
+        None,
+        [(1, "dead", "dead_relu")],
+    ),
+    (
+        "a_zero_norm_without_a_bias_is_vanishing",
+        rows((1, "d", 0, "kernel", 0.0, {"zero_fraction": 1.0})),
+        None,
+        [(1, "d", "vanishing")],
     ),
     (
         "vanishing_ratio_first_to_last",
@@ -103,9 +136,22 @@ RULE_CASES = [
                 for s in (1, 2)
             ],
             *[(s, "c", 2, "activation", 1.0, {"mean_abs": 1e-3}) for s in (1, 2)],
+            *[(s, "head", 3, "activation", 1.0, {"mean_abs": 1e-3}) for s in (1, 2)],
         ),
         None,
         [(1, "b", "saturation"), (2, "c", "saturation")],
+    ),
+    (
+        # Under cross-entropy a confident softmax's output gradient stays near
+        # 1/p while its logits' goes to 0: learning, not saturation.
+        "no_saturation_of_the_last_layer",
+        rows(
+            (1, "hidden", 0, "activation", 1.0, {"mean_abs": 1e-6}),
+            (1, "softmax", 1, "activation", 1.0, {"mean_abs": 1e-1}),
+            (1, "softmax", 1, "kernel", 1e-2),
+        ),
+        None,
+        [],
     ),
     (
         "layer_norm_combines_kernel_and_bias",
@@ -124,8 +170,15 @@ RULE_CASES = [
         "exploding_growth_within_window",
         rows(*[(s, "d", 0, "kernel", 0.01 * 2.0**s) for s in range(1, 13)]),
         Thresholds(growth_window=8, exploding_growth=200.0),
-        # 2**8 = 256 > 200 from step 9 on (compared with step 1).
-        [(9, "d", "exploding")],
+        # 2**8 = 256 > 200 from step 9 on (compared with step 1), and again
+        # at step 10: a trend.
+        [(10, "d", "exploding")],
+    ),
+    (
+        "growth_of_one_batch_is_not_a_trend",
+        rows(*[(s, "d", 0, "kernel", 2.0 if s == 8 else 0.01) for s in range(1, 13)]),
+        Thresholds(growth_window=5),
+        [],
     ),
     (
         "growth_not_reached",
@@ -318,17 +371,22 @@ def test_an_infinite_output_gradient_is_no_saturation():
     assert events["layer"].tolist() == ["b"]
 
 
-def test_a_step_the_rules_cannot_judge_ends_a_streak():
-    # Step 4's norm is NaN: whether it vanished there is unknown, so the
+def test_a_step_the_rules_cannot_judge_counts_as_clear():
+    # Step 4's norm is NaN: whether it vanished there is unknown, so it
+    # counts as a clear step. With alerts repeated after one clear step the
     # vanishing from step 5 on is a streak of its own. (Carrying the streak
     # across it made a step's events depend on steps arbitrarily far back,
     # and a look at a run's newest steps report what a whole look did not.)
     norms = [1e-9, 1e-9, 1e-9, NAN, 1e-9, 1e-9]
     table = rows(*[(step, "a", 0, "kernel", norm) for step, norm in enumerate(norms, 1)])
-    events = diagnose(table)
+    events = diagnose(table, Thresholds(repeat_after=1))
     assert events.query("kind == 'vanishing'")["step"].tolist() == [1, 5]
+    # By default one clear step is too few to say it again.
+    assert diagnose(table).query("kind == 'vanishing'")["step"].tolist() == [1]
     assert events.query("kind == 'nonfinite'")["step"].tolist() == [4]
-    assert diagnose_new(table, 4).equals(events.query("step > 4").reset_index(drop=True))
+    once = Thresholds(repeat_after=1)
+    assert diagnose_new(table, 4, once).equals(events.query("step > 4").reset_index(drop=True))
+    assert diagnose_new(table, 4).empty
 
 
 # Values near every rule's threshold: vanishing, exploding growth, dead and
@@ -345,9 +403,10 @@ _NORMS = [0.0, 1e-9, 1e-3, 0.5, 1.0, 2.0, 50.0, 2e3, NAN, INF]
     norms=st.lists(st.sampled_from(_NORMS), min_size=40, max_size=120),
     zero_fractions=st.lists(st.sampled_from([0.0, 0.5, 0.99, 1.0]), min_size=7),
     window=st.integers(1, 6),
+    quiet=st.integers(1, 6),
 )
 def test_diagnosing_the_new_steps_finds_what_the_whole_table_shows_there(
-    steps, cut, norms, zero_fractions, window
+    steps, cut, norms, zero_fractions, window, quiet
 ):
     """`diagnose_new`, which reads the new steps and a few before them, against `diagnose`."""
     records = []
@@ -358,7 +417,9 @@ def test_diagnosing_the_new_steps_finds_what_the_whole_table_shows_there(
                 extra = {"zero_fraction": zero_fractions[n % len(zero_fractions)]}
                 records.append((step, layer, j, tensor, norms[n % len(norms)], extra))
     table = rows(*records)
-    rules = Thresholds(exploding_growth=3.0, growth_window=window, vanishing_ratio=0.1)
+    rules = Thresholds(
+        exploding_growth=3.0, growth_window=window, vanishing_ratio=0.1, repeat_after=quiet
+    )
     # Every split, from nothing diagnosed yet to everything.
     after = [0, *steps][int(cut * len(steps))]
     new = diagnose_new(table, after, rules)

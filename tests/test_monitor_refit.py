@@ -473,7 +473,7 @@ def test_one_monitor_given_to_several_fits_halts_each_at_its_own_nan():
 
 # Rules that fire and stop often on this small model, so that streaks and
 # growth windows straddle the fits.
-FLICKERING_RULES = dict(exploding_growth=1.02, growth_window=2, vanishing_ratio=1.0)
+FLICKERING_RULES = dict(exploding_growth=1.02, growth_window=2, vanishing_ratio=1.0, repeat_after=1)
 
 
 def found_events(events):
@@ -523,9 +523,10 @@ def test_a_monitor_given_to_several_fits_diagnoses_only_what_each_fit_added(monk
     split=st.floats(0.0, 1.0),
     norms=st.lists(st.sampled_from([0.0, 1e-9, 1e-3, 0.5, 1.0, 2.0, 50.0, 2e3]), min_size=60),
     window=st.integers(1, 6),
+    quiet=st.integers(1, 6),
 )
 def test_the_steps_a_later_diagnosis_rereads_give_the_whole_historys_events(
-    steps, split, norms, window
+    steps, split, norms, window, quiet
 ):
     """`context_start`: the rules on (context + new steps) find, at the new
     steps, what they find there in the whole history."""
@@ -540,8 +541,10 @@ def test_the_steps_a_later_diagnosis_rereads_give_the_whole_historys_events(
     table = pd.DataFrame(rows, columns=columns + ["zero_fraction", "mean_abs"])
     cut = min(len(steps) - 1, max(1, int(split * len(steps))))
     old, new = np.array(steps[:cut]), steps[cut:]
-    rules = Thresholds(exploding_growth=3.0, growth_window=window, vanishing_ratio=0.1)
-    start = context_start(old, window)
+    rules = Thresholds(
+        exploding_growth=3.0, growth_window=window, vanishing_ratio=0.1, repeat_after=quiet
+    )
+    start = context_start(old, window, quiet)
     again = diagnose(table[table["step"] >= start], rules)
     whole = diagnose(table, rules)
     assert found_events(again[again["step"].isin(new)]) == found_events(

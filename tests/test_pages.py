@@ -665,8 +665,8 @@ def test_the_alerts_of_a_running_run_read_only_its_new_steps(page_environment, m
         return diagnose(table, thresholds)
 
     monkeypatch.setattr(diagnosis, "diagnose", counted)
-    # dense_1's gradients vanish from step 1 on, dense_2's from step 50.
-    write(1, 40, vanishing=(1, 50))
+    # dense_1's gradients vanish from step 1 on, dense_2's from step 110.
+    write(1, 100, vanishing=(1, 110))
     app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
     app.query_params["run"] = run_id
     app.session_state["live.view"] = "Alerts"
@@ -675,21 +675,64 @@ def test_the_alerts_of_a_running_run_read_only_its_new_steps(page_environment, m
     assert [w.value.split(":")[0] for w in app.warning if "vanishing" in w.value] == [
         "Layer dense_1"
     ]
-    assert read == [list(range(1, 41))]
+    assert read == [list(range(1, 101))]
 
-    write(41, 60, vanishing=(1, 50))
+    write(101, 120, vanishing=(1, 110))
     app.run()
     assert not app.exception, [e.value for e in app.exception]
-    # The alert of step 1 stays; step 50's joins it. The rules read the 20
-    # new steps and those before them they compare with: back
-    # `growth_window` steps from step 39.
+    # The alert of step 1 stays; step 110's joins it. The rules read the 20
+    # new steps and those before them they compare with: `repeat_after`
+    # steps back from step 100, then `growth_window` steps more.
     shown = [w.value for w in app.warning if "vanishing" in w.value]
     assert [m.split(":")[0] for m in shown] == ["Layer dense_1", "Layer dense_2"]
-    assert "step 1 " in shown[0] and "step 50 " in shown[1]
-    assert read[1] == list(range(39 - diagnosis.Thresholds().growth_window, 61))
+    assert "step 1 " in shown[0] and "step 110 " in shown[1]
+    rules = diagnosis.Thresholds()
+    assert read[1] == list(range(100 - rules.repeat_after - rules.growth_window, 121))
     # Nothing new: nothing read again.
     app.run()
     assert len(read) == 2 and len([w for w in app.warning if "vanishing" in w.value]) == 2
+
+
+def test_the_alerts_view_and_lesson_pack_use_the_thresholds_the_monitor_was_given(
+    page_environment,
+):
+    """The page and the exports ran the rules again with the defaults: an alert
+    the user had turned off came back, and one they asked for was missing."""
+    import io
+    import zipfile
+
+    import keras
+    from streamlit.testing.v1 import AppTest
+
+    from gradflow import GradientMonitor, diagnosis, export
+    from gradflow.store import RunStore
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3, name="hidden"), keras.layers.Dense(1, name="out")]
+    )
+    model.compile("sgd", "mse")
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    # Every gradient is "exploding" under this ceiling; none is by default.
+    rules = diagnosis.Thresholds(exploding_norm=1e-12)
+    monitor = GradientMonitor(store=page_environment, rules=rules, run_name="strict")
+    model.fit(x, x[:, :1], batch_size=8, verbose=0, callbacks=[monitor])
+    assert set(monitor.events["kind"]) == {"exploding"}
+    store = RunStore(page_environment)
+    assert diagnosis.run_thresholds(store.run_info(monitor.run_id)["config"]) == rules
+    assert diagnosis.diagnose(store.layer_stats(monitor.run_id)).empty
+
+    app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
+    app.query_params["run"] = monitor.run_id
+    app.session_state["live.view"] = "Alerts"
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    shown = [e.value for e in [*app.error, *app.warning] if "exploding" in e.value]
+    assert {m.split(":")[0] for m in shown} == {"Layer hidden", "Layer out"}
+    (path,) = export.export_run(store, monitor.run_id, "zip", page_environment.parent / "out")
+    with zipfile.ZipFile(io.BytesIO(path.read_bytes())) as pack:
+        alerts = pack.read("data/alerts.csv").decode()
+    assert "Layer hidden" in alerts and "Layer out" in alerts
 
 
 def test_live_heatmaps_are_capped_and_a_tick_sends_only_the_new_columns(page_environment):

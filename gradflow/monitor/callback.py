@@ -2,6 +2,7 @@
 
 import atexit
 import contextlib
+import dataclasses
 import itertools
 import math
 import os
@@ -919,6 +920,10 @@ class GradientMonitor(keras.callbacks.Callback):
                 "activations": self.activations,
                 "histograms": self.histograms,
             }
+            if self.rules is not None:
+                # The dashboard and the exports run the rules again on the
+                # stored statistics: with the thresholds this monitor used.
+                config["alert_rules"] = dataclasses.asdict(self.rules)
             # The step the run ends at: a model trained before starts past 0.
             self.run_id = store.create_run(
                 config,
@@ -947,17 +952,18 @@ class GradientMonitor(keras.callbacks.Callback):
         if not new:
             return
         new_steps = np.concatenate([block[0] for block in new])
-        window = (self.rules or Thresholds()).growth_window
+        rules = self.rules or Thresholds()
+        window, quiet = rules.growth_window, rules.repeat_after
         # The newest old blocks, back to one that reaches the context's start.
         recent, old_steps = [], np.zeros([0], np.int64)
         for block in reversed(old):
             recent.insert(0, block)
             old_steps = np.unique(np.concatenate([block[0], old_steps]))
-            if len(old_steps) > 1 and old_steps[0] <= old_steps[-2] - window:
+            if len(old_steps) > quiet and old_steps[0] <= old_steps[-1 - quiet] - window:
                 break
         context = []
         if len(old_steps) and old_steps[-1] < new_steps[0]:
-            start = context_start(old_steps, window)
+            start = context_start(old_steps, window, quiet)
             for steps, stats, _, _, layout in recent:
                 keep = steps >= start
                 if keep.any():

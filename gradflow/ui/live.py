@@ -345,6 +345,8 @@ class _Cache:
         default_factory=lambda: pd.DataFrame(columns=list(schema.EVENTS_COLUMNS))
     )
     diagnosed_step: int = 0
+    # The thresholds of the run's alerts (`diagnosis.run_thresholds`), read once.
+    thresholds: diagnosis.Thresholds | None = None
     # Whether the metrics were read once more after the run ended.
     read_after_end: bool = False
 
@@ -815,15 +817,18 @@ def _histograms(histograms, stats, tensor, key, presentation, run):
     )
 
 
-def _rule_events(cache):
+def _rule_events(store, run_id, cache):
     """What the diagnosis rules find in the statistics read so far.
 
     The Alerts view of a running run redraws every second: the rules read
     only the steps since the last look (and the few before them they look
-    back at), not the whole run each time.
+    back at), not the whole run each time. They use the thresholds the
+    run's monitor was given, so the page says what the monitor said.
     """
+    if cache.thresholds is None:
+        cache.thresholds = diagnosis.run_thresholds(store.run_info(run_id).get("config"))
     if cache.last_step > cache.diagnosed_step:
-        new = diagnosis.diagnose_new(cache.layer_stats, cache.diagnosed_step)
+        new = diagnosis.diagnose_new(cache.layer_stats, cache.diagnosed_step, cache.thresholds)
         cache.found = _appended(cache.found, new)
         cache.diagnosed_step = cache.last_step
     return cache.found
@@ -859,7 +864,7 @@ _ALERT_WORDS = {
 def _run_events(store, run_id, cache):
     """The run's stored events and what the rules find in what was read, each told once
     (`export.merge_alerts`), or None if there are none."""
-    alerts = export.merge_alerts(store.events(run_id), _rule_events(cache))
+    alerts = export.merge_alerts(store.events(run_id), _rule_events(store, run_id, cache))
     return alerts if len(alerts) else None
 
 
