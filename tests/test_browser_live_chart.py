@@ -124,6 +124,61 @@ def test_the_javascript_applies_updates_exactly_and_asks_again_when_it_holds_ano
         page.close()
 
 
+def test_a_heatmap_wider_than_its_plot_keeps_a_one_step_spike(chromium):
+    """Plotly skips the heatmap columns narrower than a pixel, which ones
+    depending on the width: a one-step spike the server's max per block kept
+    vanished from the live heatmaps at common window widths (an audit: a
+    40,000-step run at 1280 px). The page merges columns to the plot's width."""
+    from gradflow import figures
+
+    steps = np.arange(1, 2001)
+    rows = []
+    for index, layer in enumerate(["dense", "dense_1", "dense_2"]):
+        values = np.full(len(steps), 1e-3)
+        if index == 1:
+            values[steps == 1237] = 5e3  # the spike
+        rows.append(
+            pd.DataFrame(
+                {
+                    "step": steps,
+                    "layer": layer,
+                    "layer_index": index,
+                    "tensor": "kernel",
+                    "max_abs": values,
+                    "nonfinite": 0,
+                }
+            )
+        )
+    chart = figures.heatmap(pd.concat(rows), "max_abs", max_columns=1000)
+    assert len(chart.figure.data[0].x) > 600  # more columns than the plot has pixels
+    update, _ = figure_update(chart.figure)
+    update["key"] = "live.spike"
+    plotly = MODULE.parent / "vendor" / "plotly-cartesian.min.js"
+    page = chromium.new_page(viewport={"width": 700, "height": 600})
+    try:
+        page.set_content("<html><body style='width:600px'></body></html>")
+        page.add_script_tag(path=str(plotly))  # window.Plotly; the module's own load then finds it
+        page.evaluate(SETUP, MODULE.read_text())
+        page.evaluate(RENDER, [update, "spike", "data:text/javascript,void 0"])
+        drawn = page.evaluate(
+            """(host) => {
+              const div = document.querySelector(`#${host} .gradflow-live-chart`);
+              const trace = div.data[0];
+              return {columns: trace.x.length, width: div._fullLayout.xaxis._length,
+                      row: trace.z[1], raw: trace.customdata[1], x: trace.x,
+                      title: div.layout.xaxis.title.text};
+            }""",
+            "spike",
+        )
+        assert drawn["columns"] <= drawn["width"] < 600
+        at = int(np.argmax(drawn["row"]))
+        assert drawn["raw"][at] == pytest.approx(5e3)
+        assert drawn["x"][at] <= 1237 < drawn["x"][at + 1]
+        assert drawn["title"].startswith("step (each column: max over up to")
+    finally:
+        page.close()
+
+
 def test_a_page_whose_request_for_the_whole_figure_went_unanswered_asks_again(chromium):
     """The rerun that answers a resend can be lost too (a later tick's run drops its unsent
     messages on a loaded server), and Streamlit calls `render` only when the update changes:

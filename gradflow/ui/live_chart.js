@@ -132,16 +132,84 @@ function settle(key) {
   asked.delete(key);
 }
 
+// The plot width (px) of each heatmap's x axis, once Plotly has laid it out.
+function heatmapWidths(div, data) {
+  const widths = {};
+  data.forEach((trace, index) => {
+    if (trace.type !== "heatmap") return;
+    const axis = `xaxis${(trace.xaxis ?? "x").slice(1)}`;
+    const length = div._fullLayout?.[axis]?._length;
+    if (length > 0) widths[index] = Math.floor(length);
+  });
+  return widths;
+}
+
+// A heatmap with more columns than its plot has pixels: Plotly skips the
+// columns narrower than a pixel, and which it skips depends on the width, so
+// a one-step spike the server's max per block kept vanished at some window
+// widths. Merge `factor` columns into one, keeping each row's largest value
+// (and its raw value for the hover), and say so in the axis title.
+function mergeColumns(trace, layout, factor) {
+  const n = trace.x.length;
+  const starts = Array.from({ length: Math.ceil(n / factor) }, (_, i) => i * factor);
+  const largest = (row, from) => {
+    let best = -1;
+    for (let j = from; j < Math.min(from + factor, n); j++) {
+      const value = row[j];
+      if (value === null || Number.isNaN(value)) continue; // NaN: the markers trace draws it
+      if (best < 0 || value > row[best]) best = j;
+    }
+    return best < 0 ? from : best;
+  };
+  const picks = trace.z.map((row) => starts.map((from) => largest(row, from)));
+  const merged = { ...trace, x: starts.map((from) => trace.x[from]) };
+  merged.z = trace.z.map((row, r) => picks[r].map((j) => row[j]));
+  if (Array.isArray(trace.customdata)) {
+    merged.customdata = trace.customdata.map((row, r) => picks[r].map((j) => row[j]));
+  }
+  const axisKey = `xaxis${(trace.xaxis ?? "x").slice(1)}`;
+  const axis = { ...(layout[axisKey] ?? {}) };
+  const title = typeof axis.title === "string" ? { text: axis.title } : { ...(axis.title ?? {}) };
+  const block = /max over up to (\d+) steps/.exec(title.text ?? "");
+  title.text = `step (each column: max over up to ${(block ? Number(block[1]) : 1) * factor} steps)`;
+  axis.title = title;
+  layout[axisKey] = axis;
+  return merged;
+}
+
+function fitToWidths(drawn, widths) {
+  const layout = { ...drawn.layout };
+  let changed = false;
+  const data = drawn.data.map((trace, index) => {
+    const width = widths[index];
+    if (!width || trace.type !== "heatmap" || !Array.isArray(trace.x) || trace.x.length <= width) {
+      return trace;
+    }
+    changed = true;
+    return mergeColumns(trace, layout, Math.ceil(trace.x.length / width));
+  });
+  return changed ? { data, layout, config: drawn.config } : null;
+}
+
 function draw(div, key, plotlySrc, plotlyGzipSrc) {
   if (div.gradflowPending) return; // the queued draw will take the newest state
   div.gradflowPending = true;
   div.gradflowDrawn = (div.gradflowDrawn ?? Promise.resolve())
     .then(() => loadPlotly(plotlySrc, plotlyGzipSrc))
-    .then((Plotly) => {
+    .then(async (Plotly) => {
       div.gradflowPending = false;
-      const { data, layout, config } = figure(held.get(key));
+      const whole = figure(held.get(key));
       div.style.minHeight = "";
-      return Plotly.react(div, data, layout, config);
+      // The widths of the last draw first (no second draw at every tick),
+      // then again with the widths this draw laid out, if they differ.
+      const first = fitToWidths(whole, div.gradflowWidths ?? {}) ?? whole;
+      await Plotly.react(div, first.data, first.layout, first.config);
+      div.gradflowWidths = heatmapWidths(div, whole.data);
+      const fitted = fitToWidths(whole, div.gradflowWidths);
+      if (fitted && fitted.data.some((trace, i) => trace.x?.length !== first.data[i].x?.length)) {
+        await Plotly.react(div, fitted.data, fitted.layout, fitted.config);
+      }
+      return div;
     })
     .catch((error) => {
       div.gradflowPending = false;
