@@ -1116,3 +1116,70 @@ def test_an_unbuilt_model_with_a_short_last_batch_keeps_its_real_layer_calls():
     np.testing.assert_allclose(
         recorded.loc[("hidden", schema.ACTIVATION), "l2_norm"], np.linalg.norm(d_hidden), rtol=1e-5
     )
+
+
+class RaisesAfter(keras.callbacks.Callback):
+    """A user's callback that fails at batch `at` (0-based) of the first epoch."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.at:
+            raise RuntimeError("my callback broke")
+
+
+def test_a_sweep_that_catches_a_failed_fit_keeps_each_runs_steps(tmp_path):
+    """A sweep caught each fit's error and went on with a new model and monitor.
+
+    The monitors were held weakly: the garbage collector took each with its
+    unsaved steps, and the runs read "running" with none of them.
+    """
+    import gc
+
+    x, y = data()
+    store = RunStore(tmp_path / "runs.db")
+    run_ids = []
+    for seed in range(3):
+        model = classifier(seed=seed)
+        model.compile("sgd", "sparse_categorical_crossentropy")
+        monitor = GradientMonitor(store=store, run_name=f"sweep {seed}")
+        try:
+            model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor, RaisesAfter(at=1)])
+        except RuntimeError:
+            pass
+        run_ids.append(monitor.run_id)
+        del model, monitor
+        gc.collect()
+    for run_id in run_ids[:-1]:  # closed when the next fit began
+        info = store.run_info(run_id)
+        assert info["status"] == "failed", info
+        assert "outside the train step" in info["message"]
+        assert sorted(store.layer_stats(run_id)["step"].unique()) == [1, 2]
+    # The last one stays open until the next fit or the program's exit.
+    assert store.run_info(run_ids[-1])["status"] == "running"
+
+
+def test_a_fit_inside_another_fits_callback_leaves_that_one_running(tmp_path):
+    x, y = data()
+    store = RunStore(tmp_path / "runs.db")
+    inner_model = classifier(seed=1)
+    inner_model.compile("sgd", "sparse_categorical_crossentropy")
+    inner = GradientMonitor(store=store, run_name="inner")
+
+    class FitsAnother(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                inner_model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[inner])
+
+    model = classifier()
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    outer = GradientMonitor(store=store, run_name="outer")
+    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[outer, FitsAnother()])
+    info = store.run_info(outer.run_id)
+    assert info["status"] == "completed", info
+    assert sorted(store.layer_stats(outer.run_id)["step"].unique()) == list(
+        range(1, N // BATCH + 1)
+    )
+    assert store.run_info(inner.run_id)["status"] == "completed"

@@ -9,7 +9,6 @@ import os
 import sys
 import threading
 import time
-import weakref
 
 import keras
 import numpy as np
@@ -425,7 +424,8 @@ class GradientMonitor(keras.callbacks.Callback):
     def _begin_fit(self):
         model = self.model
         self._watch_for_the_next_fit()
-        _IN_A_FIT.add(self)
+        _close_fits_that_ended_in_an_error(self)
+        _IN_A_FIT[self] = threading.get_ident()
         self._clipping = not self._plan.probing and clipping_optimizer(model.optimizer) is not None
         # `_last_step` and `_final_step` count as the optimizer does (the
         # ring's steps); every step this monitor reports adds `_step_offset`.
@@ -648,7 +648,7 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def _close_outputs(self, status, message):
         """Close the TensorBoard files and the store writer; `status` only if this run is ours."""
-        _IN_A_FIT.discard(self)
+        _IN_A_FIT.pop(self, None)
         summaries, self._summaries = self._summaries, None
         writer, self._writer = self._writer, None
         try:
@@ -1010,11 +1010,44 @@ def _layer_history(blocks):
 
 _ENDED_OUTSIDE_THE_STEP = "`fit` ended with an error outside the train step (in a callback?)"
 
-# Monitors whose `fit` has begun and not ended. When another callback raises,
-# Keras calls none of the monitor's hooks; if the script then dies of that
-# error, nothing else would store the steps still in the ring or close the
-# run, which would read "running" with none of its steps.
-_IN_A_FIT = weakref.WeakSet()
+# Monitors whose `fit` has begun and not ended, with the thread of that `fit`.
+# When another callback raises, Keras calls none of the monitor's hooks; if the
+# script then dies of that error, nothing else would store the steps still in
+# the ring or close the run, which would read "running" with none of its
+# steps. Held strongly: a sweep that catches the error and drops the model and
+# its monitor lost the run's steps to the garbage collector.
+_IN_A_FIT = {}
+
+
+def _models_in_a_fit_now():
+    """The ids of the models whose `fit` is on this thread's stack now."""
+    models = set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "fit" and "self" in frame.f_code.co_varnames:
+            models.add(id(frame.f_locals.get("self")))
+        frame = frame.f_back
+    return models
+
+
+def _close_fits_that_ended_in_an_error(starting):
+    """Close the runs of this thread's monitors whose `fit` is no longer running.
+
+    A new `fit` begins on this thread while another monitor's `fit` never
+    reached its end: that `fit` ended with an error which the script caught
+    (a sweep that goes on to its next model). Its run is closed `failed` with
+    its steps now, not at the program's exit. A `fit` called from inside
+    another's callback leaves that one running: its `fit` is on the stack.
+    """
+    thread = threading.get_ident()
+    others = [m for m, t in _IN_A_FIT.items() if m is not starting and t == thread]
+    if not others:
+        return
+    running = _models_in_a_fit_now()
+    for monitor in others:
+        if id(monitor.model) not in running:
+            with contextlib.suppress(Exception):  # the new fit must not fail for it
+                monitor._abandon(RuntimeError(_ENDED_OUTSIDE_THE_STEP))
 
 
 @atexit.register
