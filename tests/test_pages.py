@@ -1529,3 +1529,27 @@ def test_a_model_of_two_inputs_is_inspected_from_arrays_named_after_them(tmp_pat
     # Without them, the page says what to name the arrays.
     app = upload_and_snapshot(tmp_path / "m.keras", {"x": data["in_a"], "y": data["y"]})
     assert "needs an array for each, named after the input" in app.error[0].value
+
+
+def test_pause_and_resume_are_one_button_that_keeps_the_keyboards_focus(page_environment):
+    """Pause pressed from the keyboard became a new Resume element: the focus
+    fell to the page, and Space no longer resumed (48 Tabs back to it)."""
+    from streamlit.testing.v1 import AppTest
+
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 2}, name="demo", status="running")
+    app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
+    app.query_params["run"] = run_id
+    app.session_state["live.started"] = {run_id}
+    app.run()
+    running = app.button(key="live.pause")
+    assert running.label == "Pause" and not running.disabled
+    running.click().run()
+    assert store.pending_request(run_id) == "pause"
+    store.set_status(run_id, "paused")
+    app.run()
+    paused = app.button(key="live.pause")
+    assert paused.label == "Resume" and paused.id == running.id
+    store.set_status(run_id, "completed")

@@ -197,6 +197,9 @@ def control_buttons(config, run_id, status):
     watched = status in ACTIVE and not _started_here(run_id)
     if pause.button(
         "Resume" if paused else "Pause",
+        # One element whichever its label: a new one lost the keyboard's
+        # focus, and Space no longer resumed what it had paused.
+        key="live.pause",
         disabled=status not in ("running", "paused") or watched,
         width="stretch",
     ):
