@@ -775,3 +775,42 @@ def test_line_colours_have_no_pale_yellow_on_white(count):
         )
         # Relative luminance (sRGB approximation) well below white's.
         assert 0.2126 * red + 0.7152 * green + 0.0722 * blue < 200, colour
+
+
+def _deep_run(layers=100, steps=5):
+    return pd.DataFrame(
+        [
+            {
+                "step": step,
+                "layer": f"dense_{i}",
+                "layer_index": i,
+                "tensor": "kernel",
+                "max_abs": 0.1,
+                "nonfinite": 0,
+            }
+            for step in range(1, steps + 1)
+            for i in range(layers)
+        ]
+    )
+
+
+@pytest.mark.parametrize("layers", [3, 34, 35, 100])
+def test_a_deep_heatmap_labels_its_output_layer_and_a_readable_share_of_the_rest(layers):
+    """At depth 100 Plotly labelled every third row from the bottom: the top
+    row, the output layer, had no label."""
+    stats = _deep_run(layers)
+    for figure in (
+        figures.heatmap(stats, "max_abs").figure,
+        figures.compare_heatmaps({"relu": stats, "sigmoid": stats}, "max_abs").figure,
+    ):
+        for axis in ("yaxis", "yaxis2") if "yaxis2" in figure.layout else ("yaxis",):
+            ticks = list(figure.layout[axis].tickvals)
+            assert ticks[0] == "dense_0" and ticks[-1] == f"dense_{layers - 1}"
+            assert len(ticks) == layers if layers <= 34 else len(ticks) <= 34
+            assert len(set(ticks)) == len(ticks)
+
+
+def test_compared_heatmaps_say_which_end_of_the_layer_axis_is_the_input():
+    stats = _deep_run(4)
+    figure = figures.compare_heatmaps({"relu": stats, "sigmoid": stats}, "max_abs").figure
+    assert figure.layout.yaxis.title.text == "layer (input at the bottom)"

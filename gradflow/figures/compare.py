@@ -108,7 +108,16 @@ def compare_heatmaps(
             figure.add_trace(trace, row=row + 1, col=col + 1)
         x_range, y_range = heatmap_lib.axis_ranges(layer_grid)
         figure.update_xaxes(title_text="step", range=x_range, row=row + 1, col=col + 1)
-        figure.update_yaxes(type="category", range=y_range, row=row + 1, col=col + 1)
+        figure.update_yaxes(
+            type="category",
+            range=y_range,
+            tickmode="array",
+            tickvals=heatmap_lib.layer_ticks(layer_grid),
+            # Once per row of panels when they share the layers.
+            title_text="layer (input at the bottom)" if col == 0 or not same_layers else None,
+            row=row + 1,
+            col=col + 1,
+        )
     figure.update_layout(
         coloraxis=dict(
             cmin=log_min,

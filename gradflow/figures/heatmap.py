@@ -1,5 +1,7 @@
 """Layer x step heatmap of one gradient statistic on a log10 colour scale."""
 
+import math
+
 import numpy as np
 import plotly.graph_objects as go
 
@@ -105,6 +107,25 @@ def heatmap_traces(layer_grid, log_min, log_max, coloraxis=None, name_prefix="")
         name_prefix,
     )
     return [heat, *markers]
+
+
+_MOST_LAYER_LABELS = 34
+
+
+def layer_ticks(layer_grid):
+    """The layer labels to write: all of them, or every k-th and always the top one.
+
+    Left to itself Plotly labels every third row of a 100-layer heatmap from
+    the bottom, and the output layer, the top row, had no label.
+    """
+    names = list(style.layer_labels(layer_grid.layer, layer_grid.layer_index))  # as drawn
+    if len(names) <= _MOST_LAYER_LABELS:
+        return names
+    every = math.ceil(len(names) / _MOST_LAYER_LABELS)
+    kept = names[::every]
+    if kept[-1] != names[-1]:
+        kept[-1] = names[-1]  # the top row instead of the one just under it
+    return kept
 
 
 def axis_ranges(layer_grid):
@@ -213,7 +234,13 @@ def heatmap(
         legend=LEGEND_ABOVE,
     )
     x_range, y_range = axis_ranges(layer_grid)
-    figure.update_yaxes(type="category", showgrid=False, range=y_range)
+    figure.update_yaxes(
+        type="category",
+        showgrid=False,
+        range=y_range,
+        tickmode="array",
+        tickvals=layer_ticks(layer_grid),
+    )
     figure.update_xaxes(showgrid=False, range=x_range)
     style.apply_style(figure, presentation)
     return Chart(figure, layer_grid.to_frame(), plain_title, description)
