@@ -109,7 +109,7 @@ PAGE_RECORDER = r"""
       document.querySelectorAll('[data-testid="stException"]').length);
     if (record.firstChart === null) {
       for (const plot of document.querySelectorAll('.js-plotly-plot')) {
-        for (const trace of (plot.data || [])) {
+        for (const trace of ((plot.gradflowWhole || plot).data || [])) {
           if (trace.type === 'heatmap' && trace.z &&
               (trace.z.shape ? Number(String(trace.z.shape).split(',').pop()) > 0 : trace.z.length > 0)) {
             record.firstChart = Date.now();
@@ -519,7 +519,7 @@ CHART_STATE = r"""() => ({
   scripts: [...document.querySelectorAll('script[src^="blob:"], script[src*="plotly"]')].length,
   plots: [...document.querySelectorAll('.js-plotly-plot')].map(p => ({
     title: String(p.layout?.title?.text ?? ''),
-    traces: (p.data || []).map(t => t.type + ':' + (t.z ? (t.z.length ?? '?') : '-')),
+    traces: ((p.gradflowWhole || p).data || []).map(t => t.type + ':' + (t.z ? (t.z.length ?? '?') : '-')),
   })),
   chart_texts: [...document.querySelectorAll('.gradflow-live-chart')].map(d => d.textContent.slice(0, 200))
     .filter(Boolean),

@@ -51,7 +51,7 @@ LAYERS = 9  # 8 hidden Dense layers + the output layer
 STATISTICS = ("max_abs", "l2_norm")
 HEATMAP_KEYS = ("live.max", "live.norm")
 HEATMAP_COLUMNS = """() => Math.max(0, ...[...document.querySelectorAll('.js-plotly-plot')]
-  .flatMap(p => (p.data || [])).filter(t => t.type === 'heatmap' && t.z)
+  .flatMap(p => ((p.gradflowWhole || p).data || [])).filter(t => t.type === 'heatmap' && t.z)
   .map(t => t.z.shape ? Number(String(t.z.shape).split(',').pop()) : t.z[0].length))"""
 
 

@@ -22,13 +22,13 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 # Columns (steps) of each heatmap drawn on the page. Plotly 6 sends numpy
 # arrays as {dtype, bdata, shape}; plain arrays come as nested lists.
 HEATMAP_WIDTHS = """() => [...document.querySelectorAll('.js-plotly-plot')]
-  .flatMap(p => (p.data || [])).filter(t => t.type === 'heatmap' && t.z)
+  .flatMap(p => ((p.gradflowWhole || p).data || [])).filter(t => t.type === 'heatmap' && t.z)
   .map(t => t.z.shape ? Number(String(t.z.shape).split(',').pop())
                       : Math.max(0, ...Array.from(t.z, row => row.length)))"""
 HEATMAP_COLUMNS = f"() => Math.max(0, ...({HEATMAP_WIDTHS})())"
 # The first heatmap on the page (the live max |gradient|) as the browser draws it.
 FIRST_HEATMAP = """() => {
-  const trace = [...document.querySelectorAll('.js-plotly-plot')].flatMap(p => p.data || [])
+  const trace = [...document.querySelectorAll('.js-plotly-plot')].flatMap(p => (p.gradflowWhole || p).data || [])
     .find(t => t.type === 'heatmap');
   return {x: Array.from(trace.x), customdata: Array.from(trace.customdata, row => Array.from(row))};
 }"""
@@ -192,7 +192,8 @@ def test_teacher_flow(page_factory, tmp_path, artifacts_dir):
         assert {"layer", "step"} <= set(table.columns)
         assert table["layer"].nunique() == 9  # 8 hidden layers + the output layer
         # The browser built this heatmap from the live updates (the new columns of
-        # each tick); it draws exactly what the server exports.
+        # each tick); it holds exactly what the server exports (merged to the
+        # plot's width only when drawn: test_browser_live_chart.py).
         expected = table.pivot(index="layer_index", columns="step", values="max_abs")
         drawn = page.evaluate(FIRST_HEATMAP)
         assert drawn["x"] == expected.columns.tolist()

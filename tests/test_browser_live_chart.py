@@ -235,9 +235,9 @@ def synthetic_steps(first, last, seed=0):
 
 
 TRACE_TYPES = """() => [...document.querySelectorAll('.js-plotly-plot')]
-  .flatMap(p => (p.data || []).map(t => t.type))"""
+  .flatMap(p => ((p.gradflowWhole || p).data || []).map(t => t.type))"""
 HEATMAP_WIDTHS = """() => [...document.querySelectorAll('.js-plotly-plot')]
-  .flatMap(p => p.data || []).filter(t => t.type === 'heatmap').map(t => t.z[0].length)"""
+  .flatMap(p => (p.gradflowWhole || p).data || []).filter(t => t.type === 'heatmap').map(t => t.z[0].length)"""
 FONT_SIZE_20 = """() => [...document.querySelectorAll('.js-plotly-plot')]
   .some(p => p.layout && p.layout.font && p.layout.font.size === 20)"""
 
@@ -295,7 +295,7 @@ def test_a_live_tick_sends_the_new_columns_not_the_history(chromium, tmp_path, a
             )
             page.goto(f"{url}/?run={run_id}")
             page.wait_for_function(
-                "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => (p.data || [])"
+                "() => [...document.querySelectorAll('.js-plotly-plot')].some(p => ((p.gradflowWhole || p).data || [])"
                 ".some(t => t.type === 'heatmap' && t.z && t.z[0] && t.z[0].length > 0))",
                 timeout=120_000,
                 polling=200,

@@ -199,6 +199,8 @@ function draw(div, key, plotlySrc, plotlyGzipSrc) {
     .then(async (Plotly) => {
       div.gradflowPending = false;
       const whole = figure(held.get(key));
+      // The figure as received, before any merging to the plot's width.
+      div.gradflowWhole = whole;
       div.style.minHeight = "";
       // The widths of the last draw first (no second draw at every tick),
       // then again with the widths this draw laid out, if they differ.
