@@ -252,7 +252,7 @@ def _layer_norms(table):
     """Per step and layer: the L2 norm of all weight gradients together."""
     weights = table[table["tensor"] != schema.ACTIVATION]
     if weights.empty or "l2_norm" not in weights.columns:
-        return pd.DataFrame(columns=["step", "layer", "layer_index", "norm", "_has_bias"])
+        return pd.DataFrame(columns=["step", "layer", "layer_index", "norm"])
     # float64: a float32 norm above 1.8e19 would overflow its own square.
     squares = pd.to_numeric(weights["l2_norm"], errors="coerce").astype("float64") ** 2
     broken = squares.isna()
@@ -261,9 +261,9 @@ def _layer_norms(table):
     else:
         broken |= ~np.isfinite(squares)
     norms = (
-        weights.assign(_square=squares, _broken=broken, _has_bias=weights["tensor"] == "bias")
+        weights.assign(_square=squares, _broken=broken)
         .groupby(["step", "layer", "layer_index"], as_index=False, sort=True, observed=True)
-        .agg(_square=("_square", "sum"), _broken=("_broken", "any"), _has_bias=("_has_bias", "any"))
+        .agg(_square=("_square", "sum"), _broken=("_broken", "any"))
     )
     norms["norm"] = np.sqrt(norms.pop("_square"))
     # A norm of +inf over entries that are all finite is beyond float32
@@ -325,12 +325,8 @@ def _mark_streaks(frame, condition, steps, quiet, keys=("layer",)):
 
 def _vanishing(norms, thresholds, steps):
     events = []
-    # A norm of exactly 0 with a bias row is every unit passing nothing back:
-    # the dead-unit rule says so (its bias gradient is all zeros), in words
-    # that fit; "vanishing, barely learns" beside it told the same twice.
-    dead = (norms["norm"] == 0) & norms["_has_bias"]
     low = _mark_streaks(
-        norms, (norms["norm"] < thresholds.vanishing_norm) & ~dead, steps, thresholds.repeat_after
+        norms, norms["norm"] < thresholds.vanishing_norm, steps, thresholds.repeat_after
     )
     for row in _onsets(low).itertuples():
         events.append(
@@ -357,11 +353,10 @@ def _vanishing(norms, thresholds, steps):
             "norm": first["norm"],
             "last_layer": last["layer"],
             "last_norm": last["norm"],
-            "_dead": (first["norm"] == 0) & first["_has_bias"],
         }
     ).reset_index()
     ratios = ratios[(first["layer_index"] != last["layer_index"]).to_numpy()]
-    ratios = ratios[(ratios["last_norm"] > 0) & ~ratios["_dead"]]
+    ratios = ratios[ratios["last_norm"] > 0]
     if ratios.empty:
         return events
     ratios["ratio"] = ratios["norm"] / ratios["last_norm"]

@@ -87,24 +87,6 @@ RULE_CASES = [
         [(1, "d", "vanishing")],
     ),
     (
-        # Every unit of a layer with a bias passes nothing back: the dead-unit
-        # rule's, not "vanishing" too.
-        "a_dead_layer_is_dead_not_vanishing",
-        rows(
-            (1, "dead", 0, "kernel", 0.0, {"zero_fraction": 1.0}),
-            (1, "dead", 0, "bias", 0.0, {"zero_fraction": 1.0}),
-            (1, "head", 1, "kernel", 0.5),
-        ),
-        None,
-        [(1, "dead", "dead_relu")],
-    ),
-    (
-        "a_zero_norm_without_a_bias_is_vanishing",
-        rows((1, "d", 0, "kernel", 0.0, {"zero_fraction": 1.0})),
-        None,
-        [(1, "d", "vanishing")],
-    ),
-    (
         "vanishing_ratio_first_to_last",
         rows(
             (1, "first", 0, "kernel", 1e-5),
