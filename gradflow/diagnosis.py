@@ -418,15 +418,19 @@ def _exploding(norms, thresholds, steps):
     # One large batch among small ones grows the norm as much for one step:
     # a trend holds at the next recorded step too.
     grown = grown.sort_values(["layer", "step"])
-    up = grown["factor"] > thresholds.exploding_growth
-    position = np.searchsorted(steps, grown["step"].to_numpy())
     by_layer = grown.groupby("layer", observed=True)
-    up_before = up.groupby(grown["layer"], observed=True).shift(1, fill_value=False).astype(bool)
-    previous = np.searchsorted(steps, by_layer["step"].shift(1).fillna(-1).to_numpy())
     grown = grown.assign(
         step_before=by_layer["step"].shift(1), factor_before=by_layer["factor"].shift(1)
     )
-    confirmed = up & up_before & (previous == position - 1)
+    # The layer's row before is the previous recorded step (NaN: none).
+    position = np.searchsorted(steps, grown["step"].to_numpy())
+    recorded_before = np.where(position > 0, steps[np.maximum(position - 1, 0)], np.nan)
+    limit = thresholds.exploding_growth
+    confirmed = (
+        (grown["factor"] > limit)
+        & (grown["factor_before"] > limit)  # False where NaN
+        & (grown["step_before"].to_numpy() == recorded_before)
+    )
     fast = _mark_streaks(grown, confirmed, steps, thresholds.repeat_after)
     for row in _onsets(fast).itertuples():
         events.append(

@@ -1118,18 +1118,6 @@ def test_an_unbuilt_model_with_a_short_last_batch_keeps_its_real_layer_calls():
     )
 
 
-class RaisesAfter(keras.callbacks.Callback):
-    """A user's callback that fails at batch `at` (0-based) of the first epoch."""
-
-    def __init__(self, at):
-        super().__init__()
-        self.at = at
-
-    def on_train_batch_end(self, batch, logs=None):
-        if batch == self.at:
-            raise RuntimeError("my callback broke")
-
-
 def test_a_sweep_that_catches_a_failed_fit_keeps_each_runs_steps(tmp_path):
     """A sweep caught each fit's error and went on with a new model and monitor.
 
@@ -1146,7 +1134,7 @@ def test_a_sweep_that_catches_a_failed_fit_keeps_each_runs_steps(tmp_path):
         model.compile("sgd", "sparse_categorical_crossentropy")
         monitor = GradientMonitor(store=store, run_name=f"sweep {seed}")
         try:
-            model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor, RaisesAfter(at=1)])
+            model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor, Broken(at=1)])
         except RuntimeError:
             pass
         run_ids.append(monitor.run_id)
