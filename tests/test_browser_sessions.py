@@ -88,6 +88,11 @@ def test_settings_survive_a_visit_to_other_pages(chromium, tmp_path, artifacts_d
         page.get_by_role("button", name="Start training").wait_for(timeout=90_000)
         presentation = page.get_by_role("switch", name="Presentation style")
         presentation.check(force=True)
+        # The switch's rerun keeps its value for the other pages (`keep_across_pages`):
+        # a link clicked while it ran cut it short, and the switch came back off
+        # (once in a full CI run). Let it start, then end.
+        page.wait_for_timeout(300)
+        page.locator('[data-testid="stStatusWidget"]').wait_for(state="hidden", timeout=30_000)
         for there, shown in (("Compare", "Start comparison"), ("Runs", "Runs started here")):
             page.get_by_role("link", name=there).click()
             page.get_by_text(shown).first.wait_for(timeout=30_000)
