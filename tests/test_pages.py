@@ -693,6 +693,105 @@ def test_the_alerts_of_a_running_run_read_only_its_new_steps(page_environment, m
     assert len(read) == 2 and len([w for w in app.warning if "vanishing" in w.value]) == 2
 
 
+def _write_steps(store, run_id, first, last):
+    import numpy as np
+    import pandas as pd
+
+    steps = np.arange(first, last + 1)
+    with store.writer(run_id) as writer:
+        for index, layer in enumerate(["dense_1", "dense_2"]):
+            norm = np.where(steps >= 30 + 20 * index, 1e-9, 1.0)
+            writer.add_layer_stats(
+                pd.DataFrame(
+                    {
+                        "step": steps,
+                        "layer": layer,
+                        "layer_index": index,
+                        "tensor": "kernel",
+                        "max_abs": norm,
+                        "l2_norm": norm,
+                        "nonfinite": 0,
+                    }
+                )
+            )
+        for step in steps:
+            writer.add_metrics(step, {"loss": 1.0 / step})
+        writer.progress(last)
+
+
+def test_tabs_showing_one_run_share_its_rows_and_read_each_new_step_once(
+    page_environment, monkeypatch
+):
+    """Each tab kept its own copy of the rows: about 165 MB per tab of a
+    40,000-step run, and every tick read the same new rows again per tab."""
+    import gc
+
+    from streamlit.testing.v1 import AppTest
+
+    from gradflow import diagnosis
+    from gradflow.store import RunStore
+    from gradflow.ui import run_rows
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 2}, name="the teacher's", status="running")
+    _write_steps(store, run_id, 1, 40)
+    reads, diagnosed = [], []
+    layer_stats, diagnose = RunStore.layer_stats, diagnosis.diagnose
+
+    def counted_read(self, run, *args, **kwargs):
+        reads.append(kwargs.get("after_step"))
+        return layer_stats(self, run, *args, **kwargs)
+
+    def counted_rules(table, thresholds=None):
+        diagnosed.append(int(table["step"].max()))
+        return diagnose(table, thresholds)
+
+    monkeypatch.setattr(RunStore, "layer_stats", counted_read)
+    monkeypatch.setattr(diagnosis, "diagnose", counted_rules)
+
+    def tab():
+        app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
+        app.query_params["run"] = run_id
+        app.session_state["live.view"] = "Alerts"
+        return app
+
+    tabs = [tab() for _ in range(3)]
+
+    def tick():
+        for app in tabs:
+            app.run()
+            assert not app.exception, [e.value for e in app.exception]
+            # Each tab shows what the rules found, not only the first one.
+            assert any("Layer dense_1" in w.value for w in app.warning)
+
+    tick()
+    assert reads == [None] and diagnosed == [40]
+    key = f"live.cache.{run_id}"
+    rows = tabs[0].session_state[key]
+    assert all(app.session_state[key] is rows for app in tabs)
+    assert rows.last_step == 40 and len(rows.layer_stats) == 80
+
+    _write_steps(store, run_id, 41, 60)
+    tick()
+    assert reads == [None, 40] and diagnosed == [40, 60]
+    assert rows.last_step == 60 and len(rows.layer_stats) == 120
+    assert sorted(rows.metrics["step"]) == list(range(1, 61))
+    assert all(any("Layer dense_2" in w.value for w in app.warning) for app in tabs)
+
+    # A tab that moves to another run lets go of this one; the rows go
+    # with the last tab that showed it.
+    other = store.create_run({"depth": 2}, name="a student's", status="running")
+    _write_steps(store, other, 1, 5)
+    for app in tabs:
+        app.session_state["live.run_id"] = other
+        app.run()
+        assert key not in app.session_state
+    del rows
+    gc.collect()
+    held = [run for _, run in run_rows.runs_held()]
+    assert run_id not in held and other in held
+
+
 def test_the_alerts_view_and_lesson_pack_use_the_thresholds_the_monitor_was_given(
     page_environment,
 ):
@@ -1194,7 +1293,8 @@ def test_the_nan_origin_is_one_alert_not_two(page_environment):
     import pandas as pd
 
     from gradflow.store import RunStore
-    from gradflow.ui.live import _Cache, _run_events
+    from gradflow.ui.live import _run_events
+    from gradflow.ui.run_rows import RunRows
 
     store = RunStore(page_environment)
     run_id = store.create_run({"depth": 2}, name="diverged", status="running")
@@ -1213,7 +1313,7 @@ def test_the_nan_origin_is_one_alert_not_two(page_environment):
         writer.add_layer_stats(stats)
         writer.add_event(2, "output", "nonfinite", "First non-finite gradient at step 2: ...")
         writer.progress(2)
-    cache = _Cache(store.layer_stats(run_id), store.metrics(run_id), store.histograms(run_id))
+    cache = RunRows(store.layer_stats(run_id), store.metrics(run_id), store.histograms(run_id))
     cache.last_step = 2
     events = _run_events(store, run_id, cache)
     assert events.query("kind == 'nonfinite'")["message"].tolist() == [

@@ -8,9 +8,10 @@ not rerun over a run's life: not when it starts, leaves the queue, draws its
 first step or ends. A run waiting in this server's queue is not polled: its
 page follows its place on the run board from the browser
 (`gradflow.ui.board`) and reruns the fragment when the run leaves the
-queue. Each tick reads only the rows newer than the last step it has
-seen and appends them to a per-session cache, so a long run costs the same
-per tick as a short one.
+queue. Each tick reads only the rows newer than the last step read and
+appends them to the run's rows, which the server keeps once for every
+session that shows the run (`gradflow.ui.run_rows`), so a long run costs the
+same per tick as a short one, and thirty tabs on it as much memory as one.
 
 The heatmaps and the layer lines are drawn with `live_chart.show_live_chart`:
 the browser keeps each figure between ticks, and a tick sends only the new
@@ -40,7 +41,6 @@ copies of Plotly at once, right after the clicks, and on one 2-core machine
 its pages then ran no timer for 30-40 s (issue #7, docs/reliability.md).
 """
 
-import dataclasses
 import functools
 import os
 import time
@@ -49,10 +49,10 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from gradflow import diagnosis, export, figures, schema
+from gradflow import diagnosis, export, figures
 from gradflow.figures.style import STATISTIC_LABELS, no_data_figure
 from gradflow.lab.config import run_name
-from gradflow.ui import controls, resources
+from gradflow.ui import controls, resources, run_rows
 from gradflow.ui.board import watch_place, watch_warm
 from gradflow.ui.charts import image_export_available, plain_markdown
 from gradflow.ui.fragments import isolated_fragment, tick_after
@@ -335,30 +335,8 @@ def _trainer_readiness(status=None):
     return WARMING_POLL_SECONDS
 
 
-@dataclasses.dataclass
-class _Cache:
-    """What this browser session has already read of one run."""
-
-    layer_stats: pd.DataFrame
-    metrics: pd.DataFrame
-    histograms: pd.DataFrame
-    last_step: int = 0
-    # What the diagnosis rules found in `layer_stats` up to `diagnosed_step`.
-    found: pd.DataFrame = dataclasses.field(
-        default_factory=lambda: pd.DataFrame(columns=list(schema.EVENTS_COLUMNS))
-    )
-    diagnosed_step: int = 0
-    # The thresholds of the run's alerts (`diagnosis.run_thresholds`), read once.
-    thresholds: diagnosis.Thresholds | None = None
-    # Whether the metrics were read once more after the run ended.
-    read_after_end: bool = False
-
-
-_NOTHING_READ = _Cache(
-    pd.DataFrame(columns=list(schema.LAYER_STATS_COLUMNS)),
-    pd.DataFrame(columns=list(schema.METRICS_COLUMNS)),
-    pd.DataFrame(),
-)
+# What a panel shows before its run has any statistics (never written to).
+_NOTHING_READ = run_rows.RunRows()
 
 
 def _appended(old, new):
@@ -380,31 +358,55 @@ def _drawn_steps(run_id):
     return cache is not None and cache.last_step > 0
 
 
-def _read_new(store, run_id, progress_step=0, ended=False):
+def _rows_of(store, run_id):
+    """The server's shared `RunRows` of `run_id`, held by this session while it shows that run."""
     key = _cache_key(run_id)
-    cache = st.session_state.get(key)
-    if cache is None:
-        cache = _Cache(store.layer_stats(run_id), store.metrics(run_id), store.histograms(run_id))
-        cache.read_after_end = ended
-    elif not 0 < progress_step <= cache.last_step:
-        # (Otherwise nothing is new: the store's writer keeps a run's progress
-        # at or past its newest statistics. A paused run, a slow one, the full
-        # reruns of a page whose run has ended.)
-        after = cache.last_step
-        new_stats = store.layer_stats(run_id, after_step=after)
-        if len(new_stats):
-            cache.layer_stats = _appended(cache.layer_stats, new_stats)
-            cache.metrics = _metrics_from(cache.metrics, store, run_id, after)
-            cache.histograms = _appended(
-                cache.histograms, store.histograms(run_id, after_step=after)
-            )
-    if ended and not cache.read_after_end:
-        # The last validation results come after the last statistics.
-        cache.metrics = _metrics_from(cache.metrics, store, run_id, cache.last_step)
-        cache.read_after_end = True
-    if len(cache.layer_stats):
-        cache.last_step = int(cache.layer_stats["step"].max())
-    st.session_state[key] = cache
+    rows = st.session_state.get(key)
+    if rows is None:
+        rows = st.session_state[key] = run_rows.shared_rows(store.path, run_id)
+    # Only the run on the panel is held: the rows of a run this session
+    # showed before go once no other session shows it.
+    for other in [k for k in st.session_state if k.startswith("live.cache.") and k != key]:
+        del st.session_state[other]
+    return rows
+
+
+def _read_new(store, run_id, progress_step=0, ended=False):
+    """The rows of `run_id` read so far, with those new since the last read appended.
+
+    The rows are the server's, shared by every session that shows the run
+    (`gradflow.ui.run_rows`): the first session to see a new step reads it
+    for all of them.
+    """
+    cache = _rows_of(store, run_id)
+    with cache.lock:
+        if not cache.loaded:
+            cache.layer_stats = store.layer_stats(run_id)
+            cache.metrics = store.metrics(run_id)
+            cache.histograms = store.histograms(run_id)
+            cache.read_after_end = ended
+            cache.loaded = True
+        elif not 0 < progress_step <= cache.last_step:
+            # (Otherwise nothing is new: the store's writer keeps a run's progress
+            # at or past its newest statistics. A paused run, a slow one, the full
+            # reruns of a page whose run has ended.)
+            after = cache.last_step
+            new_stats = store.layer_stats(run_id, after_step=after)
+            if len(new_stats):
+                # The metrics and histograms first: a session drawing
+                # meanwhile (without the lock) then never sees statistics
+                # newer than its loss curve.
+                cache.metrics = _metrics_from(cache.metrics, store, run_id, after)
+                cache.histograms = _appended(
+                    cache.histograms, store.histograms(run_id, after_step=after)
+                )
+                cache.layer_stats = _appended(cache.layer_stats, new_stats)
+        if ended and not cache.read_after_end:
+            # The last validation results come after the last statistics.
+            cache.metrics = _metrics_from(cache.metrics, store, run_id, cache.last_step)
+            cache.read_after_end = True
+        if len(cache.layer_stats):
+            cache.last_step = int(cache.layer_stats["step"].max())
     return cache
 
 
@@ -828,13 +830,14 @@ def _rule_events(store, run_id, cache):
     back at), not the whole run each time. They use the thresholds the
     run's monitor was given, so the page says what the monitor said.
     """
-    if cache.thresholds is None:
-        cache.thresholds = diagnosis.run_thresholds(store.run_info(run_id).get("config"))
-    if cache.last_step > cache.diagnosed_step:
-        new = diagnosis.diagnose_new(cache.layer_stats, cache.diagnosed_step, cache.thresholds)
-        cache.found = _appended(cache.found, new)
-        cache.diagnosed_step = cache.last_step
-    return cache.found
+    with cache.lock:  # the rows are shared: the rules run once per new step, not per session
+        if cache.thresholds is None:
+            cache.thresholds = diagnosis.run_thresholds(store.run_info(run_id).get("config"))
+        if cache.last_step > cache.diagnosed_step:
+            new = diagnosis.diagnose_new(cache.layer_stats, cache.diagnosed_step, cache.thresholds)
+            cache.found = _appended(cache.found, new)
+            cache.diagnosed_step = cache.last_step
+        return cache.found
 
 
 def _alerts_hint(store, run_id, cache):
