@@ -132,6 +132,12 @@ def _build_parser():
 
     runs = commands.add_parser("runs", help="list the runs in the store")
     _add_db_flag(runs)
+    runs.add_argument(
+        "--compact",
+        action="store_true",
+        help="give the space of deleted runs back to the disk (rewrites the file once; "
+        "for a store made before gradflow did this on every delete)",
+    )
     runs.set_defaults(handler=_runs)
 
     from_export = commands.add_parser("export", help="export a run's figures or data")
@@ -433,6 +439,9 @@ def _runs(args):
     from gradflow.store import RunStore
 
     store = RunStore(args.db)
+    if args.compact:
+        before, after = store.compact()
+        print(f"{store.path}: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB")
     store.recover()  # a run whose `gradflow train` was killed is not "running"
     runs = store.runs()
     if not len(runs):

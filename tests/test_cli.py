@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -56,6 +57,40 @@ def test_runs_lists_the_run(trained, capsys):
     assert cli.main(["runs", "--db", str(store.path)]) == 0
     output = capsys.readouterr().out
     assert run_id in output and "cli demo" in output and "completed" in output
+
+
+def test_runs_compact_gives_an_older_stores_space_back(tmp_path, capsys):
+    import sqlite3
+
+    import pandas as pd
+
+    from gradflow.store import RunStore
+
+    path = tmp_path / "last-term.db"
+    store = RunStore(path)
+    gone = store.create_run({}, name="last term")
+    with store.writer(gone) as writer:
+        writer.add_layer_stats(
+            pd.DataFrame(
+                {
+                    "step": range(1, 40_001),
+                    "layer": "d",
+                    "layer_index": 0,
+                    "tensor": "kernel",
+                    "max_abs": 1.0,
+                }
+            )
+        )
+    store.create_run({}, name="kept")
+    with sqlite3.connect(path) as conn:  # a store from before deletes gave space back
+        conn.execute("PRAGMA auto_vacuum = NONE")
+        conn.execute("VACUUM")
+    RunStore(path).delete(gone)
+    assert cli.main(["runs", "--db", str(path), "--compact"]) == 0
+    first, *rest = capsys.readouterr().out.splitlines()
+    before, after = (float(size) for size in re.findall(r"([0-9.]+) MB", first))
+    assert first.startswith(str(path)) and after < before / 2
+    assert any("kept" in line for line in rest) and not any("last term" in line for line in rest)
 
 
 def test_export_csv_writes_files(trained, tmp_path, capsys):

@@ -303,6 +303,104 @@ def test_runs_listing_rename_tag_delete(store):
     assert conn.execute("SELECT COUNT(*) FROM layer_stats").fetchone() == (0,)
 
 
+def _runs_seen_by_another_process(path):
+    """The run names another process reads from the store (it opens and closes it)."""
+    code = (
+        "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); "
+        "print(sorted(r[0] for r in c.execute('SELECT name FROM runs'))); c.close()"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_opening_the_store_again_keeps_this_processs_writes(store):
+    """A notebook that opened the store twice (a RunStore, then a monitor on
+    the same file) lost its later writes: the path check read the file with
+    `open`, and closing that descriptor dropped the process's SQLite locks, so
+    another process's close (the dashboard, `gradflow runs`) took the
+    write-ahead log away under it."""
+    store.create_run({}, name="first")
+    RunStore(store.path)  # checks the path again, as `GradientMonitor(store=path)` does
+    assert _runs_seen_by_another_process(store.path) == "['first']"
+    store.create_run({}, name="second")
+    assert _runs_seen_by_another_process(store.path) == "['first', 'second']"
+    assert sorted(store.runs()["name"]) == ["first", "second"]
+
+
+class _FailingDisk:
+    """A connection whose INSERT fails the way a full or failing disk does:
+    SQLite rolls the transaction back itself and reports the I/O error."""
+
+    def __init__(self, conn):
+        self._conn = conn
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+    def execute(self, sql, *args):
+        if sql.startswith("INSERT"):
+            self._conn.execute("ROLLBACK")
+            raise sqlite3.OperationalError("disk I/O error")
+        return self._conn.execute(sql, *args)
+
+
+def test_a_failed_write_says_what_failed_not_that_it_could_not_roll_back(store):
+    store._local.conn = _FailingDisk(store._conn())
+    with pytest.raises(sqlite3.OperationalError, match="disk I/O error"):
+        store.create_run({})
+    store._local.conn = store._local.conn._conn
+    assert store.runs().empty
+    store.create_run({}, name="after")  # the connection is usable again
+
+
+def _write_long_run(store, steps=3_000):
+    run_id = store.create_run({})
+    with store.writer(run_id) as w:
+        w.add_layer_stats(tidy_rows(range(1, steps + 1), layers=[f"dense_{i}" for i in range(8)]))
+    return run_id
+
+
+def _file_size(store):
+    """The store's file size once its write-ahead log is written back into it."""
+    with sqlite3.connect(store.path) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return os.path.getsize(store.path)
+
+
+def test_deleting_a_run_gives_its_space_back(store):
+    """A teacher deleting last term's runs saw the file stay as large (117 MB
+    where 4.6 MB were in use)."""
+    kept = _write_long_run(store, steps=300)
+    small = _file_size(store)
+    gone = _write_long_run(store)
+    large = _file_size(store)
+    assert large > 5 * small
+    store.delete(gone)
+    assert _file_size(store) < 1.5 * small
+    assert len(store.layer_stats(kept)) == 300 * 16
+
+
+def test_compact_gives_an_older_stores_space_back_and_its_deletes_then_do(store):
+    run_id = _write_long_run(store)
+    # A store made before incremental auto-vacuum: rewritten without it.
+    with sqlite3.connect(store.path) as conn:
+        conn.execute("PRAGMA auto_vacuum = NONE")
+        conn.execute("VACUUM")
+        assert conn.execute("PRAGMA auto_vacuum").fetchone() == (0,)
+    old = RunStore(store.path)
+    large = _file_size(old)
+    old.delete(run_id)
+    assert _file_size(old) == large  # the pages are free, the file as large
+    before, after = old.compact()
+    assert before >= large and after < large / 5 and _file_size(old) == after
+    again = _write_long_run(old)
+    large = _file_size(old)
+    old.delete(again)
+    assert _file_size(old) < large / 5
+    assert old.runs().empty
+
+
 @pytest.mark.parametrize(
     "call, match",
     [

@@ -42,7 +42,8 @@ def upgrade(conn, path):
         )
         conn.execute("COMMIT")
     except BaseException as error:
-        conn.execute("ROLLBACK")
+        if conn.in_transaction:  # SQLite may have ended it already; keep its error
+            conn.execute("ROLLBACK")
         if version is None or not isinstance(error, Exception) or isinstance(error, RuntimeError):
             raise
         raise RuntimeError(

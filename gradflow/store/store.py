@@ -151,7 +151,8 @@ class RunStore:
             )
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # SQLite may have ended it already; keep its error
+                conn.execute("ROLLBACK")
             raise
         return run_id
 
@@ -303,8 +304,33 @@ class RunStore:
             conn.execute("DELETE FROM runs WHERE id = ?", (key,))
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # SQLite may have ended it already; keep its error
+                conn.execute("ROLLBACK")
             raise
+        # The file gives the run's pages back (a store made with incremental
+        # auto-vacuum, see `tables.connect`; in an older one this does nothing
+        # until `compact`). `executescript` steps the pragma to its end: one
+        # `execute` frees a single page.
+        conn.executescript("PRAGMA incremental_vacuum;")
+
+    def compact(self):
+        """Gives the file's unused space back to the disk.
+
+        Deleting a run gives its space back in a store this version of
+        gradflow made. A store made before it (or by another program's
+        writes) keeps it until this rewrites the file once; afterwards its
+        deletes give space back too. It takes the store's write lock for
+        as long as the rewrite takes (about a second per 100 MB here), so
+        training runs wait for it to write their rows.
+
+        Returns:
+            The file's size in bytes before and after, as a pair.
+        """
+        conn = self._conn()
+        before = self.path.stat().st_size
+        conn.execute("VACUUM")
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return before, self.path.stat().st_size
 
     # Control ------------------------------------------------------------
 
@@ -355,7 +381,8 @@ class RunStore:
                 conn.execute("DELETE FROM requests WHERE id = ?", (row[0],))
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # SQLite may have ended it already; keep its error
+                conn.execute("ROLLBACK")
             raise
         return None if row is None else row[1]
 
@@ -698,31 +725,42 @@ def check_store_path(path, argument="path"):
             f"`{argument}` must be a run-store file, got the folder {str(path)!r}: "
             f"e.g. {str(path / 'runs.db')!r}."
         )
-    if path.is_file() and path.stat().st_size > 0:
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    # Only through SQLite: closing any descriptor of the file drops every
+    # lock this process holds on it (POSIX), so a plain `open` of a store a
+    # connection of this process has open let another process's close take
+    # the write-ahead log away under it, and this process's writes were lost.
+    names = _tables_in(path)
+    if names is None:
+        # Not an SQLite file, so no connection of ours holds locks on it.
         with open(path, "rb") as file:
             head = file.read(len(_SQLITE_HEADER))
-        if head != _SQLITE_HEADER:
-            raise NotARunStoreError(
-                f"`{argument}`={str(path)!r} is not a gradflow run store (an SQLite file): "
-                f"it starts with {head[:8]!r}. Give a new file name, e.g. 'runs.db'."
-            )
-        others = _tables_of_another_kind(path)
-        if others:
-            # The store would have added its tables beside them, silently.
-            raise NotARunStoreError(
-                f"`{argument}`={str(path)!r} is an SQLite database of something else (its "
-                f"tables: {', '.join(others[:5])}{', ...' if len(others) > 5 else ''}), not a "
-                "gradflow run store; gradflow leaves it alone. Give a new file name, e.g. "
-                "'runs.db'."
-            )
+        raise NotARunStoreError(
+            f"`{argument}`={str(path)!r} is not a gradflow run store (an SQLite file): "
+            f"it starts with {head[:8]!r}. Give a new file name, e.g. 'runs.db'."
+        )
+    others = [] if not names or "runs" in names else names
+    if others:
+        # The store would have added its tables beside them, silently.
+        raise NotARunStoreError(
+            f"`{argument}`={str(path)!r} is an SQLite database of something else (its "
+            f"tables: {', '.join(others[:5])}{', ...' if len(others) > 5 else ''}), not a "
+            "gradflow run store; gradflow leaves it alone. Give a new file name, e.g. "
+            "'runs.db'."
+        )
 
 
-def _tables_of_another_kind(path):
-    """The tables of an SQLite file that holds tables but no gradflow runs, else []."""
+def _tables_in(path):
+    """The table names of the SQLite file at `path`, or None if it is not one.
+
+    Other SQLite errors (a locked or unreadable file) give [] here: the
+    store's own opening says what is wrong with it.
+    """
     try:
         conn = sqlite3.connect(f"{pathlib.Path(path).resolve().as_uri()}?mode=ro", uri=True)
         try:
-            names = [
+            return [
                 row[0]
                 for row in conn.execute(
                     "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name"
@@ -730,9 +768,12 @@ def _tables_of_another_kind(path):
             ]
         finally:
             conn.close()
+    except sqlite3.DatabaseError as error:
+        if "not a database" in str(error):
+            return None
+        return []
     except sqlite3.Error:
-        return []  # The store's own opening says what is wrong with it.
-    return [] if not names or "runs" in names else names
+        return []
 
 
 def _newer_than(where, params, after_step, column="step"):

@@ -184,6 +184,11 @@ def connect(path):
 
     conn = sqlite3.connect(str(path), timeout=30.0, isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA busy_timeout = 30000")
+    # Before WAL, which writes the file's first page: a new store is made
+    # with incremental auto-vacuum, so that deleting a run gives its space
+    # back (`RunStore.delete`). On an older store this only takes effect at
+    # the next VACUUM (`RunStore.compact`).
+    conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
     conn.execute("PRAGMA journal_mode = WAL")
     conn.execute("PRAGMA synchronous = NORMAL")
     return conn

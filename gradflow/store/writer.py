@@ -423,7 +423,8 @@ class RunWriter:
                 conn.execute("UPDATE runs SET heartbeat_at = ? WHERE id = ?", (now, self._run))
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # SQLite may have ended it already; keep its error
+                conn.execute("ROLLBACK")
             raise
 
     def _maybe_flush(self):
