@@ -426,6 +426,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self._watch_for_the_next_fit()
         _close_fits_that_ended_in_an_error(self)
         _IN_A_FIT[self] = threading.get_ident()
+        _close_at_each_notebook_cells_end()
         self._clipping = not self._plan.probing and clipping_optimizer(model.optimizer) is not None
         # `_last_step` and `_final_step` count as the optimizer does (the
         # ring's steps); every step this monitor reports adds `_step_offset`.
@@ -613,7 +614,7 @@ class GradientMonitor(keras.callbacks.Callback):
             if force:
                 return type(model).make_train_function(model, force=True)
             model.__dict__.pop("make_train_function", None)
-            self._abandon(RuntimeError(_ENDED_OUTSIDE_THE_STEP))
+            self._abandon(_how_fit_ended(model))
             return model.make_train_function(force=force)
 
         object.__setattr__(model, "make_train_function", make_train_function)
@@ -1047,7 +1048,60 @@ def _close_fits_that_ended_in_an_error(starting):
     for monitor in others:
         if id(monitor.model) not in running:
             with contextlib.suppress(Exception):  # the new fit must not fail for it
-                monitor._abandon(RuntimeError(_ENDED_OUTSIDE_THE_STEP))
+                monitor._abandon(_how_fit_ended(monitor.model))
+
+
+def _how_fit_ended(model, error=None):
+    """The error that ended `model`'s last `fit`, as far as can be told.
+
+    `error` (or else the last error the interpreter, or IPython, reported:
+    `sys.last_value`) if its traceback passes through that model's `fit`:
+    a Ctrl-C that landed between two steps is told as an interruption, not
+    as a failure. Otherwise a generic error outside the train step.
+    """
+    if error is None:
+        error = getattr(sys, "last_value", None)
+    frames = getattr(error, "__traceback__", None)
+    while frames is not None:
+        code, scope = frames.tb_frame.f_code, frames.tb_frame.f_locals
+        if code.co_name == "fit" and scope.get("self") is model:
+            return error
+        frames = frames.tb_next
+    return RuntimeError(_ENDED_OUTSIDE_THE_STEP)
+
+
+_CELL_HOOK = []  # the IPython shell whose cells are watched, once registered
+
+
+def _close_at_each_notebook_cells_end():
+    """In a notebook (IPython), close the runs of fits that a cell's error ended, as the cell ends.
+
+    A Ctrl-C (the notebook's Interrupt button) most often lands between
+    two steps, in Keras's own code, where no callback sees it: the run read
+    "running" in the dashboard, whose Stop then did nothing, until the next
+    `fit` or the kernel's exit. IPython says when a cell ends and with what
+    error (`post_run_cell`); a monitor whose `fit` is no longer running is
+    closed then, "interrupted" for a KeyboardInterrupt.
+    """
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None or shell in _CELL_HOOK:
+        return
+
+    def after_cell(result):
+        thread = threading.get_ident()
+        open_here = [m for m, t in list(_IN_A_FIT.items()) if t == thread]
+        if not open_here:
+            return
+        running = _models_in_a_fit_now()
+        error = getattr(result, "error_in_exec", None)
+        for monitor in open_here:
+            if id(monitor.model) not in running:
+                with contextlib.suppress(Exception):  # the notebook must not fail for it
+                    monitor._abandon(_how_fit_ended(monitor.model, error))
+
+    shell.events.register("post_run_cell", after_cell)
+    _CELL_HOOK.append(shell)
 
 
 @atexit.register
