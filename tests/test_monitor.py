@@ -10,6 +10,7 @@ import functools
 
 import keras
 import numpy as np
+import pandas as pd
 import pytest
 import tensorflow as tf
 
@@ -381,6 +382,20 @@ def test_histograms_count_every_finite_entry():
     activation = frame.query("layer == 'd0' and tensor == 'activation'")["counts"].iloc[0]
     assert len(kernel) == schema.HISTOGRAM_BINS
     assert kernel.sum() == 15 and activation.sum() == 20
+
+
+def test_the_monitors_own_histograms_draw_as_the_stored_ones_do(tmp_path):
+    """Without a store, `histogram_rows` was the only way to the histograms,
+    and `histogram_heatmap` refused it (missing columns b0..b33)."""
+    from gradflow import figures
+    from gradflow.store import RunStore
+
+    store = RunStore(tmp_path / "runs.db")
+    monitor = fit_history(histograms=True, store=store)
+    own = figures.histogram_heatmap(monitor.histogram_rows, "d0")
+    stored = figures.histogram_heatmap(store.histograms(monitor.run_id), "d0")
+    pd.testing.assert_frame_equal(own.data, stored.data)
+    assert len(own.data) and own.data.equals(stored.data)
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,9 @@ BIN_COLUMNS = tuple(f"b{i}" for i in range(schema.HISTOGRAM_BINS))
 def histogram_counts(histograms, layer, tensor):
     """Counts of one layer and tensor as `(steps, counts[steps, bins])`.
 
-    Accepts the wide layout (`step, layer, layer_index, tensor, b0..b33`) or
-    the long one (`step, layer, layer_index, tensor, bin, count`). Rows of
+    Accepts the wide layout (`step, layer, layer_index, tensor, b0..b33`),
+    the long one (`step, layer, layer_index, tensor, bin, count`) or
+    `GradientMonitor.histogram_rows` (an array of `counts` per row). Rows of
     the same step (several variables of one kind) are added.
 
     Raises:
@@ -29,12 +30,15 @@ def histogram_counts(histograms, layer, tensor):
             f"`histograms` must be a pandas DataFrame, got {type(histograms).__name__}."
         )
     long_layout = {"bin", "count"} <= set(histograms.columns)
-    needed = ["step", "layer", "tensor"] + ([] if long_layout else list(BIN_COLUMNS))
+    # `GradientMonitor.histogram_rows`: one array of counts per row.
+    array_layout = "counts" in histograms.columns and BIN_COLUMNS[0] not in histograms.columns
+    needed = ["step", "layer", "tensor"]
+    needed += [] if long_layout or array_layout else list(BIN_COLUMNS)
     missing = [c for c in needed if c not in histograms.columns]
     if missing:
         raise ValueError(
             f"`histograms` is missing the columns {missing[:5]}; expected step, layer, tensor and "
-            f"either b0..b{schema.HISTOGRAM_BINS - 1} or bin, count."
+            f"either b0..b{schema.HISTOGRAM_BINS - 1}, bin and count, or counts."
         )
     if histograms.empty:
         return np.array([], dtype=np.int64), np.zeros((0, schema.HISTOGRAM_BINS))
@@ -53,6 +57,9 @@ def histogram_counts(histograms, layer, tensor):
             index="step", columns="bin", values="count", aggfunc="sum", fill_value=0
         )
         wide = wide.reindex(columns=range(schema.HISTOGRAM_BINS), fill_value=0)
+    elif array_layout:
+        counts = np.stack([np.asarray(c, dtype=np.float64) for c in rows["counts"]])
+        wide = pd.DataFrame(counts, index=rows["step"].to_numpy()).groupby(level=0).sum()
     else:
         wide = rows.groupby("step")[list(BIN_COLUMNS)].sum()
     return wide.index.to_numpy(dtype=np.int64), wide.to_numpy(dtype=np.float64)
