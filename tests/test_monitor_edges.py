@@ -1171,3 +1171,29 @@ def test_a_fit_inside_another_fits_callback_leaves_that_one_running(tmp_path):
         range(1, N // BATCH + 1)
     )
     assert store.run_info(inner.run_id)["status"] == "completed"
+
+
+def test_a_store_it_cannot_write_is_named_and_the_model_is_left_as_it_was(tmp_path, monkeypatch):
+    """A read-only store ended `fit` with SQLite's "attempt to write a readonly
+    database", naming neither the argument nor the file."""
+    import sqlite3
+
+    x, y = data()
+    model = classifier(seed=0)
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    path = tmp_path / "shared.db"
+    RunStore(path)  # someone else's store, which this program may read only
+
+    def read_only(*args, **kwargs):
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+
+    # (As root, file permissions do not stop a write: SQLite's error is made here.)
+    monkeypatch.setattr(RunStore, "create_run", read_only)
+    monitor = GradientMonitor(store=str(path))
+    with pytest.raises(
+        RuntimeError, match=r"could not write to its `store` '.*shared\.db'.*readonly"
+    ):
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+    assert "train_step" not in model.__dict__
+    history = model.fit(x, y, batch_size=BATCH, verbose=0)  # a plain fit after it
+    assert np.isfinite(history.history["loss"][-1])

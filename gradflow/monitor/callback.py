@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import math
 import os
+import sqlite3
 import sys
 import threading
 import time
@@ -449,7 +450,18 @@ class GradientMonitor(keras.callbacks.Callback):
         self._loss_scaled = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
         self._overflows_seen, self._overflow_step = self._overflows(), self._current_step()
         if self._is_chief:
-            self._open_store()
+            try:
+                self._open_store()
+            except sqlite3.Error as error:
+                # SQLite's words ("attempt to write a readonly database") name
+                # neither the argument nor the file; `fit` ends here.
+                self._abandon(error)
+                raise RuntimeError(
+                    f"GradientMonitor could not write to its `store` "
+                    f"{str(getattr(self._store, 'path', self._store))!r}: {error}. Give `store` "
+                    "a file this program can write (or leave `store` out to keep the "
+                    "statistics in `.history` only)."
+                ) from error
             if self.tensorboard_dir is not None:
                 self._summaries = SummaryWriter(self.tensorboard_dir)
 
