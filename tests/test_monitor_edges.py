@@ -1197,3 +1197,20 @@ def test_a_store_it_cannot_write_is_named_and_the_model_is_left_as_it_was(tmp_pa
     assert "train_step" not in model.__dict__
     history = model.fit(x, y, batch_size=BATCH, verbose=0)  # a plain fit after it
     assert np.isfinite(history.history["loss"][-1])
+
+
+def test_given_to_evaluate_or_predict_it_says_it_records_only_fit():
+    x, y = data()
+    model = classifier(seed=0)
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    monitor = GradientMonitor()
+    with pytest.warns(UserWarning, match="`evaluate` computes no gradients"):
+        model.evaluate(x, y, verbose=0, callbacks=[monitor])
+    with pytest.warns(UserWarning, match="`predict` computes no gradients"):
+        model.predict(x, verbose=0, callbacks=[monitor])
+    # Not in fit's own validation.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=BATCH, validation_data=(x, y), verbose=0, callbacks=[monitor])
+    assert not [w for w in caught if "records training steps only" in str(w.message)]
+    assert monitor.history["step"].max() > 0

@@ -532,6 +532,21 @@ class GradientMonitor(keras.callbacks.Callback):
                 if self._created_run and self._store is not None:
                     self._store.set_total_steps(self.run_id, self._final_numbered_step())
 
+    def on_test_begin(self, logs=None):
+        # `fit` runs its validation through `evaluate` with the same callbacks.
+        if _IN_A_FIT.get(self) != threading.get_ident():
+            self._records_only_fit("evaluate")
+
+    def on_predict_begin(self, logs=None):
+        self._records_only_fit("predict")
+
+    def _records_only_fit(self, method):
+        warn_user(
+            f"GradientMonitor records training steps only: `{method}` computes no gradients, "
+            f"so it records nothing. Give it to `fit` (or use `gradflow.snapshot` for the "
+            "gradients of one batch)."
+        )
+
     def on_epoch_end(self, epoch, logs=None):
         self._collect()
         # Validation results belong to the last step of the epoch.
