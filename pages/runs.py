@@ -6,7 +6,7 @@ from gradflow.store.tables import ACTIVE_STATUSES
 from gradflow.ui import resources
 from gradflow.ui.charts import plain_markdown
 from gradflow.ui.live import show_on_live_page
-from gradflow.ui.runs_table import run_labels, run_picker, runs_table
+from gradflow.ui.runs_table import delete_several, run_labels, run_picker, runs_table
 
 st.title("Runs")
 st.caption(
@@ -57,3 +57,5 @@ if st.session_state.get("runs.confirm_delete") == chosen:
     if no.button("Cancel"):
         st.session_state.pop("runs.confirm_delete")
         st.rerun()
+
+delete_several(store, runs, labels)

@@ -135,6 +135,32 @@ def test_the_runs_page_deletes_a_finished_run_and_stops_a_training_one(page_envi
     assert training in store.runs()["run_id"].tolist()
 
 
+def test_the_runs_page_deletes_every_failed_run_at_once_and_no_training_one(page_environment):
+    """A term's store held 293 runs, and the page deleted one at a time, with a question each."""
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    [store.create_run({}, name=f"broken {i}", status="failed") for i in range(3)]
+    kept = store.create_run({}, name="the good one", status="completed")
+    training = store.create_run({}, name="still training", status="running")
+    runs = store.runs()  # (this module's pages share one store)
+    failed = sorted(runs.loc[runs["status"] == "failed", "run_id"])
+    app = run_page("runs.py")
+    status = next(m for m in app.multiselect if m.label == "Only runs that are")
+    assert "failed" in status.options and "running" not in status.options
+    status.set_value(["failed"]).run()
+    next(b for b in app.button if b.label == f"Pick all {len(failed)} shown").click().run()
+    picker = next(m for m in app.multiselect if m.label == "Runs to delete")
+    assert sorted(picker.value) == failed and training not in picker.options
+    next(b for b in app.button if b.label == f"Delete {len(failed)} runs").click().run()
+    assert set(failed) <= set(store.runs()["run_id"])  # asked first
+    next(b for b in app.button if b.label == "Yes, delete them").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    left = set(store.runs()["run_id"])
+    assert not left & set(failed) and {kept, training} <= left
+    assert next(m for m in app.multiselect if m.label == "Runs to delete").value == []
+
+
 def test_a_renamed_run_stays_the_one_picked(page_environment):
     """After Rename the picker jumped to the first run, and the next Delete asked to delete it."""
     from gradflow.store import RunStore

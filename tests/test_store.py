@@ -354,6 +354,15 @@ def test_a_failed_write_says_what_failed_not_that_it_could_not_roll_back(store):
     store.create_run({}, name="after")  # the connection is usable again
 
 
+def test_several_runs_are_deleted_together_or_not_at_all(store):
+    first, second, third = (store.create_run({}, name=n) for n in ("a", "b", "c"))
+    with pytest.raises(UnknownRunError, match="0123456789ab"):
+        store.delete(first, "0123456789ab")
+    assert len(store.runs()) == 3
+    store.delete(first, third)
+    assert store.runs()["run_id"].tolist() == [second]
+
+
 def _write_long_run(store, steps=3_000):
     run_id = store.create_run({})
     with store.writer(run_id) as w:

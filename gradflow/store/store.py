@@ -293,15 +293,29 @@ class RunStore:
         """
         self._update(run_id, "tags", json.dumps(_check_tags(tags)))
 
-    def delete(self, run_id):
-        """Deletes a run and all its rows."""
-        key = self._key(run_id)
+    def delete(self, run_id, *more):
+        """Deletes runs and all their rows, in one transaction.
+
+        Args:
+            run_id: The run to delete.
+            *more: Other runs to delete with it (a teacher's end-of-term
+                clean-up): all or none are deleted.
+        """
+        keys = [self._key(run) for run in (run_id, *more)]
         conn = self._conn()
         conn.execute("BEGIN IMMEDIATE")
         try:
-            for table in ("layer_stats", "series", "metrics", "events", "histograms", "requests"):
-                conn.execute(f"DELETE FROM {table} WHERE run = ?", (key,))
-            conn.execute("DELETE FROM runs WHERE id = ?", (key,))
+            for key in keys:
+                for table in (
+                    "layer_stats",
+                    "series",
+                    "metrics",
+                    "events",
+                    "histograms",
+                    "requests",
+                ):
+                    conn.execute(f"DELETE FROM {table} WHERE run = ?", (key,))
+                conn.execute("DELETE FROM runs WHERE id = ?", (key,))
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:  # SQLite may have ended it already; keep its error

@@ -96,6 +96,69 @@ def run_picker(labels):
     return st.selectbox("Run", list(labels), format_func=labels.get, key=key, on_change=picked)
 
 
+def delete_several(store, runs, labels):
+    """The Runs page's "Delete several runs": a teacher's clean-up at a term's end.
+
+    Only runs that have ended can be picked (a training run keeps writing).
+    A status box narrows the list, and one button picks every run it shows,
+    so 200 failed or interrupted runs are two clicks, not 200. The runs are
+    picked by id, not by their place in the table, which new runs shift.
+
+    Args:
+        store: The `RunStore`.
+        runs: `store.runs()` as the page read it.
+        labels: `run_labels(runs)`.
+    """
+    ended = runs[~runs["status"].isin(ACTIVE_STATUSES)]
+    with st.expander(f"Delete several runs ({len(ended)} have ended)"):
+        if ended.empty:
+            st.caption("Runs can be deleted once they have ended.")
+            return
+        statuses = st.multiselect(
+            "Only runs that are",
+            sorted(ended["status"].unique()),
+            key=_BULK + "status",
+            placeholder="any status",
+        )
+        shown = ended[ended["status"].isin(statuses)] if statuses else ended
+        options = shown["run_id"].tolist()
+        key = _BULK + "runs"
+        # Runs deleted or restarted since they were picked leave the box.
+        st.session_state[key] = [r for r in st.session_state.get(key, []) if r in labels]
+        if st.button(f"Pick all {len(options)} shown", key=_BULK + "all"):
+            st.session_state[key] = list(dict.fromkeys(st.session_state[key] + options))
+        picked = st.multiselect(
+            "Runs to delete",
+            list(dict.fromkeys(st.session_state[key] + options)),
+            format_func=labels.get,
+            key=key,
+            placeholder="type a name, a status or an id",
+        )
+        if not picked:
+            return
+        if st.button(f"Delete {len(picked)} runs", key=_BULK + "delete", type="primary"):
+            st.session_state[_BULK + "confirm"] = tuple(picked)
+        if st.session_state.get(_BULK + "confirm") != tuple(picked):
+            return
+        st.warning(f"Delete these {len(picked)} runs and all their data? This cannot be undone.")
+        yes, no = st.columns(2)
+        if yes.button("Yes, delete them", key=_BULK + "yes"):
+            st.session_state.pop(_BULK + "confirm")
+            restarted = [r for r in picked if store.status(r) in ACTIVE_STATUSES]
+            if restarted:  # a run started again since it was picked
+                st.error(
+                    f"{len(restarted)} of them are training again: stop them first. "
+                    "Nothing was deleted."
+                )
+                return
+            store.delete(*picked)
+            st.rerun()  # (the box lets go of deleted runs as the page runs again)
+        if no.button("Cancel", key=_BULK + "no"):
+            st.session_state.pop(_BULK + "confirm")
+            st.rerun()
+
+
+_BULK = "runs.bulk."
 _PICKER = "runs.picker."
 _SELECTED = "runs.selected"  # the run id the box shows
 _PICKED = "runs.picked"  # whether the user chose it (else the newest run is shown)
