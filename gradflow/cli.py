@@ -157,6 +157,13 @@ def _build_parser():
         help="address to listen on, default 127.0.0.1 (this machine only); "
         "0.0.0.0 serves a classroom network (put it behind an authenticating proxy, see SECURITY.md)",
     )
+    serve.add_argument(
+        "--base-url-path",
+        default=None,
+        metavar="PATH",
+        help="serve under http://ADDRESS:PORT/PATH/ (Streamlit's server.baseUrlPath), for a "
+        "reverse proxy that passes the path on; one that strips it needs nothing",
+    )
     _add_db_flag(serve)
     serve.set_defaults(handler=_serve)
     return parser
@@ -518,7 +525,15 @@ def _serve(args):
         "--server.headless",
         "true",
     ]
-    print(f"gradflow: dashboard at http://{args.address}:{args.port} ({' '.join(command)})")
+    base = args.base_url_path
+    if base is not None:
+        command += ["--server.baseUrlPath", base.strip("/")]
+    else:  # Streamlit reads it from the environment too
+        base = environment.get("STREAMLIT_SERVER_BASE_URL_PATH", "")
+    where = f"http://{args.address}:{args.port}" + (
+        f"/{base.strip('/')}/" if base.strip("/") else ""
+    )
+    print(f"gradflow: dashboard at {where} ({' '.join(command)})")
     sys.stdout.flush()
     # Pages are found relative to app.py, so streamlit runs from its folder.
     os.chdir(app.parent)

@@ -55,7 +55,7 @@ def board(tmp_path):
     boards = []
 
     def make(manager, interval=0.05):
-        boards.append(RunBoard(manager, tmp_path, url="/app/static/gradflow/", interval=interval))
+        boards.append(RunBoard(manager, tmp_path, url="app/static/gradflow/", interval=interval))
         return boards[-1]
 
     yield make
@@ -66,7 +66,7 @@ def board(tmp_path):
 def test_the_board_lists_keyed_digests_of_the_queue_and_follows_it(board):
     manager = FakeManager(["run-a", "run-b"])
     published = board(manager)
-    assert published.url == f"/app/static/gradflow/{published.name}"
+    assert published.url == f"app/static/gradflow/{published.name}"  # from the app's root
     assert re.fullmatch(r"board-\d+-[0-9a-f]{16}\.json", published.name)
     content = read_board(published)
     assert content == {

@@ -451,3 +451,51 @@ def _open_drawn_page(chromium, url, init_script=None, artifacts=None):
         context.close()
         raise
     return context, page, fetched
+
+
+def test_behind_a_proxy_that_strips_its_prefix_the_live_charts_draw(
+    chromium, tmp_path, artifacts_dir
+):
+    """nginx's `location /school/ { proxy_pass http://127.0.0.1:8501/; }`: the
+    server cannot know the prefix, and the page asked for
+    /app/static/gradflow/live_chart.js outside it (404): every live chart showed
+    "Failed to fetch dynamically imported module" instead of a heatmap."""
+    import subprocess
+    import sys
+
+    from tests.browser import free_port, wait_healthy
+
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run({"depth": 8}, name="behind a proxy", status="running")
+    with store.writer(run_id) as writer:
+        writer.add_layer_stats(synthetic_steps(1, 40))
+        writer.progress(40)
+    store.set_status(run_id, "completed")
+    with streamlit_server(
+        tmp_path / "runs.db",
+        extra_env={"GRADFLOW_PREWARM": "0"},
+        log_path=artifacts_dir / "live-chart-proxy-server.log",
+    ) as (url, _):
+        port, upstream = free_port(), url.rsplit(":", 1)[1]
+        proxy = subprocess.Popen(
+            [sys.executable, str(pathlib.Path(__file__).with_name("proxy.py")), str(port), upstream]
+            + ["school"],
+            start_new_session=True,
+        )
+        try:
+            school = f"http://127.0.0.1:{port}/school"
+            wait_healthy(school, process=proxy)
+            context, page, fetched = _open_drawn_page(
+                chromium, f"{school}/?run={run_id}", artifacts=artifacts_dir / "live-chart-proxy"
+            )
+            try:
+                page.wait_for_function(f"() => ({HEATMAP_WIDTHS})().length >= 2", timeout=60_000)
+                assert page.evaluate(HEATMAP_WIDTHS) == [40, 40]
+                assert fetched and all(r.status == 200 for r in fetched)
+                assert all(r.url.startswith(f"{school}{STATIC}") for r in fetched)
+                assert page.locator("[data-testid='stException']").count() == 0
+            finally:
+                context.close()
+        finally:
+            proxy.terminate()
+            proxy.wait(timeout=30)

@@ -192,6 +192,21 @@ def test_serve_runs_streamlit_on_the_repository_app(monkeypatch, tmp_path):
     assert env["GRADFLOW_DB"] == str((tmp_path / "r.db").resolve())
 
 
+def test_serve_under_a_path_prefix_says_where(monkeypatch, capsys):
+    """`--server.baseUrlPath` was refused, and with Streamlit's environment variable
+    the printed address was the root, a 404."""
+    calls = []
+    monkeypatch.setattr(cli.os, "chdir", lambda folder: None)
+    monkeypatch.setattr(cli.os, "execve", lambda path, command, env: calls.append(command))
+    cli.main(["serve", "--port", "8600", "--base-url-path", "/gradflow/"])
+    assert calls[0][calls[0].index("--server.baseUrlPath") + 1] == "gradflow"
+    assert "dashboard at http://127.0.0.1:8600/gradflow/ " in capsys.readouterr().out
+    monkeypatch.setenv("STREAMLIT_SERVER_BASE_URL_PATH", "school")
+    cli.main(["serve", "--port", "8600"])
+    assert "--server.baseUrlPath" not in calls[1]
+    assert "dashboard at http://127.0.0.1:8600/school/ " in capsys.readouterr().out
+
+
 def test_a_sigterm_to_gradflow_serve_stops_the_dashboard(tmp_path):
     """The server went on serving the port, re-parented, after `kill <gradflow pid>`."""
     import signal

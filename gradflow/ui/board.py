@@ -162,6 +162,8 @@ def _remove_boards_of_dead_servers(folder):
 # call starts a generation and an older loop stops at its next look; the
 # cleanup runs once, when the element goes.
 _WATCH_JS = """export default function ({ data, parentElement, setTriggerValue }) {
+  const root = (APP_ROOT)();  // data.url is relative to the app's root
+  const at = (path) => { try { return new URL(path, root).href; } catch (error) { return path; } };
   const box = parentElement.host ?? parentElement;
   const line = parentElement.querySelector("span");
   if (data.run === null) box.closest?.('[data-testid="stElementContainer"]')?.style.setProperty("display", "none");
@@ -183,7 +185,7 @@ _WATCH_JS = """export default function ({ data, parentElement, setTriggerValue }
     wait = data.every_ms;
     try {
       // A look that hangs (a starved browser or server) must not stop the watch.
-      const response = await fetch(data.url, { cache: "no-store", signal: AbortSignal.timeout(data.every_ms * 10) });
+      const response = await fetch(at(data.url), { cache: "no-store", signal: AbortSignal.timeout(data.every_ms * 10) });
       if (!response.ok) throw new Error(`${response.status}`);
       const board = await response.json();
       failed = 0;
@@ -215,7 +217,7 @@ _WATCH_JS = """export default function ({ data, parentElement, setTriggerValue }
     box.gradflowBoardGone = true;
     clearTimeout(box.gradflowBoardTimer);
   };
-}"""
+}""".replace("APP_ROOT", live_chart.APP_ROOT_JS)
 
 
 @functools.cache

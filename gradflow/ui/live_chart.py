@@ -29,9 +29,12 @@ Plotly.js and the component's module are served as app static files
 package into `static/gradflow/` beside `app.py` when the server starts,
 with Plotly.js also gzipped once there (`plotly.min.js.gz`). Where static serving
 is off or the copy failed, `show_live_chart` falls back to
-`st.plotly_chart`, which works, at the old cost. The files' URLs start with
-`server.baseUrlPath`: a reverse proxy that serves the dashboard under a path
-prefix needs that option set to the prefix.
+`st.plotly_chart`, which works, at the old cost. The files' URLs are
+resolved in the browser against the app's root as the page was reached
+(`APP_ROOT_JS`): under `server.baseUrlPath`, and behind a reverse proxy that
+serves the dashboard under a path prefix and strips it (nginx's
+`location /gradflow/ { proxy_pass http://127.0.0.1:8501/; }`), where the
+server cannot know the prefix.
 
 Why the `.gz` (issue #7): Streamlit 1.67 (Starlette) gzips every app static
 response anew, in the event loop, 64 KiB at a time; `plotly.min.js` cost the
@@ -117,9 +120,19 @@ _CONFIG = {**figures.PLOTLY_CONFIG, "responsive": True}
 _SENT = "live_chart.sent."
 _LOG = logging.getLogger(__name__)
 
+# The app's root as the browser reaches it: Streamlit loads its own bundle
+# relative to it ("./static/js/..."), so the bundle's address carries every
+# path prefix in front of the app, also one a reverse proxy strips before the
+# server (which then cannot know it: `server.baseUrlPath` is empty there).
+APP_ROOT_JS = """() => {
+  const own = document.querySelector('script[src*="/static/js/index."]');
+  return own ? own.src.slice(0, own.src.lastIndexOf("static/js/")) : `${window.location.origin}/`;
+}"""
+
 # Kept tiny: Streamlit sends a component's inline JavaScript with every update.
 _LOADER = """export default function (component) {
-  const url = (path) => new URL(path, window.location.origin).href;
+  const root = (%(root)s)();
+  const url = (path) => new URL(path, root).href;
   return import(url(%(module)s))
     .then((module) => module.render(component, url(%(plotly)s), url(%(plotly_gz)s)));
 }"""
@@ -195,14 +208,13 @@ def published_folder():
     return _Assets.folder if available() else None
 
 
-def static_url(name="", base_url_path=None):
-    """The URL path of `name` in the published static folder (no version)."""
-    if base_url_path is None:
-        base_url_path = st.get_option("server.baseUrlPath")
-    path = "/".join(
-        p for p in (base_url_path.strip("/"), "app", STATIC_FOLDER.as_posix(), name) if p
-    )
-    return f"/{path}"
+def static_url(name=""):
+    """The URL of `name` in the published static folder, relative to the app's root (no version).
+
+    The browser resolves it against `APP_ROOT_JS`: `server.baseUrlPath`, and
+    any prefix a proxy strips, are already in the page's own address.
+    """
+    return "/".join(p for p in ("app", STATIC_FOLDER.as_posix(), name) if p)
 
 
 def available():
@@ -211,17 +223,18 @@ def available():
 
 
 @functools.cache
-def _component(base_url_path, versions):
+def _component(versions):
     def url(name):
         # Without a publish_assets call (a page run on its own, as in AppTest)
         # the URL has no version; nothing is fetched there anyway.
         version = dict(versions).get(name)
-        return repr(static_url(name, base_url_path) + (f"?v={version}" if version else ""))
+        return repr(static_url(name) + (f"?v={version}" if version else ""))
 
     return st.components.v2.component(
         "gradflow.live_chart",
         js=_LOADER
         % {
+            "root": APP_ROOT_JS,
             "module": url("live_chart.js"),
             "plotly": url("plotly.min.js"),
             "plotly_gz": url("plotly.min.js.gz"),
@@ -262,7 +275,7 @@ def show_live_chart(chart, key, exports=True, run=None):
     update, sent = figure_update(chart.figure, st.session_state.get(sent_key), config=_CONFIG)
     update["key"] = key
     versions = tuple(sorted((_Assets.versions or {}).items()))
-    _component(st.get_option("server.baseUrlPath"), versions)(
+    _component(versions)(
         key=f"{key}.plot",
         data=update,
         on_resend_change=functools.partial(forget, key),
