@@ -124,6 +124,27 @@ def test_the_javascript_applies_updates_exactly_and_asks_again_when_it_holds_ano
         page.close()
 
 
+@pytest.mark.parametrize("touch", [True, False])
+def test_on_a_touch_screen_a_swipe_does_not_zoom_a_live_chart(chromium, touch):
+    """A swipe meant to scroll a phone's page zoomed the heatmap to a few layers,
+    and the zoom stayed through the live updates."""
+    context = chromium.new_context(has_touch=touch, is_mobile=touch)
+    page = context.new_page()
+    try:
+        page.set_content("<html><body></body></html>")
+        assert page.evaluate("matchMedia('(pointer: coarse)').matches") == touch
+        page.evaluate(SETUP, MODULE.read_text())
+        update, _ = figure_update(live_heatmap(run_rows(1, 5)).figure)
+        update["key"] = "live.max"
+        page.evaluate(RENDER, [update, "phone", PLOTLY_STUB])
+        dragmode = page.evaluate(
+            "() => document.querySelector('#phone .gradflow-live-chart').layout.dragmode"
+        )
+        assert dragmode is (False if touch else None)
+    finally:
+        context.close()
+
+
 def test_a_heatmap_wider_than_its_plot_keeps_a_one_step_spike(chromium):
     """Plotly skips the heatmap columns narrower than a pixel, which ones
     depending on the width: a one-step spike the server's max per block kept

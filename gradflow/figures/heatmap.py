@@ -219,7 +219,7 @@ def heatmap(
     description = (
         f"Heatmap of {statistic} of the {tensor} gradients: one row per layer (input at the "
         "bottom), one column per step, colour on a log10 scale. Exact zeros (a dead layer) take "
-        "the bottom colour; hover a cell for its value. Blank cells with a black x are NaN, with "
+        "the bottom colour; hover over or tap a cell for its value. Blank cells with a black x are NaN, with "
         "a triangle Inf."
     )
     if layer_grid.values.size == 0:

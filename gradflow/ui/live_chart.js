@@ -89,6 +89,12 @@ function apply(state, update) {
   return next;
 }
 
+// On a touch screen a one-finger swipe over a chart zoomed it (Plotly's
+// default drag), and the zoom stayed through the live updates: a student who
+// meant to scroll the page lost sight of the layers where gradients vanish.
+// A tap still shows a value and a double tap resets; nothing drags.
+const TOUCH = typeof matchMedia === "function" && matchMedia("(pointer: coarse)").matches;
+
 function figure(state) {
   const data = state.traces.map((trace) => ({ ...trace }));
   for (const [name, values] of Object.entries(state.arrays)) {
@@ -97,7 +103,9 @@ function figure(state) {
     if (trace) trace[name.slice(dot + 1)] = values;
   }
   // New array objects every time, and datarevision: Plotly.react redraws.
-  return { data, layout: { ...state.layout, datarevision: state.revision }, config: state.config };
+  const layout = { ...state.layout, datarevision: state.revision };
+  if (TOUCH) layout.dragmode = false;
+  return { data, layout, config: state.config };
 }
 
 // Ask the server for the whole figure (the page holds `revision`, and an
