@@ -145,6 +145,40 @@ def test_on_a_touch_screen_a_swipe_does_not_zoom_a_live_chart(chromium, touch):
         context.close()
 
 
+def test_compared_heatmaps_stand_one_per_row_on_a_phone(chromium):
+    """On a 412 px phone the Compare page's two heatmaps got about 60 px each,
+    and the runs' titles were printed over each other."""
+    from gradflow import figures
+
+    chart = figures.compare_heatmaps({"relu": run_rows(1, 30), "sigmoid": run_rows(1, 30, seed=3)})
+    update, _ = figure_update(chart.figure)
+    update["key"] = "compare.heatmaps"
+    page = chromium.new_page(viewport={"width": 1300, "height": 900})
+    try:
+        page.set_content(
+            "<html><body><div id='phone' style='width:380px'></div>"
+            "<div id='desk' style='width:1200px'></div></body></html>"
+        )
+        page.evaluate(SETUP, MODULE.read_text())
+        drawn = {}
+        for host in ("phone", "desk"):
+            page.evaluate(RENDER, [update, host, PLOTLY_STUB])
+            drawn[host] = page.evaluate(
+                """(host) => { const l = document.querySelector(`#${host} .gradflow-live-chart`).layout;
+                  return {x2: l.xaxis2.domain, y: l.yaxis.domain, y2: l.yaxis2.domain, height: l.height,
+                          titles: l.annotations.map(a => [a.text, a.x, a.y])}; }""",
+                host,
+            )
+        desk, phone = drawn["desk"], drawn["phone"]
+        assert desk["x2"] == [0.525, 1.0] and desk["y2"] == [0.0, 1.0]
+        assert phone["x2"] == [0.0, 1.0] and phone["y"][0] > phone["y2"][1]  # relu above sigmoid
+        assert phone["height"] == 2 * desk["height"]
+        assert [t[0] for t in phone["titles"]] == ["relu", "sigmoid"]
+        assert phone["titles"][0][2] > phone["titles"][1][2]  # the titles no longer meet
+    finally:
+        page.close()
+
+
 def test_a_heatmap_wider_than_its_plot_keeps_a_one_step_spike(chromium):
     """Plotly skips the heatmap columns narrower than a pixel, which ones
     depending on the width: a one-step spike the server's max per block kept

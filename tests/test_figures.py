@@ -814,3 +814,18 @@ def test_compared_heatmaps_say_which_end_of_the_layer_axis_is_the_input():
     stats = _deep_run(4)
     figure = figures.compare_heatmaps({"relu": stats, "sigmoid": stats}, "max_abs").figure
     assert figure.layout.yaxis.title.text == "layer (input at the bottom)"
+
+
+def test_compared_heatmaps_carry_a_one_per_row_layout_for_narrow_screens():
+    stats = _deep_run(4)
+    runs = {"relu": stats, "sigmoid": stats, "tanh": stats}
+    wide = figures.compare_heatmaps(runs, "max_abs").figure
+    stacked = figures.compare_heatmaps(runs, "max_abs", columns=1).figure
+    narrow = wide.layout.meta["gradflow_narrow"]
+    assert wide.layout.meta["gradflow_columns"] == 3 and stacked.layout.meta is None
+    assert [t.xaxis for t in wide.data] == [t.xaxis for t in stacked.data]  # same axes
+    for name in ("xaxis", "xaxis3", "yaxis2", "yaxis3"):
+        assert narrow[name]["domain"] == list(stacked.layout[name].domain)
+    assert narrow["height"] == stacked.layout.height == 3 * wide.layout.height
+    with pytest.raises(ValueError, match="`columns` must be a positive integer or None, got 0"):
+        figures.compare_heatmaps(runs, columns=0)

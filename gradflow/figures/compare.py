@@ -35,6 +35,7 @@ def compare_heatmaps(
     max_columns=decimate.DEFAULT_MAX_COLUMNS,
     title=None,
     presentation=False,
+    columns=None,
 ):
     """Heatmaps of several runs side by side with ONE shared colour scale.
 
@@ -58,6 +59,11 @@ def compare_heatmaps(
         max_columns: most columns per panel. Default 1000.
         title: figure title, or None (default).
         presentation: large fonts for slides. Default False.
+        columns: panels per row, or None (default) for up to three. With
+            more than one, the figure's `layout.meta["gradflow_narrow"]`
+            also holds the axes, titles and height of one panel per row,
+            which the dashboard's live charts use on a narrow screen (a
+            phone gave each of two panels about 60 px).
 
     Returns:
         A `Chart`; `.data` is the heatmap data of every run with a leading
@@ -79,7 +85,11 @@ def compare_heatmaps(
     every = np.concatenate([g.values[g.present] for g in grids])
     log_min, log_max = logscale.log_range(every, zmin, zmax)
 
-    cols = min(len(grids), _MAX_COLUMNS_PER_ROW)
+    if columns is not None and (
+        isinstance(columns, bool) or not isinstance(columns, int) or columns < 1
+    ):
+        raise ValueError(f"`columns` must be a positive integer or None, got {columns!r}.")
+    cols = min(len(grids), columns or _MAX_COLUMNS_PER_ROW)
     rows = math.ceil(len(grids) / cols)
     # Same layers in every run (the usual relu-vs-sigmoid lesson): one shared
     # layer axis labelled once, so the panels can sit close together.
@@ -141,6 +151,29 @@ def compare_heatmaps(
     figure.update_xaxes(showgrid=False)
     figure.update_yaxes(showgrid=False)
     style.apply_style(figure, presentation)
+    if cols > 1:
+        # The same panels one per row (the axes keep their numbers, so the
+        # traces stay on theirs): what the live chart swaps in when narrow.
+        stacked = compare_heatmaps(
+            runs,
+            statistic,
+            tensor,
+            zmin=zmin,
+            zmax=zmax,
+            max_columns=max_columns,
+            title=title,
+            presentation=presentation,
+            columns=1,
+        ).figure.layout
+        narrow = {
+            key: stacked[key].to_plotly_json()
+            for key in stacked
+            if key.startswith(("xaxis", "yaxis")) and stacked[key] is not None
+        }
+        narrow["annotations"] = [a.to_plotly_json() for a in stacked.annotations]
+        narrow["height"] = stacked.height
+        narrow["legend"] = stacked.legend.to_plotly_json()
+        figure.update_layout(meta={"gradflow_narrow": narrow, "gradflow_columns": cols})
     description = (
         f"{statistic} of the {tensor} gradients per layer and step for each run, on one shared "
         "log colour scale, so equal colours mean equal values across panels."

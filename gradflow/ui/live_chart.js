@@ -95,6 +95,19 @@ function apply(state, update) {
 // A tap still shows a value and a double tap resets; nothing drags.
 const TOUCH = typeof matchMedia === "function" && matchMedia("(pointer: coarse)").matches;
 
+// Panels side by side (the Compare page's heatmaps, `compare_heatmaps`) on a
+// narrow screen: a phone gave each of two about 60 px and printed the runs'
+// titles over each other. Below PANEL_MIN_PX a panel, they stand one per row,
+// in the layout the figure carries for that (`meta.gradflow_narrow`).
+const PANEL_MIN_PX = 300;
+
+function narrowed(whole, width) {
+  const meta = whole.layout.meta;
+  const narrow = meta?.gradflow_narrow;
+  if (!narrow || !(width > 0) || width / (meta.gradflow_columns || 1) >= PANEL_MIN_PX) return whole;
+  return { ...whole, layout: { ...whole.layout, ...narrow } };
+}
+
 function figure(state) {
   const data = state.traces.map((trace) => ({ ...trace }));
   for (const [name, values] of Object.entries(state.arrays)) {
@@ -206,7 +219,7 @@ function draw(div, key, plotlySrc, plotlyGzipSrc) {
     .then(() => loadPlotly(plotlySrc, plotlyGzipSrc))
     .then(async (Plotly) => {
       div.gradflowPending = false;
-      const whole = figure(held.get(key));
+      const whole = narrowed(figure(held.get(key)), div.clientWidth);
       // The figure as received, before any merging to the plot's width.
       div.gradflowWhole = whole;
       div.style.minHeight = "";
