@@ -1214,3 +1214,19 @@ def test_given_to_evaluate_or_predict_it_says_it_records_only_fit():
         model.fit(x, y, batch_size=BATCH, validation_data=(x, y), verbose=0, callbacks=[monitor])
     assert not [w for w in caught if "records training steps only" in str(w.message)]
     assert monitor.history["step"].max() > 0
+
+
+def test_a_run_continued_after_it_failed_says_so(tmp_path):
+    """It read "completed" at the end, with nothing saying it had failed once."""
+    x, y = data()
+    model = classifier(seed=0)
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    store = RunStore(tmp_path / "runs.db")
+    monitor = GradientMonitor(store=store)
+    with pytest.raises(RuntimeError):
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor, Broken(at=1)])
+    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+    assert store.run_info(monitor.run_id)["status"] == "completed"
+    told = store.events(monitor.run_id).query("kind == 'info'")
+    assert told["message"].tolist() == ["Training went on after step 2, where the run had failed."]
+    assert told["step"].tolist() == [2]

@@ -939,6 +939,7 @@ class GradientMonitor(keras.callbacks.Callback):
 
             store = RunStore(store)
             self._store = store
+        ended_as = None
         if self.run_id is None:
             model = self.model
             config = {
@@ -963,9 +964,19 @@ class GradientMonitor(keras.callbacks.Callback):
         elif self._created_run:
             # The same monitor given to another `fit`: its run trains on, further.
             # (A run given by `run_id` is its owner's to keep: the lab's worker.)
+            ended_as = store.status(self.run_id)
             store.set_status(self.run_id, "running", pid=os.getpid())
             store.set_total_steps(self.run_id, self._final_numbered_step())
         self._writer = store.writer(self.run_id)
+        if ended_as in ("interrupted", "failed", "stopped", "diverged"):
+            # Else the run read "completed" at the end, as if nothing had happened.
+            step = self._current_step()
+            self._add_event(
+                step,
+                None,
+                "info",
+                f"Training went on after step {step}, where the run {_ENDED_AS[ended_as]}.",
+            )
 
     def _diagnose(self):
         """Run the rules on what this `fit` recorded, with the steps before it they look back at.
@@ -1036,6 +1047,12 @@ def _layer_history(blocks):
     return pd.concat(frames, ignore_index=True)
 
 
+_ENDED_AS = {
+    "interrupted": "was interrupted",
+    "failed": "had failed",
+    "stopped": "was stopped",
+    "diverged": "had diverged",
+}
 _ENDED_OUTSIDE_THE_STEP = "`fit` ended with an error outside the train step (in a callback?)"
 
 # Monitors whose `fit` has begun and not ended, with the thread of that `fit`.
