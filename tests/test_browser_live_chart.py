@@ -554,3 +554,34 @@ def test_behind_a_proxy_that_strips_its_prefix_the_live_charts_draw(
         finally:
             proxy.terminate()
             proxy.wait(timeout=30)
+
+
+@pytest.mark.parametrize("width, stacked", [(664, True), (1400, False)])
+def test_on_a_phone_held_sideways_the_live_heatmaps_stand_one_above_the_other(
+    chromium, tmp_path, artifacts_dir, width, stacked
+):
+    """At 664 px (a phone in landscape) each heatmap had about 70 px of plot."""
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run({"depth": 8}, name="sideways", status="running")
+    with store.writer(run_id) as writer:
+        writer.add_layer_stats(synthetic_steps(1, 40))
+        writer.progress(40)
+    store.set_status(run_id, "completed")
+    with streamlit_server(
+        tmp_path / "runs.db",
+        extra_env={"GRADFLOW_PREWARM": "0"},
+        log_path=artifacts_dir / f"live-chart-{width}px-server.log",
+    ) as (url, _):
+        context = chromium.new_context(viewport={"width": width, "height": 900})
+        page = context.new_page()
+        try:
+            page.goto(f"{url}/?run={run_id}")
+            page.wait_for_function(f"() => ({HEATMAP_WIDTHS})().length >= 2", timeout=120_000)
+            boxes = [page.locator(".gradflow-live-chart").nth(i).bounding_box() for i in range(2)]
+            if stacked:
+                assert boxes[1]["y"] >= boxes[0]["y"] + boxes[0]["height"] - 1
+                assert min(b["width"] for b in boxes) > 0.8 * width - 100
+            else:
+                assert boxes[1]["y"] == boxes[0]["y"] and boxes[1]["x"] > boxes[0]["x"]
+        finally:
+            context.close()

@@ -613,7 +613,22 @@ def _heatmap_places(presentation):
     """
     if presentation:
         return st.container(), st.container()
-    return st.columns(2)
+    st.html(_STACK_WHEN_NARROW)
+    with st.container(key="live-heatmaps"):
+        return st.columns(2)
+
+
+# Side by side, a phone held sideways (664 px) left each heatmap about 70 px
+# of plot: Streamlit stacks columns only below 640 px of window. Below 720 px
+# of panel they stand one above the other. (Style only: Streamlit puts it in
+# the page's event container, where it takes no space.)
+_STACK_WHEN_NARROW = """<style>
+.st-key-live-heatmaps { container-type: inline-size; }
+@container (max-width: 720px) {
+  .st-key-live-heatmaps [data-testid="stHorizontalBlock"] { flex-direction: column; }
+  .st-key-live-heatmaps [data-testid="stColumn"] { width: 100% !important; flex: 1 1 auto !important; }
+}
+</style>"""
 
 
 def _empty_panel(active, plotly=True):
