@@ -137,10 +137,12 @@ def test_on_a_touch_screen_a_swipe_does_not_zoom_a_live_chart(chromium, touch):
         update, _ = figure_update(live_heatmap(run_rows(1, 5)).figure)
         update["key"] = "live.max"
         page.evaluate(RENDER, [update, "phone", PLOTLY_STUB])
-        dragmode = page.evaluate(
-            "() => document.querySelector('#phone .gradflow-live-chart').layout.dragmode"
+        dragmode, toolbar = page.evaluate(
+            "() => { const d = document.querySelector('#phone .gradflow-live-chart');"
+            " return [d.layout.dragmode, d.config.displayModeBar]; }"
         )
         assert dragmode is (False if touch else None)
+        assert toolbar is (False if touch else None)  # it covered the titles
     finally:
         context.close()
 

@@ -93,6 +93,7 @@ function apply(state, update) {
 // default drag), and the zoom stayed through the live updates: a student who
 // meant to scroll the page lost sight of the layers where gradients vanish.
 // A tap still shows a value and a double tap resets; nothing drags.
+// (The toolbar goes too: see `figure`.)
 const TOUCH = typeof matchMedia === "function" && matchMedia("(pointer: coarse)").matches;
 
 // Panels side by side (the Compare page's heatmaps, `compare_heatmaps`) on a
@@ -117,8 +118,11 @@ function figure(state) {
   }
   // New array objects every time, and datarevision: Plotly.react redraws.
   const layout = { ...state.layout, datarevision: state.revision };
-  if (TOUCH) layout.dragmode = false;
-  return { data, layout, config: state.config };
+  if (!TOUCH) return { data, layout, config: state.config };
+  layout.dragmode = false;
+  // Plotly's toolbar never hides on a touch screen, and it sat over every
+  // chart's title; the page's Export button downloads the figures.
+  return { data, layout, config: { ...state.config, displayModeBar: false } };
 }
 
 // Ask the server for the whole figure (the page holds `revision`, and an
