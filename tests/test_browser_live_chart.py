@@ -510,6 +510,17 @@ def _open_drawn_page(chromium, url, init_script=None, artifacts=None):
     return context, page, fetched
 
 
+def completed_run(db, name, steps=40):
+    """A completed depth-8 run of `steps` synthetic steps in the store at `db`; its id."""
+    store = RunStore(db)
+    run_id = store.create_run({"depth": 8}, name=name, status="running")
+    with store.writer(run_id) as writer:
+        writer.add_layer_stats(synthetic_steps(1, steps))
+        writer.progress(steps)
+    store.set_status(run_id, "completed")
+    return run_id
+
+
 def test_behind_a_proxy_that_strips_its_prefix_the_live_charts_draw(
     chromium, tmp_path, artifacts_dir
 ):
@@ -522,12 +533,7 @@ def test_behind_a_proxy_that_strips_its_prefix_the_live_charts_draw(
 
     from tests.browser import free_port, wait_healthy
 
-    store = RunStore(tmp_path / "runs.db")
-    run_id = store.create_run({"depth": 8}, name="behind a proxy", status="running")
-    with store.writer(run_id) as writer:
-        writer.add_layer_stats(synthetic_steps(1, 40))
-        writer.progress(40)
-    store.set_status(run_id, "completed")
+    run_id = completed_run(tmp_path / "runs.db", "behind a proxy")
     with streamlit_server(
         tmp_path / "runs.db",
         extra_env={"GRADFLOW_PREWARM": "0"},
@@ -563,12 +569,7 @@ def test_on_a_phone_held_sideways_the_live_heatmaps_stand_one_above_the_other(
     chromium, tmp_path, artifacts_dir, width, stacked
 ):
     """At 664 px (a phone in landscape) each heatmap had about 70 px of plot."""
-    store = RunStore(tmp_path / "runs.db")
-    run_id = store.create_run({"depth": 8}, name="sideways", status="running")
-    with store.writer(run_id) as writer:
-        writer.add_layer_stats(synthetic_steps(1, 40))
-        writer.progress(40)
-    store.set_status(run_id, "completed")
+    run_id = completed_run(tmp_path / "runs.db", "sideways")
     with streamlit_server(
         tmp_path / "runs.db",
         extra_env={"GRADFLOW_PREWARM": "0"},

@@ -651,82 +651,15 @@ def test_alerts_come_in_network_order_and_none_is_hidden(page_environment):
     assert table["layer"].tolist() == [f"dense_{i}" for i in range(6, 13)]
 
 
-def test_the_alerts_of_a_running_run_read_only_its_new_steps(page_environment, monkeypatch):
-    """The Alerts view redraws every second: the rules once read the whole run each time."""
-    import numpy as np
-    import pandas as pd
-    from streamlit.testing.v1 import AppTest
-
-    from gradflow import diagnosis
-    from gradflow.store import RunStore
-
-    store = RunStore(page_environment)
-    run_id = store.create_run({"depth": 2}, name="growing", status="running")
-
-    def write(first, last, vanishing):
-        steps = np.arange(first, last + 1)
-        with store.writer(run_id) as writer:
-            for index, layer in enumerate(["dense_1", "dense_2"]):
-                norm = np.where(steps >= vanishing[index], 1e-9, 1.0)
-                writer.add_layer_stats(
-                    pd.DataFrame(
-                        {
-                            "step": steps,
-                            "layer": layer,
-                            "layer_index": index,
-                            "tensor": "kernel",
-                            "max_abs": norm,
-                            "l2_norm": norm,
-                            "nonfinite": 0,
-                        }
-                    )
-                )
-            writer.progress(last)
-
-    read = []
-    diagnose = diagnosis.diagnose
-
-    def counted(table, thresholds=None):
-        read.append(sorted(table["step"].unique()))
-        return diagnose(table, thresholds)
-
-    monkeypatch.setattr(diagnosis, "diagnose", counted)
-    # dense_1's gradients vanish from step 1 on, dense_2's from step 110.
-    write(1, 100, vanishing=(1, 110))
-    app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
-    app.query_params["run"] = run_id
-    app.session_state["live.view"] = "Alerts"
-    app.run()
-    assert not app.exception, [e.value for e in app.exception]
-    assert [w.value.split(":")[0] for w in app.warning if "vanishing" in w.value] == [
-        "Layer dense_1"
-    ]
-    assert read == [list(range(1, 101))]
-
-    write(101, 120, vanishing=(1, 110))
-    app.run()
-    assert not app.exception, [e.value for e in app.exception]
-    # The alert of step 1 stays; step 110's joins it. The rules read the 20
-    # new steps and those before them they compare with: `repeat_after`
-    # steps back from step 100, then `growth_window` steps more.
-    shown = [w.value for w in app.warning if "vanishing" in w.value]
-    assert [m.split(":")[0] for m in shown] == ["Layer dense_1", "Layer dense_2"]
-    assert "step 1 " in shown[0] and "step 110 " in shown[1]
-    rules = diagnosis.Thresholds()
-    assert read[1] == list(range(100 - rules.repeat_after - rules.growth_window, 121))
-    # Nothing new: nothing read again.
-    app.run()
-    assert len(read) == 2 and len([w for w in app.warning if "vanishing" in w.value]) == 2
-
-
-def _write_steps(store, run_id, first, last):
+def write_vanishing_steps(store, run_id, first, last, vanishing=(30, 50), loss=True):
+    """Steps first..last of two dense layers whose gradients vanish from the steps in `vanishing`."""
     import numpy as np
     import pandas as pd
 
     steps = np.arange(first, last + 1)
     with store.writer(run_id) as writer:
         for index, layer in enumerate(["dense_1", "dense_2"]):
-            norm = np.where(steps >= 30 + 20 * index, 1e-9, 1.0)
+            norm = np.where(steps >= vanishing[index], 1e-9, 1.0)
             writer.add_layer_stats(
                 pd.DataFrame(
                     {
@@ -740,9 +673,55 @@ def _write_steps(store, run_id, first, last):
                     }
                 )
             )
-        for step in steps:
+        for step in steps if loss else ():
             writer.add_metrics(step, {"loss": 1.0 / step})
         writer.progress(last)
+
+
+def test_the_alerts_of_a_running_run_read_only_its_new_steps(page_environment, monkeypatch):
+    """The Alerts view redraws every second: the rules once read the whole run each time."""
+    from streamlit.testing.v1 import AppTest
+
+    from gradflow import diagnosis
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 2}, name="growing", status="running")
+
+    read = []
+    diagnose = diagnosis.diagnose
+
+    def counted(table, thresholds=None):
+        read.append(sorted(table["step"].unique()))
+        return diagnose(table, thresholds)
+
+    monkeypatch.setattr(diagnosis, "diagnose", counted)
+    # dense_1's gradients vanish from step 1 on, dense_2's from step 110.
+    write_vanishing_steps(store, run_id, 1, 100, vanishing=(1, 110), loss=False)
+    app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
+    app.query_params["run"] = run_id
+    app.session_state["live.view"] = "Alerts"
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert [w.value.split(":")[0] for w in app.warning if "vanishing" in w.value] == [
+        "Layer dense_1"
+    ]
+    assert read == [list(range(1, 101))]
+
+    write_vanishing_steps(store, run_id, 101, 120, vanishing=(1, 110), loss=False)
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    # The alert of step 1 stays; step 110's joins it. The rules read the 20
+    # new steps and those before them they compare with: `repeat_after`
+    # steps back from step 100, then `growth_window` steps more.
+    shown = [w.value for w in app.warning if "vanishing" in w.value]
+    assert [m.split(":")[0] for m in shown] == ["Layer dense_1", "Layer dense_2"]
+    assert "step 1 " in shown[0] and "step 110 " in shown[1]
+    rules = diagnosis.Thresholds()
+    assert read[1] == list(range(100 - rules.repeat_after - rules.growth_window, 121))
+    # Nothing new: nothing read again.
+    app.run()
+    assert len(read) == 2 and len([w for w in app.warning if "vanishing" in w.value]) == 2
 
 
 def test_tabs_showing_one_run_share_its_rows_and_read_each_new_step_once(
@@ -760,7 +739,7 @@ def test_tabs_showing_one_run_share_its_rows_and_read_each_new_step_once(
 
     store = RunStore(page_environment)
     run_id = store.create_run({"depth": 2}, name="the teacher's", status="running")
-    _write_steps(store, run_id, 1, 40)
+    write_vanishing_steps(store, run_id, 1, 40)
     reads, diagnosed = [], []
     layer_stats, diagnose = RunStore.layer_stats, diagnosis.diagnose
 
@@ -797,7 +776,7 @@ def test_tabs_showing_one_run_share_its_rows_and_read_each_new_step_once(
     assert all(app.session_state[key] is rows for app in tabs)
     assert rows.last_step == 40 and len(rows.layer_stats) == 80
 
-    _write_steps(store, run_id, 41, 60)
+    write_vanishing_steps(store, run_id, 41, 60)
     tick()
     assert reads == [None, 40] and diagnosed == [40, 60]
     assert rows.last_step == 60 and len(rows.layer_stats) == 120
@@ -807,7 +786,7 @@ def test_tabs_showing_one_run_share_its_rows_and_read_each_new_step_once(
     # A tab that moves to another run lets go of this one; the rows go
     # with the last tab that showed it.
     other = store.create_run({"depth": 2}, name="a student's", status="running")
-    _write_steps(store, other, 1, 5)
+    write_vanishing_steps(store, other, 1, 5)
     for app in tabs:
         app.session_state["live.run_id"] = other
         app.run()
