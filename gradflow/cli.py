@@ -133,6 +133,17 @@ def _build_parser():
     runs = commands.add_parser("runs", help="list the runs in the store")
     _add_db_flag(runs)
     runs.add_argument(
+        "--status",
+        action="append",
+        metavar="STATUS",
+        help="only runs with this status (again for several): "
+        "queued, running, paused, completed, stopped, diverged, interrupted, failed",
+    )
+    runs.add_argument("--name", metavar="TEXT", help="only runs whose name contains TEXT")
+    runs.add_argument(
+        "--last", type=int, metavar="N", help="only the N newest runs (after the filters)"
+    )
+    runs.add_argument(
         "--compact",
         action="store_true",
         help="give the space of deleted runs back to the disk (rewrites the file once; "
@@ -444,7 +455,15 @@ class _ProgressFollower:
 
 def _runs(args):
     from gradflow.store import RunStore
+    from gradflow.store.tables import STATUSES
 
+    wrong = [s for s in args.status or () if s not in STATUSES]
+    if wrong:
+        raise UsageError(
+            f"gradflow runs: --status must be one of {', '.join(STATUSES)}, got {wrong[0]!r}"
+        )
+    if args.last is not None and args.last < 1:
+        raise UsageError(f"gradflow runs: --last must be a positive number, got {args.last}")
     store = RunStore(args.db)
     if args.compact:
         before, after = store.compact()
@@ -453,6 +472,15 @@ def _runs(args):
     runs = store.runs()
     if not len(runs):
         print("No runs yet. Start one with: gradflow train")
+        return EXIT_OK
+    if args.status:
+        runs = runs[runs["status"].isin(args.status)]
+    if args.name:
+        runs = runs[runs["name"].str.contains(args.name, case=False, regex=False)]
+    if args.last is not None:
+        runs = runs.head(args.last)  # newest first
+    if not len(runs):
+        print("No runs match.")
         return EXIT_OK
     table = runs[["run_id", "name", "status", "source", "progress_step", "total_steps"]].copy()
     table.insert(3, "created", runs["created_at"].dt.strftime("%Y-%m-%d %H:%M:%S"))

@@ -93,6 +93,33 @@ def test_runs_compact_gives_an_older_stores_space_back(tmp_path, capsys):
     assert any("kept" in line for line in rest) and not any("last term" in line for line in rest)
 
 
+def test_runs_narrows_a_terms_list_by_status_name_and_count(tmp_path, capsys):
+    from gradflow.store import RunStore
+
+    path = tmp_path / "term.db"
+    store = RunStore(path)
+    for name, status in [
+        ("alice relu", "completed"),
+        ("bob sigmoid", "failed"),
+        ("alice sigmoid", "failed"),
+        ("carol tanh", "stopped"),
+    ]:
+        store.create_run({}, name=name, status=status)
+
+    def listed(*flags):
+        assert cli.main(["runs", "--db", str(path), *flags]) == 0
+        return [line.split()[1:3] for line in capsys.readouterr().out.splitlines()[1:]]
+
+    assert listed("--status", "failed") == [["alice", "sigmoid"], ["bob", "sigmoid"]]
+    assert listed("--status", "failed", "--status", "stopped", "--last", "2") == [
+        ["carol", "tanh"],
+        ["alice", "sigmoid"],
+    ]
+    assert listed("--name", "ALICE") == [["alice", "sigmoid"], ["alice", "relu"]]
+    assert cli.main(["runs", "--db", str(path), "--name", "dave"]) == 0
+    assert capsys.readouterr().out == "No runs match.\n"
+
+
 def test_export_csv_writes_files(trained, tmp_path, capsys):
     _, store, run_id = trained
     assert (
@@ -119,6 +146,8 @@ def test_export_csv_writes_files(trained, tmp_path, capsys):
         (["export", "abc"], "the following arguments are required: --format, --out"),
         ([], "choose a command"),
         (["fly"], "invalid choice: 'fly'"),
+        (["runs", "--status", "done"], "--status must be one of queued, running, paused"),
+        (["runs", "--last", "0"], "--last must be a positive number, got 0"),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(argv, message, capsys, tmp_path):
