@@ -588,3 +588,33 @@ def test_on_a_phone_held_sideways_the_live_heatmaps_stand_one_above_the_other(
                 assert boxes[1]["y"] == boxes[0]["y"] and boxes[1]["x"] > boxes[0]["x"]
         finally:
             context.close()
+
+
+def test_a_comparison_link_opened_first_on_a_fresh_server_runs_through_the_app(
+    chromium, tmp_path, artifacts_dir
+):
+    """Before any session had run app.py, Streamlit ran pages/compare.py by itself:
+    its list of files (with "app") in the sidebar, a narrow page, no warm worker."""
+    db = tmp_path / "runs.db"
+    runs = [completed_run(db, "relu"), completed_run(db, "sigmoid")]
+    with streamlit_server(
+        db,
+        extra_env={"GRADFLOW_PREWARM": "0"},
+        log_path=artifacts_dir / "fresh-server-deep-link.log",
+    ) as (url, _):
+        page = chromium.new_page(viewport={"width": 1400, "height": 900})
+        try:
+            page.goto(f"{url}/compare?runs={runs[0]},{runs[1]}")
+            page.wait_for_function(f"() => ({HEATMAP_WIDTHS})().length >= 2", timeout=120_000)
+            links = page.locator('[data-testid="stSidebarNav"] a').all_inner_texts()
+            assert [link.split("\n")[-1] for link in links] == [
+                "Live training",
+                "Compare",
+                "Inspect your model",
+                "Split backprop",
+                "Runs",
+            ]
+            assert page.url.endswith(f"/compare?runs={runs[0]}%2C{runs[1]}")
+            assert page.evaluate(HEATMAP_WIDTHS) == [40, 40]  # both runs, from the link
+        finally:
+            page.close()

@@ -11,3 +11,27 @@ import pathlib
 # icon there makes every page load fetch it from fonts.gstatic.com, which an
 # offline classroom server's students may not reach.
 FAVICON = pathlib.Path(__file__).with_name("favicon.png")
+
+
+def _run_pages_through_app_py():
+    """Leave Streamlit's pages-directory mode, so that every page runs through app.py.
+
+    A Streamlit server whose main script has a `pages/` folder beside it runs
+    a requested page's file directly (the old multipage mode) until some
+    session has run `st.navigation`. So a link to `/runs` or
+    `/compare?runs=...` opened first on a fresh server showed Streamlit's
+    list of files (with "app") in a narrow layout, and started no warm
+    worker. The first page script to import this package turns that mode
+    off and reruns, through app.py, on the page it was asked for.
+    """
+    try:
+        import streamlit as st
+        from streamlit.runtime.pages_manager import PagesManager
+    except ImportError:  # another Streamlit: nothing to turn off
+        return
+    if PagesManager.uses_pages_directory and st.runtime.exists():
+        PagesManager.uses_pages_directory = False
+        st.rerun()
+
+
+_run_pages_through_app_py()
