@@ -26,6 +26,8 @@ navigation = st.navigation(
         st.Page("pages/runs.py", title="Runs", icon=":material/folder_open:"),
     ]
 )
+# Each page its own tab title, read first by a screen reader (all were "gradflow").
+st.set_page_config(page_title=f"{navigation.title} · gradflow")
 # Start the run manager (and its warm worker, which imports TensorFlow in
 # its own process) with the server, not on the first click of Start training.
 resources.run_manager()

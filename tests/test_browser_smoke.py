@@ -33,7 +33,13 @@ def test_dashboard_renders_in_chromium(chromium, dashboard, artifacts_dir):
     assert "Per-layer gradient maxima and norms" in body
     for name in ("Compare", "Inspect your model", "Split backprop", "Runs"):
         assert page.get_by_role("link", name=name).count() == 1, name
-    assert "gradflow" in page.title()
+    assert page.title() == "Live training · gradflow"  # each page its own tab title
+    page.get_by_role("link", name="Runs").click()
+    page.get_by_role("heading", name="Runs").first.wait_for(timeout=60_000)
+    wait_until(lambda: page.title() == "Runs · gradflow", seconds=30)
+    assert page.title() == "Runs · gradflow"
+    page.go_back()
+    page.get_by_role("heading", name="Live training").first.wait_for(timeout=60_000)
     # Streamlit shows uncaught exceptions in an element of this test id.
     assert page.locator("[data-testid='stException']").count() == 0
     page.screenshot(path=str(artifacts_dir / "smoke-home.png"), full_page=True)
@@ -138,3 +144,32 @@ def test_a_renamed_run_is_the_one_the_next_button_acts_on(chromium, dashboard, s
     assert {picked, newest} <= set(store.runs()["run_id"])
     assert page.locator("[data-testid='stException']").count() == 0
     page.close()
+
+
+# The contrast ratio of each caption's text (its colour at the opacity of its
+# ancestors, over white) against the page, as WCAG computes it.
+CAPTION_CONTRASTS = """() => {
+  const rgb = (c) => c.match(/[\\d.]+/g).map(Number);
+  const lum = (c) => c.slice(0, 3).map((v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; })
+    .reduce((sum, v, i) => sum + v * [0.2126, 0.7152, 0.0722][i], 0);
+  return [...document.querySelectorAll('[data-testid=stMain] [data-testid=stCaptionContainer]')].map((e) => {
+    let [r, g, b, a = 1] = rgb(getComputedStyle(e).color);
+    for (let x = e; x; x = x.parentElement) a *= parseFloat(getComputedStyle(x).opacity);
+    const text = [r, g, b].map((v) => v * a + 255 * (1 - a));
+    return 1.05 / (lum(text) + 0.05);
+  });
+}"""
+
+
+def test_captions_can_be_read_at_wcag_aa_contrast(chromium, dashboard):
+    """Captions carry what a chart shows and how a run ended; at Streamlit's
+    60 % opacity of its default text colour they measured 3.9:1."""
+    page = chromium.new_page(viewport={"width": 1400, "height": 900})
+    try:
+        page.goto(dashboard)
+        page.get_by_role("button", name="Start training").wait_for(timeout=90_000)
+        page.locator("[data-testid=stMain] [data-testid=stCaptionContainer]").first.wait_for()
+        contrasts = page.evaluate(CAPTION_CONTRASTS)
+        assert contrasts and min(contrasts) >= 4.5, contrasts
+    finally:
+        page.close()
