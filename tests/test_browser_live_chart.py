@@ -181,6 +181,39 @@ def test_compared_heatmaps_stand_one_per_row_on_a_phone(chromium):
         page.close()
 
 
+def test_a_screen_reader_hears_a_charts_title_not_its_tick_labels(chromium):
+    """Plotly's SVG was an unnamed image whose text a screen reader read as a
+    jumble ("100 200 300 dense_1 ... 1e-8 1e-6 ..."); the chart had no name."""
+    chart = live_heatmap(run_rows(1, 30))
+    chart.figure.update_layout(
+        title="max |gradient| per layer<br><sup>kernels & <b>biases</b></sup>"
+    )
+    update, _ = figure_update(chart.figure)
+    update["key"] = "live.max"
+    page = chromium.new_page()
+    try:
+        page.set_content("<html><body style='width:800px'></body></html>")
+        page.add_script_tag(path=str(MODULE.parent / "vendor" / "plotly-cartesian.min.js"))
+        page.evaluate(SETUP, MODULE.read_text())
+        page.evaluate(RENDER, [update, "sr", "data:text/javascript,void 0"])
+        named = page.evaluate(
+            """() => { const d = document.querySelector('#sr .gradflow-live-chart');
+              return {role: d.getAttribute('role'), label: d.getAttribute('aria-label'),
+                      svgs: d.querySelectorAll('svg').length,
+                      hidden: [...d.querySelectorAll('svg')].every(s => s.getAttribute('aria-hidden') === 'true')}; }"""
+        )
+        assert named["role"] == "figure"
+        assert (
+            named["label"]
+            == "max |gradient| per layer. kernels & biases. Its numbers: Export, CSV."
+        )
+        assert named["svgs"] > 0 and named["hidden"]
+        tree = page.locator("#sr").aria_snapshot()
+        assert "dense" not in tree and "max |gradient| per layer" in tree
+    finally:
+        page.close()
+
+
 def test_a_heatmap_wider_than_its_plot_keeps_a_one_step_spike(chromium):
     """Plotly skips the heatmap columns narrower than a pixel, which ones
     depending on the width: a one-step spike the server's max per block kept

@@ -216,6 +216,19 @@ function fitToWidths(drawn, widths) {
   return changed ? { data, layout, config: drawn.config } : null;
 }
 
+// For a screen reader: the chart is a figure named by its title, and
+// Plotly's SVG text (every tick label, read as one jumble) is hidden; the
+// caption below says what it shows, and Export gives its numbers as CSV.
+function nameForScreenReaders(div, layout) {
+  const title = layout.title?.text ?? layout.title ?? "";
+  // An inert document: the title's markup is read as text, never run or loaded.
+  const text = new DOMParser().parseFromString(String(title).replace(/<br\s*\/?>/gi, ". "), "text/html")
+    .body.textContent.trim();
+  div.setAttribute("role", "figure");
+  div.setAttribute("aria-label", `${text || "Chart"}. Its numbers: Export, CSV.`);
+  for (const svg of div.querySelectorAll("svg")) svg.setAttribute("aria-hidden", "true");
+}
+
 function draw(div, key, plotlySrc, plotlyGzipSrc) {
   if (div.gradflowPending) return; // the queued draw will take the newest state
   div.gradflowPending = true;
@@ -236,6 +249,7 @@ function draw(div, key, plotlySrc, plotlyGzipSrc) {
       if (fitted && fitted.data.some((trace, i) => trace.x?.length !== first.data[i].x?.length)) {
         await Plotly.react(div, fitted.data, fitted.layout, fitted.config);
       }
+      nameForScreenReaders(div, whole.layout);
       return div;
     })
     .catch((error) => {
