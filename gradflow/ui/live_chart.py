@@ -129,12 +129,13 @@ APP_ROOT_JS = """() => {
   return own ? own.src.slice(0, own.src.lastIndexOf("static/js/")) : `${window.location.origin}/`;
 }"""
 
-# Kept tiny: Streamlit sends a component's inline JavaScript with every update.
-_LOADER = """export default function (component) {
-  const root = (%(root)s)();
-  const url = (path) => new URL(path, root).href;
-  return import(url(%(module)s))
-    .then((module) => module.render(component, url(%(plotly)s), url(%(plotly_gz)s)));
+# Kept tiny: Streamlit sends a component's inline JavaScript with every
+# update (a tick's two heatmap updates are about 1.5 KB each). `APP_ROOT_JS`
+# inlined and short: the app's root from Streamlit's bundle, then the folder.
+_LOADER = """export default function (c) {
+  const s = document.querySelector('script[src*="/static/js/index."]')?.src ?? `${location.origin}/static/js/`;
+  const u = (n) => s.slice(0, s.lastIndexOf("static/js/")) + %(folder)s + n;
+  return import(u(%(module)s)).then((m) => m.render(c, u(%(plotly)s), u(%(plotly_gz)s)));
 }"""
 
 
@@ -228,13 +229,13 @@ def _component(versions):
         # Without a publish_assets call (a page run on its own, as in AppTest)
         # the URL has no version; nothing is fetched there anyway.
         version = dict(versions).get(name)
-        return repr(static_url(name) + (f"?v={version}" if version else ""))
+        return repr(name + (f"?v={version}" if version else ""))
 
     return st.components.v2.component(
         "gradflow.live_chart",
         js=_LOADER
         % {
-            "root": APP_ROOT_JS,
+            "folder": repr(static_url() + "/"),
             "module": url("live_chart.js"),
             "plotly": url("plotly.min.js"),
             "plotly_gz": url("plotly.min.js.gz"),
