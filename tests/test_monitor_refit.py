@@ -515,6 +515,33 @@ def test_a_monitor_given_to_several_fits_diagnoses_only_what_each_fit_added(monk
     assert found_events(monitor.events) == whole
 
 
+def test_a_long_fit_is_diagnosed_in_pieces_with_the_whole_historys_events(monkeypatch):
+    """The rules read a first fit's whole table at its end: 450 MiB more for a
+    162-tensor model's 5,000 steps, at the end of an overnight run."""
+    from gradflow.diagnosis import Thresholds, diagnose
+    from gradflow.monitor import callback as monitor_callback
+
+    read = []
+
+    def counting(table, rules=None):
+        read.append(len(table))
+        return diagnose(table, rules)
+
+    monkeypatch.setattr(monitor_callback, "diagnose", counting)
+    monkeypatch.setattr(monitor_callback, "_DIAGNOSED_ROWS", 40)
+    x, y = make_data()
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.2), loss="mse")
+    rules = Thresholds(**FLICKERING_RULES)
+    monitor = GradientMonitor(activations=True, rules=rules)
+    model.fit(x, y, batch_size=BATCH, epochs=8, shuffle=False, verbose=0, callbacks=[monitor])
+    rows = len(monitor.history)
+    assert len(read) > 4 and max(read) < rows / 2  # never the whole table
+    whole = found_events(diagnose(monitor.history, rules))
+    assert len(whole) >= 8 and {kind for _, _, kind in whole} >= {"exploding", "vanishing"}
+    assert found_events(monitor.events) == whole
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     steps=st.lists(st.integers(1, 4), min_size=2, max_size=30).map(

@@ -874,10 +874,13 @@ class GradientMonitor(keras.callbacks.Callback):
             kept = [(i, name) for i, name in enumerate(STEP_METRICS) if name in names]
             for step, values in zip(steps, metrics, strict=True):
                 writer.add_metrics(int(step), {name: values[i] for i, name in kept})
-            for step in steps:
-                rows = [r[1:] for r in histogram_rows if r[0] == step]
-                if rows:
-                    writer.add_histograms(int(step), rows)
+            # Grouped once: filtering every row for each step of a read cost
+            # 0.66 ms a step with 162 tensors (an overnight run's audit).
+            by_step = {}
+            for row in histogram_rows:
+                by_step.setdefault(row[0], []).append(row[1:])
+            for step, rows in by_step.items():
+                writer.add_histograms(int(step), rows)
             writer.progress(int(steps[-1]))
 
     def _metric_names(self):
@@ -986,8 +989,25 @@ class GradientMonitor(keras.callbacks.Callback):
         every `fit`'s end: the thirtieth session found that taking a third of
         the time of the 30th one-epoch `fit` of a 20-layer MLP.
         """
-        old, new = self._blocks[: self._diagnosed_blocks], self._blocks[self._diagnosed_blocks :]
-        self._diagnosed_blocks = len(self._blocks)
+        while self._diagnosed_blocks < len(self._blocks):
+            first = end = self._diagnosed_blocks
+            rows = 0
+            while end < len(self._blocks) and (end == first or rows < _DIAGNOSED_ROWS):
+                rows += int(np.prod(self._blocks[end][1].shape[:2]))  # steps x tensors
+                end += 1
+            self._diagnose_blocks(first, end)
+
+    def _diagnose_blocks(self, first, end):
+        """The rules on blocks `first` to `end`, with the blocks before them they look back at.
+
+        A long first `fit` is read in pieces of about `_DIAGNOSED_ROWS` rows:
+        read whole, the table of a 162-tensor model's 5,000 steps added 450
+        MiB at the `fit`'s very end (an overnight run's audit: about 9 GB for
+        a ResNet-50's 100,000 steps), where running out of memory would lose
+        the run.
+        """
+        old, new = self._blocks[:first], self._blocks[first:end]
+        self._diagnosed_blocks = end
         if not new:
             return
         new_steps = np.concatenate([block[0] for block in new])
@@ -1047,6 +1067,8 @@ def _layer_history(blocks):
     return pd.concat(frames, ignore_index=True)
 
 
+# Tidy rows the diagnosis rules read at once at a `fit`'s end (about 60 MB of table).
+_DIAGNOSED_ROWS = 100_000
 _ENDED_AS = {
     "interrupted": "was interrupted",
     "failed": "had failed",
