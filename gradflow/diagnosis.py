@@ -371,13 +371,30 @@ def _vanishing(norms, thresholds, steps):
                 "vanishing",
                 (
                     f"Layer {row.layer}: gradient norm {row.norm:.1e} at step {row.step} is only "
-                    f"{row.ratio:.1e} times that of the last layer {row.last_layer} "
-                    f"({row.last_norm:.1e}), below {thresholds.vanishing_ratio:.0e} — gradients "
+                    f"{row.ratio:.1e} times that of the last layer ('{row.last_layer}', "
+                    f"{row.last_norm:.1e}), below {thresholds.vanishing_ratio:.0e} — gradients "
                     "vanish on their way back to the input."
+                    + _also_below(norms, row, thresholds.vanishing_ratio)
                 ),
             )
         )
     return events
+
+
+def _also_below(norms, row, ratio):
+    """The other layers below `ratio` of the last layer's norm at `row.step`, as a sentence.
+
+    The alert is told once, for the layer nearest the input; the question a
+    class is asked ("in which layers do the gradients vanish?") needs the
+    others too (a screen-reader user has no heatmap to see them in).
+    """
+    at = norms[norms["step"] == row.step].sort_values("layer_index", kind="stable")
+    below = at.loc[at["norm"] < ratio * row.last_norm, "layer"].astype(str).tolist()
+    others = [name for name in below if name != str(row.layer)]
+    if not others:
+        return ""
+    named = ", ".join(others[:6]) + (f" and {len(others) - 6} more" if len(others) > 6 else "")
+    return f" Also below {ratio:.0e} of it at this step: {named}."
 
 
 def _exploding(norms, thresholds, steps):

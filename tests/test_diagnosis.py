@@ -244,6 +244,23 @@ def test_vanishing_message_reads_plainly():
     )
 
 
+def test_a_vanishing_ratio_alert_names_every_layer_below_it():
+    """A blind student asked "in which layers do the gradients vanish?" heard only
+    the first: dense_1 to dense_6 were all below the ratio, one alert named dense_1."""
+    norms = [1e-6, 1e-5, 5e-5, 1e-4, 2e-4, 4e-4, 0.05, 0.5]  # dense_1 .. dense_7, output
+    names = [f"dense_{i}" for i in range(1, 8)] + ["output"]
+    table = rows(
+        *((1, name, i, "kernel", n) for i, (name, n) in enumerate(zip(names, norms, strict=True)))
+    )
+    found = diagnose(table, Thresholds(vanishing_norm=1e-9))
+    (message,) = found.loc[found["kind"] == "vanishing", "message"]
+    assert message.startswith("Layer dense_1: gradient norm 1.0e-06 at step 1 is only 2.0e-06")
+    assert "times that of the last layer ('output', 5.0e-01)" in message
+    assert message.endswith(
+        "Also below 1e-03 of it at this step: dense_2, dense_3, dense_4, dense_5, dense_6."
+    )
+
+
 ORIGIN_CASES = [
     # (name, table, expected (step, layer, tensor) or None)
     ("all_finite", healthy_run(), None),
