@@ -651,3 +651,37 @@ def test_a_comparison_link_opened_first_on_a_fresh_server_runs_through_the_app(
             assert page.evaluate(HEATMAP_WIDTHS) == [40, 40]  # both runs, from the link
         finally:
             page.close()
+
+
+def test_the_end_of_a_followed_run_is_said_to_a_screen_reader_and_its_name_stays_text(
+    chromium, tmp_path, artifacts_dir
+):
+    """The line that says a run completed is plain text rewritten every second:
+    a blind student never heard that training had ended. The line that says it
+    now allows HTML, so a student's run name must still show as typed."""
+    db = tmp_path / "runs.db"
+    store = RunStore(db)
+    name = '<img src=x onerror="window.pwned = 1">'
+    run_id = store.create_run({"depth": 8}, name=name, status="running", total_steps=40)
+    with store.writer(run_id) as writer:
+        writer.add_layer_stats(synthetic_steps(1, 20))
+        writer.progress(20)
+    with streamlit_server(
+        db, extra_env={"GRADFLOW_PREWARM": "0"}, log_path=artifacts_dir / "run-end-said.log"
+    ) as (url, _):
+        page = chromium.new_page(viewport={"width": 1400, "height": 900})
+        try:
+            page.goto(f"{url}/?run={run_id}")
+            page.wait_for_function(f"() => ({HEATMAP_WIDTHS})().length >= 2", timeout=120_000)
+            with store.writer(run_id) as writer:
+                writer.add_layer_stats(synthetic_steps(21, 40))
+                writer.progress(40)
+            store.set_status(run_id, "completed")
+            said = page.get_by_role("alert").filter(has_text="Training completed")
+            said.wait_for(state="attached", timeout=60_000)
+            assert said.inner_text() == "Training completed at step 40 of 40."
+            assert said.bounding_box()["width"] <= 1  # heard, not seen
+            assert page.evaluate("window.pwned") is None
+            assert page.get_by_text(name).count() >= 1  # the name, as typed
+        finally:
+            page.close()

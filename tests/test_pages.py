@@ -1154,6 +1154,34 @@ def test_presentation_style_stacks_the_heatmaps(page_environment, presentation, 
     assert heatmap_parents(app) == [in_columns, in_columns]
 
 
+def test_a_screen_reader_hears_once_that_the_run_it_followed_completed(page_environment):
+    """The status line is plain text rewritten every second: a blind student
+    never learned that training had ended (a divergence's error box was heard)."""
+    from streamlit.testing.v1 import AppTest
+
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 2}, name="<b>mine</b> *", status="running", total_steps=40)
+    write_vanishing_steps(store, run_id, 1, 20)
+    app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
+    app.query_params["run"] = run_id
+
+    def alerts():
+        return [m.value for m in app.markdown if 'role="alert"' in m.value]
+
+    app.run()
+    assert not app.exception and alerts() == []
+    write_vanishing_steps(store, run_id, 21, 40)
+    store.set_status(run_id, "completed")
+    app.run()
+    (line,) = alerts()
+    assert line.endswith('">Training completed at step 40 of 40.</span>')
+    assert line.startswith("**\\<b\\>mine\\</b\\> \\*** — ")  # as typed: no tag, no bold
+    app.run()
+    assert alerts() == []  # said once
+
+
 def test_a_watched_run_shows_the_validation_written_after_its_last_step(page_environment):
     """A page that followed a run to its end never read the validation results
     `fit` writes at an epoch's last step, after that step's statistics."""

@@ -60,6 +60,10 @@ from gradflow.ui.live_chart import show_live_chart
 from gradflow.ui.sessions import session_ownership
 
 ACTIVE = ("queued", "running", "paused")
+# Heard by a screen reader, not seen (the usual visually-hidden recipe).
+_UNSEEN = (
+    "position:absolute;width:1px;height:1px;overflow:hidden;clip-path:inset(50%);white-space:nowrap"
+)
 POLL_SECONDS = 1.0
 # While a just-started run has drawn nothing yet, for at most FIRST_POLL_FOR_S.
 FIRST_POLL_SECONDS = 0.25
@@ -456,6 +460,7 @@ def live_panel(info, key="live"):
     if active and not watched:
         pace = FIRST_POLL_SECONDS if waiting else QUEUED_POLL_SECONDS if queued else POLL_SECONDS
     followed = st.session_state.setdefault(_FOLLOWED, set())
+    just_ended = not active and run_id in followed
     if active:
         followed.add(run_id)
     elif run_id in followed:
@@ -475,7 +480,7 @@ def live_panel(info, key="live"):
         _empty_panel(active=True, plotly=status != "queued" or _plotly_early())
         return pace
     cache = _read_new(store, run_id, int(info["progress_step"] or 0), ended=not active)
-    _status_line(info, cache, status)
+    _status_line(info, cache, status, announce=just_ended)
     _charts(info, cache, key)
     if pace == FIRST_POLL_SECONDS and cache.last_step:
         pace = POLL_SECONDS  # the first step is drawn: the normal pace from now on
@@ -754,7 +759,14 @@ def _tensor_choices(stats):
     return choices
 
 
-def _status_line(info, cache, status, watched=False):
+def _status_line(info, cache, status, watched=False, announce=False):
+    """The run's name, status, step and loss, and what its status calls for.
+
+    `announce`: the run has just ended on this page. A screen reader heard
+    nothing of it (the line is plain text, rewritten every second while the
+    run trains); the end is said once, in a visually hidden alert (a failure
+    or a divergence has its own alert box).
+    """
     total = info.get("total_steps") or 0
     step = int(info.get("progress_step") or cache.last_step or 0)
     losses = cache.metrics[cache.metrics["name"] == "loss"] if len(cache.metrics) else []
@@ -764,7 +776,16 @@ def _status_line(info, cache, status, watched=False):
         # With "Record every N steps" above 1 the loss is that of the last recorded step.
         at = "" if int(last["step"]) == step else f" (at step {int(last['step'])})"
         parts.append(f"loss {last['value']:.4g}{at}")
-    st.markdown(f"**{plain_markdown(info['name'])}** — " + " · ".join(parts))
+    line = f"**{plain_markdown(info['name'])}** — " + " · ".join(parts)
+    if announce and status in ("completed", "stopped"):
+        said = f"Training {status} at step {step}" + (f" of {total}." if total else ".")
+        # HTML allowed in this one line: `plain_markdown` has escaped the
+        # name's < and > too, which markdown then shows as text, never as tags.
+        st.markdown(
+            line + f'<span role="alert" style="{_UNSEEN}">{said}</span>', unsafe_allow_html=True
+        )
+    else:
+        st.markdown(line)
     if total:
         st.progress(min(step / total, 1.0))
     if status == "queued":
