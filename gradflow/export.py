@@ -372,7 +372,7 @@ def lesson_pack(charts, config=None, title="gradflow lesson pack", alerts=None, 
             "The HTML files are interactive (zoom, hover) and work offline.",
             "The CSV files hold exactly the values drawn. In a long run a heatmap shows",
             "the maximum over blocks of steps, and a loss curve each block's lowest and",
-            "highest value (its `block` column: points a block), so no spike, dip, NaN or",
+            "highest value (its `block` column numbers the blocks), so no spike, dip, NaN or",
             "Inf is hidden.",
             "Text cells starting with = + - @ are prefixed with ' for spreadsheet safety.",
         ]

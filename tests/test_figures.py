@@ -7,6 +7,7 @@ gradflow code, and compared with the arrays inside the Plotly traces.
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -829,3 +830,18 @@ def test_compared_heatmaps_carry_a_one_per_row_layout_for_narrow_screens():
     assert narrow["height"] == stacked.layout.height == 3 * wide.layout.height
     with pytest.raises(ValueError, match="`columns` must be a positive integer or None, got 0"):
         figures.compare_heatmaps(runs, columns=0)
+
+
+def test_chart_descriptions_use_words_not_column_names():
+    """A screen reader read "max_abs of the all_weights gradients" to a student."""
+    stats = _deep_run(4)
+    for chart in (
+        figures.heatmap(stats, "max_abs", tensor=figures.ALL_WEIGHTS),
+        figures.layer_lines(stats, "max_abs"),
+    ):
+        words = chart.description
+        assert not {"max_abs", "l2_norm", "all_weights"} & set(re.findall(r"\w+", words)), words
+    assert (
+        "max |gradient| of the all weights"
+        in figures.heatmap(stats, "max_abs", tensor=figures.ALL_WEIGHTS).description
+    )

@@ -217,7 +217,8 @@ def heatmap(
         or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({style.tensor_label(tensor)})"
     )
     description = (
-        f"Heatmap of {statistic} of the {tensor} gradients: one row per layer (input at the "
+        f"Heatmap of the {style.STATISTIC_LABELS.get(statistic, statistic)} of the "
+        f"{style.tensor_label(tensor)}: one row per layer (input at the "
         "bottom), one column per step, colour on a log10 scale. Exact zeros (a dead layer) take "
         "the bottom colour; hover over or tap a cell for its value. Blank cells with a black x are NaN, with "
         "a triangle Inf."

@@ -100,8 +100,9 @@ def layer_lines(
         or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer over training ({style.tensor_label(tensor)})"
     )
     description = (
-        f"{statistic} of the {tensor} gradients of each layer over steps, log scale. Exact "
-        "zeros (a dead layer) lie on the bottom edge; hover a point for its value. Black markers "
+        f"The {style.STATISTIC_LABELS.get(statistic, statistic)} of the "
+        f"{style.tensor_label(tensor)} of each layer over steps, log scale. Exact "
+        "zeros (a dead layer) lie on the bottom edge; hover over or tap a point for its value. Black markers "
         "above the lines show steps with NaN (x) or Inf (triangle)."
     )
     data = layer_grid.to_frame()
@@ -264,8 +265,9 @@ def metrics_chart(
     description = (
         "Training (solid) and validation (dashed) "
         + ", ".join(panels or list(names))
-        + " per step (a long run: each block's lowest and highest value, `block` points a "
-        "block). Training metrics other than the loss are Keras's running mean over "
+        + " per step (on a long run, each block of steps as its lowest and highest value; "
+        "the CSV's `block` column numbers the blocks). Training metrics other than the loss "
+        "are Keras's running mean over "
         "the epoch so far (they jump at each new epoch); validation is measured after each "
         "epoch."
     )
