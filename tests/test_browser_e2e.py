@@ -208,8 +208,8 @@ def test_teacher_flow(page_factory, tmp_path, artifacts_dir):
         # relu vs sigmoid, launched from one form.
         page.get_by_role("link", name="Compare").click()
         page.get_by_role("button", name="Start comparison").wait_for(timeout=60_000)
-        select_option(page, "A", "relu")
-        select_option(page, "B", "sigmoid")
+        select_option(page, "A: Activation", "relu")
+        select_option(page, "B: Activation", "sigmoid")
         page.get_by_role("button", name="Start comparison").click()
         page.wait_for_function(
             f"({HEATMAP_WIDTHS})().filter(width => width > 0).length >= 2",

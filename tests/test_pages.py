@@ -89,7 +89,7 @@ def test_invalid_settings_show_a_message_and_disable_start():
 
 def test_compare_page_offers_an_ab_launch():
     app = run_page("compare.py")
-    assert {"Vary", "A", "B"} <= labels(app, "selectbox")
+    assert {"Vary", "A: Activation", "B: Activation"} <= labels(app, "selectbox")
     assert "Start comparison" in labels(app, "button")
 
 
@@ -97,7 +97,7 @@ def test_a_shared_compare_link_restores_its_settings():
     """The Compare page read no link: a teacher's "/compare?depth=20" opened at depth 5."""
     app = run_page("compare.py", depth="20", activation="tanh")
     assert next(s for s in app.slider if s.label == "Depth").value == 20
-    assert next(s for s in app.selectbox if s.label == "A").value == "tanh"
+    assert next(s for s in app.selectbox if s.label == "A: Activation").value == "tanh"
     next(s for s in app.slider if s.label == "Depth").set_value(12)
     app.run()
     assert app.query_params["depth"] == "12" and app.query_params["activation"] == "tanh"

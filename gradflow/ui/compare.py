@@ -36,8 +36,11 @@ def ab_launcher(config):
         key="compare.field",
     )
     options = VARIABLE_FIELDS[field][3]
+    # "A" and "B" alone named the boxes for a screen reader (and said nothing
+    # of what they choose).
+    noun = VARIABLE_FIELDS[field][1]
     value_a = a_col.selectbox(
-        "A",
+        f"A: {noun}",
         options,
         index=options.index(getattr(config, field)) if getattr(config, field) in options else 0,
         key=f"compare.a.{field}",
@@ -48,7 +51,7 @@ def ab_launcher(config):
         else options[(options.index(value_a) + 1) % len(options)]
     )
     value_b = b_col.selectbox(
-        "B", options, index=options.index(default_b), key=f"compare.b.{field}"
+        f"B: {noun}", options, index=options.index(default_b), key=f"compare.b.{field}"
     )
     if st.button("Start comparison", type="primary"):
         if value_a == value_b:
