@@ -515,6 +515,20 @@ def live_chart_updates(app):
     ]
 
 
+def test_a_charts_toolbar_download_is_named_after_its_run(page_environment):
+    """The toolbar's camera saved every chart as gradflow.svg."""
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 2}, name="relu depth 2", status="running")
+    write_vanishing_steps(store, run_id, 1, 5)
+    store.set_status(run_id, "completed")
+    app = run_page("live_training.py", run=run_id)
+    names = [u["config"]["toImageButtonOptions"]["filename"] for u in live_chart_updates(app)]
+    assert len(names) == 2 and all(n.startswith("relu_depth_2_") for n in names), names
+    assert len(set(names)) == 2  # the max and the norm heatmap
+
+
 def decoded(change):
     """The numpy array of an update's array change ({from, shape, dtype, bdata} or values)."""
     import base64

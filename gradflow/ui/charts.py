@@ -50,11 +50,26 @@ def show_chart(chart, key, exports=True, run=None):
         run: The name of the run the chart shows, or None (default): the
             exported files then say it (`export_buttons`).
     """
-    st.plotly_chart(chart.figure, config=figures.PLOTLY_CONFIG, key=f"{key}.plot", width="stretch")
+    st.plotly_chart(
+        chart.figure, config=plotly_config(chart, key, run), key=f"{key}.plot", width="stretch"
+    )
     if chart.description:
         st.caption(chart.description)
     if exports:
         export_buttons(chart, key, run)
+
+
+def plotly_config(chart, key, run=None, base=None):
+    """`base` (default `figures.PLOTLY_CONFIG`) with the chart's toolbar download named as its exports.
+
+    The toolbar's camera saved every chart as `gradflow.svg`.
+    """
+    base = figures.PLOTLY_CONFIG if base is None else base
+    image = {
+        **base.get("toImageButtonOptions", {}),
+        "filename": export.file_stem(chart.title or key, run),
+    }
+    return {**base, "toImageButtonOptions": image}
 
 
 def export_buttons(chart, key, run=None):

@@ -74,7 +74,7 @@ import zlib
 import streamlit as st
 
 from gradflow import figures
-from gradflow.ui.charts import export_buttons, show_chart
+from gradflow.ui.charts import export_buttons, plotly_config, show_chart
 from gradflow.ui.figure_delta import figure_update
 
 # App static files live in <app folder>/static/ and are served at
@@ -273,7 +273,8 @@ def show_live_chart(chart, key, exports=True, run=None):
         show_chart(chart, key, exports, run)
         return
     sent_key = _SENT + key
-    update, sent = figure_update(chart.figure, st.session_state.get(sent_key), config=_CONFIG)
+    config = plotly_config(chart, key, run, base=_CONFIG)
+    update, sent = figure_update(chart.figure, st.session_state.get(sent_key), config=config)
     update["key"] = key
     versions = tuple(sorted((_Assets.versions or {}).items()))
     _component(versions)(
