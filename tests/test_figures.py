@@ -449,6 +449,27 @@ def test_a_long_runs_loss_csv_says_it_is_each_blocks_lowest_and_highest():
     assert (short["block"] == 1).all() and len(short) == 300
 
 
+def test_a_long_runs_loss_shows_its_trend_over_the_band_of_its_blocks():
+    """A 20,000-step loss drawn as each block's lowest and highest value was a
+    solid band that hid whether it fell."""
+    rng = np.random.default_rng(0)
+    steps = np.arange(1, 20_001)
+    loss = 2.0 * np.exp(-steps / 5000) + rng.uniform(0, 1, len(steps))  # noisy batches
+    metrics = pd.DataFrame({"step": steps, "name": "loss", "value": loss})
+    chart = figures.metrics_chart(metrics)
+    band, trend = chart.figure.data
+    assert band.name == "training loss (each block's lowest and highest)" and band.opacity < 1
+    assert trend.name == "training loss (mean of each 40 steps)"
+    expected = loss.reshape(-1, 40).mean(axis=1)
+    np.testing.assert_allclose(np.asarray(trend.y), expected)
+    np.testing.assert_array_equal(np.asarray(trend.x), np.round(steps.reshape(-1, 40).mean(axis=1)))
+    assert expected[0] - expected[-1] > 1.5  # the fall the band hid
+    means = chart.data[chart.data["name"] == "loss (block mean)"]
+    np.testing.assert_allclose(means["value"], expected)  # the CSV has what is drawn
+    short = figures.metrics_chart(metrics.iloc[:300]).figure.data
+    assert [t.name for t in short] == ["training loss"]
+
+
 def test_metrics_chart_draws_train_and_validation_per_panel():
     metrics = pd.DataFrame(
         [

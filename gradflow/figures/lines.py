@@ -1,5 +1,7 @@
 """Line charts: a statistic per layer over steps, and loss/accuracy curves."""
 
+import warnings
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -220,6 +222,25 @@ def metric_series(metrics, name, max_points):
     return (*kept, decimate.envelope_block(len(steps), max_points))
 
 
+def block_means(metrics, name, block):
+    """`(steps, means)`: one metric's mean over each block of `block` recorded points, in step order.
+
+    The step is the block's middle one; NaN and Inf are left to the
+    envelope's markers (a block's mean skips NaN).
+    """
+    rows = metrics[metrics["name"] == name]
+    steps = rows["step"].to_numpy(dtype=np.float64)
+    values = rows["value"].to_numpy(dtype=np.float64, na_value=np.nan)
+    order = np.argsort(steps, kind="stable")
+    count = -(-len(steps) // block) * block
+    padded = np.full((2, count), np.nan)
+    padded[0, : len(steps)], padded[1, : len(steps)] = steps[order], values[order]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a block of NaN only: its mean is NaN
+        at, means = np.nanmean(padded.reshape(2, -1, block), axis=2)
+    return np.round(at).astype(np.int64), means
+
+
 def metrics_chart(
     metrics,
     names=("loss", "accuracy"),
@@ -302,19 +323,46 @@ def metrics_chart(
             pieces.append(
                 pd.DataFrame({"step": steps, "name": name, "value": values, "block": block})
             )
+            label = (
+                style.escape_label("validation" if name.startswith("val_") else "training")
+                + f" {style.escape_label(panel)}"
+            )
             figure.add_trace(
                 go.Scatter(
                     x=steps,
                     y=values,
                     mode="lines+markers" if len(steps) < 30 else "lines",
-                    name=style.escape_label("validation" if name.startswith("val_") else "training")
-                    + f" {style.escape_label(panel)}",
-                    line=dict(color=color, dash=dash, width=2),
+                    name=label + (" (each block's lowest and highest)" if block > 1 else ""),
+                    # A long run's envelope is a band; its trend is drawn over it.
+                    line=dict(color=color, dash=dash, width=1 if block > 1 else 2),
+                    opacity=0.35 if block > 1 else None,
                     hovertemplate="step %{x}<br>%{y:.4g}<extra></extra>",
                 ),
                 row=1,
                 col=col,
             )
+            if block > 1:
+                # A 20,000-step loss drawn as each block's lowest and highest
+                # value was a solid band that hid whether it fell (an
+                # overnight run's audit): the mean of each block over it.
+                at, means = block_means(metrics, name, block)
+                pieces.append(
+                    pd.DataFrame(
+                        {"step": at, "name": f"{name} (block mean)", "value": means, "block": block}
+                    )
+                )
+                figure.add_trace(
+                    go.Scatter(
+                        x=at,
+                        y=means,
+                        mode="lines",
+                        name=f"{label} (mean of each {block} steps)",
+                        line=dict(color=color, dash=dash, width=2.5),
+                        hovertemplate="steps around %{x}<br>mean %{y:.4g}<extra></extra>",
+                    ),
+                    row=1,
+                    col=col,
+                )
             bad = ~np.isfinite(values)
             if bad.any():
                 # A diverged run ends in NaN: mark where, at the top of the data.
