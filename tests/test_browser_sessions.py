@@ -86,6 +86,9 @@ def test_settings_survive_a_visit_to_other_pages(chromium, tmp_path, artifacts_d
         page = chromium.new_context(viewport={"width": 1400, "height": 900}).new_page()
         page.goto(f"{url}/?depth=10&activation=sigmoid&learning_rate=0.3")
         page.get_by_role("button", name="Start training").wait_for(timeout=90_000)
+        # The first page run of a fresh server ends before the click (a click
+        # during a rerun is lost: "Clicking the checkbox did not change its state").
+        page.locator('[data-testid="stStatusWidget"]').wait_for(state="hidden", timeout=30_000)
         presentation = page.get_by_role("switch", name="Presentation style")
         presentation.check(force=True)
         # The switch's rerun keeps its value for the other pages (`keep_across_pages`):

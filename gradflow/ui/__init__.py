@@ -6,6 +6,7 @@ training form), `live` (the live panel), `charts` (a figure with its exports).
 """
 
 import pathlib
+import sys
 
 # The browser tab's icon, a heatmap glyph (app.py). A local file: a Material
 # icon there makes every page load fetch it from fonts.gstatic.com, which an
@@ -27,11 +28,23 @@ def _run_pages_through_app_py():
     try:
         import streamlit as st
         from streamlit.runtime.pages_manager import PagesManager
+        from streamlit.runtime.scriptrunner import get_script_run_ctx
     except ImportError:  # another Streamlit: nothing to turn off
         return
-    if PagesManager.uses_pages_directory and st.runtime.exists():
-        PagesManager.uses_pages_directory = False
-        st.rerun()
+    ctx = get_script_run_ctx()
+    if not PagesManager.uses_pages_directory or ctx is None or not st.runtime.exists():
+        return
+    PagesManager.uses_pages_directory = False
+    # Imported by app.py itself (the first page opened was `/`): its
+    # `st.navigation` comes next, and a rerun here would only cut short the
+    # first page run, where a quick click was lost.
+    main = pathlib.Path(ctx.main_script_path).resolve()
+    frame = sys._getframe(1)
+    while frame is not None:
+        if pathlib.Path(frame.f_code.co_filename).resolve() == main:
+            return
+        frame = frame.f_back
+    st.rerun()
 
 
 _run_pages_through_app_py()
