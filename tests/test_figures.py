@@ -851,6 +851,13 @@ def test_compared_heatmaps_carry_a_one_per_row_layout_for_narrow_screens():
     assert narrow["height"] == stacked.layout.height == 3 * wide.layout.height
     with pytest.raises(ValueError, match="`columns` must be a positive integer or None, got 0"):
         figures.compare_heatmaps(runs, columns=0)
+    # The one-per-row layout is made once per set of runs and layers: a run
+    # that grew still gets its step axes' ranges right.
+    longer = {name: _deep_run(4, steps=60) for name in runs}
+    grown = figures.compare_heatmaps(longer, "max_abs").figure.layout.meta["gradflow_narrow"]
+    fresh = figures.compare_heatmaps(longer, "max_abs", columns=1).figure.layout
+    for name in ("xaxis", "xaxis2", "xaxis3"):
+        assert grown[name]["range"] == list(fresh[name].range) != narrow[name]["range"]
 
 
 def test_chart_descriptions_use_words_not_column_names():

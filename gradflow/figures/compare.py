@@ -1,5 +1,6 @@
 """Figures that put two or more runs side by side on one scale."""
 
+import copy
 import math
 
 import numpy as np
@@ -90,19 +91,7 @@ def compare_heatmaps(
     ):
         raise ValueError(f"`columns` must be a positive integer or None, got {columns!r}.")
     cols = min(len(grids), columns or _MAX_COLUMNS_PER_ROW)
-    rows = math.ceil(len(grids) / cols)
-    # Same layers in every run (the usual relu-vs-sigmoid lesson): one shared
-    # layer axis labelled once, so the panels can sit close together.
-    same_layers = all(g.layer == grids[0].layer for g in grids)
-    figure = make_subplots(
-        figure=style.new_figure(),
-        rows=rows,
-        cols=cols,
-        subplot_titles=[style.escape_label(name) for name, _ in named],
-        shared_yaxes=same_layers,
-        horizontal_spacing=0.05 if same_layers else 0.22,
-        vertical_spacing=0.18 if rows > 1 else 0.1,
-    )
+    figure = _panels(named, grids, cols, presentation)
     pieces = []
     for number, ((name, _), layer_grid) in enumerate(zip(named, grids, strict=True)):
         row, col = divmod(number, cols)
@@ -116,6 +105,99 @@ def compare_heatmaps(
             layer_grid, log_min, log_max, coloraxis="coloraxis", name_prefix=prefix
         ):
             figure.add_trace(trace, row=row + 1, col=col + 1)
+    figure.update_layout(
+        coloraxis=dict(
+            cmin=log_min,
+            cmax=log_max,
+            colorscale=style.HEATMAP_COLORSCALE,
+            colorbar=heatmap_lib.colorbar(statistic, log_min, log_max),
+        ),
+    )
+    plain_title = (
+        title
+        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({style.tensor_label(tensor)}): "
+        + " vs ".join(name for name, _ in named)
+    )
+    shown_title = style.escape_label(plain_title)
+    if any(g.decimated for g in grids):
+        longest = max(heatmap_lib.step_axis_title(g) for g in grids if g.decimated)
+        shown_title += f"<br><sup>{longest.removeprefix('step (').rstrip(')')}</sup>"
+    figure.update_layout(title=shown_title)
+    style.apply_style(figure, presentation)
+    if cols > 1:
+        # The same panels one per row (the axes keep their numbers, so the
+        # traces stay on theirs): what the live chart swaps in when narrow.
+        narrow = _one_per_row(named, grids, presentation)
+        figure.update_layout(meta={"gradflow_narrow": narrow, "gradflow_columns": cols})
+    description = (
+        f"The {style.STATISTIC_LABELS.get(statistic, statistic)} of the "
+        f"{style.tensor_label(tensor)} per layer and step for each run, on one shared "
+        "log colour scale, so equal colours mean equal values across panels."
+    )
+    return Chart(figure, pd.concat(pieces, ignore_index=True), plain_title, description)
+
+
+# (run names, each panel's layers or None, presentation) -> `_one_per_row`'s layout.
+_ONE_PER_ROW = {}
+
+
+def _one_per_row(named, grids, presentation):
+    """The axes, subplot titles, height and legend of the panels one per row.
+
+    Only the step axes' ranges change as runs grow, so the rest is made once
+    per set of runs and layers: Plotly's subplots cost about 20 ms a figure,
+    as much again as the comparison itself, at every tick of the Compare page.
+    """
+    key = (
+        tuple(name for name, _ in named),
+        tuple(tuple(map(str, g.layer)) if g.values.size else None for g in grids),
+        presentation,
+    )
+    layout = _ONE_PER_ROW.get(key)
+    if layout is None:
+        stacked = _panels(named, grids, 1, presentation).layout
+        layout = {
+            name: stacked[name].to_plotly_json()
+            for name in stacked
+            if name.startswith(("xaxis", "yaxis")) and stacked[name] is not None
+        }
+        layout["annotations"] = [a.to_plotly_json() for a in stacked.annotations]
+        layout["height"] = stacked.height
+        layout["legend"] = stacked.legend.to_plotly_json()
+        if len(_ONE_PER_ROW) >= 64:
+            _ONE_PER_ROW.clear()
+        _ONE_PER_ROW[key] = layout
+    narrow = copy.deepcopy(layout)
+    for number, layer_grid in enumerate(grids):
+        if layer_grid.values.size:
+            axis = f"xaxis{number + 1 if number else ''}"
+            narrow[axis]["range"] = heatmap_lib.axis_ranges(layer_grid)[0]
+    return narrow
+
+
+def _panels(named, grids, cols, presentation):
+    """The subplots of `compare_heatmaps`, `cols` to a row: titles, axes and size, no traces.
+
+    Made once more with one panel per row for narrow screens
+    (`_one_per_row`), without decimating or drawing the runs again.
+    """
+    rows = math.ceil(len(grids) / cols)
+    # Same layers in every run (the usual relu-vs-sigmoid lesson): one shared
+    # layer axis labelled once, so the panels can sit close together.
+    same_layers = all(g.layer == grids[0].layer for g in grids)
+    figure = make_subplots(
+        figure=style.new_figure(),
+        rows=rows,
+        cols=cols,
+        subplot_titles=[style.escape_label(name) for name, _ in named],
+        shared_yaxes=same_layers,
+        horizontal_spacing=0.05 if same_layers else 0.22,
+        vertical_spacing=0.18 if rows > 1 else 0.1,
+    )
+    for number, layer_grid in enumerate(grids):
+        row, col = divmod(number, cols)
+        if layer_grid.values.size == 0:
+            continue
         x_range, y_range = heatmap_lib.axis_ranges(layer_grid)
         figure.update_xaxes(title_text="step", range=x_range, row=row + 1, col=col + 1)
         figure.update_yaxes(
@@ -129,56 +211,13 @@ def compare_heatmaps(
             col=col + 1,
         )
     figure.update_layout(
-        coloraxis=dict(
-            cmin=log_min,
-            cmax=log_max,
-            colorscale=style.HEATMAP_COLORSCALE,
-            colorbar=heatmap_lib.colorbar(statistic, log_min, log_max),
-        ),
         height=rows * min(700, max(380, 60 + 18 * max(len(g.layer) for g in grids))),
         legend=dict(orientation="h", x=0.0, y=-0.25 if rows == 1 else -0.12),
     )
-    plain_title = (
-        title
-        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({style.tensor_label(tensor)}): "
-        + " vs ".join(name for name, _ in named)
-    )
-    shown_title = style.escape_label(plain_title)
-    if any(g.decimated for g in grids):
-        longest = max(heatmap_lib.step_axis_title(g) for g in grids if g.decimated)
-        shown_title += f"<br><sup>{longest.removeprefix('step (').rstrip(')')}</sup>"
-    figure.update_layout(title=shown_title)
     figure.update_xaxes(showgrid=False)
     figure.update_yaxes(showgrid=False)
     style.apply_style(figure, presentation)
-    if cols > 1:
-        # The same panels one per row (the axes keep their numbers, so the
-        # traces stay on theirs): what the live chart swaps in when narrow.
-        stacked = compare_heatmaps(
-            runs,
-            statistic,
-            tensor,
-            zmin=zmin,
-            zmax=zmax,
-            max_columns=max_columns,
-            title=title,
-            presentation=presentation,
-            columns=1,
-        ).figure.layout
-        narrow = {
-            key: stacked[key].to_plotly_json()
-            for key in stacked
-            if key.startswith(("xaxis", "yaxis")) and stacked[key] is not None
-        }
-        narrow["annotations"] = [a.to_plotly_json() for a in stacked.annotations]
-        narrow["height"] = stacked.height
-        narrow["legend"] = stacked.legend.to_plotly_json()
-        figure.update_layout(meta={"gradflow_narrow": narrow, "gradflow_columns": cols})
-    description = (
-        f"{statistic} of the {tensor} gradients per layer and step for each run, on one shared "
-        "log colour scale, so equal colours mean equal values across panels."
-    )
-    return Chart(figure, pd.concat(pieces, ignore_index=True), plain_title, description)
+    return figure
 
 
 def compare_profiles(
