@@ -1104,24 +1104,26 @@ def _models_in_a_fit_now():
     return models
 
 
-def _close_fits_that_ended_in_an_error(starting):
+def _close_fits_that_ended_in_an_error(starting=None, error=None):
     """Close the runs of this thread's monitors whose `fit` is no longer running.
 
-    A new `fit` begins on this thread while another monitor's `fit` never
-    reached its end: that `fit` ended with an error which the script caught
-    (a sweep that goes on to its next model). Its run is closed `failed` with
-    its steps now, not at the program's exit. A `fit` called from inside
-    another's callback leaves that one running: its `fit` is on the stack.
+    A new `fit` (of `starting`) begins on this thread, or a notebook cell
+    ends, while another monitor's `fit` never reached its end: that `fit`
+    ended with an error which the script caught (a sweep that goes on to its
+    next model) or which ended the cell. Its run is closed now with its
+    steps (`_how_fit_ended`, from `error` if given), not at the program's
+    exit. A `fit` called from inside another's callback leaves that one
+    running: its `fit` is on the stack.
     """
     thread = threading.get_ident()
-    others = [m for m, t in _IN_A_FIT.items() if m is not starting and t == thread]
+    others = [m for m, t in list(_IN_A_FIT.items()) if m is not starting and t == thread]
     if not others:
         return
     running = _models_in_a_fit_now()
     for monitor in others:
         if id(monitor.model) not in running:
-            with contextlib.suppress(Exception):  # the new fit must not fail for it
-                monitor._abandon(_how_fit_ended(monitor.model))
+            with contextlib.suppress(Exception):  # the new fit or cell must not fail for it
+                monitor._abandon(_how_fit_ended(monitor.model, error))
 
 
 def _how_fit_ended(model, error=None):
@@ -1162,16 +1164,7 @@ def _close_at_each_notebook_cells_end():
         return
 
     def after_cell(result):
-        thread = threading.get_ident()
-        open_here = [m for m, t in list(_IN_A_FIT.items()) if t == thread]
-        if not open_here:
-            return
-        running = _models_in_a_fit_now()
-        error = getattr(result, "error_in_exec", None)
-        for monitor in open_here:
-            if id(monitor.model) not in running:
-                with contextlib.suppress(Exception):  # the notebook must not fail for it
-                    monitor._abandon(_how_fit_ended(monitor.model, error))
+        _close_fits_that_ended_in_an_error(error=getattr(result, "error_in_exec", None))
 
     shell.events.register("post_run_cell", after_cell)
     _CELL_HOOK.append(shell)
