@@ -125,16 +125,15 @@ _LOG = logging.getLogger(__name__)
 # path prefix in front of the app, also one a reverse proxy strips before the
 # server (which then cannot know it: `server.baseUrlPath` is empty there).
 APP_ROOT_JS = """() => {
-  const own = document.querySelector('script[src*="/static/js/index."]');
-  return own ? own.src.slice(0, own.src.lastIndexOf("static/js/")) : `${window.location.origin}/`;
+  const s = document.querySelector('script[src*="/static/js/index."]')?.src ?? `${location.origin}/static/js/`;
+  return s.slice(0, s.lastIndexOf("static/js/"));
 }"""
 
 # Kept tiny: Streamlit sends a component's inline JavaScript with every
-# update (a tick's two heatmap updates are about 1.5 KB each). `APP_ROOT_JS`
-# inlined and short: the app's root from Streamlit's bundle, then the folder.
+# update (a tick's two heatmap updates are about 1.5 KB each).
 _LOADER = """export default function (c) {
-  const s = document.querySelector('script[src*="/static/js/index."]')?.src ?? `${location.origin}/static/js/`;
-  const u = (n) => s.slice(0, s.lastIndexOf("static/js/")) + %(folder)s + n;
+  const r = (%(root)s)();
+  const u = (n) => r + %(folder)s + n;
   return import(u(%(module)s)).then((m) => m.render(c, u(%(plotly)s), u(%(plotly_gz)s)));
 }"""
 
@@ -235,6 +234,7 @@ def _component(versions):
         "gradflow.live_chart",
         js=_LOADER
         % {
+            "root": APP_ROOT_JS,
             "folder": repr(static_url() + "/"),
             "module": url("live_chart.js"),
             "plotly": url("plotly.min.js"),
