@@ -25,25 +25,22 @@ def upgrade(conn, path):
     if version == tables.SCHEMA_VERSION:
         return  # The common case: no schema statements, no write lock.
     _refuse_newer(version, path)
-    conn.execute("BEGIN IMMEDIATE")
     try:
-        # Read again under the write lock: another process may have just done it.
-        version = stored_version(conn)
-        _refuse_newer(version, path)
-        if version is None and "step" in _columns(conn, "layer_stats"):
-            version = 1  # Version 1 made its tables before it recorded its version.
-        if version is None:
-            tables.create_tables(conn)
-        elif version == 1:
-            _from_version_1(conn)
-        conn.execute(
-            "INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)",
-            (str(tables.SCHEMA_VERSION),),
-        )
-        conn.execute("COMMIT")
+        with tables.write_transaction(conn):
+            # Read again under the write lock: another process may have just done it.
+            version = stored_version(conn)
+            _refuse_newer(version, path)
+            if version is None and "step" in _columns(conn, "layer_stats"):
+                version = 1  # Version 1 made its tables before it recorded its version.
+            if version is None:
+                tables.create_tables(conn)
+            elif version == 1:
+                _from_version_1(conn)
+            conn.execute(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)",
+                (str(tables.SCHEMA_VERSION),),
+            )
     except BaseException as error:
-        if conn.in_transaction:  # SQLite may have ended it already; keep its error
-            conn.execute("ROLLBACK")
         if version is None or not isinstance(error, Exception) or isinstance(error, RuntimeError):
             raise
         raise RuntimeError(

@@ -127,8 +127,7 @@ class RunStore:
         run_id = uuid.uuid4().hex[:12]
         now = time.time()
         conn = self._conn()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with tables.write_transaction(conn):
             (number,) = conn.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM runs").fetchone()
             conn.execute(
                 "INSERT INTO runs (run_id, name, status, source, created_at, updated_at, "
@@ -149,11 +148,6 @@ class RunStore:
                     socket.gethostname(),
                 ),
             )
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:  # SQLite may have ended it already; keep its error
-                conn.execute("ROLLBACK")
-            raise
         return run_id
 
     def writer(self, run_id, flush_interval=0.5, background_flush=True):
@@ -303,8 +297,7 @@ class RunStore:
         """
         keys = [self._key(run) for run in (run_id, *more)]
         conn = self._conn()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with tables.write_transaction(conn):
             for key in keys:
                 for table in (
                     "layer_stats",
@@ -316,11 +309,6 @@ class RunStore:
                 ):
                     conn.execute(f"DELETE FROM {table} WHERE run = ?", (key,))
                 conn.execute("DELETE FROM runs WHERE id = ?", (key,))
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:  # SQLite may have ended it already; keep its error
-                conn.execute("ROLLBACK")
-            raise
         # The file gives the run's pages back (a store made with incremental
         # auto-vacuum, see `tables.connect`; in an older one this does nothing
         # until `compact`). `executescript` steps the pragma to its end: one
@@ -386,18 +374,12 @@ class RunStore:
         # Workers poll often: look without taking the write lock first.
         if conn.execute("SELECT 1 FROM requests WHERE run = ? LIMIT 1", (key,)).fetchone() is None:
             return None
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with tables.write_transaction(conn):
             row = conn.execute(
                 "SELECT id, action FROM requests WHERE run = ? ORDER BY id LIMIT 1", (key,)
             ).fetchone()
             if row is not None and consume:
                 conn.execute("DELETE FROM requests WHERE id = ?", (row[0],))
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:  # SQLite may have ended it already; keep its error
-                conn.execute("ROLLBACK")
-            raise
         return None if row is None else row[1]
 
     def recover(self, stale_after=60.0):

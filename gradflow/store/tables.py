@@ -4,6 +4,7 @@ Kept apart from the reader and the writer so that both agree on one format,
 as TensorBoard keeps its histogram format apart from its reader and writer.
 """
 
+import contextlib
 import os
 import pathlib
 
@@ -164,6 +165,24 @@ def default_path():
         `$GRADFLOW_DB` when set, else `./gradflow-data/runs.db`, as a `pathlib.Path`.
     """
     return pathlib.Path(os.environ.get("GRADFLOW_DB") or "gradflow-data/runs.db")
+
+
+@contextlib.contextmanager
+def write_transaction(conn):
+    """`BEGIN IMMEDIATE` around the block, committed at its end, rolled back if it raises.
+
+    A statement that fails may have ended the transaction itself (a full or
+    failing disk): nothing is rolled back then, so SQLite's own error is the
+    one raised, not "cannot rollback - no transaction is active".
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
 
 
 def connect(path):

@@ -383,8 +383,7 @@ class RunWriter:
                 np.concatenate([s[1] for s in stats]),
                 np.concatenate([s[2] for s in stats]),
             )
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with tables.write_transaction(conn):
             if series:
                 conn.executemany(
                     "INSERT OR IGNORE INTO series (run, series, layer, layer_index, tensor, "
@@ -421,11 +420,6 @@ class RunWriter:
                 )
             else:
                 conn.execute("UPDATE runs SET heartbeat_at = ? WHERE id = ?", (now, self._run))
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:  # SQLite may have ended it already; keep its error
-                conn.execute("ROLLBACK")
-            raise
 
     def _maybe_flush(self):
         if self._batch_depth:
