@@ -978,7 +978,7 @@ class GradientMonitor(keras.callbacks.Callback):
             store.set_status(self.run_id, "running", pid=os.getpid())
             store.set_total_steps(self.run_id, self._final_numbered_step())
         self._writer = store.writer(self.run_id)
-        if ended_as in ("interrupted", "failed", "stopped", "diverged"):
+        if ended_as in _ENDED_AS:
             # Else the run read "completed" at the end, as if nothing had happened.
             step = self._current_step()
             self._add_event(

@@ -352,8 +352,11 @@ def _appended(old, new):
     return pd.concat([old, new], ignore_index=True)
 
 
+_ROWS = "live.cache."  # + run id: the run's shared rows this session holds
+
+
 def _cache_key(run_id):
-    return f"live.cache.{run_id}"
+    return _ROWS + run_id
 
 
 def _drawn_steps(run_id):
@@ -370,7 +373,7 @@ def _rows_of(store, run_id):
         rows = st.session_state[key] = run_rows.shared_rows(store.path, run_id)
     # Only the run on the panel is held: the rows of a run this session
     # showed before go once no other session shows it.
-    for other in [k for k in st.session_state if k.startswith("live.cache.") and k != key]:
+    for other in [k for k in st.session_state if k.startswith(_ROWS) and k != key]:
         del st.session_state[other]
     return rows
 
