@@ -209,32 +209,37 @@ def check_metrics(metrics, argument="metrics"):
         )
 
 
+def _sorted_metric(metrics, name):
+    """`(steps, values)` of one metric, in step order."""
+    rows = metrics[metrics["name"] == name]
+    steps = rows["step"].to_numpy(dtype=np.int64)
+    values = rows["value"].to_numpy(dtype=np.float64, na_value=np.nan)
+    order = np.argsort(steps, kind="stable")
+    return steps[order], values[order]
+
+
 def metric_series(metrics, name, max_points):
     """`(steps, values, block)` of one metric, sorted, decimated to its envelope.
 
     `block` is how many recorded points each kept point stands for (1: all kept).
     """
-    rows = metrics[metrics["name"] == name]
-    steps = rows["step"].to_numpy(dtype=np.int64)
-    values = rows["value"].to_numpy(dtype=np.float64, na_value=np.nan)
-    order = np.argsort(steps, kind="stable")
-    kept = decimate.decimate_envelope(steps[order], values[order], max_points)
+    return _envelope(*_sorted_metric(metrics, name), max_points)
+
+
+def _envelope(steps, values, max_points):
+    kept = decimate.decimate_envelope(steps, values, max_points)
     return (*kept, decimate.envelope_block(len(steps), max_points))
 
 
-def block_means(metrics, name, block):
-    """`(steps, means)`: one metric's mean over each block of `block` recorded points, in step order.
+def block_means(steps, values, block):
+    """`(steps, means)`: the mean of each block of `block` points of a sorted series.
 
     The step is the block's middle one; NaN and Inf are left to the
     envelope's markers (a block's mean skips NaN).
     """
-    rows = metrics[metrics["name"] == name]
-    steps = rows["step"].to_numpy(dtype=np.float64)
-    values = rows["value"].to_numpy(dtype=np.float64, na_value=np.nan)
-    order = np.argsort(steps, kind="stable")
     count = -(-len(steps) // block) * block
     padded = np.full((2, count), np.nan)
-    padded[0, : len(steps)], padded[1, : len(steps)] = steps[order], values[order]
+    padded[0, : len(steps)], padded[1, : len(steps)] = steps, values
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a block of NaN only: its mean is NaN
         at, means = np.nanmean(padded.reshape(2, -1, block), axis=2)
@@ -319,7 +324,8 @@ def metrics_chart(
                 continue
             # `block`: a long run's CSV is each block's lowest and highest
             # value, and it did not say so.
-            steps, values, block = metric_series(metrics, name, max_points)
+            every_step, every_value = _sorted_metric(metrics, name)
+            steps, values, block = _envelope(every_step, every_value, max_points)
             pieces.append(
                 pd.DataFrame({"step": steps, "name": name, "value": values, "block": block})
             )
@@ -345,7 +351,7 @@ def metrics_chart(
                 # A 20,000-step loss drawn as each block's lowest and highest
                 # value was a solid band that hid whether it fell (an
                 # overnight run's audit): the mean of each block over it.
-                at, means = block_means(metrics, name, block)
+                at, means = block_means(every_step, every_value, block)
                 pieces.append(
                     pd.DataFrame(
                         {"step": at, "name": f"{name} (block mean)", "value": means, "block": block}
