@@ -114,6 +114,28 @@ def test_svg_is_xml_with_escaped_layer_names_and_pdf_is_pdf():
     assert pdf.startswith(b"%PDF") and len(pdf) > 1000
 
 
+def _svg_texts(svg, css_class):
+    root = ElementTree.fromstring(svg)
+    groups = [e for e in root.iter() if css_class in e.get("class", "").split()]
+    return ["".join(t.itertext()) for g in groups for t in g.iter() if t.tag.endswith("text")]
+
+
+@needs_browser
+def test_a_long_runs_step_axis_reads_in_thousands_not_powers_of_ten():
+    """A 20,000-step run's heatmap was ticked "0.5e+4, 1e+4, 1.5e+4" on a slide."""
+    steps = np.arange(1, 20_001)
+    frame = pd.DataFrame(
+        {"step": steps, "layer": "dense", "layer_index": 0, "tensor": "kernel"}
+        | {"variable": "dense/kernel", "max_abs": np.exp(-steps / 1e4), "l2_norm": 1.0}
+    )
+    for chart in (figures.heatmap(frame), figures.layer_lines(frame, "max_abs", "kernel")):
+        svg = export.to_image(chart, "svg", width=800, height=400)
+        ticks = _svg_texts(svg, "xtick")
+        assert "10,000" in ticks and not [t for t in ticks if "e+" in t], ticks
+    # The values' log axis keeps its powers of ten.
+    assert "1e-1" in _svg_texts(svg, "ytick")
+
+
 def test_missing_browser_raises_export_error_naming_chromium(monkeypatch, tmp_path):
     monkeypatch.delenv("GRADFLOW_CHROMIUM", raising=False)
     monkeypatch.delenv("BROWSER_PATH", raising=False)

@@ -68,7 +68,7 @@ def jacobian_cost(cost, *, presentation=False):
                 hovertemplate="%{text}<br>%{x:.3s} Jacobian entries<br>%{y:.1f} ms<extra></extra>",
             )
         )
-    figure.update_xaxes(type="log", title="entries in the largest Jacobian")
+    figure.update_xaxes(type="log", title="entries in the largest Jacobian", exponentformat="e")
     figure.update_yaxes(type="log", title="milliseconds per backward pass")
     figure.update_layout(title="The Jacobian way grows with size; chained VJPs barely notice")
     formed = cost["formed"] if "formed" in cost.columns else pd.Series(True, index=cost.index)

@@ -67,7 +67,8 @@ TEMPLATE = go.layout.Template(
         paper_bgcolor="white",
         plot_bgcolor="white",
         font=dict(family=_FONT, color="#222222"),
-        xaxis=_AXIS,
+        # x is the step almost everywhere: "15,000", not "1.5e+4" (nor "15k").
+        xaxis=dict(_AXIS, exponentformat="none", separatethousands=True),
         yaxis=_AXIS,
         hovermode="closest",
         title=dict(x=0.02, xanchor="left"),
