@@ -145,6 +145,32 @@ def test_heatmap_zero_nan_and_inf_cells(value, expect_z, marker):
     chart.figure.to_json()  # renders without error
 
 
+def test_exact_zeros_sit_below_the_smallest_value_at_a_tick_that_reads_0():
+    """A dead layer took the bottom colour, which the colour bar labelled "1e-4":
+    a student read it as a small gradient."""
+    frame = make_layer_stats()
+    dead = frame["layer_index"] == 1
+    frame.loc[dead, "max_abs"] = 0.0
+    smallest = frame.loc[~dead, "max_abs"].min()
+    trace = heat_trace(figures.heatmap(frame, "max_abs", "kernel"))
+    z = np.asarray(trace.z, dtype=float)
+    assert trace.colorbar.ticktext[0] == "0" and trace.colorbar.tickvals[0] == trace.zmin
+    assert (z[1] == trace.zmin).all()
+    assert np.nanmin(np.delete(z, 1, axis=0)) >= trace.zmin + 1 == np.floor(np.log10(smallest))
+    lines = figures.layer_lines(frame, "max_abs", "kernel").figure
+    [dead_line] = [t for t in lines.data if t.name == "dense_1"]
+    assert lines.layout.yaxis.ticktext[0] == "0"
+    assert list(dead_line.y) == [lines.layout.yaxis.tickvals[0]] * len(dead_line.y)
+    assert min(min(t.y) for t in lines.data if t.name != "dense_1") >= 10 * dead_line.y[0]
+    both = figures.compare_heatmaps({"a": frame, "b": make_layer_stats()}, "max_abs")
+    assert both.figure.layout.coloraxis.colorbar.ticktext[0] == "0"
+    profiles = figures.compare_profiles({"a": frame, "b": make_layer_stats()}, statistic="max_abs")
+    assert profiles.figure.layout.yaxis.ticktext[0] == "0"
+    # Without a zero the scale starts at the data's decade, as before.
+    alive = heat_trace(figures.heatmap(make_layer_stats(), "max_abs", "kernel"))
+    assert "0" not in alive.colorbar.ticktext
+
+
 def test_heatmap_missing_cells_are_blank_without_markers():
     frame = make_layer_stats()
     frame = frame[~((frame["step"] == 2) & (frame["layer_index"] == 0))]

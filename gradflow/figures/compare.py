@@ -85,6 +85,7 @@ def compare_heatmaps(
             raise type(error)(f"Run {name!r}: {error}") from error
     every = np.concatenate([g.values[g.present] for g in grids])
     log_min, log_max = logscale.log_range(every, zmin, zmax)
+    zero_at = logscale.zero_level(every, log_min)
 
     if columns is not None and (
         isinstance(columns, bool) or not isinstance(columns, int) or columns < 1
@@ -102,15 +103,15 @@ def compare_heatmaps(
             continue
         prefix = style.escape_label(name) + ": "
         for trace in heatmap_lib.heatmap_traces(
-            layer_grid, log_min, log_max, coloraxis="coloraxis", name_prefix=prefix
+            layer_grid, log_min, log_max, "coloraxis", prefix, zero_at
         ):
             figure.add_trace(trace, row=row + 1, col=col + 1)
     figure.update_layout(
         coloraxis=dict(
-            cmin=log_min,
+            cmin=log_min if zero_at is None else zero_at,
             cmax=log_max,
             colorscale=style.HEATMAP_COLORSCALE,
-            colorbar=heatmap_lib.colorbar(statistic, log_min, log_max),
+            colorbar=heatmap_lib.colorbar(statistic, log_min, log_max, zero_at),
         ),
     )
     plain_title = (
@@ -302,6 +303,7 @@ def compare_profiles(
 
     values = data[statistic].to_numpy(dtype=np.float64)
     log_min, log_max = logscale.log_range(values)
+    zero_at = logscale.zero_level(values, log_min)
     figure = style.new_figure()
     for (name, piece), color in zip(
         data.groupby("run", sort=False), style.line_colors(len(pieces)), strict=False
@@ -311,7 +313,7 @@ def compare_profiles(
         figure.add_trace(
             go.Scatter(
                 x=piece["depth"].to_numpy(),
-                y=np.power(10.0, logscale.to_log(raw, log_min)),
+                y=np.power(10.0, logscale.to_log(raw, log_min, zero_at)),
                 customdata=np.stack([raw, piece["step"].to_numpy(dtype=np.float64)], axis=1),
                 text=style.layer_labels(piece["layer"].tolist(), piece["layer_index"].tolist()),
                 mode="lines+markers",
@@ -320,7 +322,7 @@ def compare_profiles(
                 hovertemplate=f"{label}<br>%{{text}} (step %{{customdata[1]}})<br>%{{customdata[0]:.3g}}<extra></extra>",
             )
         )
-    tickvals, ticktext = logscale.decade_ticks(log_min, log_max)
+    tickvals, ticktext = logscale.decade_ticks(log_min, log_max, zero_at=zero_at)
     figure.update_layout(
         title=style.escape_label(plain_title),
         xaxis_title=f"depth: {style.tensor_label(tensor)} layers, 0 = input side",
@@ -328,7 +330,7 @@ def compare_profiles(
     )
     figure.update_yaxes(
         type="log",
-        range=[log_min, log_max],
+        range=[log_min if zero_at is None else zero_at, log_max],
         tickvals=[10.0**v for v in tickvals],
         ticktext=ticktext,
     )

@@ -13,9 +13,9 @@ from gradflow.figures.chart import Chart
 LEGEND_ABOVE = dict(orientation="h", x=1.0, xanchor="right", y=1.02, yanchor="bottom")
 
 
-def colorbar(statistic, log_min, log_max):
-    """A colour bar for a log10 scale, ticked in real units (1e-6, 1e-3, 1)."""
-    tickvals, ticktext = logscale.decade_ticks(log_min, log_max)
+def colorbar(statistic, log_min, log_max, zero_at=None):
+    """A colour bar for a log10 scale, ticked in real units (1e-6, 1e-3, 1), and "0" at `zero_at`."""
+    tickvals, ticktext = logscale.decade_ticks(log_min, log_max, zero_at=zero_at)
     return dict(
         title=dict(text=f"{style.statistic_label(statistic)}<br>(log scale)", side="right"),
         tickvals=tickvals,
@@ -61,22 +61,24 @@ def nonfinite_markers(x, y, raw, hover_names, name_prefix=""):
     return traces
 
 
-def heatmap_traces(layer_grid, log_min, log_max, coloraxis=None, name_prefix=""):
+def heatmap_traces(layer_grid, log_min, log_max, coloraxis=None, name_prefix="", zero_at=None):
     """The heatmap trace and non-finite markers for a (decimated) `LayerGrid`.
 
     Args:
         layer_grid: the `LayerGrid` to draw.
-        log_min: log10 of the bottom of the colour scale (zeros show here).
+        log_min: log10 of the lowest value on the colour scale.
         log_max: log10 of the top of the colour scale.
         coloraxis: name of a shared layout colour axis (`"coloraxis"`) or
             None (default) for the trace's own colour bar.
         name_prefix: prefix for marker legend entries.
+        zero_at: log10 position of exact zeros, the scale's bottom, ticked
+            "0" (`logscale.zero_level`), or None (default): zeros at `log_min`.
 
     Returns:
         A list of traces: the `go.Heatmap` first.
     """
     labels = style.layer_labels(layer_grid.layer, layer_grid.layer_index)
-    z = logscale.to_log(layer_grid.values, log_min)
+    z = logscale.to_log(layer_grid.values, log_min, zero_at)
     z[~layer_grid.present] = np.nan
     label = style.statistic_label(layer_grid.statistic)
     heat = go.Heatmap(
@@ -92,10 +94,10 @@ def heatmap_traces(layer_grid, log_min, log_max, coloraxis=None, name_prefix="")
         heat.coloraxis = coloraxis
     else:
         heat.update(
-            zmin=log_min,
+            zmin=log_min if zero_at is None else zero_at,
             zmax=log_max,
             colorscale=style.HEATMAP_COLORSCALE,
-            colorbar=colorbar(layer_grid.statistic, log_min, log_max),
+            colorbar=colorbar(layer_grid.statistic, log_min, log_max, zero_at),
         )
     rows, cols = np.nonzero(layer_grid.present & ~np.isfinite(layer_grid.values))
     label_array = np.asarray(labels, dtype=object)
@@ -220,13 +222,14 @@ def heatmap(
         f"Heatmap of the {style.STATISTIC_LABELS.get(statistic, statistic)} of the "
         f"{style.tensor_label(tensor)}: one row per layer (input at the "
         "bottom), one column per step, colour on a log10 scale. Exact zeros (a dead layer) take "
-        "the bottom colour; hover over or tap a cell for its value. Blank cells with a black x are NaN, with "
+        "the bottom colour, marked 0 on the colour bar; hover over or tap a cell for its value. Blank cells with a black x are NaN, with "
         "a triangle Inf."
     )
     if layer_grid.values.size == 0:
         figure = style.no_data_figure("No layer statistics recorded yet.", presentation)
         return Chart(figure, layer_grid.to_frame(), plain_title, description)
-    figure = style.new_figure(heatmap_traces(layer_grid, log_min, log_max))
+    zero_at = logscale.zero_level(layer_grid.values[layer_grid.present], log_min)
+    figure = style.new_figure(heatmap_traces(layer_grid, log_min, log_max, zero_at=zero_at))
     figure.update_layout(
         title=style.escape_label(plain_title),
         xaxis_title=step_axis_title(layer_grid),

@@ -104,7 +104,7 @@ def layer_lines(
     description = (
         f"The {style.STATISTIC_LABELS.get(statistic, statistic)} of the "
         f"{style.tensor_label(tensor)} of each layer over steps, log scale. Exact "
-        "zeros (a dead layer) lie on the bottom edge; hover over or tap a point for its value. Black markers "
+        "zeros (a dead layer) lie on the line marked 0 at the bottom; hover over or tap a point for its value. Black markers "
         "above the lines show steps with NaN (x) or Inf (triangle)."
     )
     data = layer_grid.to_frame()
@@ -117,13 +117,14 @@ def layer_lines(
         )
 
     log_min, log_max = logscale.log_range(layer_grid.values[layer_grid.present])
+    zero_at = logscale.zero_level(layer_grid.values[layer_grid.present], log_min)
     labels = style.layer_labels(layer_grid.layer, layer_grid.layer_index)
     colors = style.line_colors(len(labels))
     figure = style.new_figure()
     for row, (label, color) in enumerate(zip(labels, colors, strict=True)):
         drawn = layer_grid.present[row]
         values = layer_grid.values[row, drawn]
-        y = np.power(10.0, logscale.to_log(values, log_min))  # zeros at the floor, NaN/Inf -> gap
+        y = np.power(10.0, logscale.to_log(values, log_min, zero_at))  # NaN/Inf -> gap
         figure.add_trace(
             go.Scatter(
                 x=layer_grid.step_first[drawn],
@@ -154,10 +155,10 @@ def layer_lines(
         xaxis_title=heatmap_lib.step_axis_title(layer_grid),
         yaxis_title=style.statistic_label(statistic) + " (log scale)",
     )
-    tickvals, ticktext = logscale.decade_ticks(log_min, log_max)
+    tickvals, ticktext = logscale.decade_ticks(log_min, log_max, zero_at=zero_at)
     figure.update_yaxes(
         type="log",
-        range=[log_min - 0.1, log_max + _MARKER_HEADROOM],
+        range=[(log_min if zero_at is None else zero_at) - 0.1, log_max + _MARKER_HEADROOM],
         tickvals=[10.0**v for v in tickvals],
         ticktext=ticktext,
     )

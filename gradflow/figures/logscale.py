@@ -7,6 +7,11 @@ import numpy as np
 # Used when a figure has no positive finite value to derive a range from.
 DEFAULT_LOG_RANGE = (-8.0, 0.0)
 
+# Exact zeros (a dead layer) are drawn this many decades below the scale's
+# lowest value, at a tick that reads "0": at the bottom decade itself they
+# read as "1e-4", a small gradient, which a dead layer is not.
+ZERO_GAP = 1.0
+
 
 def format_decade(exponent):
     """Tick text for 10**exponent: `"1"`, `"10"`, `"100"`, else `"1e-6"`."""
@@ -16,7 +21,7 @@ def format_decade(exponent):
     return f"1e{exponent}"
 
 
-def decade_ticks(log_min, log_max, max_ticks=8):
+def decade_ticks(log_min, log_max, max_ticks=8, zero_at=None):
     """Tick positions (log10) and texts for whole decades in a range.
 
     Args:
@@ -24,16 +29,34 @@ def decade_ticks(log_min, log_max, max_ticks=8):
         log_max: upper end of the range, in log10 units.
         max_ticks: at most this many ticks; wide ranges label every 2nd,
             3rd, ... decade. Default 8.
+        zero_at: where exact zeros are drawn (`zero_level`), ticked `"0"`
+            below the decades, or None (default) for no such tick.
 
     Returns:
         `(tickvals, ticktext)`, two lists.
     """
     first, last = math.ceil(log_min), math.floor(log_max)
+    zero = ([float(zero_at)], ["0"]) if zero_at is not None else ([], [])
     if last < first:
-        return [], []
+        return zero
     stride = max(1, math.ceil((last - first + 1) / max_ticks))
     exponents = list(range(first, last + 1, stride))
-    return [float(e) for e in exponents], [format_decade(e) for e in exponents]
+    return zero[0] + [float(e) for e in exponents], zero[1] + [format_decade(e) for e in exponents]
+
+
+def zero_level(values, log_min):
+    """Where exact zeros go on a log scale whose lowest value is `log_min`.
+
+    Args:
+        values: numpy array of the values drawn.
+        log_min: log10 of the bottom of the values' scale (`log_range`).
+
+    Returns:
+        `log_min - ZERO_GAP` if any value is exactly 0, else None (the scale
+        needs no place for zeros).
+    """
+    values = np.asarray(values, dtype=np.float64)
+    return log_min - ZERO_GAP if values.size and bool((values == 0).any()) else None
 
 
 def log_range(values, vmin=None, vmax=None):
@@ -80,13 +103,16 @@ def log_range(values, vmin=None, vmax=None):
     return log_min, log_max
 
 
-def to_log(values, log_floor):
+def to_log(values, log_floor, zero_at=None):
     """log10 of values for colouring; zeros go to the floor, non-finite to NaN.
 
     Args:
         values: numpy array of non-negative statistics.
-        log_floor: log10 value given to zeros (and anything below it), so an
-            exactly-zero gradient shows as the bottom of the scale.
+        log_floor: log10 value given to anything below it, and to zeros
+            when `zero_at` is None, so an exactly-zero gradient shows as
+            the bottom of the scale.
+        zero_at: log10 value given to exact zeros (`zero_level`), or None
+            (default) for `log_floor`.
 
     Returns:
         A float64 array of the same shape; NaN where `values` is NaN or Inf
@@ -97,4 +123,6 @@ def to_log(values, log_floor):
     with np.errstate(divide="ignore", invalid="ignore"):
         logged = np.log10(np.where(finite & (values > 0), values, 1.0))
     logged = np.where(finite & (values > 0), np.maximum(logged, log_floor), log_floor)
+    if zero_at is not None:
+        logged = np.where(values == 0, zero_at, logged)
     return np.where(finite, logged, np.nan)
