@@ -247,6 +247,18 @@ def test_max_norm_constrains_kernels_after_each_update():
         assert column_norms.max() <= 0.5 + 1e-5, name
 
 
+def test_max_norm_caps_each_convolution_filter_whole():
+    """Keras's default axis capped each filter's columns of height, not the filter."""
+    _, data, model = _build(
+        architecture="cnn", dataset="digits", depth=2, width=4, max_norm=0.5, learning_rate=50.0
+    )
+    model.train_on_batch(data.x_train[:32], data.y_train[:32])
+    for name in ("conv_1", "conv_2"):
+        kernel = model.get_layer(name).kernel.numpy()  # (height, width, in, out)
+        filter_norms = np.sqrt((kernel**2).sum(axis=(0, 1, 2)))
+        assert filter_norms.max() <= 0.5 + 1e-5, (name, filter_norms)
+
+
 def test_cross_entropy_on_regression_file_data_is_rejected():
     config = RunConfig(dataset="file", data_path="unused.npz", loss="categorical_crossentropy")
     data = load_dataset(RunConfig(dataset="regression", n_samples=20))

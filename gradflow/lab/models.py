@@ -190,7 +190,7 @@ def _hidden_block(config, inputs, index):
             padding="same",
             activation=None if normalized else config.activation,
             name=f"conv_{index}",
-            **_kernel_arguments(config),
+            **_kernel_arguments(config, filters=True),
         )
     else:
         layer = keras.layers.Dense(
@@ -223,7 +223,11 @@ def _skip(config, inputs, index):
         return inputs
     if config.architecture == "cnn":
         projection = keras.layers.Conv2D(
-            config.width, 1, use_bias=False, name=f"projection_{index}", **_kernel_arguments(config)
+            config.width,
+            1,
+            use_bias=False,
+            name=f"projection_{index}",
+            **_kernel_arguments(config, filters=True),
         )
     else:
         projection = keras.layers.Dense(
@@ -232,14 +236,19 @@ def _skip(config, inputs, index):
     return projection(inputs)
 
 
-def _kernel_arguments(config):
+def _kernel_arguments(config, filters=False):
+    """Initializer and max-norm of a kernel; `filters`: a convolution's (h, w, in, out) kernel."""
     if config.initializer == "random_normal":
         initializer = keras.initializers.RandomNormal(stddev=config.init_stddev)
     else:
         initializer = keras.initializers.get(config.initializer)
     arguments = {"kernel_initializer": initializer}
     if config.max_norm is not None:
-        arguments["kernel_constraint"] = keras.constraints.MaxNorm(config.max_norm)
+        # MaxNorm caps each unit's incoming weights: a Dense kernel's columns
+        # (axis 0, the default), a convolution's whole filters (axes 0-2;
+        # with the default it capped each filter's columns of height only).
+        axis = [0, 1, 2] if filters else 0
+        arguments["kernel_constraint"] = keras.constraints.MaxNorm(config.max_norm, axis=axis)
     return arguments
 
 
