@@ -478,6 +478,12 @@ def test_a_clipped_or_constrained_runs_exports_show_what_was_applied():
     charts = export.run_charts(stats, make_metrics(), run="clipped run")
     clipped = charts["l2_norm_clipped_heatmap"]
     assert clipped.data["l2_norm_clipped"].max() <= 0.01
+    # One colour scale for the norms before and after clipping: on their own
+    # scales the same yellow meant 1000 above and 1 below.
+    before = charts["l2_norm_heatmap"].figure.data[0]
+    after = clipped.figure.data[0]
+    assert (before.zmin, before.zmax) == (after.zmin, after.zmax)
+    assert after.zmin <= np.log10(0.01) and before.zmax >= np.log10(stats["l2_norm"].max())
     assert charts["weight_norm_lines"].data["weight_norm"].eq(0.5).all()
     assert charts["weight_norm_unconstrained_lines"].data["weight_norm_unconstrained"].max() > 0.5
 

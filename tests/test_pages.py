@@ -1396,6 +1396,13 @@ def test_a_clipped_run_shows_what_the_optimizer_applied(page_environment):
         app = run_page("live_training.py", run=run_id)
         said = any("Gradient clipping is on" in c.value for c in app.caption)
         assert said == (clipped is not None)
+    # The norms before and after clipping share a colour scale; the max keeps its own.
+    scales = [
+        (u["traces"][0]["zmin"], u["traces"][0]["zmax"])
+        for u in live_chart_updates(app)
+        if u.get("traces", [{}])[0].get("type") == "heatmap"
+    ]
+    assert len(scales) == 3 and scales[1] == scales[2] != scales[0], scales
 
 
 def test_a_run_this_page_did_not_start_is_watched_until_taken_over(page_environment):
@@ -1454,7 +1461,10 @@ def test_a_max_norm_run_points_to_its_weight_norms(page_environment):
         weight_norm_unconstrained=[6.48],
     )
     app = run_page("live_training.py", run=run_id)
-    assert any("max-norm constraint is on" in c.value for c in app.caption)
+    [caption] = [c.value for c in app.caption if "max-norm constraint is on" in c.value]
+    # Not "scales down a kernel whose norm passes the limit": a teacher read 5.6
+    # above a limit of 1 as the constraint failing.
+    assert "each unit's incoming weights" in caption and "√units × the limit" in caption
 
 
 def test_a_preset_or_link_trains_its_settings_that_have_no_widget():

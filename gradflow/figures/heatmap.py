@@ -152,6 +152,36 @@ def step_axis_title(layer_grid):
     return f"step (each column: max over up to {block} steps)"
 
 
+def common_scale(layer_stats, statistics, tensor="kernel"):
+    """`(zmin, zmax)` that put heatmaps of several statistics on one colour scale.
+
+    With gradient clipping the norms before and after it are drawn one
+    under the other; each on its own scale, the same yellow meant 1000 above
+    and 1 below, and the clipping could not be seen.
+
+    Example:
+
+    ```python
+    zmin, zmax = common_scale(stats, ["l2_norm", "l2_norm_clipped"])
+    before = heatmap(stats, "l2_norm", zmin=zmin, zmax=zmax)
+    after = heatmap(stats, "l2_norm_clipped", zmin=zmin, zmax=zmax)
+    ```
+
+    Args:
+        layer_stats: tidy layer-statistics DataFrame.
+        statistics: the columns to share a scale.
+        tensor: as for `heatmap`. Default `"kernel"`.
+
+    Returns:
+        Two floats in the statistics' units: whole decades around every
+        positive finite value of the statistics.
+    """
+    grids = [grid_lib.layer_grid(layer_stats, statistic, tensor) for statistic in statistics]
+    every = np.concatenate([g.values[g.present] for g in grids])
+    log_min, log_max = logscale.log_range(every)
+    return 10.0**log_min, 10.0**log_max
+
+
 def heatmap(
     layer_stats,
     statistic="max_abs",

@@ -550,21 +550,30 @@ def _charts(info, cache, key):
         heatmap = functools.partial(
             _live_heatmap, stats, tensor=tensor, run=run, presentation=presentation
         )
-        for column, statistic, name in ((left, "max_abs", "max"), (right, "l2_norm", "norm")):
-            with column:
-                heatmap(statistic, f"{key}.{name}")
-        if clipped and tensor != "activation":
+        show_clipped = clipped and tensor != "activation"
+        # With clipping, the norms before and after it on one colour scale.
+        norm_scale = (
+            figures.common_scale(stats, ["l2_norm", "l2_norm_clipped"], tensor)
+            if show_clipped
+            else (None, None)
+        )
+        with left:
+            heatmap("max_abs", f"{key}.max")
+        with right:
+            heatmap("l2_norm", f"{key}.norm", *norm_scale)
+        if show_clipped:
             st.caption(
                 ":material/content_cut: Gradient clipping is on: the heatmaps above are the "
                 "gradients as computed, before clipping. Below, the norm of what the optimizer "
-                "applied, after clipping."
+                "applied, after clipping, on the same colour scale as the norm above."
             )
-            heatmap("l2_norm_clipped", f"{key}.clipped")
+            heatmap("l2_norm_clipped", f"{key}.clipped", *norm_scale)
         if constrained and tensor != "activation":
             st.caption(
                 ":material/straighten: The max-norm constraint is on: **Lines** shows each "
-                "layer's weight norm after it and before it (the constraint scales down a "
-                "kernel whose norm passes the limit)."
+                "layer's weight norm after it and before it. Keras's max-norm caps each unit's "
+                "incoming weights (each filter, in a convolution) at the limit, so a whole "
+                "layer's norm can reach √units × the limit."
             )
     elif view == "Lines":
         statistic = st.radio(
@@ -721,13 +730,15 @@ def _lesson_pack_button(info, cache, key):
     )
 
 
-def _live_heatmap(stats, statistic, key, tensor, run, presentation):
+def _live_heatmap(stats, statistic, key, zmin=None, zmax=None, *, tensor, run, presentation):
     """One live heatmap of `statistic` (layer x step), at most `LIVE_MAX_COLUMNS` columns."""
     show_live_chart(
         figures.heatmap(
             stats,
             statistic,
             tensor,
+            zmin=zmin,
+            zmax=zmax,
             max_columns=LIVE_MAX_COLUMNS,
             power_of_two_blocks=True,
             presentation=presentation,
