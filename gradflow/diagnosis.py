@@ -493,7 +493,8 @@ def _dead_relu(table, thresholds, steps):
                         f"at step {row.step} (more than {limit:.0%}): no gradient flows through "
                         "many of its units. With ReLU they are dead (they output 0 for every "
                         "sample): try a smaller learning rate, He initialization or leaky_relu. "
-                        "With tanh or sigmoid they are saturated (their slope is 0 at ±1): try "
+                        "With tanh or sigmoid they are saturated (outputs pinned near tanh's ±1 or "
+                        "sigmoid's 0 and 1, where the slope is almost 0): try "
                         "smaller initial weights or normalization."
                     ),
                 )

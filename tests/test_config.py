@@ -186,6 +186,21 @@ def test_presets_are_valid_and_paired():
         get_preset("nope")
 
 
+def test_the_exploding_preset_records_the_gradient_that_doubles_on_its_way_back(tmp_path):
+    """Its text said gradients double per layer, but it recorded only the weights'
+    gradients, which are flat (280-430 in every layer); a lecturer found no doubling."""
+    import gradflow
+
+    config = dataclasses.replace(get_preset("large_init").config, steps=1)
+    run = gradflow.train(config, store=tmp_path / "runs.db")
+    outputs = run.layer_stats[run.layer_stats["tensor"] == "activation"]
+    hidden = outputs[outputs["layer"].str.startswith("dense_")].sort_values("layer_index")
+    norms = hidden["l2_norm"].to_numpy()
+    assert len(norms) == 8 and "Activations" in get_preset("large_init").description
+    assert (norms[:-1] > 1.3 * norms[1:]).all(), norms  # larger at each layer nearer the input
+    assert norms[0] > 50 * norms[-1]
+
+
 def test_config_and_presets_do_not_import_tensorflow():
     code = (
         "import sys, gradflow.lab.config, gradflow.lab.presets; "

@@ -74,7 +74,8 @@ PRESETS = {
             "deep_sigmoid",
             "Deep sigmoid network: vanishing gradients",
             "Ten sigmoid layers: the gradient shrinks about 4x per layer on its way back, so "
-            "the first layers get almost nothing (1e-7) and the network does not learn.",
+            "the first layers get almost nothing (about 1e-7, against about 1 at the output) "
+            "and the network does not learn.",
             compare_with="relu_he",
             **_DEEP_SIGMOID,
         ),
@@ -97,10 +98,12 @@ PRESETS = {
         _preset(
             "large_init",
             "Large initial weights: exploding gradients",
-            "Weights drawn with standard deviation 0.5 (He would be 0.25) double the signal "
-            "at each of eight ReLU layers: gradients start in the hundreds and SGD diverges "
-            "to NaN.",
+            "Weights drawn with standard deviation 0.5 (He for these 32-unit layers: 0.25) "
+            "double the signal at each of eight ReLU layers. On its way back the gradient "
+            "doubles at each layer too (under Gradients of, choose Activations), the weights' gradients "
+            "start in the hundreds, and SGD diverges to NaN.",
             compare_with="large_init_clipped",
+            activations=True,
             **_LARGE_INIT,
         ),
         # Seen: the same first step (gradient norms ~300), but the update is
@@ -110,7 +113,9 @@ PRESETS = {
             "large_init_clipped",
             "Exploding gradients tamed by clipping",
             "The same exploding network with the global gradient norm clipped to 1: the raw "
-            "gradients are still huge, but each update is bounded and training recovers.",
+            "gradients are still huge, but each update is bounded, so training no longer "
+            "blows up to NaN. It learns slowly: the oversized weights are still there (compare "
+            "its loss with ReLU and He initialization).",
             compare_with="large_init",
             clipping="global_norm",
             clip_value=1.0,
@@ -158,8 +163,9 @@ PRESETS = {
             "rnn_simple",
             "SimpleRNN on a long sequence: it cannot remember",
             "The adding problem over 30 steps: the SimpleRNN's gradient through time vanishes, "
-            "so it never links the first marked number to the answer; the loss stays at 0.17, "
-            "what predicting the average gives.",
+            "so it never links the first marked number to the answer. Watch the Loss view: it "
+            "stays at 0.17, what predicting the average gives. (The heatmaps show each layer's "
+            "gradient summed over the 30 time steps, not how it fades through time.)",
             compare_with="rnn_lstm",
             rnn_cell="simple_rnn",
             **_ADDING,
