@@ -515,6 +515,20 @@ def live_chart_updates(app):
     ]
 
 
+def test_every_training_setting_says_what_it_does():
+    """A lecturer found one "?" in the sidebar: Initializer, Gradient clipping,
+    Normalization and Max-norm were left unexplained to first-year students."""
+    from gradflow.ui.controls import WIDGETS
+
+    app = run_page("live_training.py")
+    labels = {label for _, label, *_ in WIDGETS}
+    kinds = ("selectbox", "select_slider", "slider", "toggle", "number_input")
+    shown = {w.label: w.help for kind in kinds for w in app.get(kind) if w.label in labels}
+    assert set(shown) == labels
+    assert all(help_text and len(help_text) > 20 for help_text in shown.values()), shown
+    assert "he" in shown["Initializer"] and "global_norm" in shown["Gradient clipping"]
+
+
 def test_a_charts_toolbar_download_is_named_after_its_run(page_environment):
     """The toolbar's camera saved every chart as gradflow.svg."""
     from gradflow.store import RunStore

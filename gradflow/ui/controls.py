@@ -68,6 +68,56 @@ _MORE = [
     ("histograms", "Record histograms", "toggle", None),
 ]
 
+# The "?" beside each widget, for a first-year student: what it changes and
+# what it does to the gradients.
+_HELP = {
+    "architecture": "mlp: stacked dense layers. residual_mlp: the same with a shortcut around "
+    "each layer. cnn: convolutions, for images. rnn: a recurrent layer, for sequences.",
+    "depth": "How many hidden layers. The deeper the network, the clearer vanishing or "
+    "exploding gradients show.",
+    "width": "Units (or filters, in a cnn) in each hidden layer.",
+    "activation": "The function after each hidden layer. sigmoid and tanh flatten out for "
+    "large inputs, so the gradient shrinks through each of them; relu passes the gradient of "
+    "its positive inputs on unchanged.",
+    "initializer": "How the starting weights are drawn. glorot suits sigmoid and tanh; he "
+    "(√2 larger) suits relu: the signal keeps its size from layer to layer. random_normal "
+    "uses **Init stddev**.",
+    "optimizer": "How gradients become weight updates. sgd steps along the gradient (momentum "
+    "and nesterov keep a running direction); adam, rmsprop and the like scale each weight's "
+    "step, so even small gradients move the weights.",
+    "learning_rate": "How big each update is. Too large and the loss jumps about or becomes "
+    "NaN; too small and nothing moves.",
+    "batch_size": "Examples per step: each step's gradient is the average over its batch.",
+    "dataset": "What the network learns: small data sets that come with the dashboard "
+    "(mnist, fashion_mnist and cifar10 need a copy on the server).",
+    "clipping": "Caps the gradients before each update. value: each entry to ± the threshold; "
+    "norm: each weight tensor's gradient to a norm of at most the threshold; global_norm: all "
+    "of them together to a joint norm of at most the threshold.",
+    "normalization": "batch or layer normalization re-centres and re-scales what goes into "
+    "each activation, which keeps sigmoids in their steep range.",
+    "residual": "Adds each hidden layer's input to its output: a shortcut the gradient can "
+    "flow back along.",
+    "seed": "Fixes the starting weights and the order of the data: the same seed gives the "
+    "same run.",
+    "steps": "How many training steps (one batch each) to run.",
+    "pace": "Slows training down so that a class can watch it; full speed is as fast as "
+    "the machine goes.",
+    "clip_value": "The threshold of **Gradient clipping** (unused when it is none).",
+    "init_stddev": "The standard deviation of the starting weights, read only by the "
+    "random_normal initializer.",
+    "dropout": "The share of units switched off at random at each training step.",
+    "max_norm": "After each update, caps the length of each unit's incoming weights at this "
+    "value (Keras's MaxNorm). 0 is off.",
+    "rnn_cell": "The recurrent layer. lstm and gru have gates that carry the gradient across "
+    "many time steps; simple_rnn has none.",
+    "record_every": "Record the statistics every N steps: fewer points and less work, for "
+    "long runs.",
+    "activations": "Also record the gradient of the loss with respect to each layer's output: "
+    "what flows back from layer to layer (**Gradients of: Activations**).",
+    "histograms": "Also record how each layer's gradient values are spread (the "
+    "**Histograms** view).",
+}
+
 _FIELD_NAMES = {f.name for f in dataclasses.fields(RunConfig)}
 WIDGETS = [spec for spec in _MAIN + _MORE if spec[0] in _FIELD_NAMES]
 
@@ -194,18 +244,19 @@ def _settings_of_run(run_id):
 def _render(container, prefix, field, label, kind, options):
     key = _key(prefix, field)
     value = st.session_state.get(key)
+    helped = {"help": _HELP.get(field)}
     if kind == "select":
-        container.selectbox(label, _with_option(options, value), key=key)
+        container.selectbox(label, _with_option(options, value), key=key, **helped)
     elif kind == "select_slider":
         container.select_slider(
-            label, _with_option(options, value), key=key, format_func=_shown(field)
+            label, _with_option(options, value), key=key, format_func=_shown(field), **helped
         )
     elif kind == "slider":
-        container.slider(label, options[0], options[1], key=key)
+        container.slider(label, options[0], options[1], key=key, **helped)
     elif kind == "slider_float":
-        container.slider(label, options[0], options[1], step=0.05, key=key)
+        container.slider(label, options[0], options[1], step=0.05, key=key, **helped)
     elif kind == "toggle":
-        container.toggle(label, key=key)
+        container.toggle(label, key=key, **helped)
     # Number boxes take what is typed, with no range of their own: a box with
     # one kept an out-of-range number on show, under Streamlit's note, while
     # Start trained the value before, and an emptied box took its minimum
@@ -213,9 +264,9 @@ def _render(container, prefix, field, label, kind, options):
     # the form and beside Start, which it turns off. `value=None` lets an
     # emptied box read None ("enter a number") instead of 0.
     elif kind == "number":
-        container.number_input(label, value=None, step=1, key=key)
+        container.number_input(label, value=None, step=1, key=key, **helped)
     elif kind == "number_float":
-        container.number_input(label, value=None, format="%g", key=key)
+        container.number_input(label, value=None, format="%g", key=key, **helped)
 
 
 def _empty_box(field):
