@@ -582,3 +582,31 @@ def test_an_sqlite_file_of_something_else_is_refused_and_left_alone(tmp_path):
     store = RunStore(empty)
     store.create_run({})
     assert len(RunStore(empty).runs()) == 1
+
+
+def test_numpy_integers_are_stored_as_numbers_and_bad_counts_are_refused(tmp_path):
+    """`heartbeat(run, step=np.int64(5))` was stored as an 8-byte blob: every later
+    `runs()` and `recover()` of the file failed, for every run in it."""
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run({}, total_steps=np.int64(10), pid=np.int32(os.getpid()))
+    store.heartbeat(run_id, step=np.int64(5))
+    store.set_status(run_id, "running", pid=np.int64(os.getpid()), only_from="running")
+    store.set_total_steps(run_id, np.int64(12))
+    runs = store.runs()
+    assert runs.loc[0, "progress_step"] == 5 and runs.loc[0, "total_steps"] == 12
+    assert store.recover() == []
+    assert len(store.layer_stats(run_id, after_step=np.int64(0))) == 0
+    for call, name, value in [
+        (lambda v: store.heartbeat(run_id, step=v), "step", "abc"),
+        (lambda v: store.heartbeat(run_id, step=v), "step", 2.5),
+        (lambda v: store.heartbeat(run_id, step=v), "step", -1),
+        (lambda v: store.set_status(run_id, "running", pid=v), "pid", "x"),
+        (lambda v: store.create_run({}, total_steps=v), "total_steps", True),
+        (lambda v: store.create_run({}, total_steps=v), "total_steps", 10**30),
+        (lambda v: store.set_total_steps(run_id, v), "total_steps", -5),
+        (lambda v: store.metrics(run_id, after_step=v), "after_step", float("nan")),
+        (lambda v: store.set_status(run_id, "running", message=v), "message", object()),
+    ]:
+        with pytest.raises(ValueError, match=f"`{name}` must be"):
+            call(value)
+    assert store.runs()["progress_step"].tolist() == [5]  # nothing half-written

@@ -1,6 +1,7 @@
 """The run store: runs, their statistics and their control requests in SQLite."""
 
 import json
+import numbers
 import os
 import pathlib
 import re
@@ -124,6 +125,8 @@ class RunStore:
             raise ValueError(f"`source` must be one of {tables.SOURCES}, got {source!r}.")
         _check_status(status)
         tags = _check_tags(tags)
+        total_steps = _whole_number("total_steps", total_steps)
+        pid = _whole_number("pid", pid, least=1)
         run_id = uuid.uuid4().hex[:12]
         now = time.time()
         conn = self._conn()
@@ -141,10 +144,10 @@ class RunStore:
                     now,
                     now,
                     now,
-                    None if total_steps is None else int(total_steps),
+                    total_steps,
                     json.dumps(tags),
                     json.dumps(config, default=str),
-                    os.getpid() if pid is None else int(pid),
+                    os.getpid() if pid is None else pid,
                     socket.gethostname(),
                 ),
             )
@@ -178,6 +181,9 @@ class RunStore:
             True if the status was changed.
         """
         _check_status(status)
+        pid = _whole_number("pid", pid, least=1)
+        if message is not None and not isinstance(message, str):
+            raise ValueError(f"`message` must be a string or None, got {message!r:.80}.")
         key = self._key(run_id)
         now = time.time()
         sql = (
@@ -186,7 +192,7 @@ class RunStore:
         )
         params = [status, message, now, now, pid, pid, socket.gethostname(), key]
         if only_from is not None:
-            only_from = tuple(only_from)
+            only_from = (only_from,) if isinstance(only_from, str) else tuple(only_from)
             for value in only_from:
                 _check_status(value)
             sql += f" AND status IN ({', '.join('?' * len(only_from))})"
@@ -200,6 +206,7 @@ class RunStore:
             run_id: the run.
             step: the last finished step, or None.
         """
+        step = _whole_number("step", step)
         self._conn().execute(
             "UPDATE runs SET heartbeat_at = ?, progress_step = MAX(progress_step, COALESCE(?, 0)) "
             "WHERE id = ?",
@@ -273,11 +280,7 @@ class RunStore:
         Raises:
             ValueError: if `total_steps` is not None or a non-negative integer.
         """
-        if total_steps is not None and (
-            isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0
-        ):
-            raise ValueError(f"`total_steps` must be None or an integer >= 0, got {total_steps!r}.")
-        self._update(run_id, "total_steps", total_steps)
+        self._update(run_id, "total_steps", _whole_number("total_steps", total_steps))
 
     def tag(self, run_id, tags):
         """Replaces a run's tags.
@@ -776,7 +779,7 @@ def _newer_than(where, params, after_step, column="step"):
     """Add the live-polling filter `column > after_step` to a WHERE clause (None: no filter)."""
     if after_step is None:
         return where, params
-    return f"{where} AND {column} > ?", [*params, int(after_step)]
+    return f"{where} AND {column} > ?", [*params, _whole_number("after_step", after_step)]
 
 
 def _name_series(data, series, columns):
@@ -804,6 +807,27 @@ def _name_series(data, series, columns):
 def _codes(values):
     codes, uniques = pd.factorize(values, sort=False)
     return pd.Index(uniques, dtype=object), codes.astype(np.int32)
+
+
+def _whole_number(name, value, least=0):
+    """`value` as a Python int (None stays None), or a ValueError naming `name`.
+
+    SQLite stores a NumPy integer as an 8-byte blob: one `heartbeat(step=np.int64(5))`
+    made every later `runs()` and `recover()` of the file fail.
+    """
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"`{name}` must be None or an integer >= {least}, got {value!r:.80}.")
+    if not least <= value <= _LARGEST_SQLITE_INT:
+        raise ValueError(
+            f"`{name}` must be None or an integer from {least} to 2**63 - 1, got {value!r:.80}."
+        )
+    return int(value)
+
+
+# SQLite's INTEGER is a signed 64-bit number.
+_LARGEST_SQLITE_INT = 2**63 - 1
 
 
 def _check_status(status):
