@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 import plotly.io
 
-from gradflow import figures, schema
+from gradflow import checks, figures, schema
 from gradflow.diagnosis import diagnose, run_thresholds
 from gradflow.figures import style
 from gradflow.image_renderer import ImageRenderer
@@ -87,6 +87,24 @@ def _figure_of(figure_or_chart, argument="figure"):
     )
 
 
+def _store_of(store):
+    """A `RunStore` for a path (as `GradientMonitor(store=...)` takes); a store as is."""
+    if isinstance(store, (str, os.PathLike)):
+        if not os.path.isfile(store):
+            raise ValueError(
+                f"`store` must be a run store or its file, got {store!r}: no such file."
+            )
+        from gradflow.store import RunStore  # Here: the store is not needed to draw.
+
+        return RunStore(store)
+    if not all(hasattr(store, name) for name in ("run_info", "layer_stats", "metrics")):
+        raise ValueError(
+            f"`store` must be a gradflow.RunStore or the path of its file, got "
+            f"{type(store).__name__}."
+        )
+    return store
+
+
 def _check_format(format, allowed, argument="format"):
     if format not in allowed:
         raise ValueError(f"`{argument}` must be one of {list(allowed)}, got {format!r}.")
@@ -113,34 +131,35 @@ def to_images(figure_list, format="png", *, width=None, height=None, scale=None)
         A list of `bytes`, one per figure.
 
     Raises:
-        ValueError: if `format` is not an image format.
+        ValueError: if `format` is not an image format, or `width`, `height`
+            or `scale` is not positive or makes an image larger than a
+            browser can draw.
         TypeError: if an item is not a Figure or Chart.
         ExportError: if no Chromium is installed or rendering fails.
     """
     _check_format(format, IMAGE_FORMATS)
     plotly_figures = [_figure_of(f, "figure_list") for f in figure_list]
+    width = checks.positive_int("width", width, allow_none=True)
+    height = checks.positive_int("height", height, allow_none=True)
+    if scale is not None:
+        scale = checks.positive_number("scale", scale)
     if not plotly_figures:
         return []
+    scale = scale if scale is not None else (2 if format == "png" else 1)
+    specs = []
+    for figure in plotly_figures:
+        size = dict(
+            width=width or figure.layout.width or _DEFAULT_WIDTH,
+            height=height or figure.layout.height or _DEFAULT_HEIGHT,
+        )
+        _check_drawable(size, scale)
+        specs.append((figure.to_dict(), dict(format=format, scale=scale, **size)))
     browser = find_browser()
     if browser is None:
         raise ExportError(
             "PNG/SVG/PDF export needs Chromium or Chrome, and none was found. Install it "
             "(Debian/Ubuntu: `apt-get install chromium`) or set GRADFLOW_CHROMIUM to the "
             "browser's path. HTML and CSV export work without a browser."
-        )
-    scale = scale if scale is not None else (2 if format == "png" else 1)
-    specs = []
-    for figure in plotly_figures:
-        specs.append(
-            (
-                figure.to_dict(),
-                dict(
-                    format=format,
-                    width=width or figure.layout.width or _DEFAULT_WIDTH,
-                    height=height or figure.layout.height or _DEFAULT_HEIGHT,
-                    scale=scale,
-                ),
-            )
         )
 
     try:
@@ -151,7 +170,24 @@ def to_images(figure_list, format="png", *, width=None, height=None, scale=None)
 
 def to_image(figure, format="png", *, width=None, height=None, scale=None):
     """Render one figure to PNG, SVG or PDF bytes (see `to_images`)."""
+    _figure_of(figure)
     return to_images([figure], format, width=width, height=height, scale=scale)[0]
+
+
+# What Chromium's canvas draws: 32,767 px a side and 268 million pixels
+# (2**28). Beyond them `scale=100` gave 3 bytes of garbage and no error.
+_LARGEST_SIDE = 32_767
+_LARGEST_AREA = 2**28
+
+
+def _check_drawable(size, scale):
+    width, height = size["width"] * scale, size["height"] * scale
+    if max(width, height) > _LARGEST_SIDE or width * height > _LARGEST_AREA:
+        raise ValueError(
+            f"An image of {size['width']}x{size['height']} px at `scale` {scale:g} would be "
+            f"{width:,.0f}x{height:,.0f} px, more than a browser can draw (32,767 px a side, "
+            "268 million pixels): give a smaller `scale`, `width` or `height`."
+        )
 
 
 def to_html(figure, *, title=None):
@@ -629,7 +665,8 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
 
     Args:
         store: a `gradflow.store.RunStore` (anything with `layer_stats`,
-            `metrics`, `histograms`, `events` and `run_info` methods).
+            `metrics`, `histograms`, `events` and `run_info` methods), or
+            the path of a run store's file.
         run_id: the run to export.
         fmt: one of `"png"`, `"svg"`, `"pdf"`, `"html"`, `"csv"`, `"zip"`
             (a lesson pack).
@@ -642,11 +679,13 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
         `<run name>_<run id>_<figure>.<fmt>` (or `<run name>_<run id>_lesson.zip`).
 
     Raises:
-        ValueError: if `fmt` is not an export format.
+        ValueError: if `fmt` is not an export format, or `store` is a path
+            with no file.
         ExportError: if the run has no data to draw, or images cannot be
             rendered.
     """
     _check_format(fmt, EXPORT_FORMATS, "fmt")
+    store = _store_of(store)
     info = store.run_info(run_id) or {}
     layer_stats = store.layer_stats(run_id)
     charts = run_charts(

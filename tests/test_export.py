@@ -171,6 +171,18 @@ def test_gradflow_chromium_variable_wins(monkeypatch, tmp_path):
             "`fmt` must be one of",
         ),
         (lambda c: export.lesson_pack({}), ValueError, "at least one chart"),
+        (lambda c: export.to_image(None), TypeError, "`figure` must be a plotly Figure"),
+        (lambda c: export.to_image(c, width=0), ValueError, "`width` must be a positive integer"),
+        (lambda c: export.to_image(c, height=-5), ValueError, "`height` must be a positive"),
+        (lambda c: export.to_image(c, scale=float("nan")), ValueError, "`scale` must be"),
+        # scale=100 gave 3 bytes of garbage and no error.
+        (lambda c: export.to_image(c, scale=100), ValueError, "more than a browser can draw"),
+        (lambda c: export.export_run(None, "r", "csv", "/tmp"), ValueError, "`store` must be"),
+        (
+            lambda c: export.export_run("/nonexistent/runs.db", "r", "csv", "/tmp"),
+            ValueError,
+            "no such file",
+        ),
     ],
 )
 def test_errors_name_the_argument(call, error, words):
@@ -322,6 +334,9 @@ def test_export_run_from_a_real_run_store(store_path, tmp_path):
     writer.close(status="completed")
     (csv_path, *_) = export.export_run(store, run_id, "csv", tmp_path)
     assert csv_path.name == f"tiny_{run_id}_max_abs_heatmap.csv"
+    # The store's path works too, as GradientMonitor(store=...) takes it.
+    for path in (store_path, str(store_path)):
+        assert export.export_run(path, run_id, "csv", tmp_path / "again")[0].name == csv_path.name
     back = pd.read_csv(csv_path)
     # Exactly the values drawn, after a column that says which run they are.
     expected = figures.heatmap(make_layer_stats(), "max_abs").data
