@@ -256,6 +256,72 @@ def test_zmin_zmax_set_the_scale_and_compare_shares_one_scale():
     assert titles == ["quiet", "loud"]
 
 
+@pytest.mark.parametrize("runs", [7, 12])
+def test_a_comparison_of_many_runs_is_drawn(runs):
+    """Seven runs (one to a row on phones) failed inside Plotly: "Vertical spacing cannot
+    be greater than (1/(rows-1))"; the Compare page lets a teacher pick that many."""
+    named = {f"run {n}": make_layer_stats(seed=n) for n in range(runs)}
+    for columns in (None, 1):
+        chart = figures.compare_heatmaps(named, "max_abs", columns=columns)
+        assert len([t for t in chart.figure.data if t.type == "heatmap"]) == runs
+        assert [a.text for a in chart.figure.layout.annotations][:runs] == list(named)
+
+
+def test_a_diverged_run_is_compared_at_its_last_finite_step_and_on_a_log_loss_axis():
+    """Beside its fix, a diverged run had no profile line (its last step all NaN), and
+    its loss of 1e7 flattened the other run's loss to a line at 0 ("clipping made the
+    loss zero")."""
+    diverged = make_layer_stats()
+    diverged.loc[diverged["step"] == 6, "max_abs"] = np.nan
+    fixed = make_layer_stats(seed=1)
+    chart = figures.compare_profiles({"diverged": diverged, "fixed": fixed})
+    shown = chart.data.groupby("run")["step"].max()
+    assert shown.to_dict() == {"diverged": 5, "fixed": 6}
+    assert np.isfinite(chart.data["max_abs"]).all()
+    assert "a diverged run's last finite one" in chart.title
+    assert chart.figure.layout.xaxis.dtick == 1  # whole depths, not 0.5
+    assert "max_abs" not in chart.description
+    assert figures.compare_profiles({"diverged": diverged}, step=6).data["step"].max() == 6
+
+    steps = np.arange(1, 11)
+    loss = lambda values: pd.DataFrame({"step": steps, "name": "loss", "value": values})  # noqa: E731
+    blown = {"large init": loss(np.geomspace(300, 2e7, 10)), "clipped": loss(np.linspace(3, 2, 10))}
+    assert figures.compare_metrics(blown).figure.layout.yaxis.type == "log"
+    calm = {"a": loss(np.linspace(3, 2, 10)), "b": loss(np.linspace(2.5, 1, 10))}
+    assert figures.compare_metrics(calm).figure.layout.yaxis.type in (None, "linear", "-")
+    assert figures.compare_metrics(blown, log_y=False).figure.layout.yaxis.type != "log"
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda s, m: figures.layer_lines(s, layers=object()), "`layers` must be a layer's name"),
+        (lambda s, m: figures.layer_lines(s, max_points=0), "`max_points` must be a positive"),
+        (lambda s, m: figures.metrics_chart(m, names=["Loss"]), "it recorded ['accuracy', 'loss']"),
+        (lambda s, m: figures.metrics_chart(m, names=None), "`names` must be a metric's name"),
+        (lambda s, m: figures.compare_metrics({"a": m}, "Loss"), "they recorded ['accuracy'"),
+        (lambda s, m: figures.compare_metrics({"a": m}, None), "`name` must be a metric's name"),
+        (lambda s, m: figures.compare_metrics({"a": m}, validation="no"), "`validation` must be"),
+    ],
+)
+def test_a_wrong_layer_or_metric_name_is_said_not_drawn_blank(call, words):
+    """Wrong metric names gave a blank chart with no title or hint; `layers="dense_1"`
+    was read as the layers "d", "e", ...; `max_points=0` was called `max_columns`."""
+    metrics = pd.DataFrame(
+        {"step": [1, 2, 1, 2], "name": ["loss"] * 2 + ["accuracy"] * 2, "value": [2, 1, 0.1, 0.5]}
+    )
+    with pytest.raises(ValueError) as info:
+        call(make_layer_stats(), metrics)
+    assert words in str(info.value)
+
+
+def test_one_layer_is_named_by_a_string_or_an_index():
+    stats = make_layer_stats()
+    by_name = figures.layer_lines(stats, layers="dense_1")
+    by_index = figures.layer_lines(stats, layers=np.int64(1))
+    assert set(by_name.data["layer"]) == set(by_index.data["layer"]) == {"dense_1"}
+
+
 def brute_force_block_max(values, present, block):
     """Reference: a Python loop over blocks."""
     rows, cols = values.shape

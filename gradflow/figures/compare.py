@@ -8,6 +8,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from gradflow import checks
 from gradflow.figures import decimate, lines, logscale, style
 from gradflow.figures import grid as grid_lib
 from gradflow.figures import heatmap as heatmap_lib
@@ -186,6 +187,7 @@ def _panels(named, grids, cols, presentation):
     # Same layers in every run (the usual relu-vs-sigmoid lesson): one shared
     # layer axis labelled once, so the panels can sit close together.
     same_layers = all(g.layer == grids[0].layer for g in grids)
+    height = rows * min(700, max(380, 60 + 18 * max(len(g.layer) for g in grids)))
     figure = make_subplots(
         figure=style.new_figure(),
         rows=rows,
@@ -193,7 +195,10 @@ def _panels(named, grids, cols, presentation):
         subplot_titles=[style.escape_label(name) for name, _ in named],
         shared_yaxes=same_layers,
         horizontal_spacing=0.05 if same_layers else 0.22,
-        vertical_spacing=0.18 if rows > 1 else 0.1,
+        # About 130 px between rows for the titles, whatever the number of
+        # rows: a fixed share of the height passed Plotly's limit of
+        # 1/(rows - 1) at seven runs, one to a row.
+        vertical_spacing=min(0.18, 130 / height) if rows > 1 else 0.1,
     )
     for number, layer_grid in enumerate(grids):
         row, col = divmod(number, cols)
@@ -212,7 +217,7 @@ def _panels(named, grids, cols, presentation):
             col=col + 1,
         )
     figure.update_layout(
-        height=rows * min(700, max(380, 60 + 18 * max(len(g.layer) for g in grids))),
+        height=height,
         legend=dict(orientation="h", x=0.0, y=-0.25 if rows == 1 else -0.12),
     )
     figure.update_xaxes(showgrid=False)
@@ -241,7 +246,9 @@ def compare_profiles(
     Args:
         runs: mapping of run name -> tidy layer-statistics DataFrame.
         step: the step (last recorded at or before it, per run), or None
-            (default) for each run's last step.
+            (default) for each run's last step; for a run whose last step
+            is NaN or Inf (it diverged), its last step with every value
+            finite, where it can be compared with the others.
         statistic: the column to plot. Default `"max_abs"`.
         tensor: tensor kind or `"all_weights"`. Default `"kernel"`.
         title: figure title, or None (default).
@@ -258,6 +265,7 @@ def compare_profiles(
     """
     named = _check_runs(runs)
     pieces = []
+    before_divergence = False
     for name, frame in named:
         try:
             grid_lib.check_layer_stats(frame, statistic)
@@ -266,6 +274,11 @@ def compare_profiles(
             raise type(error)(f"Run {name!r}: {error}") from error
         if shown is None:
             continue
+        if step is None:
+            finite = _last_finite_step(frame, tensor, statistic)
+            before_divergence |= finite is not None and finite < shown
+            # A diverged run's last step is all NaN: no line beside the other runs.
+            shown = finite if finite is not None else shown
         piece = profile_lib.profile_frame(frame, shown, tensor, [statistic])
         piece.insert(0, "run", name)
         # Depth counts the layers with this tensor: by `layer_index`, a batch-norm
@@ -281,6 +294,7 @@ def compare_profiles(
         f" at step {shown_steps[0]}"
         if len(shown_steps) == 1
         else " at each run's last step"
+        + (" (a diverged run's last finite one)" if before_divergence else "")
         if step is None
         else f" at step {step} or the last before it"
     )
@@ -290,8 +304,9 @@ def compare_profiles(
         f" ({style.tensor_label(tensor)}){at if shown_steps else ''}"
     )
     description = (
-        f"{statistic} of the {tensor} gradients against depth (the n-th layer with a {tensor}, "
-        "0 = input side), one line per run."
+        f"The {style.STATISTIC_LABELS.get(statistic, statistic)} of the "
+        f"{style.tensor_label(tensor)} against depth (the n-th layer with one, 0 = input side), "
+        "one line per run, log scale."
     )
     if data.empty:
         return Chart(
@@ -328,6 +343,8 @@ def compare_profiles(
         xaxis_title=f"depth: {style.tensor_label(tensor)} layers, 0 = input side",
         yaxis_title=style.statistic_label(statistic) + " (log scale)",
     )
+    # Whole depths: a two-layer network was ticked 0, 0.5 and 1.
+    figure.update_xaxes(tick0=0, dtick=max(1, math.ceil(int(data["depth"].max()) / 10)))
     figure.update_yaxes(
         type="log",
         range=[log_min if zero_at is None else zero_at, log_max],
@@ -341,12 +358,21 @@ def compare_profiles(
     return Chart(figure, data, plain_title, description)
 
 
+def _last_finite_step(frame, tensor, statistic):
+    """The last step at which every layer's `statistic` of `tensor` is finite, or None."""
+    rows = frame[grid_lib.tensor_mask(frame, tensor)]
+    finite = np.isfinite(rows[statistic].to_numpy(dtype=np.float64))
+    whole = pd.Series(finite).groupby(rows["step"].to_numpy()).all()
+    whole = whole[whole]
+    return int(whole.index.max()) if len(whole) else None
+
+
 def compare_metrics(
     runs,
     name="loss",
     *,
     validation=True,
-    log_y=False,
+    log_y=None,
     max_points=decimate.DEFAULT_MAX_COLUMNS,
     title=None,
     presentation=False,
@@ -363,7 +389,10 @@ def compare_metrics(
         runs: mapping of run name -> long metrics DataFrame.
         name: the metric. Default `"loss"`.
         validation: also draw `val_<name>` dashed when recorded. Default True.
-        log_y: log y axis. Default False.
+        log_y: log y axis (True), linear (False), or None (default): log
+            when every value is positive and they span more than three
+            decades. Beside a diverged run's loss of 1e7 a linear axis drew
+            the other runs' losses as a flat 0.
         max_points: about this many points per line at most. Default 1000.
         title: figure title, or None (default).
         presentation: large fonts for slides. Default False.
@@ -375,14 +404,21 @@ def compare_metrics(
         TypeError, ValueError: for an empty `runs` or an invalid frame.
     """
     named = _check_runs(runs)
+    validation = checks.flag("validation", validation)
+    if log_y is not None:
+        log_y = checks.flag("log_y", log_y)
+    if not isinstance(name, str):
+        raise ValueError(f"`name` must be a metric's name, such as 'loss', got {name!r}.")
     figure = style.new_figure()
     pieces = []
+    every_name = set()
     for (run, metrics), color in zip(named, style.line_colors(len(named)), strict=True):
         try:
             lines.check_metrics(metrics)
         except (TypeError, ValueError) as error:
             raise type(error)(f"Run {run!r}: {error}") from error
         recorded = set(metrics["name"].unique())
+        every_name |= recorded
         for metric, dash in ((name, "solid"), (f"val_{name}", "dash")):
             if metric not in recorded or (dash == "dash" and not validation):
                 continue
@@ -412,6 +448,11 @@ def compare_metrics(
         if pieces
         else pd.DataFrame(columns=["run", "step", "name", "value"])
     )
+    if data.empty and every_name:
+        raise ValueError(
+            f"`name` must be a metric the runs recorded, got {name!r}; they recorded "
+            f"{sorted(every_name)}."
+        )
     if data.empty:
         return Chart(
             style.no_data_figure(f"No {name} recorded yet.", presentation),
@@ -419,10 +460,14 @@ def compare_metrics(
             plain_title,
             description,
         )
+    if log_y is None:
+        values = data["value"].to_numpy(dtype=np.float64)
+        values = values[np.isfinite(values)]
+        log_y = bool(len(values) and values.min() > 0 and values.max() > 1000 * values.min())
     figure.update_layout(
         title=style.escape_label(plain_title),
         xaxis_title="step",
-        yaxis_title=style.escape_label(name),
+        yaxis_title=style.escape_label(name) + (" (log scale)" if log_y else ""),
     )
     if log_y:
         figure.update_yaxes(type="log")

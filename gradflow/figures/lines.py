@@ -7,7 +7,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from gradflow import schema
+from gradflow import checks, schema
 from gradflow.figures import decimate, logscale, style
 from gradflow.figures import grid as grid_lib
 from gradflow.figures import heatmap as heatmap_lib
@@ -20,7 +20,14 @@ _MARKER_HEADROOM = 0.35
 def _select_layers(layer_grid, layers):
     if layers is None:
         return np.arange(len(layer_grid.layer))
-    wanted = list(layers)
+    if isinstance(layers, (str, int, np.integer)):
+        layers = [layers]  # one layer: "dense_1" is not the layers d, e, n, ...
+    try:
+        wanted = list(layers)
+    except TypeError:
+        raise ValueError(
+            f"`layers` must be a layer's name or index, a list of them, or None, got {layers!r}."
+        ) from None
     rows = []
     for item in wanted:
         if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
@@ -83,7 +90,7 @@ def layer_lines(
     """
     full = decimate.decimate_max(
         grid_lib.layer_grid(layer_stats, statistic, tensor),
-        max_points,
+        checks.positive_int("max_points", max_points),
         power_of_two_blocks=power_of_two_blocks,
     )
     rows = _select_layers(full, layers)
@@ -247,9 +254,12 @@ def block_means(steps, values, block):
     return np.round(at).astype(np.int64), means
 
 
+_LOSS_AND_ACCURACY = ("loss", "accuracy")
+
+
 def metrics_chart(
     metrics,
-    names=("loss", "accuracy"),
+    names=_LOSS_AND_ACCURACY,
     *,
     log_loss=False,
     max_points=decimate.DEFAULT_MAX_COLUMNS,
@@ -284,10 +294,18 @@ def metrics_chart(
         TypeError, ValueError: if `metrics` is not a long metrics frame.
     """
     check_metrics(metrics)
-    if isinstance(names, str):
-        names = (names,)
+    asked = names is not _LOSS_AND_ACCURACY  # the defaults draw what there is
+    names = (names,) if isinstance(names, str) else names
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"`names` must be a metric's name or a list of them, got {names!r}.")
     recorded = set(metrics["name"].unique())
     panels = [n for n in names if n in recorded or f"val_{n}" in recorded]
+    unknown = [n for n in names if n not in panels]
+    if recorded and unknown and asked:
+        raise ValueError(
+            f"`names` must be metrics the run recorded, got {unknown!r}; it recorded "
+            f"{sorted(recorded)}."
+        )
     plain_title = title or " and ".join(panels or list(names)) + " over training"
     description = (
         "Training (solid) and validation (dashed) "

@@ -162,7 +162,9 @@ def _draw_charts(run_ids, was_active):
             run=" vs ".join(ready),
         )
     with right:
-        ready_metrics = {name: frame for name, frame in metrics.items() if not frame.empty}
+        ready_metrics = {
+            name: frame for name, frame in metrics.items() if (frame["name"] == "loss").any()
+        }
         if ready_metrics:
             show_live_chart(
                 figures.compare_metrics(ready_metrics, "loss", presentation=presentation),
