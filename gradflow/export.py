@@ -685,6 +685,7 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
             rendered.
     """
     _check_format(fmt, EXPORT_FORMATS, "fmt")
+    presentation = checks.flag("presentation", presentation)
     store = _store_of(store)
     info = store.run_info(run_id) or {}
     layer_stats = store.layer_stats(run_id)

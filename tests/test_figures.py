@@ -302,6 +302,12 @@ def test_a_diverged_run_is_compared_at_its_last_finite_step_and_on_a_log_loss_ax
         (lambda s, m: figures.compare_metrics({"a": m}, "Loss"), "they recorded ['accuracy'"),
         (lambda s, m: figures.compare_metrics({"a": m}, None), "`name` must be a metric's name"),
         (lambda s, m: figures.compare_metrics({"a": m}, validation="no"), "`validation` must be"),
+        (lambda s, m: figures.heatmap(s, presentation="yes"), "`presentation` must be True or"),
+        (lambda s, m: figures.metrics_chart(m, log_loss="yes"), "`log_loss` must be True or"),
+        (
+            lambda s, m: figures.heatmap(s, power_of_two_blocks="yes"),
+            "`power_of_two_blocks` must be True or",
+        ),
     ],
 )
 def test_a_wrong_layer_or_metric_name_is_said_not_drawn_blank(call, words):
@@ -320,6 +326,9 @@ def test_one_layer_is_named_by_a_string_or_an_index():
     by_name = figures.layer_lines(stats, layers="dense_1")
     by_index = figures.layer_lines(stats, layers=np.int64(1))
     assert set(by_name.data["layer"]) == set(by_index.data["layer"]) == {"dense_1"}
+    # NumPy numbers, as read from an array, are numbers.
+    panels = figures.compare_heatmaps({"a": stats, "b": stats}, columns=np.int64(1))
+    assert len([t for t in panels.figure.data if t.type == "heatmap"]) == 2
 
 
 def brute_force_block_max(values, present, block):

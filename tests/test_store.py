@@ -610,3 +610,21 @@ def test_numpy_integers_are_stored_as_numbers_and_bad_counts_are_refused(tmp_pat
         with pytest.raises(ValueError, match=f"`{name}` must be"):
             call(value)
     assert store.runs()["progress_step"].tolist() == [5]  # nothing half-written
+
+
+def test_switches_take_only_true_or_false(tmp_path):
+    """`pending_request(run, consume="no")` consumed the request; bool("no") is True."""
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run({})
+    store.request(run_id, "pause")
+    with pytest.raises(ValueError, match="`consume` must be True or False, got 'no'"):
+        store.pending_request(run_id, consume="no")
+    assert store.pending_request(run_id, consume=False) is not None
+    with pytest.raises(ValueError, match="`arrow_reads` must be True or False"):
+        RunStore(tmp_path / "runs.db", arrow_reads="no")
+    # train(background="no") started a worker process.
+    import gradflow
+
+    with pytest.raises(ValueError, match="`background` must be True or False, got 'no'"):
+        gradflow.train(gradflow.RunConfig(steps=1), background="no", store=store)
+    assert len(store.runs()) == 1

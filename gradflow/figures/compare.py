@@ -88,10 +88,7 @@ def compare_heatmaps(
     log_min, log_max = logscale.log_range(every, zmin, zmax)
     zero_at = logscale.zero_level(every, log_min)
 
-    if columns is not None and (
-        isinstance(columns, bool) or not isinstance(columns, int) or columns < 1
-    ):
-        raise ValueError(f"`columns` must be a positive integer or None, got {columns!r}.")
+    columns = checks.positive_int("columns", columns, allow_none=True)
     cols = min(len(grids), columns or _MAX_COLUMNS_PER_ROW)
     figure = _panels(named, grids, cols, presentation)
     pieces = []

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from gradflow.checks import positive_int
+from gradflow.checks import flag, positive_int
 from gradflow.figures.grid import LayerGrid
 
 DEFAULT_MAX_COLUMNS = 1000
@@ -68,6 +68,7 @@ def decimate_max(grid, max_columns=DEFAULT_MAX_COLUMNS, *, power_of_two_blocks=F
         ValueError: if `max_columns` is not a positive integer.
     """
     max_columns = positive_int("max_columns", max_columns)
+    power_of_two_blocks = flag("power_of_two_blocks", power_of_two_blocks)
     n_cols = grid.values.shape[1]
     block = block_size(n_cols, max_columns, power_of_two_blocks)
     if block <= 1:

@@ -294,6 +294,7 @@ def metrics_chart(
         TypeError, ValueError: if `metrics` is not a long metrics frame.
     """
     check_metrics(metrics)
+    log_loss = checks.flag("log_loss", log_loss)
     asked = names is not _LOSS_AND_ACCURACY  # the defaults draw what there is
     names = (names,) if isinstance(names, str) else names
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):

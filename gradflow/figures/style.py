@@ -14,6 +14,8 @@ import plotly.colors
 import plotly.graph_objects as go
 import plotly.io
 
+from gradflow import checks
+
 # Okabe & Ito (2008), "Color Universal Design": distinguishable under the
 # common forms of colour blindness. Black is left out: it marks NaN/Inf.
 OKABE_ITO = (
@@ -136,6 +138,8 @@ def apply_style(figure, presentation=False):
     Returns:
         The same figure, for chaining.
     """
+    # Every figure builder comes here: `presentation="no"` meant slides.
+    presentation = checks.flag("presentation", presentation)
     font_size = 20 if presentation else 13
     if figure.layout.template is not TEMPLATE:
         figure.update_layout(template=TEMPLATE)

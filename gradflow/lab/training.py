@@ -3,6 +3,7 @@
 import math
 import time
 
+from gradflow import checks
 from gradflow.store import ACTIVE_STATUSES, RunStore
 
 
@@ -51,6 +52,7 @@ def train(config, background=False, store=None, name=None):
             f"`config` must be a gradflow.RunConfig or a dict of its fields, "
             f"got {type(config).__name__}."
         )
+    background = checks.flag("background", background)  # "no" would start a worker
     store = store if isinstance(store, RunStore) else RunStore(store)
     if background:
         from gradflow.lab.runner import RunManager

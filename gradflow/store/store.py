@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from gradflow import schema
-from gradflow.checks import positive_number
+from gradflow.checks import flag, positive_number
 from gradflow.store import blocks, migrate, tables
 from gradflow.store.writer import RunWriter
 
@@ -82,7 +82,7 @@ class RunStore:
     """
 
     def __init__(self, path=None, arrow_reads=False):
-        self.arrow_reads = bool(arrow_reads)
+        self.arrow_reads = flag("arrow_reads", arrow_reads)
         self.path = pathlib.Path(path) if path is not None else tables.default_path()
         check_store_path(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -372,6 +372,7 @@ class RunStore:
             run_id: the run.
             consume: remove the request from the queue, default True.
         """
+        consume = flag("consume", consume)
         key = self._key(run_id)
         conn = self._conn()
         # Workers poll often: look without taking the write lock first.
