@@ -1618,6 +1618,23 @@ def test_histograms_of_all_weights_say_they_show_the_kernels(page_environment):
     assert not any("**All weights**" in c.value for c in app.caption)
 
 
+def test_the_update_ratio_is_a_lines_statistic_with_its_rule_of_thumb(page_environment):
+    """It was recorded at every step and shown nowhere; a lecturer's best signal of
+    where a sigmoid network stops learning (3e-9 at its first layer, 1e-2 at its last)."""
+    from streamlit.testing.v1 import AppTest
+
+    _, run_id = one_layer_run(page_environment, {}, "completed", update_ratio=[3e-9])
+    app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
+    app.query_params["run"] = run_id
+    app.session_state["live.view"] = "Lines"
+    app.run()
+    [radio] = [r for r in app.radio if r.label == "Statistic"]
+    assert "update_ratio" in radio.options or "update / weight norm" in radio.options
+    radio.set_value("update_ratio").run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert any("about 1e-3 is healthy" in c.value for c in app.caption)
+
+
 @pytest.mark.parametrize("started_here", [True, False])
 def test_a_speed_limit_moved_during_the_pages_run_goes_to_that_run(page_environment, started_here):
     """A teacher slowing a demo down mid-run changed nothing until the next Start, silently."""

@@ -584,11 +584,23 @@ def _charts(info, cache, key):
                 ["weight_norm", "weight_norm_unconstrained"]
                 if constrained and tensor != "activation"
                 else []
+            )
+            # How far a step moves a layer's weights: where the gradient becomes learning.
+            + (
+                ["update_ratio"]
+                if export.recorded(stats, "update_ratio") and tensor != "activation"
+                else []
             ),
             format_func=STATISTIC_LABELS.get,
             horizontal=True,
             key=f"{key}.line_stat",
         )
+        if statistic == "update_ratio":
+            st.caption(
+                ":material/info: The update ratio ‖Δw‖/‖w‖ is how far one step moves a "
+                "layer's weights, for their size. A rule of thumb: about 1e-3 is healthy; far "
+                "below (1e-6) the layer barely learns; far above (1e-1) the steps are too large."
+            )
         show_live_chart(
             figures.layer_lines(
                 stats, statistic, tensor, power_of_two_blocks=True, presentation=presentation
