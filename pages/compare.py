@@ -10,6 +10,7 @@ st.caption("The same network with one difference, side by side, on one shared co
 
 config = controls.training_form()
 presentation_style()
+compare.preset_pairs()
 compare.ab_launcher(config)
 st.divider()
 compare.comparison(compare.run_picker())

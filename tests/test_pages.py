@@ -93,6 +93,45 @@ def test_compare_page_offers_an_ab_launch():
     assert "Start comparison" in labels(app, "button")
 
 
+def test_the_compare_page_starts_a_presets_pair_and_varies_residual(page_environment, monkeypatch):
+    """Each preset names its partner, but nothing read it: a teacher ran both presets one by
+    one and picked them here. Residual connections could not be A/B'd."""
+    import types
+
+    from gradflow.lab.presets import PRESETS
+    from gradflow.store import RunStore
+    from gradflow.ui import resources
+
+    store = RunStore(page_environment)
+    started = []
+
+    def start(config, name=None):
+        started.append((config, name))
+        return store.create_run(config, name=name, status="completed")
+
+    manager = types.SimpleNamespace(
+        prewarm=False, start=start, queued=lambda: [], running=lambda: {}
+    )
+    monkeypatch.setattr(resources, "run_manager", lambda: manager)
+    app = run_page("compare.py")
+    next(s for s in app.selectbox if s.label == "Pair").set_value(("deep_sigmoid", "relu_he"))
+    next(b for b in app.button if b.label == "Start the pair").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    pair = [PRESETS["deep_sigmoid"], PRESETS["relu_he"]]
+    assert started == [(p.config, p.title) for p in pair]
+    assert [store.run_info(r)["name"] for r in app.session_state["compare.picker"]] == [
+        p.title for p in pair
+    ]
+
+    next(s for s in app.selectbox if s.label == "Vary").set_value("residual").run()
+    a = next(s for s in app.selectbox if s.label == "A: Residual connections")
+    b = next(s for s in app.selectbox if s.label == "B: Residual connections")
+    assert (a.value, b.value) == (False, True)
+    next(b for b in app.button if b.label == "Start comparison").click().run()
+    assert [config.residual for config, _ in started[2:]] == [False, True]
+    assert started[3][1].startswith("Residual connections: on · ")
+
+
 def test_a_shared_compare_link_restores_its_settings():
     """The Compare page read no link: a teacher's "/compare?depth=20" opened at depth 5."""
     app = run_page("compare.py", depth="20", activation="tanh")

@@ -18,8 +18,59 @@ VARIABLE_FIELDS = {
     spec[0]: spec
     for spec in WIDGETS
     if spec[0]
-    in ("activation", "initializer", "optimizer", "normalization", "clipping", "rnn_cell")
+    in (
+        "activation",
+        "initializer",
+        "optimizer",
+        "normalization",
+        "clipping",
+        "residual",
+        "rnn_cell",
+    )
 }
+
+
+def _choices(field):
+    """The values A and B can take: a switch's are off and on."""
+    return VARIABLE_FIELDS[field][3] or [False, True]
+
+
+def _shown(value):
+    return {False: "off", True: "on"}.get(value, value) if isinstance(value, bool) else value
+
+
+def _pairs():
+    """The presets meant to be run side by side, each pair once, in the presets' order."""
+    from gradflow.lab.presets import PRESETS
+
+    pairs = {}
+    for preset in PRESETS.values():
+        if preset.compare_with and (preset.compare_with, preset.key) not in pairs:
+            pairs[(preset.key, preset.compare_with)] = (preset, PRESETS[preset.compare_with])
+    return pairs
+
+
+def preset_pairs():
+    """Start two lecture presets that belong together ("deep sigmoid vs ReLU + He") at once.
+
+    Each preset names its partner; before, a teacher ran the two one by one
+    and then picked both here.
+    """
+    st.subheader("Lesson pairs: two presets side by side")
+    pairs = _pairs()
+    key = st.selectbox(
+        "Pair",
+        list(pairs),
+        format_func=lambda k: f"{pairs[k][0].title} vs {pairs[k][1].title}",
+        key="compare.pair",
+    )
+    first, second = pairs[key]
+    st.caption(f"**A:** {first.description}  \n**B:** {second.description}")
+    if st.button("Start the pair", key="compare.start_pair"):
+        manager = resources.run_manager()
+        run_ids = [manager.start(p.config, name=p.title) for p in (first, second)]
+        st.session_state[_SELECTED] = run_ids
+        st.session_state[_PICKER] = run_ids
 
 
 def ab_launcher(config):
@@ -35,13 +86,14 @@ def ab_launcher(config):
         format_func=lambda f: VARIABLE_FIELDS[f][1],
         key="compare.field",
     )
-    options = VARIABLE_FIELDS[field][3]
+    options = _choices(field)
     # "A" and "B" alone named the boxes for a screen reader (and said nothing
     # of what they choose).
     noun = VARIABLE_FIELDS[field][1]
     value_a = a_col.selectbox(
         f"A: {noun}",
         options,
+        format_func=_shown,
         index=options.index(getattr(config, field)) if getattr(config, field) in options else 0,
         key=f"compare.a.{field}",
     )
@@ -51,7 +103,11 @@ def ab_launcher(config):
         else options[(options.index(value_a) + 1) % len(options)]
     )
     value_b = b_col.selectbox(
-        f"B: {noun}", options, index=options.index(default_b), key=f"compare.b.{field}"
+        f"B: {noun}",
+        options,
+        index=options.index(default_b),
+        format_func=_shown,
+        key=f"compare.b.{field}",
     )
     if st.button("Start comparison", type="primary"):
         if value_a == value_b:
@@ -66,7 +122,9 @@ def ab_launcher(config):
                 st.error(f"{value}: {error}")
                 return
             # run_name already says the activation; other fields get named.
-            prefix = "" if field == "activation" else f"{VARIABLE_FIELDS[field][1]}: {value} · "
+            prefix = (
+                "" if field == "activation" else f"{VARIABLE_FIELDS[field][1]}: {_shown(value)} · "
+            )
             run_ids.append(manager.start(variant, name=prefix + run_name(variant)))
         st.session_state[_SELECTED] = run_ids
         # The picker below has not been drawn yet in this rerun, so it may be set.
