@@ -148,3 +148,32 @@ def test_softmax_outputs_are_noted_not_read_as_deaf():
     assert "softmax" in input_sensitivity(dense_softmax, x)["note"].iloc[0]
     assert "note" not in input_sensitivity(deep_tanh_mlp()[0], x)
     assert "softmax" not in sensitivity_bars(input_sensitivity(deep_tanh_mlp()[0], x)).description
+
+
+def test_normalization_layers_are_noted_not_read_as_deaf():
+    """A LayerNormalization read about 2e-7 between neighbours of about 2, and 52 of
+    ResNet50's BatchNormalization layers read 0 in training mode, with no note."""
+    from gradflow.figures.lessons import sensitivity_bars
+
+    model = keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(6, activation="tanh", name="hidden"),
+            keras.layers.LayerNormalization(name="layer_norm"),
+            keras.layers.Dense(6, name="more"),
+            keras.layers.BatchNormalization(name="batch_norm"),
+            keras.layers.Dense(2, name="logits"),
+        ]
+    )
+    x = np.random.default_rng(3).normal(size=(8, 3))
+    for training in (False, True):
+        rows = input_sensitivity(model, x, training=training).set_index("layer")
+        assert rows.loc["layer_norm", "max_abs"] < 1e-5 < rows.loc["hidden", "max_abs"]
+        assert "LayerNormalization" in rows.loc["layer_norm", "note"]
+        assert rows.loc["hidden", "note"] == rows.loc["more", "note"] == ""
+        if training:
+            assert rows.loc["batch_norm", "max_abs"] < 1e-5
+            assert "BatchNormalization" in rows.loc["batch_norm", "note"]
+        else:  # on its moving statistics it is an affine map: its value means something
+            assert rows.loc["batch_norm", "note"] == "" and rows.loc["batch_norm", "max_abs"] > 1e-3
+    assert "normalization's output" in sensitivity_bars(rows.reset_index()).description

@@ -35,6 +35,12 @@ def sensitivity_bars(inputs, *, presentation=False):
             " A softmax output sums to 1 whatever the input, so its bar is 0 by construction"
             " (missing on the log scale; see the table's note), not a sign that it ignores the input."
         )
+    if "note" in inputs and inputs["note"].str.contains("Normalization").any():
+        description += (
+            " A normalization's output sums to about a constant whatever the input, so its bar"
+            " is about 0 by construction (see the table's note), not a sign that it ignores the"
+            " input."
+        )
     return Chart(apply_style(figure, presentation), data, "input_sensitivity", description)
 
 

@@ -36,6 +36,31 @@ SOFTMAX_NOTE = (
 )
 
 
+# Normalizations whose output sums to (about) a constant whatever the input:
+# their row read as a layer that ignores its input (a lecturer's "deaf" LayerNorm).
+LAYER_NORM_NOTE = (
+    "a LayerNormalization output sums to a constant whatever the input (exactly while its "
+    "scale is all 1), so d(sum of output)/d(input) is about 0 by construction: this row says "
+    "little about the layer"
+)
+BATCH_NORM_NOTE = (
+    "in training mode a BatchNormalization output sums over the batch to a constant whatever "
+    "the input, so d(sum of output)/d(input) is 0 by construction: this row says nothing about "
+    "the layer"
+)
+
+
+def constant_sum_note(layer, training):
+    """Why `layer`'s input sensitivity is about 0 by construction, or "" when it is not."""
+    if sums_to_one(layer):
+        return SOFTMAX_NOTE
+    if isinstance(layer, keras.layers.LayerNormalization):
+        return LAYER_NORM_NOTE
+    if training and isinstance(layer, keras.layers.BatchNormalization):
+        return BATCH_NORM_NOTE
+    return ""
+
+
 def sums_to_one(layer):
     """Whether `layer`'s output sums to 1 along its last axis (a softmax), so its input sensitivity is 0."""
     if isinstance(layer, keras.layers.Softmax):
@@ -264,14 +289,15 @@ class InputSensitivity:
         with restored_state(self.model):
             capture.ensure_built(self.model, x)
             maxima = self._compiled(x).numpy().astype(np.float64)
-        return sensitivity_table(self.model, self._called, maxima)
+        return sensitivity_table(self.model, self._called, maxima, training=self.training)
 
 
-def sensitivity_table(model, called_paths, maxima, note=""):
+def sensitivity_table(model, called_paths, maxima, note="", training=False):
     """The `.inputs` table: one row per layer call, indexed like the weights.
 
     A `note` column says why a row's value means nothing: `note` for every
-    row (e.g. integer inputs), else `SOFTMAX_NOTE` for softmax outputs.
+    row (e.g. integer inputs), else `constant_sum_note` for softmax outputs
+    and normalizations (BatchNormalization in training mode).
     """
     index = {path: i for i, path in enumerate(layer_order(model, called=called_paths))}
     layers = dict(leaf_layers(model))
@@ -283,7 +309,7 @@ def sensitivity_table(model, called_paths, maxima, note=""):
             "max_abs": maxima,
         }
     )
-    notes = [note or (SOFTMAX_NOTE if sums_to_one(layers[p]) else "") for p in paths]
+    notes = [note or constant_sum_note(layers[p], training) for p in paths]
     if any(notes):
         table["note"] = notes
     return table

@@ -443,7 +443,11 @@ class GradientProbe:
         n = len(traced["variables"])
         note = traced["inputs_note"]
         inputs = sensitivity.sensitivity_table(
-            self.model, traced["paths"], maxima.numpy().astype(np.float64), note=note
+            self.model,
+            traced["paths"],
+            maxima.numpy().astype(np.float64),
+            note=note,
+            training=self.training,
         )
         histogram_keys = keys[["layer", "layer_index", "tensor", "variable"]]
         if histograms is None:
