@@ -132,6 +132,20 @@ def test_the_compare_page_starts_a_presets_pair_and_varies_residual(page_environ
     assert started[3][1].startswith("Residual connections: on · ")
 
 
+def test_a_run_from_a_users_own_model_says_the_form_is_not_its_settings(page_environment):
+    """Beside a ResNet50's charts the sidebar read mlp, depth 4, sgd, as if those were its."""
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    mine = store.create_run({"model": "resnet50"}, name="my resnet", source="monitor")
+    app = run_page("live_training.py", run=mine)
+    said = "recorded from a model of your own"
+    assert any(said in c.value for c in app.sidebar.caption)
+    lab = store.create_run({"depth": 3}, name="lab run", source="lab")
+    app = run_page("live_training.py", run=lab)
+    assert not any(said in c.value for c in app.sidebar.caption)
+
+
 def test_a_shared_compare_link_restores_its_settings():
     """The Compare page read no link: a teacher's "/compare?depth=20" opened at depth 5."""
     app = run_page("compare.py", depth="20", activation="tanh")

@@ -224,9 +224,21 @@ def _initial_config():
             opened = _settings_of_run(query["run"])
             if opened is not None:
                 return opened, None
+            if _came_from_own_model(query["run"]):
+                # Beside a ResNet50's charts the form read "mlp, depth 4, sgd": as if it were that run's.
+                st.session_state["_form_note"] = query["run"]
         return RunConfig.from_query(settings), None
     except ValueError as error:
         return RunConfig(), f"The link's settings were not valid ({error}). Using the defaults."
+
+
+def _came_from_own_model(run_id):
+    from gradflow.ui import resources
+
+    try:
+        return resources.run_store().run_info(run_id).get("source") == "monitor"
+    except ValueError:
+        return False
 
 
 def _settings_of_run(run_id):
@@ -322,6 +334,12 @@ def training_form(prefix="cfg", container=None, sync_url=True):
         keep_across_pages(_key(prefix, field), _to_widget(field, getattr(last, field)))
     if st.session_state.get(_key(prefix, "_warning")):
         container.warning(st.session_state[_key(prefix, "_warning")])
+    if sync_url and st.session_state.get("_form_note") == st.query_params.get("run"):
+        container.caption(
+            ":material/info: This run was recorded from a model of your own "
+            "(GradientMonitor). The settings below are not its settings: they are for a new "
+            "lab run."
+        )
     # Above the settings, where the eye is when Start turns grey.
     problem = container.empty()
 
