@@ -628,3 +628,23 @@ def test_switches_take_only_true_or_false(tmp_path):
     with pytest.raises(ValueError, match="`background` must be True or False, got 'no'"):
         gradflow.train(gradflow.RunConfig(steps=1), background="no", store=store)
     assert len(store.runs()) == 1
+
+
+def test_a_store_this_process_may_only_read_is_read(tmp_path, monkeypatch):
+    """Every new connection set the file's auto-vacuum, a write: on a store the server
+    may only read, every page failed with "attempt to write a readonly database"."""
+    path = tmp_path / "runs.db"
+    run_id = RunStore(path).create_run({"depth": 2}, name="last term", status="completed")
+    connect = sqlite3.connect
+
+    def read_only(database, *args, uri=False, **kwargs):  # as SQLite opens a read-only file
+        if not uri:
+            database, uri = f"file:{database}?mode=ro", True
+        return connect(database, *args, uri=uri, **kwargs)
+
+    monkeypatch.setattr(sqlite3, "connect", read_only)
+    store = RunStore(path)
+    assert store.runs()["name"].tolist() == ["last term"]
+    assert store.run_info(run_id)["config"] == {"depth": 2} and store.recover() == []
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        store.rename(run_id, "this term")

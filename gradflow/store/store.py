@@ -333,6 +333,7 @@ class RunStore:
         """
         conn = self._conn()
         before = self.path.stat().st_size
+        conn.execute("PRAGMA auto_vacuum = INCREMENTAL")  # a store made before it, from now on
         conn.execute("VACUUM")
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         return before, self.path.stat().st_size

@@ -205,9 +205,11 @@ def connect(path):
     conn.execute("PRAGMA busy_timeout = 30000")
     # Before WAL, which writes the file's first page: a new store is made
     # with incremental auto-vacuum, so that deleting a run gives its space
-    # back (`RunStore.delete`). On an older store this only takes effect at
-    # the next VACUUM (`RunStore.compact`).
-    conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
+    # back (`RunStore.delete`); an older store gets it at its next VACUUM
+    # (`RunStore.compact`). Only on an empty file: on a store the process
+    # may only read, setting it failed every connection, and every page.
+    if conn.execute("PRAGMA page_count").fetchone()[0] == 0:
+        conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
     conn.execute("PRAGMA journal_mode = WAL")
     conn.execute("PRAGMA synchronous = NORMAL")
     return conn
