@@ -648,3 +648,26 @@ def test_a_store_this_process_may_only_read_is_read(tmp_path, monkeypatch):
     assert store.run_info(run_id)["config"] == {"depth": 2} and store.recover() == []
     with pytest.raises(sqlite3.OperationalError, match="readonly"):
         store.rename(run_id, "this term")
+
+
+def test_a_run_deleted_while_it_trains_leaves_no_rows_for_the_next_run(tmp_path):
+    """The worker's next write put a step-58 block and four metrics under the deleted
+    run's row number; the next run got that number back and showed them as its own
+    ("loss 2.212 (at step 58)" on a 40-step run)."""
+    store = RunStore(tmp_path / "runs.db")
+    doomed = store.create_run({}, name="deleted while training")
+    writer = store.writer(doomed, background_flush=False)
+    writer.add_layer_stats(tidy_rows([1]))
+    writer.flush()
+    store.delete(doomed)
+    writer.add_layer_stats(tidy_rows([58]))
+    writer.add_metrics(58, {"loss": 2.212})
+    writer.progress(58)
+    writer.close(status="completed")
+    assert writer.run_deleted
+    fresh = store.create_run({}, name="next")
+    assert store.layer_stats(fresh).empty and store.metrics(fresh).empty
+    assert store.run_info(fresh)["progress_step"] == 0
+    conn = sqlite3.connect(tmp_path / "runs.db")
+    for table in ("layer_stats", "metrics", "series"):
+        assert conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone() == (0,), table

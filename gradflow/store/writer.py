@@ -52,6 +52,8 @@ class RunWriter:
 
     def __init__(self, path, run_key, run_id, flush_interval=0.5, background_flush=True):
         self.run_id = run_id
+        # Set once a write found the run deleted: its rows are dropped, not written.
+        self.run_deleted = False
         self.flush_interval = positive_number("flush_interval", flush_interval, unit="of seconds")
         self._run = run_key
         self._conn = tables.connect(path)
@@ -384,6 +386,12 @@ class RunWriter:
                 np.concatenate([s[2] for s in stats]),
             )
         with tables.write_transaction(conn):
+            # Deleted while it trained (`RunStore.delete`): its rows would stay in the
+            # file with no run, and the next run, which gets its row number back,
+            # showed them as its own.
+            if conn.execute("SELECT 1 FROM runs WHERE id = ?", (self._run,)).fetchone() is None:
+                self.run_deleted = True
+                return
             if series:
                 conn.executemany(
                     "INSERT OR IGNORE INTO series (run, series, layer, layer_index, tensor, "
