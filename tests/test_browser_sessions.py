@@ -71,6 +71,33 @@ def test_reload_keeps_the_run_and_a_closed_tab_stops_it(chromium, tmp_path, arti
         assert _wait_status(store, run_id, {"stopped", "completed"}, 60) == "stopped"
 
 
+def test_a_tab_closed_on_another_server_of_the_store_does_not_stop_the_run(
+    chromium, tmp_path, artifacts_dir
+):
+    """Two dashboards on one store (a shared lab server): a student who opened the
+    teacher's run on the second server and closed the tab stopped the run the teacher's
+    tab still showed; each server knows only its own tabs."""
+    db = tmp_path / "runs.db"
+    env = {"GRADFLOW_SESSION_GRACE": "3", "GRADFLOW_PREWARM": "0"}
+    with (
+        streamlit_server(db, extra_env=env, log_path=artifacts_dir / "server-a.log") as (a, _),
+        streamlit_server(db, extra_env=env, log_path=artifacts_dir / "server-b.log") as (b, _),
+    ):
+        store = RunStore(db)
+        teacher = chromium.new_context()
+        run_id = _start_long_run(teacher.new_page(), a)
+        assert _wait_status(store, run_id, {"running"}, 120) == "running"
+        student = chromium.new_context()
+        look = student.new_page()
+        look.goto(f"{b}/?run={run_id}")
+        look.get_by_text(re.compile(r"Training · step \d+")).first.wait_for(timeout=60_000)
+        student.close()
+        time.sleep(12)  # more than the grace period and two reaper ticks
+        assert store.status(run_id) == "running"
+        teacher.close()  # its own server still stops it once its tab has gone
+        assert _wait_status(store, run_id, {"stopped", "completed"}, 60) == "stopped"
+
+
 def _slider_value(page, label):
     return page.get_by_role("slider", name=label).input_value()
 

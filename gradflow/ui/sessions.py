@@ -27,11 +27,17 @@ class SessionOwnership:
     Args:
         store: The server's `RunStore`.
         grace_seconds: How long a run may outlive its session (reload time).
+        trains_here: A function telling whether a run id trains in this
+            server's workers, or None (default): every run. Two servers on
+            one store each see only their own sessions: a student who closed
+            a run's tab on one stopped the run a teacher's tab showed on the
+            other. A server stops only the runs it trains.
     """
 
-    def __init__(self, store, grace_seconds=GRACE_SECONDS):
+    def __init__(self, store, grace_seconds=GRACE_SECONDS, trains_here=None):
         self.store = store
         self.grace_seconds = grace_seconds
+        self.trains_here = trains_here
         self._owners = {}  # run_id -> ids of the sessions that started or opened it
         self._gone_since = {}  # run_id -> monotonic time its last owner was first missed
         self._lock = threading.Lock()
@@ -70,7 +76,8 @@ class SessionOwnership:
                 first_missed = self._gone_since.setdefault(run_id, now)
                 if now - first_missed < self.grace_seconds:
                     continue
-                if self.store.status(run_id) in ("queued", "running", "paused"):
+                ours = self.trains_here is None or self.trains_here(run_id)
+                if ours and self.store.status(run_id) in ("queued", "running", "paused"):
                     self.store.request(run_id, "stop")
                     stopped.append(run_id)
                 del self._owners[run_id]
@@ -89,7 +96,11 @@ class SessionOwnership:
 @st.cache_resource(show_spinner=False)
 def session_ownership():
     """The server's one `SessionOwnership`."""
-    from gradflow.ui.resources import run_store
+    from gradflow.ui.resources import run_manager, run_store
+
+    def trains_here(run_id):
+        manager = run_manager()
+        return run_id in manager.running() or run_id in manager.queued()
 
     grace = float(os.environ.get("GRADFLOW_SESSION_GRACE", GRACE_SECONDS))
-    return SessionOwnership(run_store(), grace_seconds=grace)
+    return SessionOwnership(run_store(), grace_seconds=grace, trains_here=trains_here)
