@@ -153,6 +153,22 @@ def test_a_run_that_fails_outside_its_steps_keeps_every_recorded_step(store, mon
     assert sorted(store.layer_stats(run_id)["step"].unique()) == list(range(1, 13))
 
 
+@pytest.mark.parametrize("steps, status", [(1, "completed"), (40, "stopped")])
+def test_a_stop_that_comes_with_the_last_step_finds_the_run_completed(store, steps, status):
+    """A stop that arrived on the last batch (a tab closed, a late click) ended a run
+    that had trained all its steps as "stopped · 300 / 300"."""
+    from gradflow.lab import worker
+
+    config = RunConfig(steps=steps, depth=2, width=8)
+    run_id = store.create_run(config.to_dict(), name="asked to stop")
+    store.request(run_id, "stop")  # read at the first step's end
+    assert worker.execute(store, run_id) == status
+    info = store.run_info(run_id)
+    if status == "stopped":
+        assert "Stopped on request after 1 step (" in info["message"]
+    assert info["progress_step"] == 1
+
+
 def test_a_paced_run_trains_the_same_steps_at_its_pace(store):
     """`pace`: a class can watch a run live. One step per call then (an even
     pace), and the statistics of the run at full speed."""

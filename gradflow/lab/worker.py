@@ -148,8 +148,14 @@ def _train(store, run_id):
         return "diverged", nonfinite["message"].iloc[0]
     if control.stop_reason == "nonfinite":
         return "diverged", f"The loss became NaN or infinite at step {control.nonfinite_step}."
-    if control.stop_reason == "stop":
-        return "stopped", f"Stopped on request after {control.steps} steps."
+    finished = control.max_steps is not None and control.steps >= control.max_steps
+    if control.stop_reason == "stop" and not finished:
+        # A stop that came with the last batch found a finished run: "stopped · 300 / 300".
+        steps = f"{control.steps} step{'' if control.steps == 1 else 's'}"
+        return "stopped", (
+            f"Stopped on request after {steps} (its Stop button, a new run started from its "
+            "page, or every tab that showed it closed)."
+        )
     return "completed", None
 
 
