@@ -146,6 +146,32 @@ def test_a_run_from_a_users_own_model_says_the_form_is_not_its_settings(page_env
     assert not any(said in c.value for c in app.sidebar.caption)
 
 
+def test_the_lesson_pack_of_a_run_deleted_elsewhere_is_made_of_what_the_page_shows(
+    page_environment, monkeypatch
+):
+    """ "Download lesson pack" gave no file and no word once another page had deleted the
+    run: the pack asked the store for the run's events (UnknownRunError in the log)."""
+    import io
+    import types
+    import zipfile
+
+    from gradflow import export
+    from gradflow.store import RunStore
+    from gradflow.ui import live
+
+    monkeypatch.setattr(export, "to_images", lambda charts, fmt: [b"png"] * len(charts))
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 2}, name="deleted by a colleague", status="completed")
+    write_vanishing_steps(store, run_id, 1, 5)
+    info = store.run_info(run_id)
+    cache = types.SimpleNamespace(
+        layer_stats=store.layer_stats(run_id), metrics=store.metrics(run_id), histograms=None
+    )
+    store.delete(run_id)
+    pack = zipfile.ZipFile(io.BytesIO(live.lesson_pack_of(info, cache)))
+    assert any(name.endswith(".csv") for name in pack.namelist())
+
+
 def test_a_shared_compare_link_restores_its_settings():
     """The Compare page read no link: a teacher's "/compare?depth=20" opened at depth 5."""
     app = run_page("compare.py", depth="20", activation="tanh")

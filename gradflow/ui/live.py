@@ -52,6 +52,7 @@ import streamlit as st
 from gradflow import diagnosis, export, figures
 from gradflow.figures.style import STATISTIC_LABELS, no_data_figure
 from gradflow.lab.config import run_name
+from gradflow.store import UnknownRunError
 from gradflow.ui import controls, resources, run_rows
 from gradflow.ui.board import watch_place, watch_warm
 from gradflow.ui.charts import image_export_available, plain_markdown
@@ -706,32 +707,39 @@ def _empty_heatmap(message, statistic, presentation):
     return figures.Chart(figure, pd.DataFrame())
 
 
+def lesson_pack_of(info, cache):
+    """The lesson pack (zip bytes) of the run the page shows, from the rows it holds."""
+    charts = export.run_charts(
+        cache.layer_stats,
+        cache.metrics,
+        presentation=True,
+        run=info["name"],
+        histograms=cache.histograms,
+    )
+    # What the Alerts view shows, so the handout says what went wrong too.
+    try:
+        alerts = _run_events(resources.run_store(), info["run_id"], cache)
+    except UnknownRunError:
+        # Deleted from another page since this one read it: the button gave no
+        # file and no word. The pack is made of what the page shows.
+        alerts = None
+    return export.lesson_pack(
+        charts,
+        config=info.get("config"),
+        title=f"gradflow: {info['name']}",
+        alerts=[] if alerts is None else alerts,
+        run_info=info,
+    )
+
+
 def _lesson_pack_button(info, cache, key):
     if not image_export_available():
         st.caption("The lesson pack needs Chromium on the server for its PNG figures.")
         return
 
-    def build():
-        charts = export.run_charts(
-            cache.layer_stats,
-            cache.metrics,
-            presentation=True,
-            run=info["name"],
-            histograms=cache.histograms,
-        )
-        # What the Alerts view shows, so the handout says what went wrong too.
-        alerts = _run_events(resources.run_store(), info["run_id"], cache)
-        return export.lesson_pack(
-            charts,
-            config=info.get("config"),
-            title=f"gradflow: {info['name']}",
-            alerts=[] if alerts is None else alerts,
-            run_info=info,
-        )
-
     st.download_button(
         "Download lesson pack (.zip)",
-        data=build,
+        data=functools.partial(lesson_pack_of, info, cache),
         # The run's id after its name, as the CLI's: two runs of one setting
         # (another seed) gave one file name.
         file_name=f"{export.file_stem(info['run_id'], info['name'])}_lesson.zip",
