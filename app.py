@@ -8,6 +8,7 @@ import pathlib
 
 import streamlit as st
 
+from gradflow.store import StoreGoneError
 from gradflow.ui import FAVICON, live_chart, resources
 
 st.set_page_config(page_title="gradflow", page_icon=str(FAVICON), layout="wide")
@@ -28,15 +29,20 @@ navigation = st.navigation(
 )
 # Each page its own tab title, read first by a screen reader (all were "gradflow").
 st.set_page_config(page_title=f"{navigation.title} · gradflow")
-# Start the run manager (and its warm worker, which imports TensorFlow in
-# its own process) with the server, not on the first click of Start training.
-resources.run_manager()
-# Plotly.js (also gzipped) and the live-chart module, as static files beside this script (once per server).
-live_chart.publish_assets(pathlib.Path(__file__).parent)
-# The queue and the warm spare as a static file that waiting pages watch (gradflow/ui/board.py).
-resources.run_board()
-# Whether this run is the first of a page the user just went to: the forms
-# then set their widgets' values again (gradflow/ui/controls.py: keep_across_pages).
-st.session_state["ui.arrived"] = st.session_state.get("ui.page") != navigation.url_path
-st.session_state["ui.page"] = navigation.url_path
-navigation.run()
+try:
+    # Start the run manager (and its warm worker, which imports TensorFlow in
+    # its own process) with the server, not on the first click of Start training.
+    resources.run_manager()
+    # Plotly.js (also gzipped) and the live-chart module, as static files beside this script (once per server).
+    live_chart.publish_assets(pathlib.Path(__file__).parent)
+    # The queue and the warm spare as a static file that waiting pages watch (gradflow/ui/board.py).
+    resources.run_board()
+    # Whether this run is the first of a page the user just went to: the forms
+    # then set their widgets' values again (gradflow/ui/controls.py: keep_across_pages).
+    st.session_state["ui.arrived"] = st.session_state.get("ui.page") != navigation.url_path
+    st.session_state["ui.page"] = navigation.url_path
+    navigation.run()
+except StoreGoneError as error:
+    # A store file moved or deleted under the server: said in words on every
+    # page, where Streamlit showed its "This app has encountered an error".
+    st.error(f":material/error: {error}")

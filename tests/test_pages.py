@@ -1820,3 +1820,32 @@ def test_pause_and_resume_are_one_button_that_keeps_the_keyboards_focus(page_env
     paused = app.button(key="live.pause")
     assert paused.label == "Resume" and paused.id == running.id
     store.set_status(run_id, "completed")
+
+
+def test_a_store_file_deleted_under_the_server_is_said_in_words(tmp_path):
+    """Every page showed Streamlit's "This app has encountered an error" once the store
+    file was moved or deleted, and the next connection made a new empty one."""
+    import threading
+
+    from streamlit.testing.v1 import AppTest
+
+    from gradflow.ui import resources
+    from tests.conftest import pages_on
+
+    with pages_on(tmp_path / "runs.db") as db:
+        from gradflow.store import RunStore
+
+        run_id = RunStore(db).create_run({"depth": 2}, name="last lesson", status="completed")
+        app = AppTest.from_file(str(REPO / "app.py"), default_timeout=120)
+        app.query_params["run"] = run_id
+        app.run()
+        assert not app.exception, [e.value for e in app.exception]
+        for leftover in db.parent.glob("runs.db*"):
+            leftover.unlink()
+        # The server runs each rerun in a new thread, with a new connection: here
+        # the test's thread keeps its own, so it is dropped as a new thread would lack it.
+        resources.run_store()._local = threading.local()
+        app.run()
+        assert not app.exception, [e.value for e in app.exception]
+        assert any("is gone: it was moved or deleted" in e.value for e in app.error)
+        assert not db.exists()

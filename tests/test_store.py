@@ -671,3 +671,33 @@ def test_a_run_deleted_while_it_trains_leaves_no_rows_for_the_next_run(tmp_path)
     conn = sqlite3.connect(tmp_path / "runs.db")
     for table in ("layer_stats", "metrics", "series"):
         assert conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone() == (0,), table
+
+
+def test_a_store_file_moved_away_is_said_gone_not_made_again_empty(tmp_path):
+    """Moved or deleted under a running server, the file was made again, empty, by the
+    next thread's connection: every page failed with "no such table: runs" while the
+    runs went on into the moved file."""
+    import threading
+
+    from gradflow.store import StoreGoneError
+
+    path = tmp_path / "runs.db"
+    store = RunStore(path)
+    run_id = store.create_run({}, name="before")
+    path.rename(tmp_path / "moved.db")
+    failures = []
+
+    def read_from_another_thread():  # each thread has its own connection
+        try:
+            store.runs()
+        except StoreGoneError as error:
+            failures.append(str(error))
+
+    thread = threading.Thread(target=read_from_another_thread)
+    thread.start()
+    thread.join()
+    assert failures and "is gone: it was moved or deleted" in failures[0]
+    assert str(path) in failures[0] and not path.exists()
+    with pytest.raises(StoreGoneError):
+        store.writer(run_id)
+    assert store.runs()["name"].tolist() == ["before"]  # a connection made before still reads it

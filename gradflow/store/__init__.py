@@ -18,6 +18,7 @@ from gradflow.store.tables import (
     REQUESTS,
     SCHEMA_VERSION,
     STATUSES,
+    StoreGoneError,
     default_path,
 )
 from gradflow.store.writer import RunWriter
@@ -30,6 +31,7 @@ __all__ = [
     "STATUSES",
     "RunStore",
     "RunWriter",
+    "StoreGoneError",
     "UnknownRunError",
     "default_path",
 ]

@@ -88,7 +88,9 @@ class RunStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
         self._series_cache = {}  # run key -> _SeriesTable
+        self._made = False  # the file exists: later connections must not make a new one
         migrate.upgrade(self._conn(), self.path)
+        self._made = True
 
     def __repr__(self):
         return f"RunStore({str(self.path)!r})"
@@ -613,7 +615,7 @@ class RunStore:
     def _conn(self):
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = self._local.conn = tables.connect(self.path)
+            conn = self._local.conn = tables.connect(self.path, create=not self._made)
         return conn
 
     def _check_id(self, run_id):

@@ -185,7 +185,11 @@ def write_transaction(conn):
         raise
 
 
-def connect(path):
+class StoreGoneError(RuntimeError):
+    """The store's file was moved or deleted while a program had it open."""
+
+
+def connect(path, create=True):
     """Open a SQLite connection to the store with the pragmas every user needs.
 
     WAL lets one writer per run and many readers in other processes work at the
@@ -194,12 +198,26 @@ def connect(path):
 
     Args:
         path: the database file.
+        create: make the file if there is none (default). A store already
+            opened passes False: SQLite would make a new, empty file where
+            the old one was moved or deleted, and every page of the
+            dashboard failed on it ("no such table: runs") while the runs
+            went on into the moved file.
 
     Returns:
         A `sqlite3.Connection` in autocommit mode (transactions are explicit),
         usable from any thread that holds the caller's lock.
+
+    Raises:
+        StoreGoneError: if `create` is False and the file is not there.
     """
     import sqlite3
+
+    if not create and not os.path.exists(path):
+        raise StoreGoneError(
+            f"The run store {str(path)!r} is gone: it was moved or deleted while gradflow had "
+            "it open. Put it back, or restart gradflow to start a new store there."
+        )
 
     conn = sqlite3.connect(str(path), timeout=30.0, isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA busy_timeout = 30000")

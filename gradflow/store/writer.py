@@ -56,7 +56,7 @@ class RunWriter:
         self.run_deleted = False
         self.flush_interval = positive_number("flush_interval", flush_interval, unit="of seconds")
         self._run = run_key
-        self._conn = tables.connect(path)
+        self._conn = tables.connect(path, create=False)
         # Re-entrant: `batch()` holds it around the add calls it contains.
         self._buffer_lock = threading.RLock()
         self._batch_depth = 0

@@ -71,6 +71,8 @@ import time
 
 import streamlit as st
 
+from gradflow.store import StoreGoneError
+
 # A polling fragment is "stalled" after max(STALL_AFTER_S, STALL_TICKS ticks)
 # without a redraw: longer than the slow ticks of a busy classroom server,
 # so that the watchdog answers a stopped page and not a slow one.
@@ -284,7 +286,17 @@ def isolated_fragment(function, run_every=None, stall_after=None):
     Returns:
         A callable that takes `function`'s arguments and draws the fragment.
     """
-    body = function
+
+    @functools.wraps(function)
+    def said(*args, **kwargs):
+        # A fragment reruns outside app.py's script, whose `except` says this for a page.
+        try:
+            return function(*args, **kwargs)
+        except StoreGoneError as error:
+            st.error(f":material/error: {error}")
+            return None
+
+    body = said
     if run_every:
         name = f"{function.__module__}.{function.__qualname__}"
 
@@ -292,7 +304,7 @@ def isolated_fragment(function, run_every=None, stall_after=None):
         @functools.wraps(function)
         def body(*args, **kwargs):
             _restart_if_stalled(name, run_every, stall_after)
-            return function(*args, **kwargs)
+            return said(*args, **kwargs)
 
     fragment = st.fragment(body, run_every=run_every)
 
