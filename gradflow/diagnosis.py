@@ -115,6 +115,12 @@ class Thresholds:
                 )
 
 
+def run_layer_inputs(config):
+    """The layers each recorded layer reads (`diagnose`'s `layer_inputs`), from a run's config, or None."""
+    given = (config or {}).get("layer_inputs") if isinstance(config, dict) else None
+    return given if isinstance(given, dict) else None
+
+
 def run_thresholds(config):
     """The `Thresholds` of a run's alerts: those its monitor was given, or the defaults.
 
@@ -502,7 +508,7 @@ def _dead_relu(table, thresholds, steps):
     return events
 
 
-def _saturation(table, norms, thresholds, steps):
+def _saturation(table, norms, thresholds, steps, layer_inputs=None):
     if "mean_abs" not in table.columns:
         return []
     outputs = table[table["tensor"] == schema.ACTIVATION]
@@ -524,8 +530,14 @@ def _saturation(table, norms, thresholds, steps):
             "layer": above["layer"],
             "in_size": outputs["size"],
             "out_size": above["size"],
+            "below": outputs["layer"],
         }
     )[(above["layer_index"] != top).to_numpy()].dropna(subset=["layer"])
+    if layer_inputs is not None:
+        # Only where the layer below is the one this layer reads: a branch
+        # (query, key and value reading one input) is no chain.
+        fed = frame["layer"].astype(str).map(layer_inputs)
+        frame = frame[(fed == frame["below"].astype(str)).to_numpy()]
     # An input gradient of exactly 0 is units that pass nothing back at all
     # (dead ReLUs, or a sigmoid past float32's reach): the dead-unit rule
     # reports those, from the share of zero entries. A non-finite one is
@@ -574,7 +586,7 @@ def no_gradient_message(layer, tensors):
     )
 
 
-def diagnose(layer_stats, thresholds=None):
+def diagnose(layer_stats, thresholds=None, layer_inputs=None):
     """Apply every rule to tidy layer statistics and list what they found.
 
     Example:
@@ -591,6 +603,13 @@ def diagnose(layer_stats, thresholds=None):
             `mean_abs`, `zero_fraction` and `nonfinite` enable more rules),
             or a `Snapshot`.
         thresholds: A `Thresholds`. Defaults to `Thresholds()`.
+        layer_inputs: A dict from each layer (an activation row's `layer`) to
+            the layer whose output it takes as input, or None where that is
+            not a recorded layer; `GradientMonitor` records it in the run's
+            config (`run_layer_inputs`). The saturation rule compares a
+            layer's output gradient with its input's: without this it takes
+            the layer called before as its input, which is right for a
+            chain only. Default None: a chain.
 
     Returns:
         A DataFrame with columns `step`, `layer`, `kind`, `message`, sorted by
@@ -645,7 +664,7 @@ def diagnose(layer_stats, thresholds=None):
     events += _vanishing(norms, thresholds, steps)
     events += _exploding(norms, thresholds, steps)
     events += _dead_relu(table, thresholds, steps)
-    events += _saturation(table, norms, thresholds, steps)
+    events += _saturation(table, norms, thresholds, steps, layer_inputs)
     result = pd.DataFrame(events, columns=list(schema.EVENTS_COLUMNS))
     result["step"] = result["step"].astype(np.int64)
     return result.sort_values("step", kind="stable").reset_index(drop=True)
@@ -673,7 +692,7 @@ def context_start(steps, window, quiet=1):
     return reach.max() if reach.size else steps.min()
 
 
-def diagnose_new(layer_stats, after_step, thresholds=None):
+def diagnose_new(layer_stats, after_step, thresholds=None, layer_inputs=None):
     """What `diagnose` of the whole table finds at the steps after `after_step`.
 
     For a view that follows a growing run (the dashboard's alerts): the rules
@@ -687,6 +706,7 @@ def diagnose_new(layer_stats, after_step, thresholds=None):
         layer_stats: Tidy layer statistics, as for `diagnose`.
         after_step: The steps up to this one were diagnosed before.
         thresholds: A `Thresholds`. Defaults to `Thresholds()`.
+        layer_inputs: As for `diagnose`.
 
     Returns:
         The events at steps after `after_step`, as `diagnose` returns them.
@@ -717,7 +737,7 @@ def diagnose_new(layer_stats, after_step, thresholds=None):
         # an earlier step, left out of the context, had one.
         seen_nonfinite = bool((_nonfinite_mask(table).to_numpy() & (step < start)).any())
         table = table[step >= start]
-    found = diagnose(table, thresholds)
+    found = diagnose(table, thresholds, layer_inputs)
     found = found[found["step"] > after_step]
     if seen_nonfinite:
         found = found[found["kind"] != "nonfinite"]

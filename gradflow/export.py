@@ -32,7 +32,7 @@ import pandas as pd
 import plotly.io
 
 from gradflow import checks, figures, schema
-from gradflow.diagnosis import diagnose, run_thresholds
+from gradflow.diagnosis import diagnose, run_layer_inputs, run_thresholds
 from gradflow.figures import style
 from gradflow.image_renderer import ImageRenderer
 
@@ -493,7 +493,7 @@ def _alerts_readme(alerts):
     return [*lines, ""]
 
 
-def run_alerts(layer_stats, events, thresholds=None):
+def run_alerts(layer_stats, events, thresholds=None, layer_inputs=None):
     """A run's stored events and what the diagnosis rules find in its statistics.
 
     Example:
@@ -511,11 +511,14 @@ def run_alerts(layer_stats, events, thresholds=None):
         thresholds: the rules' `Thresholds` (the run's own:
             `gradflow.diagnosis.run_thresholds`), or None (default) for the
             defaults.
+        layer_inputs: which layer reads which (the run's own:
+            `gradflow.diagnosis.run_layer_inputs`), or None (default): a chain.
 
     Returns:
         One events DataFrame (`step, layer, kind, message`), possibly empty.
     """
-    return _alerts_in_order(merge_alerts(events, diagnose(layer_stats, thresholds)))
+    found = diagnose(layer_stats, thresholds, layer_inputs)
+    return _alerts_in_order(merge_alerts(events, found))
 
 
 def merge_alerts(stored, found):
@@ -720,7 +723,10 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
                     info.get("config"),
                     title,
                     alerts=run_alerts(
-                        layer_stats, store.events(run_id), run_thresholds(info.get("config"))
+                        layer_stats,
+                        store.events(run_id),
+                        run_thresholds(info.get("config")),
+                        run_layer_inputs(info.get("config")),
                     ),
                     run_info=info,
                 ),

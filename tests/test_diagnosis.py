@@ -476,3 +476,31 @@ def test_the_rules_never_raise_whatever_the_values(steps, values, zero_fractions
         .isin(["nonfinite", "vanishing", "exploding", "dead_relu", "saturation"])
         .all()
     )
+
+
+def test_saturation_compares_a_layer_with_the_layer_it_reads_not_the_one_called_before():
+    """A Transformer's linear value projection was "probably saturated": its input
+    gradient was taken from the key projection, called just before it, while both read
+    the embedding. The monitor keeps which layer reads which (`layer_inputs`)."""
+    table = rows(
+        (1, "embed", 0, "activation", 1.0, {"mean_abs": 1e-3}),
+        (1, "mha/key", 1, "activation", 1.0, {"mean_abs": 4e-6}),
+        (1, "mha/value", 2, "activation", 1.0, {"mean_abs": 2e-2}),
+        (1, "sigmoid_dense", 3, "activation", 1.0, {"mean_abs": 1e-3}),
+        (1, "head", 4, "activation", 1.0, {"mean_abs": 1e-3}),
+    )
+    chain = diagnose(table)
+    assert set(chain.loc[chain["kind"] == "saturation", "layer"]) == {"mha/value"}
+    reads = {
+        "embed": None,
+        "mha/key": "embed",
+        "mha/value": "embed",
+        "sigmoid_dense": "mha/value",
+        "head": "sigmoid_dense",
+    }
+    assert not (diagnose(table, layer_inputs=reads)["kind"] == "saturation").any()
+    assert diagnose_new(table, 0, layer_inputs=reads).empty
+    # A real shrink in a chain is still found with the map.
+    reads_chain = dict(reads, **{"mha/value": "mha/key"})
+    found = diagnose(table, layer_inputs=reads_chain)
+    assert set(found.loc[found["kind"] == "saturation", "layer"]) == {"mha/value"}

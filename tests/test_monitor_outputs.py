@@ -749,3 +749,33 @@ def test_a_tensorflow_without_the_gradient_registry_still_monitors(monkeypatch):
     monitor = GradientMonitor()
     model.fit(x, x[:, :3], batch_size=8, epochs=1, verbose=0, callbacks=[monitor])
     assert sorted(monitor.history["step"].unique()) == [1, 2, 3, 4]
+
+
+def test_the_run_keeps_which_layer_reads_which_for_the_saturation_rule(tmp_path):
+    """The dashboard's and the exports' saturation rule took a layer's input gradient
+    from the layer called before it: a Transformer's value projection, which reads the
+    embedding as the key projection does, was "probably saturated"."""
+    from gradflow.diagnosis import run_layer_inputs
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 16))
+    x = keras.layers.Dense(16, name="embed")(inputs)
+    x = keras.layers.MultiHeadAttention(2, 8, name="mha")(x, x)
+    x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+    outputs = keras.layers.Dense(4, activation="softmax", name="out")(x)
+    model = keras.Model(inputs, outputs)
+    model.compile("adam", "sparse_categorical_crossentropy")
+    rng = np.random.default_rng(0)
+    x_data = rng.normal(size=(32, 8, 16)).astype("float32")
+    monitor = GradientMonitor(activations=True, store=tmp_path / "runs.db")
+    model.fit(x_data, rng.integers(0, 4, 32), batch_size=16, verbose=0, callbacks=[monitor])
+    reads = run_layer_inputs(RunStore(tmp_path / "runs.db").run_info(monitor.run_id)["config"])
+    assert reads == {
+        "embed": None,
+        "mha/query": "embed",
+        "mha/key": "embed",
+        "mha/value": "embed",
+        "mha/attention_output": None,  # reads the attention's einsum, no layer's output
+        "pool": "mha/attention_output",
+        "out": "pool",
+    }

@@ -490,9 +490,9 @@ def test_a_monitor_given_to_several_fits_diagnoses_only_what_each_fit_added(monk
 
     read = []
 
-    def counting(table, rules=None):
+    def counting(table, rules=None, layer_inputs=None):
         read.append(table["step"].nunique())
-        return diagnose(table, rules)
+        return diagnose(table, rules, layer_inputs)
 
     monkeypatch.setattr(monitor_callback, "diagnose", counting)
     x, y = make_data()
@@ -523,9 +523,9 @@ def test_a_long_fit_is_diagnosed_in_pieces_with_the_whole_historys_events(monkey
 
     read = []
 
-    def counting(table, rules=None):
+    def counting(table, rules=None, layer_inputs=None):
         read.append(len(table))
-        return diagnose(table, rules)
+        return diagnose(table, rules, layer_inputs)
 
     monkeypatch.setattr(monitor_callback, "diagnose", counting)
     monkeypatch.setattr(monitor_callback, "_DIAGNOSED_ROWS", 40)

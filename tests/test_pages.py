@@ -798,9 +798,9 @@ def test_the_alerts_of_a_running_run_read_only_its_new_steps(page_environment, m
     read = []
     diagnose = diagnosis.diagnose
 
-    def counted(table, thresholds=None):
+    def counted(table, thresholds=None, layer_inputs=None):
         read.append(sorted(table["step"].unique()))
-        return diagnose(table, thresholds)
+        return diagnose(table, thresholds, layer_inputs)
 
     monkeypatch.setattr(diagnosis, "diagnose", counted)
     # dense_1's gradients vanish from step 1 on, dense_2's from step 110.
@@ -854,9 +854,9 @@ def test_tabs_showing_one_run_share_its_rows_and_read_each_new_step_once(
         reads.append(kwargs.get("after_step"))
         return layer_stats(self, run, *args, **kwargs)
 
-    def counted_rules(table, thresholds=None):
+    def counted_rules(table, thresholds=None, layer_inputs=None):
         diagnosed.append(int(table["step"].max()))
-        return diagnose(table, thresholds)
+        return diagnose(table, thresholds, layer_inputs)
 
     monkeypatch.setattr(RunStore, "layer_stats", counted_read)
     monkeypatch.setattr(diagnosis, "diagnose", counted_rules)
@@ -1849,3 +1849,41 @@ def test_a_store_file_deleted_under_the_server_is_said_in_words(tmp_path):
         assert not app.exception, [e.value for e in app.exception]
         assert any("is gone: it was moved or deleted" in e.value for e in app.error)
         assert not db.exists()
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_the_alerts_view_pairs_each_layer_with_the_layer_it_reads(page_environment, kept):
+    """A Transformer's linear value projection was "probably saturated" in the Alerts
+    view: its input gradient was taken from the key projection, called before it."""
+    import pandas as pd
+    from streamlit.testing.v1 import AppTest
+
+    from gradflow.store import RunStore
+
+    reads = {"embed": None, "mha/key": "embed", "mha/value": "embed", "head": "mha/value"}
+    store = RunStore(page_environment)
+    config = {"model": "transformer"} | ({"layer_inputs": reads} if kept else {})
+    run_id = store.create_run(config, name="my transformer", source="monitor", status="completed")
+    sizes = {"embed": 1e-3, "mha/key": 4e-6, "mha/value": 2e-2, "head": 1e-3}
+    frame = pd.DataFrame(
+        {
+            "step": 1,
+            "layer": list(sizes),
+            "layer_index": range(4),
+            "tensor": "activation",
+            "max_abs": 1.0,
+            "l2_norm": 1.0,
+            "mean_abs": list(sizes.values()),
+            "nonfinite": 0,
+        }
+    )
+    with store.writer(run_id) as writer:
+        writer.add_layer_stats(frame)
+        writer.progress(1)
+    app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
+    app.query_params["run"] = run_id
+    app.session_state["live.view"] = "Alerts"
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    said = any("Layer mha/value" in w.value and "saturated" in w.value for w in app.warning)
+    assert said == (not kept)

@@ -733,6 +733,7 @@ class GradientMonitor(keras.callbacks.Callback):
                 self._plan.unreached,
             )
             self._note_unreached(int(steps[0]))
+            self._store_layer_inputs()
         stats, histograms = self._layout.take(stats), self._layout.take(histograms)
         # With its layout: a later `fit` of this monitor may have other rows (a frozen layer).
         self._blocks.append((steps, stats, metrics, histograms, self._layout))
@@ -740,6 +741,14 @@ class GradientMonitor(keras.callbacks.Callback):
         self._check_nonfinite(steps, stats, metrics)
         if self._writer is not None or self._summaries is not None:
             self._publish(steps, stats, metrics, histograms)
+
+    def _store_layer_inputs(self):
+        """Keep which recorded layer reads which in the run's config, for the
+        dashboard's and the exports' alerts (`diagnosis.run_layer_inputs`)."""
+        if self._store is not None and self._created_run and self._plan.activation_inputs:
+            self._store.update_config(
+                self.run_id, {"layer_inputs": dict(self._plan.activation_inputs)}
+            )
 
     def _note_unreached(self, step):
         """A `no_gradient` event per layer with weights or an output no gradient reaches.
@@ -1038,7 +1047,7 @@ class GradientMonitor(keras.callbacks.Callback):
         history = _layer_history(context + new)
         if history.empty:
             return
-        found = diagnose(history, self.rules)
+        found = diagnose(history, self.rules, self._plan.activation_inputs or None)
         found = found[found["step"].isin(new_steps)]
         # What an earlier fit's end reported may be found again.
         known = {(step, layer, kind) for step, layer, kind, _ in self._events}

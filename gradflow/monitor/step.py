@@ -86,6 +86,9 @@ class StepPlan:
         # Filled while the step is traced: the path of each recorded layer
         # output, in call order (`path#2` for a second call of a shared layer).
         self.activation_paths = []
+        # Recorded layer -> the recorded layer whose output it reads, or None
+        # (`LayerOutputs.fed_by`): the saturation rule's pairs.
+        self.activation_inputs = {}
         # Paths of the layer calls left out for want of rows (repeated calls).
         self.dropped_activations = []
         # Filled while the step is traced: the rows (weights, then layer
@@ -902,6 +905,7 @@ def _take_activations(plan, outputs):
     room = max(0, plan.activation_slots - len(firsts))
     keep = sorted(firsts[: plan.activation_slots] + repeats[:room])
     plan.activation_paths = [outputs.paths[i] for i in keep]
+    plan.activation_inputs = {outputs.paths[i]: outputs.fed_by[i] for i in keep}
     kept = set(keep)
     plan.dropped_activations = [p for i, p in enumerate(outputs.paths) if i not in kept]
     return (

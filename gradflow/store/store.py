@@ -273,6 +273,24 @@ class RunStore:
             raise ValueError(f"`name` must be a non-empty string, got {name!r}.")
         self._update(run_id, "name", name.strip())
 
+    def update_config(self, run_id, entries):
+        """Adds `entries` (a dict) to the run's stored config, replacing those of the same name.
+
+        What a run learns once it runs (the `GradientMonitor` learns which of
+        a model's layers reads which when its step is traced).
+        """
+        if not isinstance(entries, dict):
+            raise ValueError(f"`entries` must be a dict, got {type(entries).__name__}.")
+        key = self._key(run_id)
+        conn = self._conn()
+        with tables.write_transaction(conn):
+            (config,) = conn.execute("SELECT config FROM runs WHERE id = ?", (key,)).fetchone()
+            merged = {**json.loads(config), **entries}
+            conn.execute(
+                "UPDATE runs SET config = ? WHERE id = ?",
+                (json.dumps(merged, default=str), key),
+            )
+
     def set_total_steps(self, run_id, total_steps):
         """Sets the step a run is planned to end at (None: not known).
 

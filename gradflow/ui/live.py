@@ -901,10 +901,16 @@ def _rule_events(store, run_id, cache):
     run's monitor was given, so the page says what the monitor said.
     """
     with cache.lock:  # the rows are shared: the rules run once per new step, not per session
-        if cache.thresholds is None:
-            cache.thresholds = diagnosis.run_thresholds(store.run_info(run_id).get("config"))
         if cache.last_step > cache.diagnosed_step:
-            new = diagnosis.diagnose_new(cache.layer_stats, cache.diagnosed_step, cache.thresholds)
+            if cache.thresholds is None:
+                # Read with the first rows: a monitor writes which layer reads
+                # which into the config before it stores any.
+                config = store.run_info(run_id).get("config")
+                cache.thresholds = diagnosis.run_thresholds(config)
+                cache.layer_inputs = diagnosis.run_layer_inputs(config)
+            new = diagnosis.diagnose_new(
+                cache.layer_stats, cache.diagnosed_step, cache.thresholds, cache.layer_inputs
+            )
             cache.found = _appended(cache.found, new)
             cache.diagnosed_step = cache.last_step
         return cache.found

@@ -41,6 +41,8 @@ class RunRows:
         diagnosed_step: The newest step the rules have read.
         thresholds: The thresholds of the run's alerts
             (`diagnosis.run_thresholds`), read once.
+        layer_inputs: Which recorded layer reads which
+            (`diagnosis.run_layer_inputs`), read with the thresholds.
         read_after_end: Whether the metrics were read once more after the
             run ended (the last validation results come after the last
             statistics).
@@ -61,6 +63,7 @@ class RunRows:
     )
     diagnosed_step: int = 0
     thresholds: diagnosis.Thresholds | None = None
+    layer_inputs: dict | None = None
     read_after_end: bool = False
     loaded: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
