@@ -583,6 +583,18 @@ def test_split_backprop_page_takes_a_size_too_large_for_jacobians():
     assert any("These results are for the sizes 16" in i.value for i in app.info)
 
 
+def live_view(run_id, view):
+    """The Live training page of `run_id`, opened on `view` (Alerts, Lines, ...)."""
+    from streamlit.testing.v1 import AppTest
+
+    app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
+    app.query_params["run"] = run_id
+    app.session_state["live.view"] = view
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    return app
+
+
 def live_chart_updates(app):
     """What the page's live charts send (`gradflow/ui/figure_delta.py` has the format)."""
     import json
@@ -743,13 +755,7 @@ def test_alerts_come_in_network_order_and_none_is_hidden(page_environment):
             )
         )
         writer.progress(5)
-    from streamlit.testing.v1 import AppTest
-
-    app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
-    app.query_params["run"] = run_id
-    app.session_state["live.view"] = "Alerts"
-    app.run()
-    assert not app.exception, [e.value for e in app.exception]
+    app = live_view(run_id, "Alerts")
     shown = [w.value.split(":")[0] for w in app.warning if w.value.startswith("Layer dense_")]
     assert shown == [f"Layer dense_{i}" for i in range(1, 6)]
     [more] = [e for e in app.expander if "more vanishing alerts" in e.label]
@@ -1700,13 +1706,8 @@ def test_histograms_of_all_weights_say_they_show_the_kernels(page_environment):
 def test_the_update_ratio_is_a_lines_statistic_with_its_rule_of_thumb(page_environment):
     """It was recorded at every step and shown nowhere; a lecturer's best signal of
     where a sigmoid network stops learning (3e-9 at its first layer, 1e-2 at its last)."""
-    from streamlit.testing.v1 import AppTest
-
     _, run_id = one_layer_run(page_environment, {}, "completed", update_ratio=[3e-9])
-    app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
-    app.query_params["run"] = run_id
-    app.session_state["live.view"] = "Lines"
-    app.run()
+    app = live_view(run_id, "Lines")
     [radio] = [r for r in app.radio if r.label == "Statistic"]
     assert "update_ratio" in radio.options or "update / weight norm" in radio.options
     radio.set_value("update_ratio").run()
@@ -1856,7 +1857,6 @@ def test_the_alerts_view_pairs_each_layer_with_the_layer_it_reads(page_environme
     """A Transformer's linear value projection was "probably saturated" in the Alerts
     view: its input gradient was taken from the key projection, called before it."""
     import pandas as pd
-    from streamlit.testing.v1 import AppTest
 
     from gradflow.store import RunStore
 
@@ -1880,10 +1880,6 @@ def test_the_alerts_view_pairs_each_layer_with_the_layer_it_reads(page_environme
     with store.writer(run_id) as writer:
         writer.add_layer_stats(frame)
         writer.progress(1)
-    app = AppTest.from_file(str(REPO / "pages" / "live_training.py"), default_timeout=120)
-    app.query_params["run"] = run_id
-    app.session_state["live.view"] = "Alerts"
-    app.run()
-    assert not app.exception, [e.value for e in app.exception]
+    app = live_view(run_id, "Alerts")
     said = any("Layer mha/value" in w.value and "saturated" in w.value for w in app.warning)
     assert said == (not kept)
