@@ -1883,3 +1883,24 @@ def test_the_alerts_view_pairs_each_layer_with_the_layer_it_reads(page_environme
     app = live_view(run_id, "Alerts")
     said = any("Layer mha/value" in w.value and "saturated" in w.value for w in app.warning)
     assert said == (not kept)
+
+
+def test_the_server_marks_runs_whose_process_died_again_and_again(monkeypatch):
+    """A second dashboard on the store that was killed left its queued run "queued" on
+    this one until it started again: `recover()` ran only when a server started."""
+    import threading
+
+    from gradflow.ui import sessions
+
+    monkeypatch.setattr(sessions, "CHECK_SECONDS", 0.01)
+    monkeypatch.setattr(sessions, "RECOVER_SECONDS", 0.02)
+    called = threading.Event()
+
+    class Store:
+        def recover(self, **kwargs):
+            assert kwargs == {"other_hosts": False}  # another host's slow step is no death
+            called.set()
+            return []
+
+    sessions.SessionOwnership(Store())
+    assert called.wait(10)

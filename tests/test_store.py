@@ -461,7 +461,10 @@ def test_recover_marks_runs_of_dead_processes_and_stale_heartbeats(store):
     )
     conn.execute("UPDATE runs SET heartbeat_at = ? WHERE run_id = ?", (time.time() - 120, busy))
     conn.commit()
-    assert sorted(store.recover(stale_after=60)) == sorted([dead, queued_dead, stale])
+    # What a server checks every 30 s: this host's runs, by their process, only.
+    assert sorted(store.recover(stale_after=60, other_hosts=False)) == sorted([dead, queued_dead])
+    assert store.status(stale) == "running"
+    assert store.recover(stale_after=60) == [stale]
     assert store.status(dead) == "interrupted"
     assert f"pid {gone.pid}" in store.run_info(dead)["message"]
     assert "heartbeat" in store.run_info(stale)["message"]

@@ -407,7 +407,7 @@ class RunStore:
                 conn.execute("DELETE FROM requests WHERE id = ?", (row[0],))
         return None if row is None else row[1]
 
-    def recover(self, stale_after=60.0):
+    def recover(self, stale_after=60.0, other_hosts=True):
         """Marks runs whose process is gone as `interrupted`.
 
         A queued, running or paused run is interrupted when its process (the
@@ -418,6 +418,9 @@ class RunStore:
         Args:
             stale_after: seconds without a heartbeat after which a run of
                 another host counts as gone, default 60.
+            other_hosts: also judge runs of other hosts by their heartbeat
+                (default True). False: only runs of this host, whose process
+                table says for sure (a server checking again and again).
 
         Returns:
             The list of run ids marked interrupted.
@@ -437,6 +440,8 @@ class RunStore:
                 # On this host the process table is the truth: a live process
                 # in a long step must not be declared gone.
                 dead, stale = not process_alive(pid), False
+            elif not other_hosts:
+                continue
             else:
                 dead, stale = False, heartbeat is None or now - heartbeat > stale_after
             if not (dead or stale):

@@ -19,6 +19,10 @@ from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 GRACE_SECONDS = 30.0
 CHECK_SECONDS = 5.0
+# How often the server also marks runs whose process died as interrupted: a
+# second dashboard on the store that was killed left its queued run "queued",
+# waiting for ever on this one, until it started again.
+RECOVER_SECONDS = 30.0
 
 
 class SessionOwnership:
@@ -85,10 +89,14 @@ class SessionOwnership:
         return stopped
 
     def _loop(self):
+        recovered = time.monotonic()
         while True:
             time.sleep(CHECK_SECONDS)
             try:
                 self.reap()
+                if time.monotonic() - recovered >= RECOVER_SECONDS:
+                    recovered = time.monotonic()
+                    self.store.recover(other_hosts=False)
             except Exception:  # noqa: BLE001 - a reaper must outlive a bad tick (deleted run, busy db)
                 continue
 
