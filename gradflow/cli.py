@@ -15,6 +15,7 @@ and one line on stderr, never a traceback.
 """
 
 import argparse
+import errno
 import math
 import os
 import pathlib
@@ -531,11 +532,32 @@ def dashboard_app():
     )
 
 
+def _port_taken(address, port):
+    """Whether a server already listens on `address:port` (a bind there fails)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+        try:
+            probe.bind((address, port))
+        except OSError as error:
+            return error.errno == errno.EADDRINUSE
+    return False
+
+
 def _serve(args):
     try:
         app = dashboard_app()
     except FileNotFoundError as error:
         _say_error(f"gradflow serve: {error}")
+        return EXIT_FAILED
+    if _port_taken(args.address, args.port):
+        # Else it printed "dashboard at http://...:8614", the other server's
+        # address (another store), and then failed.
+        _say_error(
+            f"gradflow serve: port {args.port} on {args.address} is in use (another "
+            "dashboard?): choose another with --port."
+        )
         return EXIT_FAILED
     environment = dict(os.environ)
     if args.db:

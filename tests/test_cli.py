@@ -221,6 +221,21 @@ def test_serve_runs_streamlit_on_the_repository_app(monkeypatch, tmp_path):
     assert env["GRADFLOW_DB"] == str((tmp_path / "r.db").resolve())
 
 
+def test_serve_on_a_port_in_use_says_so_before_any_address(monkeypatch, capsys):
+    """It printed "dashboard at http://127.0.0.1:8614" (the other server, another store)
+    and then failed."""
+    import socket
+
+    monkeypatch.setattr(cli.os, "execve", lambda *a: pytest.fail("started a second server"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--port", str(port)]) == cli.EXIT_FAILED
+    said = capsys.readouterr()
+    assert f"port {port} on 127.0.0.1 is in use" in said.err and "dashboard at" not in said.out
+
+
 def test_serve_under_a_path_prefix_says_where(monkeypatch, capsys):
     """`--server.baseUrlPath` was refused, and with Streamlit's environment variable
     the printed address was the root, a 404."""
