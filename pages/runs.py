@@ -9,13 +9,14 @@ from gradflow.ui.live import show_on_live_page
 from gradflow.ui.runs_table import delete_several, run_labels, run_picker, runs_table
 
 st.title("Runs")
+store = resources.run_store()
+# Named: a mistyped GRADFLOW_DB made a new, empty store that read as lost runs.
 st.caption(
     "Runs started here, with `gradflow train`, or logged by `GradientMonitor(store=...)` in your own "
-    "script all land in the same store. The table follows them as they train; open one to watch "
-    "its gradients live."
+    f"script all land in the same store, `{store.path}`. The table follows them as they train; open "
+    "one to watch its gradients live."
 )
 
-store = resources.run_store()
 runs = store.runs()
 runs_table(store, runs)
 if runs.empty:

@@ -188,6 +188,7 @@ def test_runs_page_lists_runs_from_the_store(page_environment):
     store = RunStore(page_environment)
     run_id = store.create_run({"depth": 3}, name="from my script", source="monitor")
     app = run_page("runs.py")
+    assert any(f"`{page_environment}`" in c.value for c in app.caption)  # which store it is
     assert "from my script" in app.dataframe[0].value["name"].tolist()
     assert run_id in app.dataframe[0].value["run_id"].tolist()
 
