@@ -704,3 +704,21 @@ def test_a_store_file_moved_away_is_said_gone_not_made_again_empty(tmp_path):
     with pytest.raises(StoreGoneError):
         store.writer(run_id)
     assert store.runs()["name"].tolist() == ["before"]  # a connection made before still reads it
+
+
+def test_run_names_are_at_most_200_characters_as_a_run_configs(tmp_path):
+    """`rename`, `GradientMonitor(run_name=...)` and `train(name=...)` took 10,000
+    characters while RunConfig caps a name at 200."""
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run({}, name="x" * 200)
+    with pytest.raises(ValueError, match="`name` must be at most 200 characters, got 10,000"):
+        store.rename(run_id, "y" * 10_000)
+    # A name made from settings is shortened: refused, it failed an A/B launch.
+    long = store.create_run({}, name="z" * 201)
+    assert store.run_info(long)["name"] == "z" * 199 + "…"
+    store.delete(long)
+    from gradflow import GradientMonitor
+
+    with pytest.raises(ValueError, match="`run_name` must be at most 200 characters"):
+        GradientMonitor(run_name="m" * 201)
+    assert store.runs()["name"].tolist() == ["x" * 200]

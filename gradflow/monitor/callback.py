@@ -223,6 +223,10 @@ class GradientMonitor(keras.callbacks.Callback):
                 raise ValueError(
                     f"`{name}` must be a string or None, got {type(value).__name__} {value!r}."
                 )
+        if run_name is not None and len(str(run_name)) > 200:  # as the store's names
+            raise ValueError(
+                f"`run_name` must be at most 200 characters, got {len(str(run_name)):,}."
+            )
         # Here, not at the start of `fit` in SQLite's or TensorFlow's words.
         if isinstance(store, (str, os.PathLike)):
             check_store_path(store, "store")

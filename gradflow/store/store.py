@@ -129,6 +129,10 @@ class RunStore:
         tags = _check_tags(tags)
         total_steps = _whole_number("total_steps", total_steps)
         pid = _whole_number("pid", pid, least=1)
+        if name and len(str(name)) > MAX_NAME_LENGTH:
+            # Made from settings (an A/B launch names a run after every setting
+            # that differs): shortened, not refused, which would fail the launch.
+            name = str(name)[: MAX_NAME_LENGTH - 1] + "…"
         run_id = uuid.uuid4().hex[:12]
         now = time.time()
         conn = self._conn()
@@ -271,7 +275,7 @@ class RunStore:
         """
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"`name` must be a non-empty string, got {name!r}.")
-        self._update(run_id, "name", name.strip())
+        self._update(run_id, "name", _check_name(name.strip()))
 
     def update_config(self, run_id, entries):
         """Adds `entries` (a dict) to the run's stored config, replacing those of the same name.
@@ -834,6 +838,19 @@ def _name_series(data, series, columns):
 def _codes(values):
     codes, uniques = pd.factorize(values, sort=False)
     return pd.Index(uniques, dtype=object), codes.astype(np.int32)
+
+
+# As `RunConfig.name`: a name is a label in tables, titles and file names.
+MAX_NAME_LENGTH = 200
+
+
+def _check_name(name):
+    if len(name) > MAX_NAME_LENGTH:
+        raise ValueError(
+            f"`name` must be at most {MAX_NAME_LENGTH} characters, got {len(name):,}: "
+            f"{name[:40]!r}..."
+        )
+    return name
 
 
 def _whole_number(name, value, least=0):
