@@ -510,8 +510,13 @@ def snapshot(model, x, y, loss=None, training=False, histograms=True, sensitivit
             statistics and seed state are restored afterwards.
         histograms: Also count log10|g| histograms. Defaults to `True`.
         sensitivity: Also compute `.inputs` (one extra backward graph per
-            layer, which is most of the tracing time of a deep model).
+            layer, which is most of the tracing time of a deep model: 38 s
+            against 3 s for MobileNetV2's 155 layers on a 2-core CPU).
             Defaults to `True`; with `False`, `.inputs["max_abs"]` is NaN.
+
+    Each call traces its graphs anew. For many batches, make one
+    `GradientProbe(model, ...)` and call it on each: it traces once per
+    input shape.
 
     Returns:
         A `Snapshot` with `.weights`, `.activations`, `.inputs`, `.loss` and
