@@ -54,6 +54,15 @@ class Thresholds:
             below this. Defaults to 1e-3.
         exploding_norm: A layer's gradient norm above this is exploding.
             Defaults to 1e3.
+        exploding_update: Where the update ratio ||Δw|| / ||w|| was
+            recorded, a norm above `exploding_norm` is exploding only if the
+            step's update moved the layer's weights by more than this share
+            of their norm. Adam's step does not grow with the gradient, and
+            a healthy ResNet50 under it had a norm of 4,000 at its first
+            layer with updates of 2-4% (advice about the learning rate was
+            wrong there). A norm 1,000 times `exploding_norm` or more is
+            exploding whatever the update: its squares near float32's
+            limit break Adam's moments too. Defaults to 0.1.
         exploding_growth: Exploding also when a layer's norm grew by more than
             this factor within `growth_window` steps, at two recorded steps
             in a row (one large batch among small ones is not a trend).
@@ -73,9 +82,10 @@ class Thresholds:
             layer k) is below it, while layer k's own weight gradient is not
             vanishing. That is the signature of sigmoid/tanh units stuck near
             their limits, where their slope is almost 0. Needs activation
-            rows, and compares layers next to each other in `layer_index`
-            order, so it speaks of plain stacks (a residual branch that
-            skips a layer is not followed). Not for the last layer: under
+            rows. A layer is compared with the layer it reads when the run
+            recorded it (`diagnose`'s `layer_inputs`), else with the layer
+            before it in `layer_index` order, which is right for plain stacks
+            only. Not for the last layer: under
             cross-entropy the gradient at a softmax's or sigmoid's output
             stays near 1/p while the one at its logits goes to 0 as the
             model gets its samples right, which is learning, not saturation.
@@ -88,6 +98,7 @@ class Thresholds:
     vanishing_norm: float = 1e-7
     vanishing_ratio: float = 1e-3
     exploding_norm: float = 1e3
+    exploding_update: float = 0.1
     exploding_growth: float = 100.0
     growth_window: int = 10
     dead_relu_fraction: float = 0.5
@@ -266,10 +277,16 @@ def _layer_norms(table):
         broken |= pd.to_numeric(weights["nonfinite"], errors="coerce") > 0
     else:
         broken |= ~np.isfinite(squares)
+    # The largest update ratio of the layer's weights at the step (NaN: not recorded).
+    update = (
+        pd.to_numeric(weights["update_ratio"], errors="coerce").astype("float64")
+        if "update_ratio" in weights.columns
+        else pd.Series(np.nan, index=weights.index)
+    )
     norms = (
-        weights.assign(_square=squares, _broken=broken)
+        weights.assign(_square=squares, _broken=broken, _update=update)
         .groupby(["step", "layer", "layer_index"], as_index=False, sort=True, observed=True)
-        .agg(_square=("_square", "sum"), _broken=("_broken", "any"))
+        .agg(_square=("_square", "sum"), _broken=("_broken", "any"), update=("_update", "max"))
     )
     norms["norm"] = np.sqrt(norms.pop("_square"))
     # A norm of +inf over entries that are all finite is beyond float32
@@ -407,8 +424,14 @@ def _exploding(norms, thresholds, steps):
     events = []
     if norms.empty:
         return events
+    # A small update (recorded) takes a large norm in its stride: an adaptive optimizer's.
+    moved = ~(norms["update"] <= thresholds.exploding_update)
+    moved |= norms["norm"] >= 1e3 * thresholds.exploding_norm
     high = _mark_streaks(
-        norms, norms["norm"] > thresholds.exploding_norm, steps, thresholds.repeat_after
+        norms,
+        (norms["norm"] > thresholds.exploding_norm) & moved,
+        steps,
+        thresholds.repeat_after,
     )
     for row in _onsets(high).itertuples():
         events.append(

@@ -504,3 +504,23 @@ def test_saturation_compares_a_layer_with_the_layer_it_reads_not_the_one_called_
     reads_chain = dict(reads, **{"mha/value": "mha/key"})
     found = diagnose(table, layer_inputs=reads_chain)
     assert set(found.loc[found["kind"] == "saturation", "layer"]) == {"mha/value"}
+
+
+@pytest.mark.parametrize(
+    "update_ratio, exploding", [(0.04, False), (17.0, True), (float("nan"), True), (None, True)]
+)
+def test_a_large_norm_whose_update_is_small_is_not_exploding(update_ratio, exploding):
+    """A healthy ResNet50 under Adam: conv1's norm 4,000 at step 1 (what BatchNorm after
+    small weights gives), updates of 2-4% of the weights, and the loss falling. "Gradients
+    are exploding; try a smaller learning rate" was wrong. Under SGD the same norm moved
+    the weights 17-fold: that is exploding."""
+    extra = {} if update_ratio is None else {"update_ratio": update_ratio}
+    table = rows(
+        (1, "conv1", 0, "kernel", 4017.0, extra),
+        (1, "predictions", 1, "kernel", 2.0, extra and {"update_ratio": 0.01}),
+    )
+    found = diagnose(table)
+    assert (found["kind"] == "exploding").any() == exploding
+    if update_ratio == 17.0:  # a looser limit of one's own lets the same step pass
+        looser = diagnose(table, Thresholds(exploding_update=20.0))
+        assert not (looser["kind"] == "exploding").any()
