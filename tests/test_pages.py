@@ -494,6 +494,36 @@ def test_an_rnns_recurrent_kernels_are_a_choice_of_their_own():
     assert _tensor_choices(stats) == ["kernel", "recurrent_kernel", "bias", "all_weights"]
 
 
+def test_normalization_scales_and_shifts_are_choices_of_their_own(page_environment):
+    """ResNet50's 52 BatchNorm gammas and betas were only inside "All weights", one row
+    per BatchNorm between the convolutions' rows, found only by hovering."""
+    import pandas as pd
+
+    from gradflow.store import RunStore
+    from gradflow.ui.live import _tensor_choices
+
+    names = ["kernel", "bias", "gamma", "beta", "depthwise_kernel", "activation"]
+    assert _tensor_choices(pd.DataFrame({"tensor": names})) == [
+        "kernel",
+        "bias",
+        "gamma",
+        "beta",
+        "depthwise_kernel",
+        "all_weights",
+        "activation",
+    ]
+    _, run_id = one_layer_run(page_environment, {}, "completed")
+    store = RunStore(page_environment)
+    row = {"step": [1], "layer": ["batch_norm"], "layer_index": [1], "tensor": "gamma"}
+    with store.writer(run_id) as writer:
+        writer.add_layer_stats(pd.DataFrame(row | {"max_abs": [0.3], "l2_norm": [0.4]}))
+    app = live_view(run_id, "Heatmaps")
+    [radio] = [r for r in app.radio if r.label == "Gradients of"]
+    assert "gamma" in radio.options or "Norm. scales (gamma)" in radio.options
+    radio.set_value("gamma").run()
+    assert not app.exception, [e.value for e in app.exception]
+
+
 def test_a_bad_or_empty_number_box_turns_start_off_and_says_why_beside_it():
     """A box with a range kept an out-of-range number on show while Start trained the
     value before; an emptied box took its minimum (a clip threshold of 1e-6), silently;

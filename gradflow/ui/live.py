@@ -103,6 +103,12 @@ _TENSOR_LABELS = {
     # vanish through time.
     "recurrent_kernel": "Recurrent kernels",
     "bias": "Biases",
+    # A normalization layer's scales and shifts (ResNet's 52 BatchNorms) were
+    # only inside "All weights", between the convolutions' rows.
+    "gamma": "Norm. scales (gamma)",
+    "beta": "Norm. shifts (beta)",
+    "depthwise_kernel": "Depthwise kernels",
+    "embeddings": "Embeddings",
     "activation": "Activations",
     figures.ALL_WEIGHTS: "All weights",
 }
@@ -542,7 +548,7 @@ def _charts(info, cache, key):
         tensor = st.radio(
             "Gradients of",
             tensors,
-            format_func=_TENSOR_LABELS.get,
+            format_func=_tensor_label,
             horizontal=True,
             key=f"{key}.tensor",
         )
@@ -782,10 +788,14 @@ def _profile_step(steps, key):
     )
 
 
+def _tensor_label(tensor):
+    return _TENSOR_LABELS.get(tensor, tensor)
+
+
 def _tensor_choices(stats):
     present = set(stats["tensor"].unique())
     kinds = {figures.tensor_kind(t) for t in present}  # an RNN's cell/kernel is a kernel
-    choices = [t for t in ("kernel", "recurrent_kernel", "bias") if t in kinds]
+    choices = [t for t in _TENSOR_LABELS if t in kinds and t != "activation"]
     if present - {"activation"}:
         choices.append(figures.ALL_WEIGHTS)
     if "activation" in present:
