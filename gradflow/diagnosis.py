@@ -641,11 +641,16 @@ def diagnose(layer_stats, thresholds=None, layer_inputs=None):
         (see `first_nonfinite`).
 
     Raises:
-        TypeError: if `layer_stats` is not a DataFrame or `thresholds` not a
-            `Thresholds`.
+        TypeError: if `layer_stats` is not a DataFrame, `thresholds` not a
+            `Thresholds` or `layer_inputs` not a dict.
         ValueError: if required columns are missing.
     """
     table = _table(layer_stats)
+    if layer_inputs is not None and not isinstance(layer_inputs, dict):
+        raise TypeError(
+            "`layer_inputs` must be a dict from a layer to the layer it reads, or None, got "
+            f"{type(layer_inputs).__name__}."
+        )
     if thresholds is None:
         thresholds = Thresholds()
     if not isinstance(thresholds, Thresholds):

@@ -500,6 +500,8 @@ def test_saturation_compares_a_layer_with_the_layer_it_reads_not_the_one_called_
     }
     assert not (diagnose(table, layer_inputs=reads)["kind"] == "saturation").any()
     assert diagnose_new(table, 0, layer_inputs=reads).empty
+    with pytest.raises(TypeError, match="`layer_inputs` must be a dict"):
+        diagnose(table, layer_inputs=list(reads))
     # A real shrink in a chain is still found with the map.
     reads_chain = dict(reads, **{"mha/value": "mha/key"})
     found = diagnose(table, layer_inputs=reads_chain)

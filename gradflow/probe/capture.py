@@ -137,7 +137,7 @@ class LayerOutputs:
         self.others = []
         self.fed_by = []
         self._calls = {}
-        self._made_by = {}  # a recorded output's key (`_key`) -> its call's path
+        self._made_by = {}  # each key (`_keys`) of a recorded first output -> its call's path
 
     def _add(self, path, layer, outputs, inputs=()):
         flat = keras.tree.flatten(outputs)
