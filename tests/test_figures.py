@@ -331,6 +331,24 @@ def test_one_layer_is_named_by_a_string_or_an_index():
     assert len([t for t in panels.figure.data if t.type == "heatmap"]) == 2
 
 
+def test_a_softmax_outputs_activation_gradient_does_not_set_the_colour_scale():
+    """The output row (about 1/p, up to 4e5) stretched a ResNet50's Activations scale to
+    1e-3..1e6 and left the other 175 rows one dark blue."""
+    frame = make_layer_stats(tensors=("activation",))
+    top = frame["layer_index"] == frame["layer_index"].max()
+    frame.loc[top, "max_abs"] = 4e5
+    chart = figures.heatmap(frame, "max_abs", "activation")
+    trace = heat_trace(chart)
+    assert trace.zmax == math.ceil(math.log10(frame.loc[~top, "max_abs"].max()))
+    assert "left out of the colour scale" in chart.description
+    assert chart.data["max_abs"].max() == 4e5  # its values are kept, as recorded
+    # A given top, other tensors and an output row near the rest are as before.
+    assert heat_trace(figures.heatmap(frame, "max_abs", "activation", zmax=1e6)).zmax == 6
+    frame.loc[top, "max_abs"] = 3.0
+    near = figures.heatmap(frame, "max_abs", "activation")
+    assert "left out" not in near.description
+
+
 def brute_force_block_max(values, present, block):
     """Reference: a Python loop over blocks."""
     rows, cols = values.shape

@@ -182,6 +182,31 @@ def common_scale(layer_stats, statistics, tensor="kernel"):
     return 10.0**log_min, 10.0**log_max
 
 
+# The output layer's activation gradient is left out of the colour scale when
+# its largest value is this many times the other layers' largest.
+_OUTPUT_APART = 100.0
+
+
+def _scale_values(layer_grid, tensor, zmin, zmax):
+    """The values the colour scale spans, and whether the output layer's row was left out.
+
+    Under cross-entropy the gradient at a softmax output is about 1/p, up to
+    4e5 on a ResNet50's first steps: with it the scale ran 1e-3..1e6 and the
+    other 175 rows were one dark blue.
+    """
+    present = layer_grid.values[layer_grid.present]
+    if tensor != "activation" or zmax is not None or len(layer_grid.layer) < 3:
+        return present, False
+    top = int(np.argmax(layer_grid.layer_index))
+    rest = np.delete(layer_grid.present, top, axis=0)
+    others = np.delete(layer_grid.values, top, axis=0)[rest]
+    output = layer_grid.values[top][layer_grid.present[top]]
+    others, output = others[np.isfinite(others)], output[np.isfinite(output)]
+    if not others.size or not output.size or output.max() <= _OUTPUT_APART * others.max():
+        return present, False
+    return others, True
+
+
 def heatmap(
     layer_stats,
     statistic="max_abs",
@@ -243,7 +268,8 @@ def heatmap(
         max_columns,
         power_of_two_blocks=power_of_two_blocks,
     )
-    log_min, log_max = logscale.log_range(layer_grid.values[layer_grid.present], zmin, zmax)
+    scaled, output_apart = _scale_values(layer_grid, tensor, zmin, zmax)
+    log_min, log_max = logscale.log_range(scaled, zmin, zmax)
     plain_title = (
         title
         or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({style.tensor_label(tensor)})"
@@ -254,6 +280,11 @@ def heatmap(
         "bottom), one column per step, colour on a log10 scale. Exact zeros (a dead layer) take "
         "the bottom colour, marked 0 on the colour bar; hover over or tap a cell for its value. Blank cells with a black x are NaN, with "
         "a triangle Inf."
+    ) + (
+        " The output layer's row, the loss's own gradient (about 1/p under cross-entropy), is "
+        "far above the others: it is left out of the colour scale and drawn in its top colour."
+        if output_apart
+        else ""
     )
     if layer_grid.values.size == 0:
         figure = style.no_data_figure("No layer statistics recorded yet.", presentation)
