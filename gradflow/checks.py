@@ -29,16 +29,38 @@ def positive_int(name, value, allow_none=False):
         ValueError: naming the argument and showing the value, if it is not a
             positive integer (or None, where allowed).
     """
+    return whole_number(name, value, least=1, allow_none=allow_none)
+
+
+def whole_number(name, value, least=0, allow_none=True):
+    """Returns `value` as a Python `int` if it is a whole number from `least` to 2**63 - 1.
+
+    A Python int, not a NumPy one: SQLite stores a NumPy integer as an
+    8-byte blob (one `heartbeat(step=np.int64(5))` made every later read of
+    the run store fail).
+
+    Args:
+        name: the argument's name, for the message.
+        value: what the caller gave.
+        least: the smallest value allowed. Default 0.
+        allow_none: whether `None` is allowed and returned as is. Default True.
+
+    Raises:
+        ValueError: naming the argument and showing the value, if it is not
+            such a number (or None, where allowed).
+    """
     if value is None and allow_none:
         return None
-    if _is_bool(value) or not isinstance(value, numbers.Integral) or value < 1:
-        allowed = "a positive integer or None" if allow_none else "a positive integer"
-        raise ValueError(f"`{name}` must be {allowed}, got {value!r}.")
-    if value > _LARGEST_INT64:
-        # Step counts and intervals end up in int64 tensors and arrays, where
-        # a larger number fails deep inside TensorFlow with a bare OverflowError.
+    allowed = "a positive integer" if least == 1 else f"an integer >= {least}"
+    if _is_bool(value) or not isinstance(value, numbers.Integral) or value < least:
         raise ValueError(
-            f"`{name}` must be a positive integer no larger than 2**63 - 1 (the largest int64), "
+            f"`{name}` must be {allowed}{' or None' if allow_none else ''}, got {value!r:.80}."
+        )
+    if value > _LARGEST_INT64:
+        # Step counts and intervals end up in int64 tensors, arrays and SQLite
+        # integers, where a larger number fails deep inside with a bare OverflowError.
+        raise ValueError(
+            f"`{name}` must be {allowed} no larger than 2**63 - 1 (the largest int64), "
             f"got {value!r:.80}."
         )
     return int(value)

@@ -576,27 +576,23 @@ def run_charts(layer_stats, metrics, presentation=False, run=None, histograms=No
     charts = {}
     kinds = set(layer_stats["tensor"].unique()) if len(layer_stats) else set()
     weights = "kernel" if "kernel" in kinds else figures.ALL_WEIGHTS
-    clipped = recorded(layer_stats, "l2_norm_clipped")
-    # The norms before and after clipping on one colour scale.
-    norms = ["l2_norm", "l2_norm_clipped"] if clipped else ["l2_norm"]
-    zmin, zmax = figures.common_scale(layer_stats, norms, weights) if clipped else (None, None)
+    # With clipping, what the optimizer applied, on the colour scale of the
+    # norms before it: a class saw norms of 0.4 where 0.01 was applied.
+    norms = ["l2_norm", "l2_norm_clipped"] if recorded(layer_stats, "l2_norm_clipped") else []
     if kinds - {"activation"}:
         charts["max_abs_heatmap"] = figures.heatmap(
             layer_stats, "max_abs", weights, presentation=presentation
         )
-        charts["l2_norm_heatmap"] = figures.heatmap(
-            layer_stats, "l2_norm", weights, zmin=zmin, zmax=zmax, presentation=presentation
+        norm_heatmaps = figures.heatmaps_on_one_scale(
+            layer_stats, norms or ["l2_norm"], weights, presentation=presentation
         )
+        charts["l2_norm_heatmap"] = norm_heatmaps[0]
         charts["max_abs_lines"] = figures.layer_lines(
             layer_stats, "max_abs", weights, presentation=presentation
         )
         charts["profile"] = figures.profile(layer_stats, tensor=weights, presentation=presentation)
-    if clipped:
-        # What the optimizer applied: beside the norms before clipping, a
-        # class saw norms of 0.4 where 0.01 was applied.
-        charts["l2_norm_clipped_heatmap"] = figures.heatmap(
-            layer_stats, "l2_norm_clipped", weights, zmin=zmin, zmax=zmax, presentation=presentation
-        )
+        if norms:
+            charts["l2_norm_clipped_heatmap"] = norm_heatmaps[1]
     if recorded(layer_stats, "weight_norm_unconstrained"):
         # The max-norm constraint: each layer's weight norm before and after it.
         for statistic in ("weight_norm_unconstrained", "weight_norm"):

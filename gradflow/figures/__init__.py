@@ -18,7 +18,7 @@ from gradflow.figures.chart import Chart
 from gradflow.figures.compare import compare_heatmaps, compare_metrics, compare_profiles
 from gradflow.figures.decimate import decimate_envelope, decimate_max
 from gradflow.figures.grid import ALL_WEIGHTS, LayerGrid, layer_grid
-from gradflow.figures.heatmap import common_scale, heatmap
+from gradflow.figures.heatmap import heatmap, heatmaps_on_one_scale
 from gradflow.figures.histogram import BIN_COLUMNS, histogram_heatmap
 from gradflow.figures.lines import layer_lines, metrics_chart
 from gradflow.figures.profile import profile
@@ -33,7 +33,6 @@ __all__ = [
     "OKABE_ITO",
     "PLOTLY_CONFIG",
     "apply_style",
-    "common_scale",
     "compare_heatmaps",
     "compare_metrics",
     "compare_profiles",
@@ -41,6 +40,7 @@ __all__ = [
     "decimate_max",
     "escape_label",
     "heatmap",
+    "heatmaps_on_one_scale",
     "histogram_heatmap",
     "layer_grid",
     "layer_lines",

@@ -152,36 +152,6 @@ def step_axis_title(layer_grid):
     return f"step (each column: max over up to {block} steps)"
 
 
-def common_scale(layer_stats, statistics, tensor="kernel"):
-    """`(zmin, zmax)` that put heatmaps of several statistics on one colour scale.
-
-    With gradient clipping the norms before and after it are drawn one
-    under the other; each on its own scale, the same yellow meant 1000 above
-    and 1 below, and the clipping could not be seen.
-
-    Example:
-
-    ```python
-    zmin, zmax = common_scale(stats, ["l2_norm", "l2_norm_clipped"])
-    before = heatmap(stats, "l2_norm", zmin=zmin, zmax=zmax)
-    after = heatmap(stats, "l2_norm_clipped", zmin=zmin, zmax=zmax)
-    ```
-
-    Args:
-        layer_stats: tidy layer-statistics DataFrame.
-        statistics: the columns to share a scale.
-        tensor: as for `heatmap`. Default `"kernel"`.
-
-    Returns:
-        Two floats in the statistics' units: whole decades around every
-        positive finite value of the statistics.
-    """
-    grids = [grid_lib.layer_grid(layer_stats, statistic, tensor) for statistic in statistics]
-    every = np.concatenate([g.values[g.present] for g in grids])
-    log_min, log_max = logscale.log_range(every)
-    return 10.0**log_min, 10.0**log_max
-
-
 # The output layer's activation gradient is left out of the colour scale when
 # its largest value is this many times the other layers' largest.
 _OUTPUT_APART = 100.0
@@ -263,13 +233,70 @@ def heatmap(
         ValueError: if `statistic` is not a column, `tensor` has no rows,
             or `zmin`/`zmax`/`max_columns` are invalid.
     """
-    layer_grid = decimate.decimate_max(
+    layer_grid = _decimated_grid(layer_stats, statistic, tensor, max_columns, power_of_two_blocks)
+    scaled, output_apart = _scale_values(layer_grid, tensor, zmin, zmax)
+    log_range = logscale.log_range(scaled, zmin, zmax)
+    return _drawn(layer_grid, log_range, output_apart, title, presentation)
+
+
+def heatmaps_on_one_scale(
+    layer_stats,
+    statistics,
+    tensor="kernel",
+    *,
+    max_columns=decimate.DEFAULT_MAX_COLUMNS,
+    power_of_two_blocks=False,
+    presentation=False,
+):
+    """Heatmaps of several statistics on one colour scale, each as `heatmap` draws it.
+
+    With gradient clipping the norms before and after it are drawn one
+    under the other; each on its own scale, the same yellow meant 1000 above
+    and 1 below, and the clipping could not be seen. The scale spans the
+    cells drawn in all of them; each statistic's table is read once.
+
+    Example:
+
+    ```python
+    before, after = heatmaps_on_one_scale(stats, ["l2_norm", "l2_norm_clipped"])
+    ```
+
+    Args:
+        layer_stats: tidy layer-statistics DataFrame.
+        statistics: the columns, one heatmap each.
+        tensor, max_columns, power_of_two_blocks, presentation: as for
+            `heatmap`.
+
+    Returns:
+        A list of `Chart`s, one per statistic, in order.
+
+    Raises:
+        As `heatmap`.
+    """
+    grids = [
+        _decimated_grid(layer_stats, statistic, tensor, max_columns, power_of_two_blocks)
+        for statistic in statistics
+    ]
+    scaled = [_scale_values(layer_grid, tensor, None, None) for layer_grid in grids]
+    log_range = logscale.log_range(np.concatenate([values for values, _ in scaled]))
+    return [
+        _drawn(layer_grid, log_range, apart, None, presentation)
+        for layer_grid, (_, apart) in zip(grids, scaled, strict=True)
+    ]
+
+
+def _decimated_grid(layer_stats, statistic, tensor, max_columns, power_of_two_blocks):
+    return decimate.decimate_max(
         grid_lib.layer_grid(layer_stats, statistic, tensor),
         max_columns,
         power_of_two_blocks=power_of_two_blocks,
     )
-    scaled, output_apart = _scale_values(layer_grid, tensor, zmin, zmax)
-    log_min, log_max = logscale.log_range(scaled, zmin, zmax)
+
+
+def _drawn(layer_grid, log_range, output_apart, title, presentation):
+    """The `Chart` of a decimated grid on the colour scale `log_range` (log10 bounds)."""
+    statistic, tensor = layer_grid.statistic, layer_grid.tensor
+    log_min, log_max = log_range
     plain_title = (
         title
         or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({style.tensor_label(tensor)})"

@@ -37,7 +37,7 @@ from gradflow.monitor.step import (
 )
 from gradflow.monitor.tensorboard import SummaryWriter
 from gradflow.probe.snapshot import resolve_loss
-from gradflow.store.store import check_store_path
+from gradflow.store.store import MAX_NAME_LENGTH, check_store_path
 
 # The ring holds this many executions of the train function, so the callback
 # can read it every few batches instead of after each one. A read is a few
@@ -223,9 +223,10 @@ class GradientMonitor(keras.callbacks.Callback):
                 raise ValueError(
                     f"`{name}` must be a string or None, got {type(value).__name__} {value!r}."
                 )
-        if run_name is not None and len(str(run_name)) > 200:  # as the store's names
+        if run_name is not None and len(str(run_name)) > MAX_NAME_LENGTH:
             raise ValueError(
-                f"`run_name` must be at most 200 characters, got {len(str(run_name)):,}."
+                f"`run_name` must be at most {MAX_NAME_LENGTH} characters, got "
+                f"{len(str(run_name)):,}."
             )
         # Here, not at the start of `fit` in SQLite's or TensorFlow's words.
         if isinstance(store, (str, os.PathLike)):

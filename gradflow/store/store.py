@@ -1,7 +1,6 @@
 """The run store: runs, their statistics and their control requests in SQLite."""
 
 import json
-import numbers
 import os
 import pathlib
 import re
@@ -15,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from gradflow import schema
-from gradflow.checks import flag, positive_number
+from gradflow.checks import flag, positive_number, whole_number
 from gradflow.store import blocks, migrate, tables
 from gradflow.store.writer import RunWriter
 
@@ -127,8 +126,8 @@ class RunStore:
             raise ValueError(f"`source` must be one of {tables.SOURCES}, got {source!r}.")
         _check_status(status)
         tags = _check_tags(tags)
-        total_steps = _whole_number("total_steps", total_steps)
-        pid = _whole_number("pid", pid, least=1)
+        total_steps = whole_number("total_steps", total_steps)
+        pid = whole_number("pid", pid, least=1)
         if name and len(str(name)) > MAX_NAME_LENGTH:
             # Made from settings (an A/B launch names a run after every setting
             # that differs): shortened, not refused, which would fail the launch.
@@ -187,7 +186,7 @@ class RunStore:
             True if the status was changed.
         """
         _check_status(status)
-        pid = _whole_number("pid", pid, least=1)
+        pid = whole_number("pid", pid, least=1)
         if message is not None and not isinstance(message, str):
             raise ValueError(f"`message` must be a string or None, got {message!r:.80}.")
         key = self._key(run_id)
@@ -212,7 +211,7 @@ class RunStore:
             run_id: the run.
             step: the last finished step, or None.
         """
-        step = _whole_number("step", step)
+        step = whole_number("step", step)
         self._conn().execute(
             "UPDATE runs SET heartbeat_at = ?, progress_step = MAX(progress_step, COALESCE(?, 0)) "
             "WHERE id = ?",
@@ -304,7 +303,7 @@ class RunStore:
         Raises:
             ValueError: if `total_steps` is not None or a non-negative integer.
         """
-        self._update(run_id, "total_steps", _whole_number("total_steps", total_steps))
+        self._update(run_id, "total_steps", whole_number("total_steps", total_steps))
 
     def tag(self, run_id, tags):
         """Replaces a run's tags.
@@ -810,7 +809,7 @@ def _newer_than(where, params, after_step, column="step"):
     """Add the live-polling filter `column > after_step` to a WHERE clause (None: no filter)."""
     if after_step is None:
         return where, params
-    return f"{where} AND {column} > ?", [*params, _whole_number("after_step", after_step)]
+    return f"{where} AND {column} > ?", [*params, whole_number("after_step", after_step)]
 
 
 def _name_series(data, series, columns):
@@ -851,27 +850,6 @@ def _check_name(name):
             f"{name[:40]!r}..."
         )
     return name
-
-
-def _whole_number(name, value, least=0):
-    """`value` as a Python int (None stays None), or a ValueError naming `name`.
-
-    SQLite stores a NumPy integer as an 8-byte blob: one `heartbeat(step=np.int64(5))`
-    made every later `runs()` and `recover()` of the file fail.
-    """
-    if value is None:
-        return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"`{name}` must be None or an integer >= {least}, got {value!r:.80}.")
-    if not least <= value <= _LARGEST_SQLITE_INT:
-        raise ValueError(
-            f"`{name}` must be None or an integer from {least} to 2**63 - 1, got {value!r:.80}."
-        )
-    return int(value)
-
-
-# SQLite's INTEGER is a signed 64-bit number.
-_LARGEST_SQLITE_INT = 2**63 - 1
 
 
 def _check_status(status):

@@ -386,10 +386,21 @@ class RunWriter:
                 np.concatenate([s[2] for s in stats]),
             )
         with tables.write_transaction(conn):
-            # Deleted while it trained (`RunStore.delete`): its rows would stay in the
-            # file with no run, and the next run, which gets its row number back,
+            # The run's row first: no row updated means it was deleted while it
+            # trained (`RunStore.delete`), and rows written now would stay in the
+            # file with no run; the next run, which gets its row number back,
             # showed them as its own.
-            if conn.execute("SELECT 1 FROM runs WHERE id = ?", (self._run,)).fetchone() is None:
+            if progress is not None:
+                updated = conn.execute(
+                    "UPDATE runs SET progress_step = MAX(progress_step, ?), heartbeat_at = ? "
+                    "WHERE id = ?",
+                    (progress, now, self._run),
+                )
+            else:
+                updated = conn.execute(
+                    "UPDATE runs SET heartbeat_at = ? WHERE id = ?", (now, self._run)
+                )
+            if updated.rowcount == 0:
                 self.run_deleted = True
                 return
             if series:
@@ -420,14 +431,6 @@ class RunWriter:
                     "VALUES (?, ?, ?, ?)",
                     histograms,
                 )
-            if progress is not None:
-                conn.execute(
-                    "UPDATE runs SET progress_step = MAX(progress_step, ?), heartbeat_at = ? "
-                    "WHERE id = ?",
-                    (progress, now, self._run),
-                )
-            else:
-                conn.execute("UPDATE runs SET heartbeat_at = ? WHERE id = ?", (now, self._run))
 
     def _maybe_flush(self):
         if self._batch_depth:

@@ -554,27 +554,24 @@ def _charts(info, cache, key):
         )
     if view == "Heatmaps":
         left, right = _heatmap_places(presentation)
-        heatmap = functools.partial(
-            _live_heatmap, stats, tensor=tensor, run=run, presentation=presentation
-        )
         show_clipped = clipped and tensor != "activation"
-        # With clipping, the norms before and after it on one colour scale.
-        norm_scale = (
-            figures.common_scale(stats, ["l2_norm", "l2_norm_clipped"], tensor)
-            if show_clipped
-            else (None, None)
+        heatmaps = functools.partial(
+            _live_heatmaps, stats, tensor=tensor, presentation=presentation
         )
+        [maxima] = heatmaps(["max_abs"])
+        # With clipping, the norms before and after it on one colour scale.
+        norms = heatmaps(["l2_norm", "l2_norm_clipped"] if show_clipped else ["l2_norm"])
         with left:
-            heatmap("max_abs", f"{key}.max")
+            show_live_chart(maxima, f"{key}.max", run=run)
         with right:
-            heatmap("l2_norm", f"{key}.norm", *norm_scale)
+            show_live_chart(norms[0], f"{key}.norm", run=run)
         if show_clipped:
             st.caption(
                 ":material/content_cut: Gradient clipping is on: the heatmaps above are the "
                 "gradients as computed, before clipping. Below, the norm of what the optimizer "
                 "applied, after clipping, on the same colour scale as the norm above."
             )
-            heatmap("l2_norm_clipped", f"{key}.clipped", *norm_scale)
+            show_live_chart(norms[1], f"{key}.clipped", run=run)
         if constrained and tensor != "activation":
             st.caption(
                 ":material/straighten: The max-norm constraint is on: **Lines** shows each "
@@ -756,21 +753,16 @@ def _lesson_pack_button(info, cache, key):
     )
 
 
-def _live_heatmap(stats, statistic, key, zmin=None, zmax=None, *, tensor, run, presentation):
-    """One live heatmap of `statistic` (layer x step), at most `LIVE_MAX_COLUMNS` columns."""
-    show_live_chart(
-        figures.heatmap(
-            stats,
-            statistic,
-            tensor,
-            zmin=zmin,
-            zmax=zmax,
-            max_columns=LIVE_MAX_COLUMNS,
-            power_of_two_blocks=True,
-            presentation=presentation,
-        ),
-        key,
-        run=run,
+def _live_heatmaps(stats, statistics, *, tensor, presentation):
+    """Live heatmaps of `statistics` (layer x step) on one colour scale, at most
+    `LIVE_MAX_COLUMNS` columns."""
+    return figures.heatmaps_on_one_scale(
+        stats,
+        statistics,
+        tensor,
+        max_columns=LIVE_MAX_COLUMNS,
+        power_of_two_blocks=True,
+        presentation=presentation,
     )
 
 
