@@ -369,6 +369,8 @@ def final_layer_table(store, run_id):
     import numpy as np
     import pandas as pd
 
+    from gradflow import schema
+
     info = store.run_info(run_id)
     config = info["config"]
     every = int(config.get("record_every", 1)) if isinstance(config, dict) else 1
@@ -377,7 +379,7 @@ def final_layer_table(store, run_id):
     stats = store.layer_stats(run_id, after_step=after)
     if not len(stats):
         stats = store.layer_stats(run_id)
-    stats = stats[stats["tensor"] != "activation"]
+    stats = stats[stats["tensor"].map(schema.is_weight)]
     columns = ["layer_index", "layer", "max_abs", "l2_norm", "nonfinite"]
     if not len(stats):
         return pd.DataFrame(columns=columns)

@@ -658,6 +658,9 @@ def diagnose(layer_stats, thresholds=None, layer_inputs=None):
             "`thresholds` must be a gradflow.diagnosis.Thresholds or None, got "
             f"{type(thresholds).__name__}."
         )
+    # Rows through time are a sequence's time steps, not layers: the rules
+    # compare layers.
+    table = table[table["tensor"] != schema.TIME_STEP]
     events = []
     origin = first_nonfinite(table)
     if origin is not None:

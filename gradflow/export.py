@@ -579,7 +579,7 @@ def run_charts(layer_stats, metrics, presentation=False, run=None, histograms=No
     # With clipping, what the optimizer applied, on the colour scale of the
     # norms before it: a class saw norms of 0.4 where 0.01 was applied.
     norms = ["l2_norm", "l2_norm_clipped"] if recorded(layer_stats, "l2_norm_clipped") else []
-    if kinds - {"activation"}:
+    if any(schema.is_weight(k) for k in kinds):
         charts["max_abs_heatmap"] = figures.heatmap(
             layer_stats, "max_abs", weights, presentation=presentation
         )
@@ -607,6 +607,11 @@ def run_charts(layer_stats, metrics, presentation=False, run=None, histograms=No
     if "activation" in kinds:
         charts["activation_heatmap"] = figures.heatmap(
             layer_stats, "max_abs", "activation", presentation=presentation
+        )
+    if schema.TIME_STEP in kinds:
+        # How far back in the sequence the gradient still reaches the output.
+        charts["through_time_heatmap"] = figures.heatmap(
+            layer_stats, "l2_norm", schema.TIME_STEP, presentation=presentation
         )
     if len(metrics):
         chart = figures.metrics_chart(metrics, presentation=presentation)

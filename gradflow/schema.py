@@ -43,6 +43,16 @@ LAYER_STATS_COLUMNS = KEY_COLUMNS + STATISTICS + EXTRA_COLUMNS
 
 ACTIVATION = "activation"
 
+# Rows through time (`GradientMonitor(through_time=True)`): one per time step
+# of a sequence; `layer` is "t=1", "t=2", ... and `layer_index` the position
+# in time. Like activation rows, they are gradients of no weight.
+TIME_STEP = "time_step"
+
+
+def is_weight(tensor):
+    """Whether rows of tensor `tensor` hold a weight's gradient (not a layer output's or a time step's)."""
+    return tensor not in (ACTIVATION, TIME_STEP)
+
 
 def tensor_kind(name):
     """The kind of a variable from its tensor name: `"kernel"` for `"lstm_cell/kernel"` too.

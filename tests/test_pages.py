@@ -1935,3 +1935,34 @@ def test_the_server_marks_runs_whose_process_died_again_and_again(monkeypatch):
 
     sessions.SessionOwnership(Store())
     assert called.wait(10)
+
+
+def test_a_recurrent_run_shows_its_gradient_through_time(page_environment):
+    """The SimpleRNN lesson's heatmaps summed each layer over the 30 time steps: the
+    gradient fading through time, what the lesson is about, had no picture."""
+    import pandas as pd
+
+    from gradflow import train
+    from gradflow.lab.config import RunConfig
+    from gradflow.ui.live import _tensor_choices
+
+    names = ["kernel", "recurrent_kernel", "activation", "time_step"]
+    assert _tensor_choices(pd.DataFrame({"tensor": names})) == [
+        "kernel",
+        "recurrent_kernel",
+        "all_weights",
+        "activation",
+        "time_step",
+    ]
+    config = RunConfig(
+        architecture="rnn", dataset="adding", sequence_length=10, n_samples=40, steps=3, width=4
+    )
+    run = train(config, store=page_environment)
+    app = live_view(run.run_id, "Heatmaps")
+    [radio] = [r for r in app.radio if r.label == "Gradients of"]
+    assert "time_step" in radio.options or "Through time" in radio.options
+    radio.set_value("time_step").run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert any("vanishes through time" in c.value for c in app.caption)
+    drawn = json.dumps(live_chart_updates(app))
+    assert "time step (first at the bottom)" in drawn and "t=10" in drawn

@@ -112,7 +112,7 @@ def tensor_mask(layer_stats, tensor):
         codes, names = pd.factorize(column)
     names = np.asarray(names, dtype=object)
     if tensor == ALL_WEIGHTS:
-        wanted = names != schema.ACTIVATION
+        wanted = np.array([schema.is_weight(n) for n in names], dtype=bool).reshape(len(names))
     else:
         wanted = np.array([schema.is_tensor(n, tensor) for n in names], dtype=bool).reshape(
             len(names)

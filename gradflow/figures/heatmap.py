@@ -5,6 +5,7 @@ import math
 import numpy as np
 import plotly.graph_objects as go
 
+from gradflow import schema
 from gradflow.figures import decimate, logscale, style
 from gradflow.figures import grid as grid_lib
 from gradflow.figures.chart import Chart
@@ -297,14 +298,26 @@ def _drawn(layer_grid, log_range, output_apart, title, presentation):
     """The `Chart` of a decimated grid on the colour scale `log_range` (log10 bounds)."""
     statistic, tensor = layer_grid.statistic, layer_grid.tensor
     log_min, log_max = log_range
+    # Rows through time are a sequence's time steps (GradientMonitor's
+    # `through_time`), the first at the bottom, where a vanishing gradient
+    # fades to, as the input layer is in the layers' heatmaps.
+    in_time = tensor == schema.TIME_STEP
+    rows = "time step" if in_time else "layer"
     plain_title = (
         title
-        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({style.tensor_label(tensor)})"
+        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per {rows} ({style.tensor_label(tensor)})"
     )
     description = (
         f"Heatmap of the {style.STATISTIC_LABELS.get(statistic, statistic)} of the "
-        f"{style.tensor_label(tensor)}: one row per layer (input at the "
-        "bottom), one column per step, colour on a log10 scale. Exact zeros (a dead layer) take "
+        f"{style.tensor_label(tensor)}: "
+        + (
+            "one row per time step of the sequence (the first at the bottom): the gradient of "
+            "the network's outputs with respect to its input at that time step, how much of "
+            "it still reaches the output"
+            if in_time
+            else "one row per layer (input at the bottom)"
+        )
+        + ", one column per step, colour on a log10 scale. Exact zeros (a dead layer) take "
         "the bottom colour, marked 0 on the colour bar; hover over or tap a cell for its value. Blank cells with a black x are NaN, with "
         "a triangle Inf."
     ) + (
@@ -321,7 +334,7 @@ def _drawn(layer_grid, log_range, output_apart, title, presentation):
     figure.update_layout(
         title=style.escape_label(plain_title),
         xaxis_title=step_axis_title(layer_grid),
-        yaxis_title="layer (input at the bottom)",
+        yaxis_title="time step (first at the bottom)" if in_time else "layer (input at the bottom)",
         height=min(900, max(380, 60 + 22 * len(layer_grid.layer))),
         legend=LEGEND_ABOVE,
     )

@@ -207,6 +207,7 @@ _TENSOR_WORDS = {
     "bias": "biases",
     "activation": "layer outputs",
     "all_weights": "all weights",
+    "time_step": "output w.r.t. each time step",
 }
 
 

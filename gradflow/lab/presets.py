@@ -159,13 +159,17 @@ PRESETS = {
         # of predicting the mean; the cell kernel's gradient norm falls
         # from 1.6 to 0.03 and stays there. With `gradflow train`: mean loss
         # of the last 50 steps 0.165.
+        # Through time (`gradflow train --preset rnn_simple`, 800 steps): the
+        # gradient at steps 1-3 over steps 28-30 is 1.4e-3 (median of the
+        # last 100 steps); the LSTM's passes 0.3 at step 312 and ends at 1.15.
         _preset(
             "rnn_simple",
             "SimpleRNN on a long sequence: it cannot remember",
             "The adding problem over 30 steps: the SimpleRNN's gradient through time vanishes, "
             "so it never links the first marked number to the answer. Watch the Loss view: it "
-            "stays at 0.17, what predicting the average gives. (The heatmaps show each layer's "
-            "gradient summed over the 30 time steps, not how it fades through time.)",
+            "stays at 0.17, what predicting the average gives. Then Heatmaps, Through time: "
+            "one row per time step, and the first steps, at the bottom, stay dark, about a "
+            "thousandth of the last.",
             compare_with="rnn_lstm",
             rnn_cell="simple_rnn",
             **_ADDING,
@@ -177,7 +181,9 @@ PRESETS = {
             "rnn_lstm",
             "LSTM on the same long sequence: it remembers",
             "The LSTM's cell state carries the gradient across the 30 steps: its loss drops "
-            "far below the 0.17 baseline of predicting the average.",
+            "far below the 0.17 baseline of predicting the average. In Heatmaps, Through "
+            "time, the first steps, at the bottom, light up at about step 300: it has learnt "
+            "to carry them to the output.",
             compare_with="rnn_simple",
             rnn_cell="lstm",
             **_ADDING,

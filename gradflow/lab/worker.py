@@ -118,6 +118,9 @@ def _train(store, run_id):
         run_id=run_id,
         close_run=False,
         stop_on_nonfinite=True,
+        # A recurrent network's gradient fades through time, which the
+        # layers' rows (summed over every time step) cannot show.
+        through_time=config.architecture == "rnn",
     )
     control = RunControl(
         store,

@@ -125,6 +125,18 @@ class GradientMonitor(keras.callbacks.Callback):
             backward pass. Defaults to `False`.
         histograms: Also count log10|g| histograms (fixed bins of
             `gradflow.schema`). Defaults to `False`.
+        through_time: Also record the gradient through time, for a model
+            that reads a sequence (an RNN): rows with `tensor == "time_step"`
+            and `layer` `"t=1"`, `"t=2"`, ..., holding the statistics of the
+            gradient of the model's outputs (summed with alternating signs,
+            so a softmax's do not cancel) w.r.t. the sequence at that time
+            step, from the same forward pass. Where it fades towards `t=1`,
+            the early steps no longer reach the output: the gradient
+            vanishes through time. The sequence is the input when it is one
+            float tensor `(batch, time, features)`, else the first layer
+            output shaped so (an `Embedding`'s); more than 100 time steps
+            share rows (`"t=1–3"`). It costs one more backward pass per
+            step. Defaults to `False`.
         store: A `gradflow.RunStore`, or a path to one, to write every
             recorded step to (live, for the dashboard). Defaults to `None`.
         run_id: Write into this existing run of `store` instead of creating
@@ -198,6 +210,7 @@ class GradientMonitor(keras.callbacks.Callback):
         probe_every=None,
         rules=None,
         probe_loss=None,
+        through_time=False,
     ):
         super().__init__()
         self.every = positive_int("every", every)
@@ -243,6 +256,7 @@ class GradientMonitor(keras.callbacks.Callback):
             )
         self.activations = flag("activations", activations)
         self.histograms = flag("histograms", histograms)
+        self.through_time = flag("through_time", through_time)
         self.stop_on_nonfinite = flag("stop_on_nonfinite", stop_on_nonfinite)
         self.tensorboard_dir = tensorboard_dir
         self.run_name = run_name
@@ -384,6 +398,7 @@ class GradientMonitor(keras.callbacks.Callback):
             self.every,
             self.histograms,
             self.stop_on_nonfinite,
+            self.through_time,
         )
         instrumented = type(model).train_step is TensorFlowTrainer.train_step
         if instrumented:
@@ -398,8 +413,10 @@ class GradientMonitor(keras.callbacks.Callback):
             step = probed_train_step(
                 self._plan, model.train_step, self.probe_every, self.probe_loss
             )
-        if all(layer.built for layer in model._flatten_layers()):
-            # Otherwise the first trace builds the model and then the ring.
+        if all(layer.built for layer in model._flatten_layers()) and not self.through_time:
+            # Otherwise the first trace builds the model and then the ring
+            # (and the ring's rows through time, which the sequence it traces
+            # with decides).
             self._plan.prepare(model.trainable_weights)
         # Keras builds its train function from `model.train_step`; an instance
         # attribute shadows the class's method until `on_train_end`.
@@ -736,6 +753,8 @@ class GradientMonitor(keras.callbacks.Callback):
                 self._plan.activation_paths,
                 self._plan.layer_order,
                 self._plan.unreached,
+                self._plan.time_labels,
+                self._plan.time_source,
             )
             self._note_unreached(int(steps[0]))
             self._store_layer_inputs()
@@ -972,6 +991,7 @@ class GradientMonitor(keras.callbacks.Callback):
                 "every": self.every,
                 "activations": self.activations,
                 "histograms": self.histograms,
+                "through_time": self.through_time,
             }
             if self.rules is not None:
                 # The dashboard and the exports run the rules again on the
@@ -1221,6 +1241,7 @@ class _ReuseKey:
             monitor.every,
             monitor.histograms,
             monitor.stop_on_nonfinite,
+            monitor.through_time,
             int(model.steps_per_execution),
             model.jit_compile,
             model.run_eagerly,

@@ -41,8 +41,10 @@ class RowLayout:
         return list(zip(self.layers, self.layer_indices, self.tensors, self.variables, strict=True))
 
     @classmethod
-    def build(cls, names, activation_paths, layer_order, unreached=()):
-        """Lay out weight rows (from `variable_names`) then activation rows.
+    def build(
+        cls, names, activation_paths, layer_order, unreached=(), time_labels=(), time_source=""
+    ):
+        """Lay out weight rows (from `variable_names`), activation rows, then rows through time.
 
         Args:
             names: `VariableName`s of the trainable variables, in row order.
@@ -50,14 +52,30 @@ class RowLayout:
             layer_order: Leaf-layer paths, index = `layer_index`.
             unreached: Rows to leave out: those no gradient reaches (the
                 ring holds zeros there, which are no measurement).
+            time_labels: Labels of the rows through time (`"t=1"`, ...), if
+                recorded: `layer` is the label, `layer_index` the row's
+                position in time (0 for the first steps), `tensor`
+                `schema.TIME_STEP` and `variable` the sequence's name
+                (`time_source`: `"input"` or a layer's path).
         """
         index = {path: i for i, path in enumerate(layer_order)}
-        layers = [n.layer for n in names] + list(activation_paths)
-        indices = [n.layer_index for n in names] + [
-            index.get(path.split("#")[0], len(layer_order)) for path in activation_paths
-        ]
-        tensors = [n.tensor for n in names] + [schema.ACTIVATION] * len(activation_paths)
-        variables = [n.variable for n in names] + [""] * len(activation_paths)
+        time_labels = list(time_labels or ())
+        layers = [n.layer for n in names] + list(activation_paths) + time_labels
+        indices = (
+            [n.layer_index for n in names]
+            + [index.get(path.split("#")[0], len(layer_order)) for path in activation_paths]
+            + list(range(len(time_labels)))
+        )
+        tensors = (
+            [n.tensor for n in names]
+            + [schema.ACTIVATION] * len(activation_paths)
+            + [schema.TIME_STEP] * len(time_labels)
+        )
+        variables = (
+            [n.variable for n in names]
+            + [""] * len(activation_paths)
+            + [time_source or ""] * len(time_labels)
+        )
         skipped = set(unreached)
         rows = [i for i in range(len(layers)) if i not in skipped]
         return cls(
@@ -134,7 +152,8 @@ def nonfinite_origin(stats, layout):
 
     Backpropagation runs from the loss towards the input, so the first
     non-finite gradient is the one nearest the loss: the highest
-    `layer_index` with `nonfinite > 0`. Activation rows count too.
+    `layer_index` with `nonfinite > 0`. Activation rows count too; rows
+    through time do not (their gradient is the output's, not the loss's).
 
     Args:
         stats: float array `[rows, len(ROW_COLUMNS)]` of one step.
@@ -144,7 +163,8 @@ def nonfinite_origin(stats, layout):
         The row number, or `None` when every gradient is finite.
     """
     counts = stats[: len(layout), _NONFINITE]
-    broken = np.flatnonzero(counts > 0)
+    layers = np.asarray(layout.tensors, dtype=object) != schema.TIME_STEP
+    broken = np.flatnonzero((counts > 0) & layers)
     if broken.size == 0:
         return None
     indices = np.asarray(layout.layer_indices)[broken]

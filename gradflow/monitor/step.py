@@ -27,7 +27,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from gradflow import schema
 from gradflow.checks import warn_user
-from gradflow.monitor import deferred, trace_gradients
+from gradflow.monitor import deferred, through_time, trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS, RingBuffer, pad_rows, replica_counter
 from gradflow.probe.capture import reached_outputs, record_layer_outputs
 from gradflow.probe.naming import layer_order, variable_names
@@ -57,10 +57,26 @@ class StepPlan:
         histograms: Whether to count log10|g| histograms.
         stop_on_nonfinite: Whether to skip the update of a step with a
             non-finite gradient and halt the steps after it.
+        through_time: Whether to record the gradient through time
+            (`gradflow.monitor.through_time`), in rows after the layer outputs'.
     """
 
-    def __init__(self, model, capacity, activations, every, histograms, stop_on_nonfinite):
+    def __init__(
+        self,
+        model,
+        capacity,
+        activations,
+        every,
+        histograms,
+        stop_on_nonfinite,
+        through_time=False,
+    ):
         self.model = model
+        self.through_time = through_time
+        # Set by the first trace (`through_time.plan_rows`): the label of each
+        # row through time ("t=1", ...) and the tensor differentiated.
+        self.time_labels = None
+        self.time_source = None
         self.capacity = capacity
         self.every = every
         self.histograms = histograms
@@ -115,6 +131,11 @@ class StepPlan:
             self._names = None
 
     @property
+    def row_slots(self):
+        """Rows of the ring after the weights': layer outputs, then time steps."""
+        return self.activation_slots + len(self.time_labels or ())
+
+    @property
     def replicas(self):
         return self.model.distribute_strategy.num_replicas_in_sync
 
@@ -140,16 +161,16 @@ class StepPlan:
             self.deferred = self._can_defer(variables)
             if self.deferred:
                 self.capacity = deferred.ring_capacity(
-                    variables, self.capacity, self.activation_slots, self.histograms
+                    variables, self.capacity, self.row_slots, self.histograms
                 )
                 self.buffer = deferred.DeferredRing(
-                    variables, self.capacity, self.histograms, self.activation_slots
+                    variables, self.capacity, self.histograms, self.row_slots
                 )
             else:
                 self.buffer = RingBuffer(
                     self.model.distribute_strategy,
                     self.capacity,
-                    len(variables) + self.activation_slots,
+                    len(variables) + self.row_slots,
                     self.histograms,
                 )
 
@@ -185,7 +206,7 @@ class StepPlan:
             and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
             and optimizer.loss_scale_factor is None
             and not _constrained_indices(variables)
-            and deferred.fits(variables, self.capacity, self.activation_slots, self.histograms)
+            and deferred.fits(variables, self.capacity, self.row_slots, self.histograms)
         )
 
 
@@ -205,7 +226,11 @@ def instrumented_train_step(plan):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
 
         # Forward pass
-        with tf.GradientTape() as tape, _layer_outputs(plan, tape) as outputs:
+        with (
+            tf.GradientTape(persistent=plan.through_time) as tape,
+            _layer_outputs(plan, tape) as outputs,
+        ):
+            watched = through_time.watch_input(tape, x) if plan.through_time else None
             if model._call_has_training_arg:
                 y_pred = model(x, training=True)
             else:
@@ -213,6 +238,7 @@ def instrumented_train_step(plan):
             loss = model._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
             )
+            probe = through_time.output_probe(y_pred) if plan.through_time else None
             model._loss_tracker.update_state(
                 loss_module.unscale_loss_for_distribution(loss),
                 sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0],
@@ -224,12 +250,14 @@ def instrumented_train_step(plan):
         if not variables:
             warn_user("The model does not have any trainable weights.")
             return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        sequence = _sequence_rows(plan, watched, outputs)
         plan.prepare(variables)
         activations, gradients = _gradients(plan, tape, scaled_loss, variables, outputs)
         _fill_output_gradients(
             gradients, len(variables), activations, (x, y, y_pred, sample_weight), plan
         )
         _note_unreached(plan, gradients)
+        time_gradients = _time_gradients(plan, tape, probe, sequence)
         weight_gradients = gradients[: len(variables)]
         scale = _loss_scale(optimizer)
         learning_rate = _scalar(optimizer.learning_rate)
@@ -243,7 +271,7 @@ def instrumented_train_step(plan):
                 learning_rate,
                 weight_gradients,
                 variables,
-                zeros_where_missing(gradients[len(variables) :], activations),
+                zeros_where_missing(gradients[len(variables) :], activations) + time_gradients,
             )
         weight_groups = ShapeGroups([v.shape for v in variables])
         updates = _UpdateCapture.for_step(
@@ -284,8 +312,10 @@ def instrumented_train_step(plan):
             return unconstrained, changes
 
         recorded_gradients = _unscaled(zeros_where_missing(weight_gradients, variables), scale)
-        activation_gradients = _unscaled(
-            zeros_where_missing(gradients[len(variables) :], activations), scale
+        # The rows through time differentiate the outputs, not the scaled loss.
+        activation_gradients = (
+            _unscaled(zeros_where_missing(gradients[len(variables) :], activations), scale)
+            + time_gradients
         )
         finite = halted = summary = None
         loss_scaled = (
@@ -490,7 +520,11 @@ def probed_train_step(plan, original_train_step, probe_every, probe_loss=None):
         # step is not allowed.
         kept = carried_state(model) if plan.replicas == 1 else []
         saved = [tf.identity(v.value) for v in kept]
-        with tf.GradientTape() as tape, _layer_outputs(plan, tape) as outputs:
+        with (
+            tf.GradientTape(persistent=plan.through_time) as tape,
+            _layer_outputs(plan, tape) as outputs,
+        ):
+            watched = through_time.watch_input(tape, x) if plan.through_time else None
             # Inference mode: a second training-mode call would update batch
             # norm statistics and advance dropout seeds behind the model's back.
             y_pred = model(x, training=False) if model._call_has_training_arg else model(x)
@@ -506,6 +540,7 @@ def probed_train_step(plan, original_train_step, probe_every, probe_loss=None):
                 loss = model.compute_loss(
                     x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
                 )
+            probe_target = through_time.output_probe(y_pred) if plan.through_time else None
         for variable, value in zip(kept, saved, strict=True):
             variable.assign(value)
         if loss is None:
@@ -518,9 +553,11 @@ def probed_train_step(plan, original_train_step, probe_every, probe_loss=None):
             )
             return
         variables = model.trainable_weights
+        sequence = _sequence_rows(plan, watched, outputs)
         plan.prepare(variables)
         activations, gradients = _gradients(plan, tape, loss, variables, outputs)
         _note_unreached(plan, gradients)
+        time_gradients = _time_gradients(plan, tape, probe_target, sequence)
         _record(
             plan,
             when=when,
@@ -528,7 +565,9 @@ def probed_train_step(plan, original_train_step, probe_every, probe_loss=None):
             loss=loss,
             learning_rate=_scalar(optimizer.learning_rate),
             weight_gradients=zeros_where_missing(gradients[: len(variables)], variables),
-            activation_gradients=zeros_where_missing(gradients[len(variables) :], activations),
+            activation_gradients=(
+                zeros_where_missing(gradients[len(variables) :], activations) + time_gradients
+            ),
             weights=[tf.identity(v.value) for v in variables],
         )
 
@@ -687,7 +726,7 @@ def _summarize_step(
     )
     activation_extras = tf.fill([len(activation_gradients), extras.shape[1]], _NAN)
     rows = tf.concat([stats, tf.concat([extras, activation_extras], axis=0)], axis=1)
-    rows, histograms = pad_rows(rows, histograms, count + plan.activation_slots)
+    rows, histograms = pad_rows(rows, histograms, count + plan.row_slots)
     metrics = tf.stack(
         [tf.cast(loss, tf.float32), learning_rate, global_norm, global_norm_clipped, clipped]
     )
@@ -871,6 +910,21 @@ def _layer_outputs(plan, tape):
     # tape watches each output, so that a layer that depends on no variable
     # (a Rescaling first) has its gradient too.
     return record_layer_outputs(plan.model, watch=tape.watch)
+
+
+def _sequence_rows(plan, watched_input, outputs):
+    """`(source, sizes)` of the rows through time (`through_time.plan_rows`), or None."""
+    if not plan.through_time:
+        return None
+    source, sizes = through_time.plan_rows(plan, watched_input, outputs)
+    return None if source is None else (source, sizes)
+
+
+def _time_gradients(plan, tape, probe, sequence):
+    """The rows through time's gradients, after the loss's (the tape is persistent then)."""
+    if sequence is None:
+        return []
+    return through_time.gradients_through_time(tape, probe, *sequence)
 
 
 def _gradients(plan, tape, loss, variables, outputs):

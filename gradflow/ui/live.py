@@ -49,7 +49,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from gradflow import diagnosis, export, figures
+from gradflow import diagnosis, export, figures, schema
 from gradflow.figures.style import STATISTIC_LABELS, no_data_figure
 from gradflow.lab.config import run_name
 from gradflow.store import UnknownRunError
@@ -111,6 +111,8 @@ _TENSOR_LABELS = {
     "embeddings": "Embeddings",
     "activation": "Activations",
     figures.ALL_WEIGHTS: "All weights",
+    # A sequence's time steps (recurrent lab runs, `through_time` monitors).
+    schema.TIME_STEP: "Through time",
 }
 
 
@@ -554,7 +556,7 @@ def _charts(info, cache, key):
         )
     if view == "Heatmaps":
         left, right = _heatmap_places(presentation)
-        show_clipped = clipped and tensor != "activation"
+        show_clipped = clipped and schema.is_weight(tensor)
         heatmaps = functools.partial(
             _live_heatmaps, stats, tensor=tensor, presentation=presentation
         )
@@ -572,7 +574,16 @@ def _charts(info, cache, key):
                 "applied, after clipping, on the same colour scale as the norm above."
             )
             show_live_chart(norms[1], f"{key}.clipped", run=run)
-        if constrained and tensor != "activation":
+        if tensor == schema.TIME_STEP:
+            st.caption(
+                ":material/timeline: One row per time step of the input sequence, the first at "
+                "the bottom: how much a change at that step still moves the network's output "
+                "(the gradient of the output with respect to the input there). Where the bottom "
+                "rows fade to dark while the top stays bright, the start of the sequence no "
+                "longer reaches the output: the gradient vanishes through time, and the network "
+                "cannot learn from it. An LSTM's or GRU's gates carry it further."
+            )
+        if constrained and schema.is_weight(tensor):
             st.caption(
                 ":material/straighten: The max-norm constraint is on: **Lines** shows each "
                 "layer's weight norm after it and before it. Keras's max-norm caps each unit's "
@@ -583,16 +594,16 @@ def _charts(info, cache, key):
         statistic = st.radio(
             "Statistic",
             ["max_abs", "l2_norm", "mean_abs"]
-            + (["l2_norm_clipped"] if clipped and tensor != "activation" else [])
+            + (["l2_norm_clipped"] if clipped and schema.is_weight(tensor) else [])
             + (
                 ["weight_norm", "weight_norm_unconstrained"]
-                if constrained and tensor != "activation"
+                if constrained and schema.is_weight(tensor)
                 else []
             )
             # How far a step moves a layer's weights: where the gradient becomes learning.
             + (
                 ["update_ratio"]
-                if export.recorded(stats, "update_ratio") and tensor != "activation"
+                if export.recorded(stats, "update_ratio") and schema.is_weight(tensor)
                 else []
             ),
             format_func=STATISTIC_LABELS.get,
@@ -787,11 +798,10 @@ def _tensor_label(tensor):
 def _tensor_choices(stats):
     present = set(stats["tensor"].unique())
     kinds = {figures.tensor_kind(t) for t in present}  # an RNN's cell/kernel is a kernel
-    choices = [t for t in _TENSOR_LABELS if t in kinds and t != "activation"]
-    if present - {"activation"}:
+    choices = [t for t in _TENSOR_LABELS if t in kinds and schema.is_weight(t)]
+    if any(schema.is_weight(t) for t in present):
         choices.append(figures.ALL_WEIGHTS)
-    if "activation" in present:
-        choices.append("activation")
+    choices += [t for t in (schema.ACTIVATION, schema.TIME_STEP) if t in present]
     return choices
 
 
