@@ -29,23 +29,25 @@ SCRIPT = textwrap.dedent(
     import keras
     from gradflow.monitor import GradientMonitor
 
-    out = sys.argv[1]
+    out, through_time = sys.argv[1], sys.argv[2] == "through_time"
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(32, 3)).astype("float32")
+    # A sequence (batch, time, features) for the rows through time.
+    x = rng.normal(size=(32, 6, 2) if through_time else (32, 3)).astype("float32")
     y = rng.normal(size=(32, 1)).astype("float32")
 
     def build():
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([
-            keras.Input((3,)),
-            keras.layers.Dense(5, activation="tanh", name="d0"),
-            keras.layers.Dense(1, name="d1"),
-        ])
+        first = (
+            keras.layers.SimpleRNN(5, name="d0")
+            if through_time
+            else keras.layers.Dense(5, activation="tanh", name="d0")
+        )
+        model = keras.Sequential([keras.Input(x.shape[1:]), first, keras.layers.Dense(1, name="d1")])
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
         return model
 
     def run(model):
-        monitor = GradientMonitor(activations=True)
+        monitor = GradientMonitor(activations=True, through_time=through_time)
         model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[monitor])
         return monitor
 
@@ -63,10 +65,10 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def run_script(tmp_path):
+def run_script(tmp_path, mode="dense"):
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path)],
+        [sys.executable, "-c", SCRIPT, str(tmp_path), mode],
         capture_output=True,
         text=True,
         timeout=300,
@@ -94,3 +96,16 @@ def test_mirrored_strategy_records_the_same_statistics_as_one_device(tmp_path):
     np.testing.assert_allclose(
         mirrored_metrics["value"], single_metrics["value"], rtol=1e-4, atol=1e-6
     )
+
+
+def test_mirrored_strategy_records_the_same_rows_through_time(tmp_path):
+    """The rows through time of each replica's half of the batch are put back together."""
+    single, mirrored, _, _ = run_script(tmp_path, "through_time")
+    rows = single[single["tensor"] == schema.TIME_STEP]
+    assert len(rows) == 8 * 6  # 8 steps x 6 time steps
+    key = ["step", "layer", "tensor"]
+    assert mirrored[key].values.tolist() == single[key].values.tolist()
+    for column in schema.STATISTICS:
+        np.testing.assert_allclose(
+            mirrored[column], single[column], rtol=1e-4, atol=1e-6, err_msg=column
+        )

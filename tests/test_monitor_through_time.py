@@ -248,6 +248,17 @@ def test_a_recurrent_lab_run_records_through_time_and_an_mlp_does_not(tmp_path):
         .any()
     )
 
+    # Lines and the profile name time steps, not layers.
+    lines = figures.layer_lines(stats, "l2_norm", schema.TIME_STEP)
+    assert "per time step" in lines.title
+    scale = [
+        t for t in lines.figure.data if getattr(t.marker, "colorbar", None) and t.marker.showscale
+    ]
+    assert scale and scale[0].marker.colorbar.title.text == "time step"
+    profile = figures.profile(stats, tensor=schema.TIME_STEP)
+    assert profile.figure.layout.xaxis.title.text == "time step (first on the left)"
+    assert list(profile.data["layer"])[:2] == ["t=1", "t=2"]
+
     mlp = train(RunConfig(architecture="mlp", dataset="circles", steps=2), store=store)
     assert not (mlp.layer_stats["tensor"] == schema.TIME_STEP).any()
 

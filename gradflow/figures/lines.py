@@ -104,9 +104,10 @@ def layer_lines(
         statistic=statistic,
         tensor=tensor,
     )
+    rows = "time step" if tensor == schema.TIME_STEP else "layer"
     plain_title = (
         title
-        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer over training ({style.tensor_label(tensor)})"
+        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per {rows} over training ({style.tensor_label(tensor)})"
     )
     description = (
         f"The {style.STATISTIC_LABELS.get(statistic, statistic)} of the "
@@ -146,7 +147,7 @@ def layer_lines(
             )
         )
     if len(labels) > len(style.OKABE_ITO):
-        figure.add_trace(_depth_scale(labels))
+        figure.add_trace(_depth_scale(labels, in_time=tensor == schema.TIME_STEP))
     rows_nf, cols_nf = np.nonzero(layer_grid.present & ~np.isfinite(layer_grid.values))
     marker_y = np.full(len(rows_nf), 10.0 ** (log_max + _MARKER_HEADROOM / 2))
     label_array = np.asarray(labels, dtype=object)
@@ -173,7 +174,7 @@ def layer_lines(
     return Chart(figure, data, plain_title, description)
 
 
-def _depth_scale(labels):
+def _depth_scale(labels, in_time=False):
     """A colour bar from the input layer to the output one, instead of a legend.
 
     Beyond eight layers the lines are coloured by depth (`style.line_colors`);
@@ -195,9 +196,9 @@ def _depth_scale(labels):
             colorscale=style.HEATMAP_COLORSCALE,
             showscale=True,
             colorbar=dict(
-                title=dict(text="layer", side="right"),
+                title=dict(text="time step" if in_time else "layer", side="right"),
                 tickvals=[0, last],
-                ticktext=[f"{labels[0]} (input)", labels[last]],
+                ticktext=[labels[0] if in_time else f"{labels[0]} (input)", labels[last]],
                 thickness=14,
             ),
         ),

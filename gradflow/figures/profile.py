@@ -4,6 +4,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from gradflow import schema
 from gradflow.figures import grid as grid_lib
 from gradflow.figures import heatmap as heatmap_lib
 from gradflow.figures import logscale, style
@@ -106,8 +107,12 @@ def profile(
     shown_step = resolve_step(layer_stats, tensor, step)
     when = when or f"at step {shown_step}"
     plain_title = title or f"Gradient flow {when} ({style.tensor_label(tensor)})"
+    in_time = tensor == schema.TIME_STEP
     description = (
-        f"Per-layer {' and '.join(statistics)} of the {tensor} gradients {when}, "
+        f"Per-time-step {' and '.join(statistics)} of the gradient of the output w.r.t. the "
+        f"input sequence {when}, first time step on the left, log scale: how far back it reaches."
+        if in_time
+        else f"Per-layer {' and '.join(statistics)} of the {tensor} gradients {when}, "
         "input layer on the left, log scale: the classic gradient-flow picture."
     )
     if shown_step is None:
@@ -154,7 +159,7 @@ def profile(
     figure.update_layout(
         title=style.escape_label(plain_title),
         barmode="group",
-        xaxis_title="layer (input on the left)",
+        xaxis_title="time step (first on the left)" if in_time else "layer (input on the left)",
         yaxis_title="|gradient| (log scale)",
     )
     figure.update_xaxes(type="category", categoryorder="array", categoryarray=labels)

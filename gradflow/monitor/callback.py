@@ -20,7 +20,7 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from gradflow import schema
 from gradflow.checks import flag, positive_int, warn_user
 from gradflow.diagnosis import Thresholds, context_start, diagnose, no_gradient_message
-from gradflow.monitor import trace_gradients
+from gradflow.monitor import through_time, trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS
 from gradflow.monitor.records import (
     RowLayout,
@@ -413,7 +413,17 @@ class GradientMonitor(keras.callbacks.Callback):
             step = probed_train_step(
                 self._plan, model.train_step, self.probe_every, self.probe_loss
             )
-        if all(layer.built for layer in model._flatten_layers()) and not self.through_time:
+        rows_known = not self.through_time or through_time.rows_before_fit(self._plan)
+        if self.through_time and not rows_known and self._plan.replicas > 1:
+            # The ring cannot be made inside a replica's step.
+            warn_user(
+                f"GradientMonitor(through_time=True) records nothing through time for model "
+                f"{model.name!r} under tf.distribute: it needs a model whose input is declared "
+                "as (batch, time, features), a Functional or Sequential model."
+            )
+            self._plan.through_time = False
+            rows_known = True
+        if all(layer.built for layer in model._flatten_layers()) and rows_known:
             # Otherwise the first trace builds the model and then the ring
             # (and the ring's rows through time, which the sequence it traces
             # with decides).

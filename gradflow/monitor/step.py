@@ -257,7 +257,7 @@ def instrumented_train_step(plan):
             gradients, len(variables), activations, (x, y, y_pred, sample_weight), plan
         )
         _note_unreached(plan, gradients)
-        time_gradients = _time_gradients(plan, tape, probe, sequence)
+        time_gradients = _time_gradients(tape, probe, sequence)
         weight_gradients = gradients[: len(variables)]
         scale = _loss_scale(optimizer)
         learning_rate = _scalar(optimizer.learning_rate)
@@ -557,7 +557,7 @@ def probed_train_step(plan, original_train_step, probe_every, probe_loss=None):
         plan.prepare(variables)
         activations, gradients = _gradients(plan, tape, loss, variables, outputs)
         _note_unreached(plan, gradients)
-        time_gradients = _time_gradients(plan, tape, probe_target, sequence)
+        time_gradients = _time_gradients(tape, probe_target, sequence)
         _record(
             plan,
             when=when,
@@ -920,7 +920,7 @@ def _sequence_rows(plan, watched_input, outputs):
     return None if source is None else (source, sizes)
 
 
-def _time_gradients(plan, tape, probe, sequence):
+def _time_gradients(tape, probe, sequence):
     """The rows through time's gradients, after the loss's (the tape is persistent then)."""
     if sequence is None:
         return []
