@@ -1966,3 +1966,18 @@ def test_a_recurrent_run_shows_its_gradient_through_time(page_environment):
     assert any("vanishes through time" in c.value for c in app.caption)
     drawn = json.dumps(live_chart_updates(app))
     assert "time step (first at the bottom)" in drawn and "t=10" in drawn
+
+    # The Compare page puts two recurrent runs' time steps side by side.
+    lstm = train(dataclasses.replace(config, rnn_cell="lstm"), store=page_environment)
+    app = run_page("compare.py", runs=f"{run.run_id},{lstm.run_id}")
+    [radio] = [r for r in app.radio if r.label == "Gradients of"]
+    radio.set_value("time_step").run()
+    assert not app.exception, [e.value for e in app.exception]
+    drawn = json.dumps(live_chart_updates(app))
+    assert "per time step (output w.r.t. each time step)" in drawn
+    assert "by time step" in drawn and "time step (1 = the first)" in drawn
+    assert "time step (first at the bottom)" in drawn
+    # Runs without time steps get no such choice.
+    mlp = train(RunConfig(dataset="circles", steps=2), store=page_environment)
+    app = run_page("compare.py", runs=f"{run.run_id},{mlp.run_id}")
+    assert not [r for r in app.radio if r.label == "Gradients of"]

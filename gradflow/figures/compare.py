@@ -8,7 +8,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from gradflow import checks
+from gradflow import checks, schema
 from gradflow.figures import decimate, lines, logscale, style
 from gradflow.figures import grid as grid_lib
 from gradflow.figures import heatmap as heatmap_lib
@@ -112,9 +112,10 @@ def compare_heatmaps(
             colorbar=heatmap_lib.colorbar(statistic, log_min, log_max, zero_at),
         ),
     )
+    rows = "time step" if tensor == schema.TIME_STEP else "layer"
     plain_title = (
         title
-        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per layer ({style.tensor_label(tensor)}): "
+        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per {rows} ({style.tensor_label(tensor)}): "
         + " vs ".join(name for name, _ in named)
     )
     shown_title = style.escape_label(plain_title)
@@ -130,7 +131,7 @@ def compare_heatmaps(
         figure.update_layout(meta={"gradflow_narrow": narrow, "gradflow_columns": cols})
     description = (
         f"The {style.STATISTIC_LABELS.get(statistic, statistic)} of the "
-        f"{style.tensor_label(tensor)} per layer and step for each run, on one shared "
+        f"{style.tensor_label(tensor)} per {rows} and step for each run, on one shared "
         "log colour scale, so equal colours mean equal values across panels."
     )
     return Chart(figure, pd.concat(pieces, ignore_index=True), plain_title, description)
@@ -184,6 +185,7 @@ def _panels(named, grids, cols, presentation):
     # Same layers in every run (the usual relu-vs-sigmoid lesson): one shared
     # layer axis labelled once, so the panels can sit close together.
     same_layers = all(g.layer == grids[0].layer for g in grids)
+    in_time = any(g.tensor == schema.TIME_STEP for g in grids)
     height = rows * min(700, max(380, 60 + 18 * max(len(g.layer) for g in grids)))
     figure = make_subplots(
         figure=style.new_figure(),
@@ -209,7 +211,11 @@ def _panels(named, grids, cols, presentation):
             tickmode="array",
             tickvals=heatmap_lib.layer_ticks(layer_grid),
             # Once per row of panels when they share the layers.
-            title_text="layer (input at the bottom)" if col == 0 or not same_layers else None,
+            title_text=(
+                ("time step (first at the bottom)" if in_time else "layer (input at the bottom)")
+                if col == 0 or not same_layers
+                else None
+            ),
             row=row + 1,
             col=col + 1,
         )
@@ -281,7 +287,9 @@ def compare_profiles(
         # Depth counts the layers with this tensor: by `layer_index`, a batch-norm
         # network's 10th dense layer stood at 30 (its BatchNormalization and
         # Activation layers counted), beside the plain network's at 10.
-        piece.insert(1, "depth", piece["layer_index"].rank(method="dense").astype(int) - 1)
+        # Time steps count from 1, as their labels (t=1, ...) do.
+        first = 1 if tensor == schema.TIME_STEP else 0
+        piece.insert(1, "depth", piece["layer_index"].rank(method="dense").astype(int) - 1 + first)
         pieces.append(piece)
     columns = ["run", "depth", "layer_index", "layer", "step", statistic]
     data = pd.concat(pieces, ignore_index=True) if pieces else pd.DataFrame(columns=columns)
@@ -295,15 +303,21 @@ def compare_profiles(
         if step is None
         else f" at step {step} or the last before it"
     )
+    in_time = tensor == schema.TIME_STEP
     plain_title = (
         title
-        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} by depth"
-        f" ({style.tensor_label(tensor)}){at if shown_steps else ''}"
+        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} by "
+        + ("time step" if in_time else "depth")
+        + f" ({style.tensor_label(tensor)}){at if shown_steps else ''}"
     )
     description = (
         f"The {style.STATISTIC_LABELS.get(statistic, statistic)} of the "
-        f"{style.tensor_label(tensor)} against depth (the n-th layer with one, 0 = input side), "
-        "one line per run, log scale."
+        f"{style.tensor_label(tensor)} against "
+        + (
+            "the time step (1 = the first), one line per run, log scale."
+            if in_time
+            else "depth (the n-th layer with one, 0 = input side), one line per run, log scale."
+        )
     )
     if data.empty:
         return Chart(
@@ -337,7 +351,17 @@ def compare_profiles(
     tickvals, ticktext = logscale.decade_ticks(log_min, log_max, zero_at=zero_at)
     figure.update_layout(
         title=style.escape_label(plain_title),
-        xaxis_title=f"depth: {style.tensor_label(tensor)} layers, 0 = input side",
+        xaxis_title=(
+            # A long sequence's rows hold several steps each ("t=1–3").
+            (
+                "row of time steps"
+                if data["layer"].astype(str).str.contains("–").any()
+                else "time step"
+            )
+            + " (1 = the first)"
+            if in_time
+            else f"depth: {style.tensor_label(tensor)} layers, 0 = input side"
+        ),
         yaxis_title=style.statistic_label(statistic) + " (log scale)",
     )
     # Whole depths: a two-layer network was ticked 0, 0.5 and 1.

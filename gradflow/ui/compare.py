@@ -3,7 +3,7 @@
 import pandas as pd
 import streamlit as st
 
-from gradflow import figures
+from gradflow import figures, schema
 from gradflow.ui import resources
 from gradflow.ui.controls import WIDGETS
 from gradflow.ui.fragments import isolated_fragment, tick_after
@@ -185,7 +185,7 @@ def _draw_charts(run_ids, was_active):
         name = info["name"] if info["name"] not in names.values() else f"{info['name']} ({run_id})"
         names[run_id] = name
         statuses.append(info["status"])
-        stats[name] = store.layer_stats(run_id, tensors=["kernel"])
+        stats[name] = store.layer_stats(run_id, tensors=["kernel", schema.TIME_STEP])
         metrics[name] = store.metrics(run_id)
     st.caption(" · ".join(f"{names[r]}: {s}" for r, s in zip(run_ids, statuses, strict=True)))
     active = any(s in ACTIVE for s in statuses)
@@ -196,6 +196,19 @@ def _draw_charts(run_ids, was_active):
         return active
     ready = {name: frame for name, frame in stats.items() if not frame.empty}
     presentation = st.session_state.get("ui.presentation", False)
+    tensor = "kernel"
+    if all((frame["tensor"] == schema.TIME_STEP).any() for frame in ready.values()):
+        # Recurrent runs (the SimpleRNN/LSTM pair): how far back each one's
+        # gradient reaches, side by side on one colour scale.
+        tensor = st.radio(
+            "Gradients of",
+            ["kernel", schema.TIME_STEP],
+            format_func={"kernel": "Kernels", schema.TIME_STEP: "Through time"}.get,
+            horizontal=True,
+            key="compare.tensor",
+            help="Through time: one row per time step of the input sequence, the first at the "
+            "bottom; dark bottom rows mean the start of the sequence no longer reaches the output.",
+        )
     statistic = st.radio(
         "Statistic",
         ["max_abs", "l2_norm"],
@@ -206,7 +219,7 @@ def _draw_charts(run_ids, was_active):
     # Each run gets half the width, as a live-page heatmap does: the same column cap.
     show_live_chart(
         figures.compare_heatmaps(
-            ready, statistic, "kernel", max_columns=LIVE_MAX_COLUMNS, presentation=presentation
+            ready, statistic, tensor, max_columns=LIVE_MAX_COLUMNS, presentation=presentation
         ),
         "compare.heatmaps",
     )
@@ -214,7 +227,7 @@ def _draw_charts(run_ids, was_active):
     with left:
         show_live_chart(
             figures.compare_profiles(
-                ready, statistic=statistic, tensor="kernel", presentation=presentation
+                ready, statistic=statistic, tensor=tensor, presentation=presentation
             ),
             "compare.profiles",
             run=" vs ".join(ready),
