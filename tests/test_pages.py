@@ -1971,8 +1971,7 @@ def test_a_recurrent_run_shows_its_gradient_through_time(page_environment):
     lstm = train(dataclasses.replace(config, rnn_cell="lstm"), store=page_environment)
     app = run_page("compare.py", runs=f"{run.run_id},{lstm.run_id}")
     [radio] = [r for r in app.radio if r.label == "Gradients of"]
-    radio.set_value("time_step").run()
-    assert not app.exception, [e.value for e in app.exception]
+    assert radio.value == "time_step"  # the view the kernels cannot give comes first
     drawn = json.dumps(live_chart_updates(app))
     assert "per time step (output w.r.t. each time step)" in drawn
     assert "by time step" in drawn and "time step (1 = the first)" in drawn

@@ -203,6 +203,8 @@ def _draw_charts(run_ids, was_active):
         tensor = st.radio(
             "Gradients of",
             ["kernel", schema.TIME_STEP],
+            # First: what the kernels' heatmap, summed over time, cannot show.
+            index=1,
             format_func={"kernel": "Kernels", schema.TIME_STEP: "Through time"}.get,
             horizontal=True,
             key="compare.tensor",
