@@ -44,7 +44,7 @@ LAYER_STATS_COLUMNS = KEY_COLUMNS + STATISTICS + EXTRA_COLUMNS
 ACTIVATION = "activation"
 
 # Rows through time (`GradientMonitor(through_time=True)`): one per time step
-# of a sequence; `layer` is "t=1", "t=2", ... and `layer_index` the position
+# of a sequence; `layer` is "t=01", "t=02", ... and `layer_index` the position
 # in time. Like activation rows, they are gradients of no weight.
 TIME_STEP = "time_step"
 

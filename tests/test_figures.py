@@ -992,3 +992,14 @@ def test_chart_descriptions_use_words_not_column_names():
         "max |gradient| of the all weights"
         in figures.heatmap(stats, "max_abs", tensor=figures.ALL_WEIGHTS).description
     )
+
+
+def test_a_compare_subtitle_leaves_room_above_the_panel_titles():
+    """ "each column: max over up to 2 steps" was drawn over the left panel's title."""
+    runs = {"a": make_layer_stats(steps=40), "b": make_layer_stats(steps=40, seed=1)}
+    whole = figures.compare_heatmaps(runs, "max_abs")
+    blocks = figures.compare_heatmaps(runs, "max_abs", max_columns=10)
+    assert (
+        "<br>" in blocks.figure.layout.title.text and "<br>" not in whole.figure.layout.title.text
+    )
+    assert blocks.figure.layout.margin.t >= whole.figure.layout.margin.t + 25

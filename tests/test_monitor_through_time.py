@@ -112,7 +112,7 @@ def test_rows_through_time_equal_a_hand_written_tape(optimizer_class, clipnorm):
     history = monitor.history
     assert_rows_match(history, reference, rtol=1e-4)
     rows = history[(history["tensor"] == schema.TIME_STEP) & (history["step"] == 6)]
-    assert list(rows["layer"]) == [f"t={t}" for t in range(1, STEPS_IN_TIME + 1)]
+    assert list(rows["layer"]) == [f"t={t:02d}" for t in range(1, STEPS_IN_TIME + 1)]
     assert list(rows["layer_index"]) == list(range(STEPS_IN_TIME))
     assert set(rows["variable"]) == {"input"}
     # The second backward pass changed nothing the optimizer did.
@@ -135,7 +135,7 @@ def test_a_long_sequence_shares_rows_between_time_steps():
     reference = reference_rows(twin, keras.optimizers.SGD(0.05), x, y, 1, sizes)
     assert_rows_match(monitor.history, reference, rtol=1e-4)
     labels = monitor.history.query("tensor == 'time_step' and step == 1")["layer"]
-    assert list(labels)[:2] == ["t=1–3", "t=4–6"] and list(labels)[-1] == "t=250"
+    assert list(labels)[:2] == ["t=001–003", "t=004–006"] and list(labels)[-1] == "t=250"
 
 
 def test_token_inputs_record_the_embeddings_time_steps():
@@ -213,8 +213,11 @@ def test_off_by_default_and_checked():
 def test_chunk_sizes_cover_every_time_step_in_at_most_100_rows(length, sizes):
     assert chunk_sizes(length) == sizes
     labels = row_labels(sizes)
-    assert labels[0] == ("t=1" if sizes[0] == 1 else f"t=1–{sizes[0]}")
-    assert labels[-1].endswith(str(length))
+    width = len(str(length))  # "t=01" ... "t=30": sorted as text, still in time order
+    assert labels[0] == ("t=" + "1".zfill(width)) + (
+        "" if sizes[0] == 1 else f"–{sizes[0]:0{width}d}"
+    )
+    assert labels[-1].endswith(str(length)) and sorted(labels) == labels
 
 
 def test_a_recurrent_lab_run_records_through_time_and_an_mlp_does_not(tmp_path):
@@ -229,7 +232,7 @@ def test_a_recurrent_lab_run_records_through_time_and_an_mlp_does_not(tmp_path):
     stats = run.layer_stats
     rows = stats[stats["tensor"] == schema.TIME_STEP]
     assert sorted(set(rows["step"])) == [1, 2, 3, 4]
-    assert list(rows[rows["step"] == 4]["layer"]) == [f"t={t}" for t in range(1, 13)]
+    assert list(rows[rows["step"] == 4]["layer"]) == [f"t={t:02d}" for t in range(1, 13)]
     assert set(rows["variable"]) == {"input"}
     assert (rows["l2_norm"] > 0).all() and rows["l2_norm"].notna().all()
 
@@ -257,7 +260,11 @@ def test_a_recurrent_lab_run_records_through_time_and_an_mlp_does_not(tmp_path):
     assert scale and scale[0].marker.colorbar.title.text == "time step"
     profile = figures.profile(stats, tensor=schema.TIME_STEP)
     assert profile.figure.layout.xaxis.title.text == "time step (first on the left)"
-    assert list(profile.data["layer"])[:2] == ["t=1", "t=2"]
+    # One step's profile through time is noisy: the median of the recorded steps up to it.
+    assert "at steps 1–4 (median of 4)" in profile.title
+    medians = rows.groupby("layer_index")["max_abs"].median().to_numpy()
+    np.testing.assert_allclose(profile.data["max_abs"], medians, rtol=1e-12)
+    assert list(profile.data["layer"])[:2] == ["t=01", "t=02"]
 
     mlp = train(RunConfig(architecture="mlp", dataset="circles", steps=2), store=store)
     assert not (mlp.layer_stats["tensor"] == schema.TIME_STEP).any()
@@ -265,3 +272,45 @@ def test_a_recurrent_lab_run_records_through_time_and_an_mlp_does_not(tmp_path):
     # The rules compare layers: time steps fading to 1e-12 are no vanishing *layer*.
     faded = rows.assign(l2_norm=1e-12, max_abs=1e-12, mean_abs=1e-12)
     assert diagnose(faded).empty
+
+
+def test_a_second_fit_with_another_length_keeps_the_history_whole(tmp_path):
+    """A notebook's second `fit` on longer sequences left NaN rows through time: `.history`
+    then raised IntCastingNaNError, and the dashboard drew them as NaN gradients."""
+    from gradflow import RunStore
+
+    rng = np.random.default_rng(0)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((None, 2)), keras.layers.LSTM(4, name="lstm"), keras.layers.Dense(1)]
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    monitor = GradientMonitor(through_time=True, store=tmp_path / "runs.db")
+    y = rng.normal(size=(N, 1))
+    model.fit(rng.normal(size=(N, 12, 2)), y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+    with pytest.warns(UserWarning, match="varying number of time steps.*pad every sequence"):
+        model.fit(rng.normal(size=(N, 20, 2)), y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+
+    history = monitor.history
+    in_time = history["tensor"] == schema.TIME_STEP
+    assert sorted(set(history["step"])) == [1, 2, 3, 4, 5, 6]
+    assert sorted(set(history.loc[in_time, "step"])) == [1, 2, 3]  # the first fit's
+    assert history["l2_norm"].notna().all()
+    stored = RunStore(tmp_path / "runs.db").layer_stats(monitor.run_id)
+    assert len(stored) == len(history) and stored["l2_norm"].notna().all()
+
+
+def test_two_inputs_without_a_sequence_are_named_in_the_warning():
+    first, second = keras.Input((4,)), keras.Input((3,))
+    joined = keras.layers.Concatenate()([first, second])
+    model = keras.Model([first, second], keras.layers.Dense(1)(joined))
+    model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(0)
+    with pytest.warns(UserWarning, match="it has 2 inputs, and no layer gives an output shaped"):
+        model.fit(
+            [rng.normal(size=(N, 4)), rng.normal(size=(N, 3))],
+            rng.normal(size=(N, 1)),
+            batch_size=BATCH,
+            verbose=0,
+            callbacks=[GradientMonitor(through_time=True)],
+        )

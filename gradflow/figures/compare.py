@@ -124,6 +124,9 @@ def compare_heatmaps(
         shown_title += f"<br><sup>{longest.removeprefix('step (').rstrip(')')}</sup>"
     figure.update_layout(title=shown_title)
     style.apply_style(figure, presentation)
+    if "<br>" in shown_title:
+        # Room for the subtitle above the panels' own titles, which it covered.
+        figure.update_layout(margin_t=figure.layout.margin.t + 25)
     if cols > 1:
         # The same panels one per row (the axes keep their numbers, so the
         # traces stay on theirs): what the live chart swaps in when narrow.
@@ -304,6 +307,9 @@ def compare_profiles(
         else f" at step {step} or the last before it"
     )
     in_time = tensor == schema.TIME_STEP
+    if in_time:
+        # One step's profile through time is noisy (`profile.profile_frame`).
+        at += f", median of up to {profile_lib.TIME_WINDOW} recorded steps"
     plain_title = (
         title
         or f"{style.STATISTIC_LABELS.get(statistic, statistic)} by "
@@ -352,7 +358,7 @@ def compare_profiles(
     figure.update_layout(
         title=style.escape_label(plain_title),
         xaxis_title=(
-            # A long sequence's rows hold several steps each ("t=1–3").
+            # A long sequence's rows hold several steps each ("t=001–003").
             (
                 "row of time steps"
                 if data["layer"].astype(str).str.contains("–").any()

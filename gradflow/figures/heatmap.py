@@ -317,8 +317,9 @@ def _drawn(layer_grid, log_range, output_apart, title, presentation):
             if in_time
             else "one row per layer (input at the bottom)"
         )
-        + ", one column per step, colour on a log10 scale. Exact zeros (a dead layer) take "
-        "the bottom colour, marked 0 on the colour bar; hover over or tap a cell for its value. Blank cells with a black x are NaN, with "
+        + ", one column per step, colour on a log10 scale. Exact zeros ("
+        + ("a padded or masked time step" if in_time else "a dead layer")
+        + ") take the bottom colour, marked 0 on the colour bar; hover over or tap a cell for its value. Blank cells with a black x are NaN, with "
         "a triangle Inf."
     ) + (
         " The output layer's row, the loss's own gradient (about 1/p under cross-entropy), is "

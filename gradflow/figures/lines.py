@@ -111,8 +111,9 @@ def layer_lines(
     )
     description = (
         f"The {style.STATISTIC_LABELS.get(statistic, statistic)} of the "
-        f"{style.tensor_label(tensor)} of each layer over steps, log scale. Exact "
-        "zeros (a dead layer) lie on the line marked 0 at the bottom; hover over or tap a point for its value. Black markers "
+        f"{style.tensor_label(tensor)} of each {rows} over steps, log scale. Exact zeros ("
+        + ("a padded or masked time step" if rows == "time step" else "a dead layer")
+        + ") lie on the line marked 0 at the bottom; hover over or tap a point for its value. Black markers "
         "above the lines show steps with NaN (x) or Inf (triangle)."
     )
     data = layer_grid.to_frame()

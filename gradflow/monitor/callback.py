@@ -27,6 +27,8 @@ from gradflow.monitor.records import (
     layer_stats_frame,
     metrics_frame,
     nonfinite_origin,
+    time_rows,
+    unrecorded_time_steps,
 )
 from gradflow.monitor.step import (
     StepPlan,
@@ -127,7 +129,7 @@ class GradientMonitor(keras.callbacks.Callback):
             `gradflow.schema`). Defaults to `False`.
         through_time: Also record the gradient through time, for a model
             that reads a sequence (an RNN): rows with `tensor == "time_step"`
-            and `layer` `"t=1"`, `"t=2"`, ..., holding the statistics of the
+            and `layer` `"t=01"`, `"t=02"`, ..., holding the statistics of the
             gradient of the model's outputs (summed with alternating signs,
             so a softmax's do not cancel) w.r.t. the sequence at that time
             step, from the same forward pass. Where it fades towards `t=1`,
@@ -135,7 +137,7 @@ class GradientMonitor(keras.callbacks.Callback):
             vanishes through time. The sequence is the input when it is one
             float tensor `(batch, time, features)`, else the first layer
             output shaped so (an `Embedding`'s); more than 100 time steps
-            share rows (`"t=1–3"`). It costs one more backward pass per
+            share rows (`"t=001–003"`). It costs one more backward pass per
             step. Defaults to `False`.
         store: A `gradflow.RunStore`, or a path to one, to write every
             recorded step to (live, for the dashboard). Defaults to `None`.
@@ -919,7 +921,20 @@ class GradientMonitor(keras.callbacks.Callback):
         writer = self._writer
         with writer.batch():
             rows = len(self._layout)
-            writer.add_layer_stats_array(steps, stats[:, :rows], self._layout.series)
+            unrecorded = unrecorded_time_steps(stats, self._layout)
+            if unrecorded.any():
+                # No rows through time where the step recorded none.
+                in_time = time_rows(self._layout)
+                others = [i for i in range(rows) if i not in set(in_time)]
+                series = self._layout.series
+                writer.add_layer_stats_array(steps, stats[:, others], [series[i] for i in others])
+                writer.add_layer_stats_array(
+                    steps[~unrecorded],
+                    stats[~unrecorded][:, in_time],
+                    [series[i] for i in in_time],
+                )
+            else:
+                writer.add_layer_stats_array(steps, stats[:, :rows], self._layout.series)
             names = self._metric_names()
             kept = [(i, name) for i, name in enumerate(STEP_METRICS) if name in names]
             for step, values in zip(steps, metrics, strict=True):

@@ -52,7 +52,7 @@ class RowLayout:
             layer_order: Leaf-layer paths, index = `layer_index`.
             unreached: Rows to leave out: those no gradient reaches (the
                 ring holds zeros there, which are no measurement).
-            time_labels: Labels of the rows through time (`"t=1"`, ...), if
+            time_labels: Labels of the rows through time (`"t=01"`, ...), if
                 recorded: `layer` is the label, `layer_index` the row's
                 position in time (0 for the first steps), `tensor`
                 `schema.TIME_STEP` and `variable` the sequence's name
@@ -123,8 +123,32 @@ def layer_stats_frame(steps, stats, layout):
     )
     for position, column in enumerate(ROW_COLUMNS):
         frame[column] = values[:, position]
+    unrecorded = unrecorded_time_steps(stats, layout)
+    if unrecorded.any():
+        # Rows through time of steps traced with another sequence length
+        # hold nothing (not even a count): no row, rather than NaN gradients.
+        in_time = np.tile(np.asarray(layout.tensors, dtype=object) == schema.TIME_STEP, count)
+        frame = frame[~(in_time & np.repeat(unrecorded, rows))]
     frame["nonfinite"] = frame["nonfinite"].astype(np.int64)
-    return frame[list(schema.LAYER_STATS_COLUMNS)]
+    return frame[list(schema.LAYER_STATS_COLUMNS)].reset_index(drop=True)
+
+
+def time_rows(layout):
+    """Positions of the layout's rows through time."""
+    return [i for i, tensor in enumerate(layout.tensors) if tensor == schema.TIME_STEP]
+
+
+def unrecorded_time_steps(stats, layout):
+    """bool `[n]`: the steps whose rows through time hold nothing.
+
+    Their `nonfinite` count is NaN, which no recorded row has: the step was
+    traced with another sequence length than the one the rows were made for
+    (`gradflow.monitor.through_time.plan_rows`).
+    """
+    rows = time_rows(layout)
+    if not rows:
+        return np.zeros(len(stats), dtype=bool)
+    return np.isnan(np.asarray(stats)[:, rows[0], _NONFINITE])
 
 
 def metrics_frame(steps, metrics, names, keep):

@@ -74,9 +74,10 @@ class StepPlan:
         self.model = model
         self.through_time = through_time
         # Set by the first trace (`through_time.plan_rows`): the label of each
-        # row through time ("t=1", ...) and the tensor differentiated.
+        # row through time ("t=01", ...) and the tensor differentiated.
         self.time_labels = None
         self.time_source = None
+        self.time_warnings = set()
         self.capacity = capacity
         self.every = every
         self.histograms = histograms
@@ -250,7 +251,7 @@ def instrumented_train_step(plan):
         if not variables:
             warn_user("The model does not have any trainable weights.")
             return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        sequence = _sequence_rows(plan, watched, outputs)
+        sequence = _sequence_rows(plan, x, watched, outputs)
         plan.prepare(variables)
         activations, gradients = _gradients(plan, tape, scaled_loss, variables, outputs)
         _fill_output_gradients(
@@ -553,7 +554,7 @@ def probed_train_step(plan, original_train_step, probe_every, probe_loss=None):
             )
             return
         variables = model.trainable_weights
-        sequence = _sequence_rows(plan, watched, outputs)
+        sequence = _sequence_rows(plan, x, watched, outputs)
         plan.prepare(variables)
         activations, gradients = _gradients(plan, tape, loss, variables, outputs)
         _note_unreached(plan, gradients)
@@ -912,11 +913,11 @@ def _layer_outputs(plan, tape):
     return record_layer_outputs(plan.model, watch=tape.watch)
 
 
-def _sequence_rows(plan, watched_input, outputs):
+def _sequence_rows(plan, x, watched_input, outputs):
     """`(source, sizes)` of the rows through time (`through_time.plan_rows`), or None."""
     if not plan.through_time:
         return None
-    source, sizes = through_time.plan_rows(plan, watched_input, outputs)
+    source, sizes = through_time.plan_rows(plan, x, watched_input, outputs)
     return None if source is None else (source, sizes)
 
 

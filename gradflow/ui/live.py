@@ -578,10 +578,12 @@ def _charts(info, cache, key):
             st.caption(
                 ":material/timeline: One row per time step of the input sequence, the first at "
                 "the bottom: how much a change at that step still moves the network's output "
-                "(the gradient of the output with respect to the input there). Where the bottom "
-                "rows fade to dark while the top stays bright, the start of the sequence no "
-                "longer reaches the output: the gradient vanishes through time, and the network "
-                "cannot learn from it. An LSTM's or GRU's gates carry it further."
+                "(the gradient of the output with respect to the sequence there: the input, or "
+                "an Embedding's output for tokens). Where the bottom rows fade to dark while the "
+                "top stays bright, the start of the sequence no longer reaches the output: the "
+                "gradient vanishes through time, and the network cannot learn from it. An "
+                "LSTM's or GRU's gates carry it further. (Padding reads dark too: a padded, "
+                "masked step's gradient is 0, and Keras's `pad_sequences` pads at the front.)"
             )
         if constrained and schema.is_weight(tensor):
             st.caption(
