@@ -1003,3 +1003,12 @@ def test_a_compare_subtitle_leaves_room_above_the_panel_titles():
         "<br>" in blocks.figure.layout.title.text and "<br>" not in whole.figure.layout.title.text
     )
     assert blocks.figure.layout.margin.t >= whole.figure.layout.margin.t + 25
+
+
+def test_the_compare_title_leaves_the_run_names_to_the_panels():
+    """Two presets' names made the title run off the page; the panels name the runs."""
+    long_a, long_b = "SimpleRNN on a long sequence: it cannot remember", "LSTM: it remembers"
+    chart = figures.compare_heatmaps({long_a: make_layer_stats(), long_b: make_layer_stats()})
+    assert chart.figure.layout.title.text == "max |gradient| per layer (kernels)"
+    assert chart.title.endswith(f"{long_a} vs {long_b}")  # files and descriptions keep them
+    assert {a.text for a in chart.figure.layout.annotations} >= {long_a, long_b}

@@ -113,12 +113,11 @@ def compare_heatmaps(
         ),
     )
     rows = "time step" if tensor == schema.TIME_STEP else "layer"
-    plain_title = (
-        title
-        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per {rows} ({style.tensor_label(tensor)}): "
-        + " vs ".join(name for name, _ in named)
-    )
-    shown_title = style.escape_label(plain_title)
+    heading = f"{style.STATISTIC_LABELS.get(statistic, statistic)} per {rows} ({style.tensor_label(tensor)})"
+    plain_title = title or f"{heading}: " + " vs ".join(name for name, _ in named)
+    # Each panel's title names its run: with the names in it too, the title of
+    # two presets ran off the page ("...: it re").
+    shown_title = style.escape_label(title or heading)
     if any(g.decimated for g in grids):
         longest = max(heatmap_lib.step_axis_title(g) for g in grids if g.decimated)
         shown_title += f"<br><sup>{longest.removeprefix('step (').rstrip(')')}</sup>"
