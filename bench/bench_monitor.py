@@ -251,6 +251,21 @@ def summarize(rates):
     return figures
 
 
+def write_results(out, default_name, payload):
+    """Write `payload` as JSON, after the command that made it and the machine's facts.
+
+    Args:
+        out: The `--out` path, or None for `bench/results/<default_name>`.
+        default_name: The file name in `bench/results`.
+        payload: The bench's settings and `results`.
+    """
+    out = pathlib.Path(out or pathlib.Path(__file__).resolve().parent / "results" / default_name)
+    out.parent.mkdir(exist_ok=True)
+    command = f"python3 bench/{pathlib.Path(sys.argv[0]).name} " + " ".join(sys.argv[1:])
+    out.write_text(json.dumps({"command": command, **machine_facts(), **payload}, indent=2))
+    print(f"wrote {out}")
+
+
 def machine_facts():
     """What a result file says about the machine it was measured on."""
     return {
@@ -333,29 +348,23 @@ def main():
             )
     default = "monitor" + ("" if args.size == "small" else f"-{args.size}")
     default += (f"-{args.threads}-thread" if args.threads else "") + ".json"
-    out = pathlib.Path(args.out or pathlib.Path(__file__).resolve().parent / "results" / default)
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "command": "python3 bench/bench_monitor.py " + " ".join(sys.argv[1:]),
-                "method": "fits in threads taking turns epoch by epoch",
-                "steps_per_epoch": args.steps,
-                "rounds": args.rounds,
-                "warmup_epochs": args.warmup,
-                "size": args.size,
-                "model_sizes": SIZE,
-                "batch_size": BATCH,
-                "threads": args.threads or "default",
-                "targets": TARGETS,
-                "devices": [d.device_type for d in tf.config.list_logical_devices()],
-                **machine_facts(),
-                "results": results,
-            },
-            indent=2,
-        )
+    write_results(
+        args.out,
+        default,
+        {
+            "method": "fits in threads taking turns epoch by epoch",
+            "steps_per_epoch": args.steps,
+            "rounds": args.rounds,
+            "warmup_epochs": args.warmup,
+            "size": args.size,
+            "model_sizes": SIZE,
+            "batch_size": BATCH,
+            "threads": args.threads or "default",
+            "targets": TARGETS,
+            "devices": [d.device_type for d in tf.config.list_logical_devices()],
+            "results": results,
+        },
     )
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ Writes bench/results/monitor-step.json (or --out).
 """
 
 import argparse
-import json
 import os
 import pathlib
 import statistics
@@ -275,26 +274,18 @@ def main():
         )
         print(f"{name:<6} plain {1e3 * plain:.3f} ms  {row}", flush=True)
 
-    out = pathlib.Path(
-        args.out or pathlib.Path(__file__).resolve().parent / "results" / "monitor-step.json"
+    bench_monitor.write_results(
+        args.out,
+        "monitor-step.json",
+        {
+            "threads": args.threads or "default",
+            "baseline": args.baseline,
+            "size": args.size,
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "results": results,
+        },
     )
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "command": "python3 bench/bench_monitor_step.py " + " ".join(sys.argv[1:]),
-                "threads": args.threads or "default",
-                "baseline": args.baseline,
-                "size": args.size,
-                "steps": args.steps,
-                "rounds": args.rounds,
-                **bench_monitor.machine_facts(),
-                "results": results,
-            },
-            indent=2,
-        )
-    )
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

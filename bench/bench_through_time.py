@@ -14,7 +14,6 @@ the plain epoch of the same round. Writes bench/results/through_time.json.
 """
 
 import argparse
-import json
 import pathlib
 import sys
 
@@ -68,24 +67,16 @@ def main():
             f"{preset:<12}{s['plain']:>9.1f}{p['weights']:>8.2f}x{p['through_time']:>13.2f}x"
             f"{p['through_time'] / p['weights']:>23.2f}x"
         )
-    out = pathlib.Path(
-        args.out or pathlib.Path(__file__).resolve().parent / "results" / "through_time.json"
+    bench_monitor.write_results(
+        args.out,
+        "through_time.json",
+        {
+            "method": "fits in threads taking turns epoch by epoch (bench_monitor.Turns)",
+            "rounds": args.rounds,
+            "warmup_epochs": args.warmup,
+            "results": results,
+        },
     )
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "command": "python3 bench/bench_through_time.py " + " ".join(sys.argv[1:]),
-                "method": "fits in threads taking turns epoch by epoch (bench_monitor.Turns)",
-                "rounds": args.rounds,
-                "warmup_epochs": args.warmup,
-                **bench_monitor.machine_facts(),
-                "results": results,
-            },
-            indent=2,
-        )
-    )
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

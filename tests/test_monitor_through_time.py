@@ -95,20 +95,28 @@ def assert_rows_match(history, reference, rtol):
 
 
 @pytest.mark.parametrize(
-    "optimizer_class,clipnorm",
-    [(keras.optimizers.SGD, None), (keras.optimizers.Adam, 0.5)],
+    "optimizer_class,clipnorm,every",
+    [
+        (keras.optimizers.SGD, None, 1),
+        (keras.optimizers.Adam, 0.5, 1),
+        (keras.optimizers.SGD, None, 2),
+    ],
     # SGD unclipped takes the deferred path (the read summarizes the weight
-    # gradients); clipping keeps the in-step path.
-    ids=["sgd_deferred", "adam_clipped_in_step"],
+    # gradients); clipping keeps the in-step path, and so does `every > 1`,
+    # where the rows through time are made inside the cond of the steps that record.
+    ids=["sgd_deferred", "adam_clipped_in_step", "sgd_every_2"],
 )
-def test_rows_through_time_equal_a_hand_written_tape(optimizer_class, clipnorm):
+def test_rows_through_time_equal_a_hand_written_tape(optimizer_class, clipnorm, every):
     x, y = make_sequences()
     model = make_model()
     twin = copy_of(model)
     kwargs = {"learning_rate": 0.05} | ({"clipnorm": clipnorm} if clipnorm else {})
-    monitor = monitored_fit(model, optimizer_class(**kwargs), x, y, epochs=2, activations=True)
+    monitor = monitored_fit(
+        model, optimizer_class(**kwargs), x, y, epochs=2, activations=True, every=every
+    )
 
     reference = reference_rows(twin, optimizer_class(**kwargs), x, y, 2, [1] * STEPS_IN_TIME)
+    reference = {key: g for key, g in reference.items() if key[0] % every == 0}
     history = monitor.history
     assert_rows_match(history, reference, rtol=1e-4)
     rows = history[(history["tensor"] == schema.TIME_STEP) & (history["step"] == 6)]

@@ -112,7 +112,7 @@ def compare_heatmaps(
             colorbar=heatmap_lib.colorbar(statistic, log_min, log_max, zero_at),
         ),
     )
-    rows = "time step" if tensor == schema.TIME_STEP else "layer"
+    rows = style.row_noun(tensor)
     heading = f"{style.STATISTIC_LABELS.get(statistic, statistic)} per {rows} ({style.tensor_label(tensor)})"
     plain_title = title or f"{heading}: " + " vs ".join(name for name, _ in named)
     # Each panel's title names its run: with the names in it too, the title of

@@ -302,7 +302,7 @@ def _drawn(layer_grid, log_range, output_apart, title, presentation):
     # `through_time`), the first at the bottom, where a vanishing gradient
     # fades to, as the input layer is in the layers' heatmaps.
     in_time = tensor == schema.TIME_STEP
-    rows = "time step" if in_time else "layer"
+    rows = style.row_noun(tensor)
     plain_title = (
         title
         or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per {rows} ({style.tensor_label(tensor)})"

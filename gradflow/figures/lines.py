@@ -104,7 +104,7 @@ def layer_lines(
         statistic=statistic,
         tensor=tensor,
     )
-    rows = "time step" if tensor == schema.TIME_STEP else "layer"
+    rows = style.row_noun(tensor)
     plain_title = (
         title
         or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per {rows} over training ({style.tensor_label(tensor)})"

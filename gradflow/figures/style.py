@@ -211,6 +211,11 @@ _TENSOR_WORDS = {
 }
 
 
+def row_noun(tensor):
+    """What one row of `tensor`'s heatmap is: `"time step"` for rows through time, else `"layer"`."""
+    return "time step" if tensor == "time_step" else "layer"
+
+
 def tensor_label(tensor):
     """A tensor kind in a title's words: `"all_weights"` -> `"all weights"`."""
     return _TENSOR_WORDS.get(tensor, tensor)

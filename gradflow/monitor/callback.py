@@ -27,7 +27,6 @@ from gradflow.monitor.records import (
     layer_stats_frame,
     metrics_frame,
     nonfinite_origin,
-    time_rows,
     unrecorded_time_steps,
 )
 from gradflow.monitor.step import (
@@ -924,8 +923,8 @@ class GradientMonitor(keras.callbacks.Callback):
             unrecorded = unrecorded_time_steps(stats, self._layout)
             if unrecorded.any():
                 # No rows through time where the step recorded none.
-                in_time = time_rows(self._layout)
-                others = [i for i in range(rows) if i not in set(in_time)]
+                in_time = self._layout.time_rows
+                others = sorted(set(range(rows)) - set(in_time))
                 series = self._layout.series
                 writer.add_layer_stats_array(steps, stats[:, others], [series[i] for i in others])
                 writer.add_layer_stats_array(

@@ -7,6 +7,7 @@ a memory copy per read, not for pandas.
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 import pandas as pd
@@ -34,6 +35,11 @@ class RowLayout:
 
     def __len__(self):
         return len(self.layers)
+
+    @functools.cached_property
+    def time_rows(self):
+        """Positions of the rows through time (read at every ring read: made once)."""
+        return [i for i, tensor in enumerate(self.tensors) if tensor == schema.TIME_STEP]
 
     @property
     def series(self):
@@ -127,15 +133,11 @@ def layer_stats_frame(steps, stats, layout):
     if unrecorded.any():
         # Rows through time of steps traced with another sequence length
         # hold nothing (not even a count): no row, rather than NaN gradients.
-        in_time = np.tile(np.asarray(layout.tensors, dtype=object) == schema.TIME_STEP, count)
-        frame = frame[~(in_time & np.repeat(unrecorded, rows))]
+        in_time = np.zeros(rows, dtype=bool)
+        in_time[layout.time_rows] = True
+        frame = frame[~(np.tile(in_time, count) & np.repeat(unrecorded, rows))]
     frame["nonfinite"] = frame["nonfinite"].astype(np.int64)
     return frame[list(schema.LAYER_STATS_COLUMNS)].reset_index(drop=True)
-
-
-def time_rows(layout):
-    """Positions of the layout's rows through time."""
-    return [i for i, tensor in enumerate(layout.tensors) if tensor == schema.TIME_STEP]
 
 
 def unrecorded_time_steps(stats, layout):
@@ -145,7 +147,7 @@ def unrecorded_time_steps(stats, layout):
     traced with another sequence length than the one the rows were made for
     (`gradflow.monitor.through_time.plan_rows`).
     """
-    rows = time_rows(layout)
+    rows = layout.time_rows
     if not rows:
         return np.zeros(len(stats), dtype=bool)
     return np.isnan(np.asarray(stats)[:, rows[0], _NONFINITE])

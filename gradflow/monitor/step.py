@@ -258,7 +258,9 @@ def instrumented_train_step(plan):
             gradients, len(variables), activations, (x, y, y_pred, sample_weight), plan
         )
         _note_unreached(plan, gradients)
-        time_gradients = _time_gradients(tape, probe, sequence)
+        # Made where they are recorded: with `every > 1`, inside the cond of
+        # the steps that record, not at every step.
+        time_gradients = functools.partial(_time_gradients, tape, probe, sequence)
         weight_gradients = gradients[: len(variables)]
         scale = _loss_scale(optimizer)
         learning_rate = _scalar(optimizer.learning_rate)
@@ -272,7 +274,7 @@ def instrumented_train_step(plan):
                 learning_rate,
                 weight_gradients,
                 variables,
-                zeros_where_missing(gradients[len(variables) :], activations) + time_gradients,
+                zeros_where_missing(gradients[len(variables) :], activations) + time_gradients(),
             )
         weight_groups = ShapeGroups([v.shape for v in variables])
         updates = _UpdateCapture.for_step(
@@ -314,9 +316,8 @@ def instrumented_train_step(plan):
 
         recorded_gradients = _unscaled(zeros_where_missing(weight_gradients, variables), scale)
         # The rows through time differentiate the outputs, not the scaled loss.
-        activation_gradients = (
-            _unscaled(zeros_where_missing(gradients[len(variables) :], activations), scale)
-            + time_gradients
+        activation_gradients = _unscaled(
+            zeros_where_missing(gradients[len(variables) :], activations), scale
         )
         finite = halted = summary = None
         loss_scaled = (
@@ -340,6 +341,8 @@ def instrumented_train_step(plan):
             # have read the gradients the optimizer's ops may reuse their
             # buffers (faster in side-by-side runs of both orders on the
             # lab's 4x32 MLP).
+            activation_gradients = activation_gradients + time_gradients()
+            time_gradients = list  # in the summary already
             summary = summarize(recorded_gradients + activation_gradients, plan.histograms)
             before_update.append(summary[0])
             if plan.stop_on_nonfinite or loss_scaled:
@@ -390,6 +393,7 @@ def instrumented_train_step(plan):
             learning_rate=learning_rate,
             weight_gradients=recorded_gradients,
             activation_gradients=activation_gradients,
+            time_gradients=time_gradients,
             summary=summary,
             weights=(
                 weight_norms
@@ -602,12 +606,21 @@ def _record(
     unconstrained=None,
     clipped_gradients=None,
     summary=None,
+    time_gradients=list,
 ):
     """Summarize one step and write it to the ring: when `when` holds, or always if it is None.
 
     `summary` is `summarize`'s result for these gradients when the step has
     it already (one replica only: it is not all-reduced here).
+    `time_gradients` makes the rows through time's gradients, which follow
+    the activation rows: called inside the cond of `when`, so that the steps
+    that record nothing do not make them.
     """
+    if plan.replicas > 1 or when is None:
+        # Under tf.distribute they are gathered outside the cond, as the
+        # layer outputs' are.
+        activation_gradients = activation_gradients + time_gradients()
+        time_gradients = list
     if plan.replicas > 1:
         # Each replica holds the gradient of its share of the batch; Keras
         # sums them inside `optimizer.apply`. Sum them here too (and put the
@@ -633,7 +646,7 @@ def _record(
             loss,
             learning_rate,
             weight_gradients,
-            activation_gradients,
+            activation_gradients + time_gradients(),
             weights,
             weights_before,
             update_norms,

@@ -7,7 +7,7 @@ from gradflow import figures, schema
 from gradflow.ui import resources
 from gradflow.ui.controls import WIDGETS
 from gradflow.ui.fragments import isolated_fragment, tick_after
-from gradflow.ui.live import ACTIVE, LIVE_MAX_COLUMNS, POLL_SECONDS, run_name
+from gradflow.ui.live import ACTIVE, LIVE_MAX_COLUMNS, POLL_SECONDS, run_name, tensor_label
 from gradflow.ui.live_chart import show_live_chart
 
 _SELECTED = "compare.run_ids"
@@ -205,7 +205,7 @@ def _draw_charts(run_ids, was_active):
             ["kernel", schema.TIME_STEP],
             # First: what the kernels' heatmap, summed over time, cannot show.
             index=1,
-            format_func={"kernel": "Kernels", schema.TIME_STEP: "Through time"}.get,
+            format_func=tensor_label,
             horizontal=True,
             key="compare.tensor",
             help="Through time: one row per time step of the input sequence, the first at the "

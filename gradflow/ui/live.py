@@ -550,7 +550,7 @@ def _charts(info, cache, key):
         tensor = st.radio(
             "Gradients of",
             tensors,
-            format_func=_tensor_label,
+            format_func=tensor_label,
             horizontal=True,
             key=f"{key}.tensor",
         )
@@ -793,7 +793,8 @@ def _profile_step(steps, key):
     )
 
 
-def _tensor_label(tensor):
+def tensor_label(tensor):
+    """A tensor choice in the dashboard's words ("Kernels", "Through time", ...)."""
     return _TENSOR_LABELS.get(tensor, tensor)
 
 
