@@ -137,7 +137,7 @@ class GradientMonitor(keras.callbacks.Callback):
             float tensor `(batch, time, features)`, else the first layer
             output shaped so (an `Embedding`'s); more than 100 time steps
             share rows (`"t=001–003"`). It costs one more backward pass per
-            step. Defaults to `False`.
+            recorded step (`every`). Defaults to `False`.
         store: A `gradflow.RunStore`, or a path to one, to write every
             recorded step to (live, for the dashboard). Defaults to `None`.
         run_id: Write into this existing run of `store` instead of creating
