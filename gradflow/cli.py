@@ -316,11 +316,12 @@ def _train(args):
             "weights together; the exported heatmaps show kernels):"
         )
         print(table.to_string(index=False, float_format=lambda value: f"{value:.3g}"))
+    export_command = f"gradflow export {run_id} --format html --out gradflow-export" + (
+        f" --db {args.db}" if args.db else ""
+    )
+    _print_alerts(store, run_id, export_command)
     if len(table):  # a run that recorded nothing has nothing to export
-        print(
-            f"Export: gradflow export {run_id} --format html --out gradflow-export"
-            + (f" --db {args.db}" if args.db else "")
-        )
+        print(f"Export: {export_command}")
     return EXIT_FAILED if status == "failed" else EXIT_OK
 
 
@@ -349,6 +350,26 @@ def _import_tensorflow_quietly():
             caught.seek(0)
             lines = caught.read().decode(errors="replace").splitlines(keepends=True)
             sys.stderr.write("".join(line for line in lines if not _START_UP_NOISE.match(line)))
+
+
+_ALERTS_SHOWN = 5
+
+
+def _print_alerts(store, run_id, export_command):
+    """The run's alerts, the most serious first: the dashboard's Alerts view in a terminal."""
+    from gradflow.export import alerts_in_order
+
+    alerts = alerts_in_order(store.events(run_id))
+    if not len(alerts):
+        return
+    print(f"Alerts ({len(alerts)}):")
+    for row in alerts.head(_ALERTS_SHOWN).itertuples():
+        print(f"- {row.message}")
+    if len(alerts) > _ALERTS_SHOWN:
+        print(
+            f"- ... and {len(alerts) - _ALERTS_SHOWN} more; the export's data/alerts.csv "
+            f"has them all ({export_command})."
+        )
 
 
 def final_layer_table(store, run_id):

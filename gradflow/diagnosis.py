@@ -3,7 +3,8 @@
 `diagnose` reads gradflow's tidy layer statistics (a training history, a run's
 `layer_stats`, or a snapshot's tables) and reports what a teacher would point
 at on the heatmap: vanishing and exploding gradients, dead ReLUs, saturated
-sigmoid/tanh units, and where the first NaN/Inf came from. It uses pandas only,
+sigmoid/tanh units, where the first NaN/Inf came from, and, for a run
+recorded through time, a gradient that vanishes through time. It uses pandas only,
 so the dashboard and the run store can call it without TensorFlow.
 
 A layer's *gradient norm* at a step is the L2 norm of all its weight
@@ -93,6 +94,20 @@ class Thresholds:
         repeat_after: A layer's alert of one kind is given again only after
             its condition was clear for this many recorded steps. Defaults
             to 50.
+        vanishing_through_time: For a run recorded with `through_time=True`:
+            the gradient vanishes through time when the gradient reaching the
+            first tenth of the sequence's time steps is below this share of
+            the gradient reaching the last tenth (the median over
+            `time_window` recorded steps: one step's share moves tenfold
+            from step to step). When it has been above for `repeat_after`
+            recorded steps an `info` event says the gradient reaches the
+            first steps again. On the adding problem over 30 steps (seeds
+            0-3, 800 steps) an untrained SimpleRNN's and LSTM's shares are
+            1e-5 to 1e-2; the LSTM's rises to about 1 between steps 270
+            and 450 and stays there, the SimpleRNN's ends below 1e-2.
+            Defaults to 1e-2.
+        time_window: The number of recorded steps whose median
+            `vanishing_through_time` compares. Defaults to 25.
     """
 
     vanishing_norm: float = 1e-7
@@ -105,6 +120,8 @@ class Thresholds:
     dead_activation_fraction: float = 0.9
     saturation_ratio: float = 1e-2
     repeat_after: int = 50
+    vanishing_through_time: float = 1e-2
+    time_window: int = 25
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -119,7 +136,7 @@ class Thresholds:
                 raise ValueError(
                     f"`{name}` is a share of entries and must be below 1, got {getattr(self, name)!r}."
                 )
-        for name in ("growth_window", "repeat_after"):
+        for name in ("growth_window", "repeat_after", "time_window"):
             if int(getattr(self, name)) != getattr(self, name):
                 raise ValueError(
                     f"`{name}` must be a whole number of steps, got {getattr(self, name)!r}."
@@ -420,6 +437,93 @@ def _also_below(norms, row, ratio):
     return f" Also below {ratio:.0e} of it at this step: {named}."
 
 
+def _median_words(count):
+    count = int(count)
+    return (
+        "at the last recorded step" if count == 1 else f"median of the last {count} recorded steps"
+    )
+
+
+def _vanishing_through_time(table, thresholds):
+    """Alerts for a gradient that fades towards the first time steps, and for its recovery.
+
+    Reads the rows through time (`tensor == "time_step"`, `layer_index` =
+    position in time): at each recorded step, the mean norm of the first
+    tenth of the rows (at least one) over that of the last tenth; the rule
+    compares the median of that share over `time_window` recorded steps
+    with `vanishing_through_time`. A step where the share cannot be told (no
+    rows through time, a last tenth with no gradient, a first tenth of exact
+    zeros: padding or a mask) counts as clear, as in the other rules.
+    """
+    rows = table[table["tensor"] == schema.TIME_STEP]
+    value = "l2_norm" if "l2_norm" in rows.columns else "max_abs"
+    if rows.empty:
+        return []
+    grid = rows.groupby(["step", "layer_index"], observed=True)[value].first().unstack()
+    grid = grid.sort_index().sort_index(axis=1).astype("float64")
+    if grid.shape[1] < 2:
+        return []
+    labels = rows.drop_duplicates("layer_index").set_index("layer_index")["layer"].astype(str)
+    share = max(1, grid.shape[1] // 10)
+    first_rows, last_rows = list(grid.columns[:share]), list(grid.columns[-share:])
+    with np.errstate(all="ignore"):
+        first = grid[first_rows].mean(axis=1).to_numpy()
+        last = grid[last_rows].mean(axis=1).to_numpy()
+        ratio = np.where((last > 0) & (first > 0) & np.isfinite(last), first / last, np.nan)
+    ratio[~np.isfinite(ratio)] = np.nan
+    window, quiet = int(thresholds.time_window), int(thresholds.repeat_after)
+    median = pd.Series(ratio).rolling(window, min_periods=1).median().to_numpy()
+    counted = pd.Series(np.isfinite(ratio)).rolling(window, min_periods=1).sum().to_numpy()
+    flag = median < thresholds.vanishing_through_time  # False where NaN
+    position = np.arange(len(flag), dtype="float64")
+    latest = pd.Series(np.where(flag, position, np.nan)).ffill().to_numpy()
+    before = np.concatenate([[np.nan], latest[:-1]])
+    onset = flag & ~(position - before <= quiet)  # False where none before (NaN)
+    recovered = ~flag & (position - latest == quiet)
+
+    def span(rows_):
+        names = [labels.get(i, str(i)) for i in rows_]
+        return names[0] if len(names) == 1 else f"{names[0]} to {names[-1]}"
+
+    first_words, last_words = span(first_rows), span(last_rows)
+    where = labels.get(first_rows[0], str(first_rows[0]))
+    steps = grid.index.to_numpy()
+    events = []
+    for i in np.flatnonzero(onset):
+        events.append(
+            (
+                steps[i],
+                where,
+                "vanishing",
+                (
+                    f"Through time: at step {steps[i]}, the gradient reaching the first time "
+                    f"steps ({first_words}) is {median[i]:.1e} times the gradient reaching the "
+                    f"last ones ({last_words}), below {thresholds.vanishing_through_time:.0e} "
+                    f"({_median_words(counted[i])}) — the gradient vanishes through time, so the "
+                    "network barely learns from what it saw early in the sequence. Padding at "
+                    "the front of the sequences reads so too."
+                ),
+            )
+        )
+    for i in np.flatnonzero(recovered):
+        events.append(
+            (
+                steps[i],
+                where,
+                "info",
+                (
+                    f"Through time: from step {steps[i - quiet + 1]} on, the gradient reaches the "
+                    f"first time steps ({first_words}) again: at step {steps[i]} it is "
+                    f"{median[i]:.1e} times the gradient reaching the last ones ({last_words}), "
+                    f"above {thresholds.vanishing_through_time:.0e} for {quiet} recorded steps "
+                    f"({_median_words(counted[i])}). The network now carries the gradient back "
+                    "to the start of the sequence."
+                ),
+            )
+        )
+    return events
+
+
 def _exploding(norms, thresholds, steps):
     events = []
     if norms.empty:
@@ -637,8 +741,10 @@ def diagnose(layer_stats, thresholds=None, layer_inputs=None):
     Returns:
         A DataFrame with columns `step`, `layer`, `kind`, `message`, sorted by
         step. `kind` is one of `nonfinite`, `vanishing`, `exploding`,
-        `dead_relu`, `saturation`. At most one `nonfinite` event: the origin
-        (see `first_nonfinite`).
+        `dead_relu`, `saturation`, and `info` where a gradient that vanished
+        through time reaches the first time steps again (its `layer` and
+        that of the alert are the first row through time, `"t=01"`). At
+        most one `nonfinite` event: the origin (see `first_nonfinite`).
 
     Raises:
         TypeError: if `layer_stats` is not a DataFrame, `thresholds` not a
@@ -658,10 +764,10 @@ def diagnose(layer_stats, thresholds=None, layer_inputs=None):
             "`thresholds` must be a gradflow.diagnosis.Thresholds or None, got "
             f"{type(thresholds).__name__}."
         )
-    # Rows through time are a sequence's time steps, not layers: the rules
-    # compare layers.
+    # Rows through time are a sequence's time steps, not layers: one rule
+    # reads them; the others compare layers.
+    events = _vanishing_through_time(table, thresholds)
     table = table[table["tensor"] != schema.TIME_STEP]
-    events = []
     origin = first_nonfinite(table)
     if origin is not None:
         count = "" if math.isnan(origin.count) else f", {origin.count:.0f} entries"
@@ -699,6 +805,19 @@ def diagnose(layer_stats, thresholds=None, layer_inputs=None):
     result = pd.DataFrame(events, columns=list(schema.EVENTS_COLUMNS))
     result["step"] = result["step"].astype(np.int64)
     return result.sort_values("step", kind="stable").reset_index(drop=True)
+
+
+def look_back(thresholds, through_time=False):
+    """`(window, quiet)` for `context_start`: how far back the rules of `thresholds` look.
+
+    The growth rule compares a step with one `growth_window` steps back; an
+    alert starts a streak unless it held at one of the `repeat_after`
+    recorded steps before, and through time (`through_time`: the table has
+    rows through time) that holding is a median of `time_window` recorded
+    steps.
+    """
+    rules = thresholds or Thresholds()
+    return rules.growth_window, rules.repeat_after + (rules.time_window if through_time else 0)
 
 
 def context_start(steps, window, quiet=1):
@@ -763,7 +882,8 @@ def diagnose_new(layer_stats, after_step, thresholds=None, layer_inputs=None):
     if old.all():
         table = table.iloc[:0]
     elif old.any():
-        start = context_start(step[old], rules.growth_window, rules.repeat_after)
+        through_time = bool((table["tensor"] == schema.TIME_STEP).any())
+        start = context_start(step[old], *look_back(rules, through_time))
         # Only the first non-finite step is reported: not a later one when
         # an earlier step, left out of the context, had one.
         seen_nonfinite = bool((_nonfinite_mask(table).to_numpy() & (step < start)).any())

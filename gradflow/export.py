@@ -400,7 +400,7 @@ def lesson_pack(charts, config=None, title="gradflow lesson pack", alerts=None, 
                 "",
             ]
         if alerts is not None:
-            alerts = _alerts_in_order(alerts)
+            alerts = alerts_in_order(alerts)
             archive.writestr("data/alerts.csv", to_csv(alerts))
             readme += _alerts_readme(alerts)
         readme += [
@@ -460,7 +460,16 @@ _ALERTS_QUOTED = 10
 _GRAVITY = {"nonfinite": 0, "exploding": 1, "no_gradient": 2}
 
 
-def _alerts_in_order(alerts):
+def alerts_in_order(alerts):
+    """Alerts told once each, the most serious first (NaN/Inf, exploding, ...), then by step.
+
+    Args:
+        alerts: An events DataFrame (`step, layer, kind, message`) or a list
+            of such rows.
+
+    Returns:
+        An events DataFrame, possibly empty.
+    """
     columns = list(schema.EVENTS_COLUMNS)
     frame = pd.DataFrame(alerts, columns=columns) if len(alerts) else pd.DataFrame(columns=columns)
     frame = frame.drop_duplicates(subset=["kind", "layer", "message"])
@@ -518,7 +527,7 @@ def run_alerts(layer_stats, events, thresholds=None, layer_inputs=None):
         One events DataFrame (`step, layer, kind, message`), possibly empty.
     """
     found = diagnose(layer_stats, thresholds, layer_inputs)
-    return _alerts_in_order(merge_alerts(events, found))
+    return alerts_in_order(merge_alerts(events, found))
 
 
 def merge_alerts(stored, found):

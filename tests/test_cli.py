@@ -372,6 +372,33 @@ def test_final_table_shows_nan_instead_of_hiding_it(tmp_path):
     assert np.isnan(second["max_abs"]) and np.isnan(second["l2_norm"])
 
 
+def test_train_ends_with_the_runs_alerts_the_most_serious_first(tmp_path, capsys):
+    """The dashboard's Alerts view had no word in the terminal: a class trying the
+    vanishing-gradient presets from the command line saw only a table."""
+    db = tmp_path / "runs.db"
+    assert cli.main(["train", "--preset", "deep_sigmoid", "--steps", "2", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    said = out[out.index("Alerts (1):") :].splitlines()
+    assert said[1].startswith("- Layer dense_1: gradient norm") and "vanish" in said[1]
+    assert said[2].startswith("Export: gradflow export ")
+
+    store = RunStore(db)
+    run_id = store.create_run({"record_every": 1}, source="cli")
+    with store.writer(run_id) as writer:
+        for step in range(1, 8):
+            writer.add_event(step, "dense", "vanishing", f"vanishing at step {step}")
+        writer.add_event(9, "dense", "nonfinite", "NaN at step 9")
+    cli._print_alerts(store, run_id, "gradflow export RUN")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == ["Alerts (8):", "- NaN at step 9", "- vanishing at step 1"]
+    assert len(lines) == 7 and lines[-1] == (
+        "- ... and 3 more; the export's data/alerts.csv has them all (gradflow export RUN)."
+    )
+    quiet = store.create_run({}, source="cli")
+    cli._print_alerts(store, quiet, "gradflow export RUN")
+    assert capsys.readouterr().out == ""
+
+
 def test_a_run_that_did_not_complete_ends_its_bar_with_its_status(tmp_path, capsys):
     store = RunStore(tmp_path / "runs.db")
     run_id = store.create_run({"record_every": 1}, source="cli", total_steps=300)

@@ -310,6 +310,80 @@ def test_empty_table_gives_no_events():
     assert events.empty and list(events.columns) == ["step", "layer", "kind", "message"]
 
 
+def through_time(shares, length=30, first=None):
+    """Rows through time, one recorded step per share: the first tenth of the
+    time steps at `share`, the rest at 1 (`first`: the first tenth's steps
+    from 1, when not every step is recorded)."""
+    records = []
+    steps = first or range(1, len(shares) + 1)
+    for step, share in zip(steps, shares, strict=True):
+        for t in range(length):
+            norm = share if t < max(1, length // 10) else 1.0
+            records.append((step, f"t={t + 1:02d}", t, "time_step", norm))
+    return rows(*records)
+
+
+def test_a_gradient_that_fades_through_time_is_reported_and_so_is_its_recovery():
+    """The SimpleRNN preset's lesson, vanishing through time, had no alert."""
+    # 60 steps at 1e-3, then 140 at 0.5: the median of 25 steps passes 1e-2
+    # when 13 of them are 0.5, at step 73; clear for 50 recorded steps at 122.
+    events = diagnose(through_time([1e-3] * 60 + [0.5] * 140))
+    assert list(zip(events["step"], events["layer"], events["kind"], strict=True)) == [
+        (1, "t=01", "vanishing"),
+        (122, "t=01", "info"),
+    ]
+    alert, recovered = events["message"]
+    assert alert.startswith(
+        "Through time: at step 1, the gradient reaching the first time steps (t=01 to t=03) "
+        "is 1.0e-03 times the gradient reaching the last ones (t=28 to t=30), below 1e-02 "
+        "(at the last recorded step) — the gradient vanishes through time"
+    )
+    assert recovered.startswith(
+        "Through time: from step 73 on, the gradient reaches the first time steps (t=01 to "
+        "t=03) again: at step 122 it is 5.0e-01 times"
+    )
+    assert "above 1e-02 for 50 recorded steps (median of the last 25 recorded steps)" in recovered
+
+    # One noisy step in five does not start or end an alert: the median holds.
+    noisy = [0.5 if step % 5 == 0 else 1e-3 for step in range(1, 201)]
+    assert diagnose(through_time(noisy))["kind"].tolist() == ["vanishing"]
+    calm = [1e-4 if step % 5 == 0 else 0.5 for step in range(1, 201)]
+    assert diagnose(through_time(calm)).empty
+    # Its own thresholds; a short sequence compares its first and last step.
+    rules = Thresholds(vanishing_through_time=1e-3, time_window=1, repeat_after=2)
+    found = diagnose(through_time(calm[:20], length=4), rules)
+    assert found["step"].tolist() == [5, 7, 10, 12, 15, 17, 20]
+    assert "(t=01)" in found["message"][0]
+    assert "(t=04)" in found["message"][0]
+
+
+def test_padding_a_single_time_step_or_no_gradient_is_no_fading():
+    # Exact zeros at the front are padding or a mask, not a gradient that faded.
+    assert diagnose(through_time([0.0] * 100)).empty
+    assert diagnose(through_time([1e-3] * 100, length=1)).empty
+    silent = through_time([1e-3] * 100).assign(l2_norm=0.0)
+    assert diagnose(silent).empty
+    # With every tenth step recorded, the windows count recorded steps: the
+    # median passes at the 13th step at 1.0 (step 430), and 50 recorded steps
+    # after the last below (420) the gradient is back.
+    steps = list(range(10, 1001, 10))
+    events = diagnose(through_time([1e-3] * 30 + [1.0] * 70, first=steps))
+    assert events["step"].tolist() == [10, 420 + 10 * 50]
+    assert "from step 430 on" in events["message"][1]
+
+
+def test_the_new_steps_through_time_read_as_the_whole_run_does():
+    """The live Alerts view reads a run's newest steps; a median through time looks
+    `time_window` recorded steps further back than the other rules."""
+    shares = [1e-3] * 60 + [0.5] * 60 + [1e-3] * 80
+    table = through_time(shares, length=10)
+    whole = diagnose(table)
+    assert whole["kind"].tolist() == ["vanishing", "info", "vanishing"]
+    for after in range(0, 200, 3):
+        new = diagnose_new(table, after)
+        assert new.equals(whole[whole["step"] > after].reset_index(drop=True)), after
+
+
 @pytest.mark.parametrize(
     "kwargs, error, words",
     [
@@ -317,6 +391,8 @@ def test_empty_table_gives_no_events():
         ({"exploding_norm": -1.0}, ValueError, "`exploding_norm`"),
         ({"dead_relu_fraction": 1.5}, ValueError, "`dead_relu_fraction`"),
         ({"growth_window": 2.5}, ValueError, "`growth_window`"),
+        ({"time_window": 0}, ValueError, "`time_window`"),
+        ({"vanishing_through_time": float("nan")}, ValueError, "`vanishing_through_time`"),
         ({"saturation_ratio": "small"}, TypeError, "`saturation_ratio`"),
     ],
 )
@@ -403,9 +479,10 @@ _NORMS = [0.0, 1e-9, 1e-3, 0.5, 1.0, 2.0, 50.0, 2e3, NAN, INF]
     zero_fractions=st.lists(st.sampled_from([0.0, 0.5, 0.99, 1.0]), min_size=7),
     window=st.integers(1, 6),
     quiet=st.integers(1, 6),
+    time_window=st.integers(1, 6),
 )
 def test_diagnosing_the_new_steps_finds_what_the_whole_table_shows_there(
-    steps, cut, norms, zero_fractions, window, quiet
+    steps, cut, norms, zero_fractions, window, quiet, time_window
 ):
     """`diagnose_new`, which reads the new steps and a few before them, against `diagnose`."""
     records = []
@@ -415,9 +492,16 @@ def test_diagnosing_the_new_steps_finds_what_the_whole_table_shows_there(
                 n = 9 * i + 3 * j + k
                 extra = {"zero_fraction": zero_fractions[n % len(zero_fractions)]}
                 records.append((step, layer, j, tensor, norms[n % len(norms)], extra))
+        for t in range(3):  # rows through time
+            records.append((step, f"t={t + 1}", t, "time_step", norms[(7 * i + t) % len(norms)]))
     table = rows(*records)
     rules = Thresholds(
-        exploding_growth=3.0, growth_window=window, vanishing_ratio=0.1, repeat_after=quiet
+        exploding_growth=3.0,
+        growth_window=window,
+        vanishing_ratio=0.1,
+        repeat_after=quiet,
+        vanishing_through_time=0.1,
+        time_window=time_window,
     )
     # Every split, from nothing diagnosed yet to everything.
     after = [0, *steps][int(cut * len(steps))]
@@ -459,8 +543,8 @@ def test_the_rules_never_raise_whatever_the_values(steps, values, zero_fractions
     """A table the rules choke on would take the dashboard's Alerts view down with it."""
     records = []
     for step in range(1, steps + 1):
-        for j, layer in enumerate(["a", "b", "c"]):
-            for tensor in ["kernel", "bias", "activation"]:
+        for j, layer in enumerate(["a", "b", "c", "t=1", "t=2"]):
+            for tensor in ["kernel", "bias", "activation"] if j < 3 else ["time_step"]:
                 n = len(records)
                 extra = {
                     "max_abs": values[n % len(values)],
@@ -469,11 +553,14 @@ def test_the_rules_never_raise_whatever_the_values(steps, values, zero_fractions
                     "nonfinite": counts[n % len(counts)],
                 }
                 records.append((step, layer, j, tensor, values[(n + 1) % len(values)], extra))
-    events = diagnose(rows(*records), Thresholds(growth_window=window, exploding_growth=3.0))
+    events = diagnose(
+        rows(*records),
+        Thresholds(growth_window=window, exploding_growth=3.0, time_window=window),
+    )
     assert list(events.columns) == ["step", "layer", "kind", "message"]
     assert (
         events["kind"]
-        .isin(["nonfinite", "vanishing", "exploding", "dead_relu", "saturation"])
+        .isin(["nonfinite", "vanishing", "exploding", "dead_relu", "saturation", "info"])
         .all()
     )
 

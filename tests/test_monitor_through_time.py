@@ -277,9 +277,71 @@ def test_a_recurrent_lab_run_records_through_time_and_an_mlp_does_not(tmp_path):
     mlp = train(RunConfig(architecture="mlp", dataset="circles", steps=2), store=store)
     assert not (mlp.layer_stats["tensor"] == schema.TIME_STEP).any()
 
-    # The rules compare layers: time steps fading to 1e-12 are no vanishing *layer*.
+    # The layer rules compare layers: time steps all at 1e-12 are no vanishing
+    # *layer*, and nothing fades from the last time step to the first.
     faded = rows.assign(l2_norm=1e-12, max_abs=1e-12, mean_abs=1e-12)
     assert diagnose(faded).empty
+
+
+def test_the_alerts_tell_the_simple_rnn_preset_from_the_lstm_preset(tmp_path):
+    """The SimpleRNN preset's lesson, vanishing through time, showed "No alerts".
+
+    Untrained, both fade through time; the LSTM learns to carry the gradient
+    back (about step 300), the SimpleRNN does not (seeds 0-3 in
+    `Thresholds`' docstring).
+    """
+    from gradflow import export, train
+    from gradflow.diagnosis import diagnose
+    from gradflow.lab.presets import get_preset
+
+    said = {}
+    for key in ("rnn_simple", "rnn_lstm"):
+        run = train(get_preset(key).config, store=tmp_path / "runs.db")
+        stored = run.events
+        through = stored[stored["layer"] == "t=01"]
+        said[key] = list(zip(through["step"], through["kind"], strict=True))
+        assert said[key][0][1] == "vanishing" and said[key][0][0] <= 50, said[key]
+        # The monitor stored what the rules find in the stored statistics.
+        found = diagnose(run.layer_stats)
+        assert found[found["layer"] == "t=01"]["message"].tolist() == through["message"].tolist()
+        # and the dashboard's and the exports' alerts tell it once.
+        alerts = export.run_alerts(run.layer_stats, stored)
+        assert (alerts["layer"] == "t=01").sum() == len(through)
+    assert said["rnn_simple"][-1][1] == "vanishing", said["rnn_simple"]
+    assert [kind for _, kind in said["rnn_lstm"]] == ["vanishing", "info"], said["rnn_lstm"]
+    assert 200 <= said["rnn_lstm"][1][0] <= 500, said["rnn_lstm"]
+
+
+def test_fits_diagnosed_one_by_one_find_what_the_whole_history_shows_through_time(
+    monkeypatch,
+):
+    """Each `fit`'s end reads its steps and the few before them: through time, a median
+    of `time_window` recorded steps reaches further back than the other rules."""
+    from gradflow.diagnosis import Thresholds, diagnose
+    from gradflow.monitor import callback as monitor_callback
+
+    monkeypatch.setattr(monitor_callback, "_DIAGNOSED_ROWS", 30)  # pieces within a fit too
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 10, 2)).astype("float32")
+    y = x[:, 0, :1] + rng.normal(size=(64, 1)).astype("float32")
+    model = keras.Sequential(
+        [keras.Input((10, 2)), keras.layers.SimpleRNN(4), keras.layers.Dense(1)]
+    )
+    model.compile(keras.optimizers.SGD(0.5), "mse")
+    # Shares that cross 0.1 back and forth (seen: 0.005 to 7).
+    rules = Thresholds(vanishing_through_time=0.1, time_window=5, repeat_after=2, growth_window=1)
+    monitor = GradientMonitor(through_time=True, rules=rules)
+    for _ in range(6):
+        model.fit(x, y, batch_size=16, verbose=0, shuffle=False, callbacks=[monitor])
+
+    def through_time(events):
+        found = events[events["layer"] == "t=01"]
+        return sorted(zip(found["step"].astype(int), found["kind"], found["message"], strict=True))
+
+    said = through_time(monitor.events)
+    assert said == through_time(diagnose(monitor.history, rules))
+    assert len(said) >= 3 and {kind for _, kind, _ in said} == {"vanishing", "info"}
 
 
 def test_a_second_fit_with_another_length_keeps_the_history_whole(tmp_path):

@@ -857,7 +857,8 @@ def test_the_alerts_of_a_running_run_read_only_its_new_steps(page_environment, m
     assert not app.exception, [e.value for e in app.exception]
     # The alert of step 1 stays; step 110's joins it. The rules read the 20
     # new steps and those before them they compare with: `repeat_after`
-    # steps back from step 100, then `growth_window` steps more.
+    # steps back from step 100, then `growth_window` steps more (a run
+    # without rows through time needs no `time_window` more).
     shown = [w.value for w in app.warning if "vanishing" in w.value]
     assert [m.split(":")[0] for m in shown] == ["Layer dense_1", "Layer dense_2"]
     assert "step 1 " in shown[0] and "step 110 " in shown[1]
@@ -1668,6 +1669,67 @@ def test_an_ended_runs_alerts_are_pointed_to_from_every_view(page_environment):
     app = run_page("live_training.py", run=run_id)
     hint = [c.value for c in app.caption if "diagnosis rules found" in c.value]
     assert hint and "vanishing gradients" in hint[0] and "**Alerts**" in hint[0]
+
+
+def alerts_in_page_order(app):
+    """`(message, "warning" or "info" or ...)` of the page's alert boxes, top to bottom."""
+
+    def walk(node):
+        if getattr(node, "type", None) in ("error", "warning", "info", "success"):
+            yield node.value, node.type
+        for child in getattr(node, "children", {}).values():
+            yield from walk(child)
+
+    return list(walk(app._tree))
+
+
+def test_the_alerts_tell_the_gradient_through_time_in_step_order(page_environment):
+    """The SimpleRNN preset's Alerts said "No alerts" while its lesson was vanishing through
+    time; an LSTM's gradient fades too, until it learns to carry it back."""
+    import pandas as pd
+
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+
+    def recurrent_run(name, shares):
+        run_id = store.create_run({"architecture": "rnn"}, name=name, status="running")
+        frames = []
+        for step, share in enumerate(shares, start=1):
+            frames.append(
+                pd.DataFrame(
+                    {
+                        "step": step,
+                        "layer": [f"t={t:02d}" for t in range(1, 11)] + ["lstm", "output"],
+                        "layer_index": list(range(10)) + [0, 1],
+                        "tensor": ["time_step"] * 10 + ["kernel", "kernel"],
+                        "l2_norm": [share] + [1.0] * 9 + [0.5, 0.5],
+                        "max_abs": [share] + [1.0] * 9 + [0.5, 0.5],
+                        "nonfinite": 0,
+                    }
+                )
+            )
+        with store.writer(run_id) as writer:
+            writer.add_layer_stats(pd.concat(frames, ignore_index=True))
+            writer.progress(len(shares))
+        store.set_status(run_id, "completed")
+        return run_id
+
+    # Fades, comes back at step 73 (said at 122), fades again from step 150.
+    lstm = recurrent_run("learns", [1e-3] * 60 + [0.5] * 90 + [1e-3] * 50)
+    app = live_view(lstm, "Alerts")
+    said = alerts_in_page_order(app)
+    assert [kind for _, kind in said] == ["warning", "info", "warning"], said
+    assert said[1][0].startswith("Through time: from step 73 on, the gradient reaches")
+    assert not [s for s in app.success if "No alerts" in s.value]
+    app = live_view(lstm, "Heatmaps")
+    [hint] = [c.value for c in app.caption if "diagnosis rules found" in c.value]
+    assert "a gradient vanishing through time" in hint and "vanishing gradients" not in hint
+
+    learnt = recurrent_run("learnt", [1e-3] * 60 + [0.5] * 140)
+    app = live_view(learnt, "Heatmaps")
+    [hint] = [c.value for c in app.caption if "diagnosis rules found" in c.value]
+    assert "a gradient that vanished through time and came back" in hint
 
 
 def test_the_speed_limit_is_a_setting_a_link_keeps():

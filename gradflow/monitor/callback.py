@@ -19,7 +19,7 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from gradflow import schema
 from gradflow.checks import flag, positive_int, warn_user
-from gradflow.diagnosis import Thresholds, context_start, diagnose, no_gradient_message
+from gradflow.diagnosis import Thresholds, context_start, diagnose, look_back, no_gradient_message
 from gradflow.monitor import through_time, trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS
 from gradflow.monitor.records import (
@@ -133,7 +133,8 @@ class GradientMonitor(keras.callbacks.Callback):
             so a softmax's do not cancel) w.r.t. the sequence at that time
             step, from the same forward pass. Where it fades towards `t=1`,
             the early steps no longer reach the output: the gradient
-            vanishes through time. The sequence is the input when it is one
+            vanishes through time (a rule says so:
+            `Thresholds.vanishing_through_time`). The sequence is the input when it is one
             float tensor `(batch, time, features)`, else the first layer
             output shaped so (an `Embedding`'s); more than 100 time steps
             share rows (`"t=001–003"`). It costs one more backward pass per
@@ -171,7 +172,8 @@ class GradientMonitor(keras.callbacks.Callback):
             `train_step` may not have; without either, the probe has nothing
             to differentiate and the monitor warns and records nothing.
         rules: A `gradflow.diagnosis.Thresholds` for the diagnosis rules
-            (vanishing, exploding, dead ReLU, saturation) that run on the
+            (vanishing, exploding, dead ReLU, saturation, vanishing through
+            time) that run on the
             history at the end of training; their findings join `.events`.
             Defaults to `None` (the default thresholds).
 
@@ -1076,8 +1078,7 @@ class GradientMonitor(keras.callbacks.Callback):
         if not new:
             return
         new_steps = np.concatenate([block[0] for block in new])
-        rules = self.rules or Thresholds()
-        window, quiet = rules.growth_window, rules.repeat_after
+        window, quiet = look_back(self.rules, self.through_time)
         # The newest old blocks, back to one that reaches the context's start.
         recent, old_steps = [], np.zeros([0], np.int64)
         for block in reversed(old):

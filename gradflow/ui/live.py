@@ -939,13 +939,30 @@ def _alerts_hint(store, run_id, cache):
     events = _run_events(store, run_id, cache)
     if events is None:
         return
-    kinds = [k for k in events["kind"].drop_duplicates() if k in _ALERT_WORDS]
-    if kinds:
+    through, layers = _split_through_time(events, cache.layer_stats)
+    words = [_ALERT_WORDS[k] for k in layers["kind"].drop_duplicates() if k in _ALERT_WORDS]
+    if len(through):
+        # An LSTM's gradient fades through time until it learns to carry it.
+        came_back = through["kind"].iloc[-1] == "info"
+        words.append(
+            "a gradient that vanished through time and came back"
+            if came_back
+            else "a gradient vanishing through time"
+        )
+    if words:
         st.caption(
             ":material/warning: The diagnosis rules found "
-            + ", ".join(_ALERT_WORDS[k] for k in kinds)
+            + ", ".join(words)
             + ": see the **Alerts** view."
         )
+
+
+def _split_through_time(events, stats):
+    """`(events about the gradient through time in step order, the other events)`."""
+    times = stats.loc[stats["tensor"] == schema.TIME_STEP, "layer"].astype(str).unique()
+    about_time = events["layer"].astype(str).isin(times).to_numpy()
+    through = events[about_time].sort_values("step", kind="stable")
+    return through, events[~about_time]
 
 
 _ALERT_WORDS = {
@@ -976,11 +993,17 @@ def _alerts(store, run_id, cache):
     order = stats.drop_duplicates("layer").set_index("layer")["layer_index"]
     events = events.assign(_order=events["layer"].map(order).astype(float).fillna(-1.0))
     events = events.sort_values(["step", "_order"], kind="stable")
-    for kind, group in events.groupby("kind", sort=False):
-        # An `info` event (a loss-scale overflow, ...) is no alarm.
-        show = {"nonfinite": st.error, "exploding": st.error, "info": st.info}.get(kind, st.warning)
+    through, events = _split_through_time(events, stats)
+    # The gradient through time's alerts are one story in step order: it
+    # vanished, came back (an `info`), vanished again.
+    groups = list(events.groupby("kind", sort=False)) + (
+        [("through time", through)] if len(through) else []
+    )
+    # An `info` event (a loss-scale overflow, ...) is no alarm.
+    show = {"nonfinite": st.error, "exploding": st.error, "info": st.info}
+    for kind, group in groups:
         for row in group.head(5).itertuples():
-            show(row.message)
+            show.get(row.kind, st.warning)(row.message)
         if len(group) > 5:
             with st.expander(f"{len(group) - 5} more {kind} alerts"):
                 st.dataframe(
