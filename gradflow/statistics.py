@@ -250,7 +250,9 @@ def _one_pass_unless_unsafe(squares, entries, mean, sum_abs, max_abs, scale, exa
     )
     holds = tf.logical_and(holds, tf.reduce_all(max_abs <= _SAFE))
     holds = tf.logical_and(holds, tf.reduce_all((max_abs >= 1.0 / _SAFE) | (max_abs == 0.0)))
-    return tf.cond(holds, lambda: (one_pass * tf.square(scale), tf.zeros_like(sum_abs)), exact)
+    # Times the scale twice, not its square: a tensor of zeros has the scale
+    # 2^126, whose square overflows, and 0 x inf read NaN (a dead layer's norm).
+    return tf.cond(holds, lambda: (one_pass * scale * scale, tf.zeros_like(sum_abs)), exact)
 
 
 def _two_pass_deviations(values, mean, scale):
@@ -696,7 +698,7 @@ def summarize_rows_numpy(rows):
             squares = sum_of_squares_numpy(values)
             one_pass = squares - entries * np.square(mean)
             if (one_pass >= _ONE_PASS_SHARE * squares).all():
-                deviations = one_pass * np.square(scale)
+                deviations = one_pass * scale * scale
         if deviations is None:
             if in_range:
                 centred = values - mean[..., np.newaxis]

@@ -1230,3 +1230,43 @@ def test_a_run_continued_after_it_failed_says_so(tmp_path):
     told = store.events(monitor.run_id).query("kind == 'info'")
     assert told["message"].tolist() == ["Training went on after step 2, where the run had failed."]
     assert told["step"].tolist() == [2]
+
+
+@pytest.mark.parametrize("compiled_reads", [False, True], ids=["in_step", "deferred_compiled"])
+def test_a_dead_layer_of_a_large_model_has_a_gradient_norm_of_zero(compiled_reads, monkeypatch):
+    """A 30,000-step lab run's dead layers read NaN norms: the statistics of a tensor of
+    zeros in a group above `statistics._BRANCH_ABOVE` entries squared a scale of 2^126."""
+    if compiled_reads:
+        # A small model, its ring read by the compiled call (as a long run's is).
+        monkeypatch.setattr(deferred, "repays_compiling", lambda *args: True)
+    keras.utils.set_random_seed(0)
+    x = np.random.default_rng(0).normal(size=(64, 16)).astype("float32")
+    y = np.zeros((64, 1), "float32")
+    width = 400 if not compiled_reads else 120
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            # Every unit's input is far below 0: the layer is dead, and so is
+            # the gradient of the next layer's kernel (its input is all zeros).
+            keras.layers.Dense(
+                width, activation="relu", bias_initializer=keras.initializers.Constant(-1e3)
+            ),
+            keras.layers.Dense(width, activation="relu", name="after_the_dead"),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    monitor = GradientMonitor()
+    model.fit(
+        x, y, batch_size=64, epochs=300 if compiled_reads else 2, verbose=0, callbacks=[monitor]
+    )
+    history = monitor.history
+    kernel = history[(history["layer"] == "after_the_dead") & (history["tensor"] == "kernel")]
+    with tf.GradientTape() as tape:
+        loss = keras.losses.mean_squared_error(y, model(x, training=True))
+        loss = tf.reduce_mean(loss)
+    [reference] = tape.gradient(loss, [model.get_layer("after_the_dead").kernel])
+    assert float(tf.norm(reference)) == 0.0
+    assert (kernel["max_abs"] == 0).all() and (kernel["zero_fraction"] == 1).all()
+    assert (kernel["l2_norm"] == 0).all(), kernel["l2_norm"].unique()
+    assert (kernel["std"] == 0).all()

@@ -99,6 +99,9 @@ CASES += [
     ("huge_offset", (5e2 + _large(side=600) * 1e-3).astype(np.float32)),
     ("huge_offset_at_the_edge", (4.0 + _large(side=600)).astype(np.float32)),
     ("huge_constant", np.full((600, 600), 3.0, np.float32)),
+    # A dead layer of a large model: its norm read NaN, not 0 (its scale
+    # squared overflowed, and 0 x inf is NaN).
+    ("huge_zeros", np.zeros((600, 600), np.float32)),
 ]
 
 # Gradients whose squares leave float32's range: the first layers of a deep
@@ -435,8 +438,9 @@ def test_wide_layer_outputs_take_the_branch():
         _wide_outputs(fill=INF),
         [(a * 1e-22).astype(np.float32) for a in _wide_outputs()],
         [(a * 1e25).astype(np.float32) for a in _wide_outputs()],
+        [np.zeros_like(a) for a in _wide_outputs()],
     ],
-    ids=["finite", "offset", "nan", "inf", "vanishing", "exploding"],
+    ids=["finite", "offset", "nan", "inf", "vanishing", "exploding", "dead"],
 )
 def test_wide_layer_outputs_of_any_batch_length_match_numpy(arrays):
     # The one-pass branch when it holds; a mean 70 std from zero, a NaN or an
