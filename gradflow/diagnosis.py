@@ -437,49 +437,106 @@ def _also_below(norms, row, ratio):
     return f" Also below {ratio:.0e} of it at this step: {named}."
 
 
-def _median_words(count):
-    count = int(count)
-    return (
-        "at the last recorded step" if count == 1 else f"median of the last {count} recorded steps"
-    )
+# The gradient through time has come back when its median share is this many
+# times `vanishing_through_time` (1e-1 by default) for `repeat_after` recorded
+# steps: between the two it is neither vanishing nor back. Without the gap,
+# the SimpleRNN preset's share, hovering about 1e-2, was told "back" and
+# "vanishing" by turns while its loss stayed at the baseline.
+_BACK_THROUGH_TIME = 10.0
+# ... and it is told once, for the first such streak within this many times
+# `repeat_after` recorded steps of the last low one: the LSTM preset's came
+# 50 to 120 steps after it (seeds 0-3), its first streak cut short twice.
+_BACK_WITHIN = 4
+# A tenth of the time steps whose gradient is mostly exact zeros is padding
+# under a mask (only the longest sequences reach it): no comparison there.
+_MASKED_SHARE = 0.5
+
+
+def _median_words(judged, span):
+    if judged == span:
+        return f"median of the last {span} recorded steps"
+    return f"median of the {judged} of the last {span} recorded steps that could be compared"
 
 
 def _vanishing_through_time(table, thresholds):
-    """Alerts for a gradient that fades towards the first time steps, and for its recovery.
+    """Alerts for a gradient that fades towards the first time steps, and for its coming back.
 
     Reads the rows through time (`tensor == "time_step"`, `layer_index` =
     position in time): at each recorded step, the mean norm of the first
-    tenth of the rows (at least one) over that of the last tenth; the rule
-    compares the median of that share over `time_window` recorded steps
-    with `vanishing_through_time`. A step where the share cannot be told (no
-    rows through time, a last tenth with no gradient, a first tenth of exact
-    zeros: padding or a mask) counts as clear, as in the other rules.
+    tenth of the rows (at least one) over that of the last tenth. The rule
+    takes the median of that share over `time_window` recorded steps, once
+    at least half of them could be compared, and alerts below
+    `vanishing_through_time`; the gradient is back once that median has
+    been `_BACK_THROUGH_TIME` times higher for `repeat_after` recorded steps
+    (told for the first such streak within `_BACK_WITHIN * repeat_after`
+    recorded steps of the last low one). An alert is told again only after
+    the gradient came back, or was not low for that many steps. A step cannot be
+    compared where a tenth has no gradient, exact zeros only, or mostly
+    exact zeros (masked padding): it counts as clear, as in the other
+    rules, and what a step says depends on the `(_BACK_WITHIN + 1) *
+    repeat_after + time_window` recorded steps before it only (`look_back`).
     """
     rows = table[table["tensor"] == schema.TIME_STEP]
-    value = "l2_norm" if "l2_norm" in rows.columns else "max_abs"
     if rows.empty:
         return []
-    grid = rows.groupby(["step", "layer_index"], observed=True)[value].first().unstack()
+    value = "l2_norm" if "l2_norm" in rows.columns else "max_abs"
+    keys = ["step", "layer_index"]
+    grid = rows.groupby(keys, observed=True)[value].first().unstack()
     grid = grid.sort_index().sort_index(axis=1).astype("float64")
     if grid.shape[1] < 2:
         return []
+    if "zero_fraction" in rows.columns:
+        zeros = rows.groupby(keys, observed=True)["zero_fraction"].first().unstack()
+        # Not recorded (NaN): no sign of a mask.
+        zeros = zeros.reindex(index=grid.index, columns=grid.columns).astype("float64")
+        zeros = zeros.fillna(0.0)
+    else:
+        zeros = pd.DataFrame(0.0, index=grid.index, columns=grid.columns)
     labels = rows.drop_duplicates("layer_index").set_index("layer_index")["layer"].astype(str)
     share = max(1, grid.shape[1] // 10)
     first_rows, last_rows = list(grid.columns[:share]), list(grid.columns[-share:])
     with np.errstate(all="ignore"):
         first = grid[first_rows].mean(axis=1).to_numpy()
         last = grid[last_rows].mean(axis=1).to_numpy()
-        ratio = np.where((last > 0) & (first > 0) & np.isfinite(last), first / last, np.nan)
+        unmasked = (zeros[first_rows].mean(axis=1).to_numpy() <= _MASKED_SHARE) & (
+            zeros[last_rows].mean(axis=1).to_numpy() <= _MASKED_SHARE
+        )
+        judged = (first > 0) & (last > 0) & np.isfinite(last) & unmasked
+        ratio = np.where(judged, first / last, np.nan)
     ratio[~np.isfinite(ratio)] = np.nan
     window, quiet = int(thresholds.time_window), int(thresholds.repeat_after)
-    median = pd.Series(ratio).rolling(window, min_periods=1).median().to_numpy()
-    counted = pd.Series(np.isfinite(ratio)).rolling(window, min_periods=1).sum().to_numpy()
-    flag = median < thresholds.vanishing_through_time  # False where NaN
-    position = np.arange(len(flag), dtype="float64")
-    latest = pd.Series(np.where(flag, position, np.nan)).ffill().to_numpy()
-    before = np.concatenate([[np.nan], latest[:-1]])
-    onset = flag & ~(position - before <= quiet)  # False where none before (NaN)
-    recovered = ~flag & (position - latest == quiet)
+    shares = pd.Series(ratio)
+    median = shares.rolling(window, min_periods=(window + 1) // 2).median().to_numpy()
+    counted = shares.rolling(window, min_periods=1).count().to_numpy()
+    spans = np.minimum(np.arange(1, len(ratio) + 1), window)
+    limit = thresholds.vanishing_through_time
+    low = median < limit  # False where NaN
+    back = median >= _BACK_THROUGH_TIME * limit
+    position = np.arange(len(low), dtype="float64")
+    latest_low = pd.Series(np.where(low, position, np.nan)).ffill().to_numpy()
+    before = np.concatenate([[np.nan], latest_low[:-1]])
+    # The length of the run of `back` steps ending at each step.
+    runs = pd.Series(back.astype(int))
+    back_run = runs.groupby((runs != runs.shift()).cumsum()).cumsum().to_numpy()
+    streaks = back_run == quiet  # a streak long enough, at its `quiet`th step
+    count = np.cumsum(streaks)
+    since_low = np.where(np.isnan(latest_low), 0, latest_low).astype(int)
+    horizon = _BACK_WITHIN * quiet
+    came_back = (
+        streaks
+        & (position - latest_low <= horizon)  # False where no low (NaN)
+        & (count - count[since_low] == 1)  # the first streak since the low
+    )
+    # An alert starts where the median was not low for `quiet` steps before,
+    # and then only if it had not been low for `horizon` steps or came back
+    # since: "still vanishing" told again and again is noise.
+    told = np.cumsum(came_back)
+    last = np.where(np.isnan(before), 0, before).astype(int)
+    onset = (
+        low
+        & ~(position - before <= quiet)  # False where none before (NaN)
+        & (np.isnan(before) | (position - before > horizon) | (told - told[last] > 0))
+    )
 
     def span(rows_):
         names = [labels.get(i, str(i)) for i in rows_]
@@ -489,6 +546,10 @@ def _vanishing_through_time(table, thresholds):
     where = labels.get(first_rows[0], str(first_rows[0]))
     steps = grid.index.to_numpy()
     events = []
+    # Padding is likely where the sequence is made of tokens (an Embedding's
+    # output is recorded, not the input) or its first steps hold exact zeros.
+    tokens = rows["variable"].astype(str).ne("input").any() if "variable" in rows else False
+    padded = tokens | (zeros[first_rows].mean(axis=1).to_numpy() > 0)
     for i in np.flatnonzero(onset):
         events.append(
             (
@@ -496,28 +557,37 @@ def _vanishing_through_time(table, thresholds):
                 where,
                 "vanishing",
                 (
-                    f"Through time: at step {steps[i]}, the gradient reaching the first time "
-                    f"steps ({first_words}) is {median[i]:.1e} times the gradient reaching the "
-                    f"last ones ({last_words}), below {thresholds.vanishing_through_time:.0e} "
-                    f"({_median_words(counted[i])}) — the gradient vanishes through time, so the "
-                    "network barely learns from what it saw early in the sequence. Padding at "
-                    "the front of the sequences reads so too."
+                    f"Through time (training step {steps[i]}): the first time steps "
+                    f"({first_words}) get {_beside(median[i], limit)} times the gradient the "
+                    f"last ones ({last_words}) get, below {limit:.0e} "
+                    f"({_median_words(int(counted[i]), int(spans[i]))}): the gradient vanishes "
+                    "through time, so the network can hardly learn from the start of the "
+                    "sequence. That matters when the answer depends on the early steps and the "
+                    "loss has stalled: an LSTM or GRU, shorter sequences or attention help. If "
+                    "only the recent steps matter (forecasting the next value), it is expected."
+                    + (
+                        " Sequences padded at the front (pad_sequences' default) read so too: "
+                        "pad at the end, or mask the padding (mask_zero=True)."
+                        if padded[i]
+                        else ""
+                    )
                 ),
             )
         )
-    for i in np.flatnonzero(recovered):
+    for i in np.flatnonzero(came_back):
         events.append(
             (
                 steps[i],
                 where,
                 "info",
                 (
-                    f"Through time: from step {steps[i - quiet + 1]} on, the gradient reaches the "
-                    f"first time steps ({first_words}) again: at step {steps[i]} it is "
-                    f"{median[i]:.1e} times the gradient reaching the last ones ({last_words}), "
-                    f"above {thresholds.vanishing_through_time:.0e} for {quiet} recorded steps "
-                    f"({_median_words(counted[i])}). The network now carries the gradient back "
-                    "to the start of the sequence."
+                    f"Through time (training step {steps[i]}): since training step "
+                    f"{steps[i - quiet + 1]}, the gradient reaches the first time steps "
+                    f"({first_words}) again: they get "
+                    f"{_beside(median[i], _BACK_THROUGH_TIME * limit)} times the gradient the "
+                    f"last ones ({last_words}) get, at least {_BACK_THROUGH_TIME * limit:.0e} "
+                    f"for {quiet} recorded steps ({_median_words(int(counted[i]), int(spans[i]))}"
+                    "). Whether the network uses what it sees there shows in the loss."
                 ),
             )
         )
@@ -814,10 +884,15 @@ def look_back(thresholds, through_time=False):
     alert starts a streak unless it held at one of the `repeat_after`
     recorded steps before, and through time (`through_time`: the table has
     rows through time) that holding is a median of `time_window` recorded
-    steps.
+    steps, and coming back looks for the last low one further back.
     """
     rules = thresholds or Thresholds()
-    return rules.growth_window, rules.repeat_after + (rules.time_window if through_time else 0)
+    # Through time, an alert looks for the last low step up to
+    # `_BACK_WITHIN * repeat_after` recorded steps back, and whether the
+    # gradient came back since (`repeat_after` steps of it, which the
+    # `repeat_after` above cover).
+    extra = _BACK_WITHIN * rules.repeat_after + rules.time_window if through_time else 0
+    return rules.growth_window, rules.repeat_after + extra
 
 
 def context_start(steps, window, quiet=1):

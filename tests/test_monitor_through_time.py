@@ -329,10 +329,10 @@ def test_fits_diagnosed_one_by_one_find_what_the_whole_history_shows_through_tim
         [keras.Input((10, 2)), keras.layers.SimpleRNN(4), keras.layers.Dense(1)]
     )
     model.compile(keras.optimizers.SGD(0.5), "mse")
-    # Shares that cross 0.1 back and forth (seen: 0.005 to 7).
-    rules = Thresholds(vanishing_through_time=0.1, time_window=5, repeat_after=2, growth_window=1)
+    # Shares that cross 0.05 and 0.5 back and forth (seen: 0.005 to 7).
+    rules = Thresholds(vanishing_through_time=0.05, time_window=5, repeat_after=2, growth_window=1)
     monitor = GradientMonitor(through_time=True, rules=rules)
-    for _ in range(6):
+    for _ in range(15):
         model.fit(x, y, batch_size=16, verbose=0, shuffle=False, callbacks=[monitor])
 
     def through_time(events):

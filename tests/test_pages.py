@@ -144,6 +144,9 @@ def test_a_run_from_a_users_own_model_says_the_form_is_not_its_settings(page_env
     lab = store.create_run({"depth": 3}, name="lab run", source="lab")
     app = run_page("live_training.py", run=lab)
     assert not any(said in c.value for c in app.sidebar.caption)
+    # Nor a page with no run (a teacher's first look said it, beside nothing).
+    for page in ("live_training.py", "compare.py"):
+        assert not any(said in c.value for c in run_page(page).sidebar.caption), page
 
 
 def test_the_lesson_pack_of_a_run_deleted_elsewhere_is_made_of_what_the_page_shows(
@@ -1720,7 +1723,7 @@ def test_the_alerts_tell_the_gradient_through_time_in_step_order(page_environmen
     app = live_view(lstm, "Alerts")
     said = alerts_in_page_order(app)
     assert [kind for _, kind in said] == ["warning", "info", "warning"], said
-    assert said[1][0].startswith("Through time: from step 73 on, the gradient reaches")
+    assert said[1][0].startswith("Through time (training step 122): since training step 73,")
     assert not [s for s in app.success if "No alerts" in s.value]
     app = live_view(lstm, "Heatmaps")
     [hint] = [c.value for c in app.caption if "diagnosis rules found" in c.value]

@@ -334,7 +334,8 @@ def training_form(prefix="cfg", container=None, sync_url=True):
         keep_across_pages(_key(prefix, field), _to_widget(field, getattr(last, field)))
     if st.session_state.get(_key(prefix, "_warning")):
         container.warning(st.session_state[_key(prefix, "_warning")])
-    if sync_url and st.session_state.get("_form_note") == st.query_params.get("run"):
+    opened = st.query_params.get("run")
+    if sync_url and opened and st.session_state.get("_form_note") == opened:
         container.caption(
             ":material/info: This run was recorded from a model of your own "
             "(GradientMonitor). The settings below are not its settings: they are for a new "
