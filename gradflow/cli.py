@@ -364,7 +364,7 @@ def _print_alerts(store, run_id, export_command):
         return
     print(f"Alerts ({len(alerts)}):")
     for row in alerts.head(_ALERTS_SHOWN).itertuples():
-        print(f"- {row.message}")
+        print(f"- {row.kind}: {row.message}")
     if len(alerts) > _ALERTS_SHOWN:
         print(
             f"- ... and {len(alerts) - _ALERTS_SHOWN} more; the export's data/alerts.csv "

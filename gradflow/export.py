@@ -486,10 +486,16 @@ def _alerts_readme(alerts):
             "",
         ]
     # In order of gravity (a NaN first), then of step: not the run's first alerts.
+    # An `info` event (the gradient through time came back, ...) is a note.
+    notes = int((alerts["kind"] == "info").sum())
+    warned = len(alerts) - notes
+    found = f"{warned} alert{'' if warned == 1 else 's'}" + (
+        f" and {notes} note{'' if notes == 1 else 's'}" if notes else ""
+    )
     lines = [
-        "data/alerts.csv: what the diagnosis rules found (1 alert):"
+        f"data/alerts.csv: what the diagnosis rules found ({found}):"
         if len(alerts) == 1
-        else f"data/alerts.csv: what the diagnosis rules found ({len(alerts)} alerts). "
+        else f"data/alerts.csv: what the diagnosis rules found ({found}). "
         + (
             f"The {_ALERTS_QUOTED} most serious, NaN/Inf first, then by step:"
             if len(alerts) > _ALERTS_QUOTED
@@ -497,9 +503,14 @@ def _alerts_readme(alerts):
         )
     ]
     for row in alerts.head(_ALERTS_QUOTED).itertuples():
-        where = f", layer {row.layer}" if row.layer else ""
+        # A row through time ("t=01") is no layer; its message says where.
+        layer = str(row.layer or "")
+        where = f", layer {layer}" if layer and not _TIME_LABEL.match(layer) else ""
         lines.append(f"  - step {row.step}{where} [{row.kind}]: {row.message}")
     return [*lines, ""]
+
+
+_TIME_LABEL = re.compile(r"^t=\d+(–\d+)?$")
 
 
 def run_alerts(layer_stats, events, thresholds=None, layer_inputs=None):

@@ -379,7 +379,7 @@ def test_train_ends_with_the_runs_alerts_the_most_serious_first(tmp_path, capsys
     assert cli.main(["train", "--preset", "deep_sigmoid", "--steps", "2", "--db", str(db)]) == 0
     out = capsys.readouterr().out
     said = out[out.index("Alerts (1):") :].splitlines()
-    assert said[1].startswith("- Layer dense_1: gradient norm") and "vanish" in said[1]
+    assert said[1].startswith("- vanishing: Layer dense_1: gradient norm"), said[1]
     assert said[2].startswith("Export: gradflow export ")
 
     store = RunStore(db)
@@ -390,7 +390,11 @@ def test_train_ends_with_the_runs_alerts_the_most_serious_first(tmp_path, capsys
         writer.add_event(9, "dense", "nonfinite", "NaN at step 9")
     cli._print_alerts(store, run_id, "gradflow export RUN")
     lines = capsys.readouterr().out.splitlines()
-    assert lines[:3] == ["Alerts (8):", "- NaN at step 9", "- vanishing at step 1"]
+    assert lines[:3] == [
+        "Alerts (8):",
+        "- nonfinite: NaN at step 9",
+        "- vanishing: vanishing at step 1",
+    ]
     assert len(lines) == 7 and lines[-1] == (
         "- ... and 3 more; the export's data/alerts.csv has them all (gradflow export RUN)."
     )

@@ -391,9 +391,12 @@ def test_a_lesson_pack_says_what_the_rules_found_and_shows_the_ends_histograms(
     assert alerts["step"].iloc[1:].is_monotonic_increasing
     assert "'=HYPERLINK(1) the optimizer was rebuilt" in set(alerts["message"])
     # "The first:" read as the run's earliest alerts; they are its gravest.
+    # An `info` event is a note, not an alert.
+    notes = int((alerts["kind"] == "info").sum())
+    assert notes == 1
     assert (
-        f"what the diagnosis rules found ({len(alerts)} alerts). The most serious first "
-        "(NaN/Inf), then by step:"
+        f"what the diagnosis rules found ({len(alerts) - 1} alerts and 1 note). The most "
+        "serious first (NaN/Inf), then by step:"
     ) in readme
     assert "[vanishing]: Layer dense: gradient norm" in readme
 
@@ -536,3 +539,24 @@ def test_exporting_an_ended_run_with_nothing_recorded_does_not_say_yet(tmp_path)
         export.ExportError, match=r"\(failed\) has no recorded statistics or metrics to export\.$"
     ):
         export.export_run(store, run_id, "csv", tmp_path / "out")
+
+
+def test_an_alert_through_time_names_no_layer_in_the_lesson_pack():
+    """The pack's README said "layer t=01" of a time step, and counted a note as an alert."""
+    alerts = pd.DataFrame(
+        {
+            "step": [13, 425],
+            "layer": ["t=01", "t=01"],
+            "kind": ["vanishing", "info"],
+            "message": ["Through time (training step 13): ...", "Through time (... 425): ..."],
+        }
+    )
+    lines = export._alerts_readme(alerts)
+    assert lines[0].startswith(
+        "data/alerts.csv: what the diagnosis rules found (1 alert and 1 note)."
+    )
+    assert lines[1] == "  - step 13 [vanishing]: Through time (training step 13): ..."
+    assert "layer" not in " ".join(lines[1:])
+    layers = alerts.assign(layer=["dense_1", "t=001–003x"], kind=["vanishing", "vanishing"])
+    assert ", layer dense_1 [vanishing]" in export._alerts_readme(layers)[1]
+    assert ", layer t=001–003x [vanishing]" in export._alerts_readme(layers)[2]

@@ -1011,4 +1011,31 @@ def test_the_compare_title_leaves_the_run_names_to_the_panels():
     chart = figures.compare_heatmaps({long_a: make_layer_stats(), long_b: make_layer_stats()})
     assert chart.figure.layout.title.text == "max |gradient| per layer (kernels)"
     assert chart.title.endswith(f"{long_a} vs {long_b}")  # files and descriptions keep them
-    assert {a.text for a in chart.figure.layout.annotations} >= {long_a, long_b}
+    said = {a.text.replace("<br>", " ") for a in chart.figure.layout.annotations}
+    assert said >= {long_a, long_b}
+
+
+def test_long_run_names_side_by_side_wrap_and_thirty_time_steps_fit_a_slide():
+    """A teacher's 1280 px Compare page read "...it cannot remeLSTM on the same...", and
+    the 30 time steps' labels overlapped into one block at slide size."""
+    long_a = "SimpleRNN on a long sequence: it cannot remember"
+    long_b = "LSTM on the same long sequence: it remembers"
+    steps = [f"t={t:02d}" for t in range(1, 31)]
+    runs = {
+        name: make_layer_stats(layers=steps, tensors=("time_step",), seed=seed)
+        for seed, name in enumerate((long_a, long_b))
+    }
+    short = {"relu": make_layer_stats(), "tanh": make_layer_stats(seed=1)}
+    for presentation in (False, True):
+        chart = figures.compare_heatmaps(runs, "max_abs", "time_step", presentation=presentation)
+        titles = [a.text for a in chart.figure.layout.annotations if a.text]
+        assert "SimpleRNN on a long sequence: it cannot<br>remember" in titles or (
+            presentation and "SimpleRNN on a long sequence:<br>it cannot remember" in titles
+        ), titles
+        plain = figures.compare_heatmaps(short, "max_abs", presentation=presentation)
+        assert chart.figure.layout.margin.t > plain.figure.layout.margin.t  # room for line two
+        ticks = chart.figure.layout.yaxis.tickvals
+        assert ticks[-1] == "t=30" and len(ticks) == (30 if not presentation else 15), ticks
+    # Names are escaped line by line.
+    odd = figures.compare_heatmaps({"<b>bold</b> " * 6: make_layer_stats(), "b": short["relu"]})
+    assert "&lt;b&gt;bold&lt;/b&gt;" in odd.figure.layout.annotations[0].text

@@ -1728,11 +1728,13 @@ def test_the_alerts_tell_the_gradient_through_time_in_step_order(page_environmen
     app = live_view(lstm, "Heatmaps")
     [hint] = [c.value for c in app.caption if "diagnosis rules found" in c.value]
     assert "a gradient vanishing through time" in hint and "vanishing gradients" not in hint
+    assert hint.startswith(":material/warning:")
 
     learnt = recurrent_run("learnt", [1e-3] * 60 + [0.5] * 140)
     app = live_view(learnt, "Heatmaps")
     [hint] = [c.value for c in app.caption if "diagnosis rules found" in c.value]
     assert "a gradient that vanished through time and came back" in hint
+    assert hint.startswith(":material/info:")  # good news is no warning
 
 
 def test_the_speed_limit_is_a_setting_a_link_keeps():
@@ -2025,7 +2027,11 @@ def test_a_recurrent_run_shows_its_gradient_through_time(page_environment):
     run = train(config, store=page_environment)
     app = live_view(run.run_id, "Heatmaps")
     [radio] = [r for r in app.radio if r.label == "Gradients of"]
-    assert "time_step" in radio.options or "Through time" in radio.options
+    assert radio.value == "time_step"  # opened on the lesson, as Compare is
+    radio.set_value("kernel").run()
+    assert not app.exception, [e.value for e in app.exception]
+    [radio] = [r for r in app.radio if r.label == "Gradients of"]
+    assert radio.value == "kernel"  # and a choice stays
     radio.set_value("time_step").run()
     assert not app.exception, [e.value for e in app.exception]
     assert any("vanishes through time" in c.value for c in app.caption)

@@ -123,9 +123,13 @@ def compare_heatmaps(
         shown_title += f"<br><sup>{longest.removeprefix('step (').rstrip(')')}</sup>"
     figure.update_layout(title=shown_title)
     style.apply_style(figure, presentation)
-    if "<br>" in shown_title:
-        # Room for the subtitle above the panels' own titles, which it covered.
-        figure.update_layout(margin_t=figure.layout.margin.t + 25)
+    # Room for the subtitle above the panels' own titles, which it covered,
+    # and for the panel titles' second lines, which covered the title.
+    extra = 25 if "<br>" in shown_title else 0
+    wrapped = max((a.text or "").count("<br>") for a in figure.layout.annotations)
+    extra += wrapped * ((20 if presentation else 13) + 14)
+    if extra:
+        figure.update_layout(margin_t=figure.layout.margin.t + extra)
     if cols > 1:
         # The same panels one per row (the axes keep their numbers, so the
         # traces stay on theirs): what the live chart swaps in when narrow.
@@ -177,6 +181,11 @@ def _one_per_row(named, grids, presentation):
     return narrow
 
 
+# The characters of a panel title that fit on one line, with two panels to a
+# row, at screen and at slide size (about 400 px each at 1280 px wide).
+_TITLE_CHARACTERS = {False: 44, True: 30}
+
+
 def _panels(named, grids, cols, presentation):
     """The subplots of `compare_heatmaps`, `cols` to a row: titles, axes and size, no traces.
 
@@ -188,12 +197,20 @@ def _panels(named, grids, cols, presentation):
     # layer axis labelled once, so the panels can sit close together.
     same_layers = all(g.layer == grids[0].layer for g in grids)
     in_time = any(g.tensor == schema.TIME_STEP for g in grids)
-    height = rows * min(700, max(380, 60 + 18 * max(len(g.layer) for g in grids)))
+    panel = min(700, max(380, 60 + 18 * max(len(g.layer) for g in grids)))
+    height = rows * panel
+    # As many row labels as the panel's height holds at the font's size: the
+    # 30 time steps of a recurrent run overlapped at slide size.
+    labels = max(2, int((panel - 140) / (1.15 * (20 if presentation else 13))))
     figure = make_subplots(
         figure=style.new_figure(),
         rows=rows,
         cols=cols,
-        subplot_titles=[style.escape_label(name) for name, _ in named],
+        # Two presets' names side by side ran into each other at 1280 px
+        # ("...it cannot remeLSTM on..."): two lines each when long.
+        subplot_titles=[
+            style.wrap_label(name, _TITLE_CHARACTERS[presentation] * 2 // cols) for name, _ in named
+        ],
         shared_yaxes=same_layers,
         horizontal_spacing=0.05 if same_layers else 0.22,
         # About 130 px between rows for the titles, whatever the number of
@@ -211,7 +228,7 @@ def _panels(named, grids, cols, presentation):
             type="category",
             range=y_range,
             tickmode="array",
-            tickvals=heatmap_lib.layer_ticks(layer_grid),
+            tickvals=heatmap_lib.layer_ticks(layer_grid, most=labels),
             # Once per row of panels when they share the layers.
             title_text=(
                 ("time step (first at the bottom)" if in_time else "layer (input at the bottom)")

@@ -115,16 +115,21 @@ def heatmap_traces(layer_grid, log_min, log_max, coloraxis=None, name_prefix="",
 _MOST_LAYER_LABELS = 34
 
 
-def layer_ticks(layer_grid):
+def layer_ticks(layer_grid, most=_MOST_LAYER_LABELS):
     """The layer labels to write: all of them, or every k-th and always the top one.
 
     Left to itself Plotly labels every third row of a 100-layer heatmap from
     the bottom, and the output layer, the top row, had no label.
+
+    Args:
+        layer_grid: The heatmap's `LayerGrid`.
+        most: The most labels to write (never more than 34, the default).
     """
+    most = min(most, _MOST_LAYER_LABELS)
     names = list(style.layer_labels(layer_grid.layer, layer_grid.layer_index))  # as drawn
-    if len(names) <= _MOST_LAYER_LABELS:
+    if len(names) <= most:
         return names
-    every = math.ceil(len(names) / _MOST_LAYER_LABELS)
+    every = math.ceil(len(names) / most)
     kept = names[::every]
     if kept[-1] != names[-1]:
         kept[-1] = names[-1]  # the top row instead of the one just under it

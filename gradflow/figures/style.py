@@ -83,6 +83,15 @@ def new_figure(data=None):
     return go.Figure(data=data, layout={"template": TEMPLATE})
 
 
+def wrap_label(text, width):
+    """`escape_label(text)` on lines of at most `width` characters (Plotly's `<br>`).
+
+    Words longer than `width` stay whole.
+    """
+    lines = textwrap.wrap(str(text), width, break_long_words=False) or [""]
+    return "<br>".join(escape_label(line) for line in lines)
+
+
 def escape_label(text):
     """Escape a user-provided name so Plotly shows it literally.
 

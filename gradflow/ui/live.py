@@ -550,6 +550,8 @@ def _charts(info, cache, key):
         tensor = st.radio(
             "Gradients of",
             tensors,
+            # A recurrent run opens on its lesson, as on the Compare page.
+            index=tensors.index(schema.TIME_STEP) if schema.TIME_STEP in tensors else 0,
             format_func=tensor_label,
             horizontal=True,
             key=f"{key}.tensor",
@@ -941,20 +943,18 @@ def _alerts_hint(store, run_id, cache):
         return
     through, layers = _split_through_time(events, cache.layer_stats)
     words = [_ALERT_WORDS[k] for k in layers["kind"].drop_duplicates() if k in _ALERT_WORDS]
+    came_back = len(through) and through["kind"].iloc[-1] == "info"
     if len(through):
         # An LSTM's gradient fades through time until it learns to carry it.
-        came_back = through["kind"].iloc[-1] == "info"
         words.append(
             "a gradient that vanished through time and came back"
             if came_back
             else "a gradient vanishing through time"
         )
     if words:
-        st.caption(
-            ":material/warning: The diagnosis rules found "
-            + ", ".join(words)
-            + ": see the **Alerts** view."
-        )
+        # Good news alone is no warning.
+        icon = ":material/info:" if came_back and len(words) == 1 else ":material/warning:"
+        st.caption(f"{icon} The diagnosis rules found {', '.join(words)}: see the **Alerts** view.")
 
 
 def _split_through_time(events, stats):
