@@ -1300,6 +1300,9 @@ def test_presentation_style_stacks_the_heatmaps(page_environment, presentation, 
     app.run()
     assert not app.exception, [e.value for e in app.exception]
     assert heatmap_parents(app) == [in_columns, in_columns]
+    # The alert boxes and captions grow with the charts' fonts at slide size.
+    styles = [getattr(h.proto, "body", "") for h in app.get("html")]
+    assert any("stAlertContent" in body for body in styles) == presentation, styles
 
 
 def test_a_screen_reader_hears_once_that_the_run_it_followed_completed(page_environment):

@@ -30,14 +30,28 @@ def image_export_available():
     return export.find_browser() is not None
 
 
+# At slide size the charts' fonts grow, and an alert's text and a chart's
+# caption beside them stayed at 16 and 12 px, unreadable from the back row.
+_PRESENTATION_CSS = """<style>
+[data-testid^="stAlertContent"] p { font-size: 1.3rem; line-height: 1.5; }
+[data-testid="stCaptionContainer"] { font-size: 1.05rem; }
+</style>"""
+
+
 def presentation_style():
-    """The sidebar switch for slide-ready figures (large fonts, white background)."""
+    """The sidebar switch for slide-ready figures (large fonts, white background).
+
+    On, it also enlarges the page's alert boxes and captions.
+    """
     keep_across_pages("ui.presentation", False)
-    return st.sidebar.toggle(
+    on = st.sidebar.toggle(
         "Presentation style",
         key="ui.presentation",
         help="Large fonts and a colour-blind-safe palette, for projectors and handouts.",
     )
+    if on:
+        st.html(_PRESENTATION_CSS)
+    return on
 
 
 def show_chart(chart, key, exports=True, run=None):
