@@ -2047,7 +2047,7 @@ def test_a_recurrent_run_shows_its_gradient_through_time(page_environment):
     [radio] = [r for r in app.radio if r.label == "Gradients of"]
     assert radio.value == "time_step"  # the view the kernels cannot give comes first
     drawn = json.dumps(live_chart_updates(app))
-    assert "per time step (output w.r.t. each time step)" in drawn
+    assert "max |gradient| reaching each time step" in drawn
     assert "by time step" in drawn and "time step (1 = the first)" in drawn
     assert "time step (first at the bottom)" in drawn
     # Runs without time steps get no such choice.

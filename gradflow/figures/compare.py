@@ -113,7 +113,7 @@ def compare_heatmaps(
         ),
     )
     rows = style.row_noun(tensor)
-    heading = f"{style.STATISTIC_LABELS.get(statistic, statistic)} per {rows} ({style.tensor_label(tensor)})"
+    heading = style.chart_heading(statistic, tensor)
     plain_title = title or f"{heading}: " + " vs ".join(name for name, _ in named)
     # Each panel's title names its run: with the names in it too, the title of
     # two presets ran off the page ("...: it re").

@@ -307,11 +307,7 @@ def _drawn(layer_grid, log_range, output_apart, title, presentation):
     # `through_time`), the first at the bottom, where a vanishing gradient
     # fades to, as the input layer is in the layers' heatmaps.
     in_time = tensor == schema.TIME_STEP
-    rows = style.row_noun(tensor)
-    plain_title = (
-        title
-        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per {rows} ({style.tensor_label(tensor)})"
-    )
+    plain_title = title or style.chart_heading(statistic, tensor)
     description = (
         f"Heatmap of the {style.STATISTIC_LABELS.get(statistic, statistic)} of the "
         f"{style.tensor_label(tensor)}: "

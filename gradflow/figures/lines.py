@@ -105,10 +105,7 @@ def layer_lines(
         tensor=tensor,
     )
     rows = style.row_noun(tensor)
-    plain_title = (
-        title
-        or f"{style.STATISTIC_LABELS.get(statistic, statistic)} per {rows} over training ({style.tensor_label(tensor)})"
-    )
+    plain_title = title or style.chart_heading(statistic, tensor, over_training=True)
     description = (
         f"The {style.STATISTIC_LABELS.get(statistic, statistic)} of the "
         f"{style.tensor_label(tensor)} of each {rows} over steps, log scale. Exact zeros ("

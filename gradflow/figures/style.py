@@ -225,6 +225,20 @@ def row_noun(tensor):
     return "time step" if tensor == "time_step" else "layer"
 
 
+def chart_heading(statistic, tensor, over_training=False):
+    """A chart's title: `"max |gradient| per layer (kernels)"`, or for rows
+    through time `"max |gradient| reaching each time step"`.
+
+    The through-time title said "per time step (output w.r.t. each time
+    step)": cut at 1280 px with two heatmaps side by side.
+    """
+    name = STATISTIC_LABELS.get(statistic, statistic)
+    if tensor == "time_step":
+        return f"{name} reaching each time step" + (", over training" if over_training else "")
+    during = " over training" if over_training else ""
+    return f"{name} per {row_noun(tensor)}{during} ({tensor_label(tensor)})"
+
+
 def tensor_label(tensor):
     """A tensor kind in a title's words: `"all_weights"` -> `"all weights"`."""
     return _TENSOR_WORDS.get(tensor, tensor)
