@@ -269,6 +269,49 @@ def test_a_heatmap_wider_than_its_plot_keeps_a_one_step_spike(chromium):
         page.close()
 
 
+@pytest.mark.parametrize("max_columns", [1000, 400], ids=["whole", "server_blocks"])
+def test_compared_heatmaps_merged_to_their_width_say_it_once_above_the_panels(
+    chromium, max_columns
+):
+    """At 1280 px the Compare page's two 288 px panels each got the axis title "step (each
+    column: max over up to 2 steps)", which ran into each other, and counted only the
+    browser's merging: the server's blocks of 2 were said in the subtitle, not read."""
+    from gradflow import figures
+
+    runs = {"relu": run_rows(1, 800), "sigmoid": run_rows(1, 800, seed=3)}
+    chart = figures.compare_heatmaps(runs, max_columns=max_columns)
+    served = 1 if max_columns >= 800 else 2
+    update, _ = figure_update(chart.figure)
+    update["key"] = "compare.heatmaps"
+    plotly = MODULE.parent / "vendor" / "plotly-cartesian.min.js"
+    page = chromium.new_page(viewport={"width": 900, "height": 700})
+    try:
+        page.set_content("<html><body><div id='pair' style='width:760px'></div></body></html>")
+        page.add_script_tag(path=str(plotly))
+        page.evaluate(SETUP, MODULE.read_text())
+        page.evaluate(RENDER, [update, "pair", "data:text/javascript,void 0"])
+        drawn = page.evaluate(
+            """(host) => {
+              const div = document.querySelector(`#${host} .gradflow-live-chart`);
+              const l = div.layout;
+              return {columns: div.data.filter(t => t.type === "heatmap").map(t => t.x.length),
+                      widths: [div._fullLayout.xaxis._length, div._fullLayout.xaxis2._length],
+                      axes: [l.xaxis.title.text ?? l.xaxis.title, l.xaxis2.title.text ?? l.xaxis2.title],
+                      title: l.title.text ?? l.title, top: l.margin.t};
+            }""",
+            "pair",
+        )
+        served_columns = 800 // served
+        assert max(drawn["columns"]) <= max(drawn["widths"]) < served_columns  # merged here
+        factor = math.ceil(served_columns / max(drawn["widths"]))
+        assert drawn["axes"] == ["step", "step"]  # nothing to run into the next panel
+        said = f"each column: max over up to {served * factor} steps"
+        assert drawn["title"].count("max over up to") == 1 and said in drawn["title"], drawn
+        assert drawn["top"] >= chart.figure.layout.margin.t + (25 if served == 1 else 0)
+    finally:
+        page.close()
+
+
 def test_a_page_whose_request_for_the_whole_figure_went_unanswered_asks_again(chromium):
     """The rerun that answers a resend can be lost too (a later tick's run drops its unsent
     messages on a loaded server), and Streamlit calls `render` only when the update changes:

@@ -344,7 +344,7 @@ def test_a_gradient_that_fades_through_time_is_reported_and_so_is_its_coming_bac
         "learn from the start of the sequence."
     )
     # What to do, and when it is no fault.
-    assert "an LSTM or GRU, shorter sequences or attention help" in alert
+    assert "a gated cell (LSTM or GRU) if it is not one already, shorter sequences" in alert
     assert "forecasting the next value), it is expected" in alert
     assert "padding" not in alert  # a float input: no tokens, no zeros
     assert back.startswith(
@@ -355,7 +355,10 @@ def test_a_gradient_that_fades_through_time_is_reported_and_so_is_its_coming_bac
     assert back.endswith("Whether the network uses what it sees there shows in the loss.")
     # Tokens (an Embedding's output) are often padded at the front.
     tokens = diagnose(through_time([1e-3] * 20, source="embedding"))["message"][0]
-    assert tokens.endswith("pad at the end, or mask the padding (mask_zero=True).")
+    assert tokens.endswith(
+        "Padding reads so too (pad_sequences pads at the front by default): mask it "
+        "(mask_zero=True)."
+    )
 
     # One noisy step in five does not start or end an alert: the median holds.
     noisy = [0.5 if step % 5 == 0 else 1e-3 for step in range(1, 201)]
@@ -367,9 +370,18 @@ def test_a_gradient_that_fades_through_time_is_reported_and_so_is_its_coming_bac
     # is "still vanishing" told again before it came back...
     hovering = [1e-3] * 40 + [3e-2] * 100 + [1e-3] * 60
     assert diagnose(through_time(hovering))["kind"].tolist() == ["vanishing"]
-    # ... unless it was not low for `_BACK_WITHIN * repeat_after` steps.
-    hovering = [1e-3] * 40 + [3e-2] * 250 + [1e-3] * 60
-    assert diagnose(through_time(hovering))["step"].tolist() == [13, 303]
+    # ... unless it was not low for `_BACK_WITHIN * repeat_after` (500) steps:
+    # then it is said again, as such.
+    hovering = [1e-3] * 40 + [3e-2] * 550 + [1e-3] * 60
+    found = diagnose(through_time(hovering))
+    assert found["step"].tolist() == [13, 603]
+    assert found["message"][1].startswith("Through time (training step 603), again: the first")
+    assert ", again" not in found["message"][0]
+    # Back 220 steps after the last low one (the SimpleRNN preset, seed 1).
+    late = [1e-3] * 40 + [3e-2] * 220 + [0.5] * 60 + [1e-3] * 40
+    found = diagnose(through_time(late))
+    assert found["kind"].tolist() == ["vanishing", "info", "vanishing"]
+    assert ", again" not in found["message"][2]  # it came back between
     # Back once only, for the first streak after a low one; low again after it.
     twice = [1e-3] * 40 + [0.5] * 80 + [3e-2] * 30 + [0.5] * 80 + [1e-3] * 40
     found = diagnose(through_time(twice))
@@ -415,17 +427,20 @@ def test_the_new_steps_through_time_read_as_the_whole_run_does():
         # Back 90 steps after the last low one; low again 100 steps after.
         "back after a while": [1e-3] * 60 + [3e-2] * 40 + [0.5] * 100,
         "low again, not back": [1e-3] * 40 + [3e-2] * 100 + [1e-3] * 60,
+        # Back 220 steps after the last low one, 170 past a shorter look-back.
+        "back late": [1e-3] * 40 + [3e-2] * 220 + [0.5] * 60 + [1e-3] * 40,
     }
     kinds = {
         "back and low again": ["vanishing", "info", "vanishing"],
         "back after a while": ["vanishing", "info"],
         "low again, not back": ["vanishing"],
+        "back late": ["vanishing", "info", "vanishing"],
     }
     for name, shares in runs.items():
         table = through_time(shares, length=10)
         whole = diagnose(table)
         assert whole["kind"].tolist() == kinds[name], name
-        for after in range(0, 200, 3):
+        for after in range(0, len(shares), 3):
             new = diagnose_new(table, after)
             assert new.equals(whole[whole["step"] > after].reset_index(drop=True)), (name, after)
 

@@ -191,6 +191,10 @@ def test_a_model_without_a_sequence_warns_and_records_the_rest():
     history = monitor.history
     assert not (history["tensor"] == schema.TIME_STEP).any()
     assert sorted(set(history["step"])) == [1, 2, 3]
+    # No events: the same empty table `diagnose` gives (its steps were objects).
+    from gradflow.diagnosis import diagnose
+
+    assert monitor.events.empty and monitor.events.equals(diagnose(history))
 
 
 def test_a_softmax_output_does_not_cancel_to_zero():

@@ -125,9 +125,10 @@ def compare_heatmaps(
     style.apply_style(figure, presentation)
     # Room for the subtitle above the panels' own titles, which it covered,
     # and for the panel titles' second lines, which covered the title.
-    extra = 25 if "<br>" in shown_title else 0
+    font = 20 if presentation else 13
+    extra = font + 12 if "<br>" in shown_title else 0
     wrapped = max((a.text or "").count("<br>") for a in figure.layout.annotations)
-    extra += wrapped * ((20 if presentation else 13) + 14)
+    extra += wrapped * (font + 14)
     if extra:
         figure.update_layout(margin_t=figure.layout.margin.t + extra)
     if cols > 1:

@@ -301,7 +301,9 @@ class GradientMonitor(keras.callbacks.Callback):
     def events(self):
         """Events such as the non-finite origin: `step, layer, kind, message`."""
         self._catch_up()
-        return pd.DataFrame(self._events, columns=list(schema.EVENTS_COLUMNS))
+        events = pd.DataFrame(self._events, columns=list(schema.EVENTS_COLUMNS))
+        # As `diagnose` returns them, empty too (an empty frame's steps were objects).
+        return events.astype({"step": "int64"}) if events["step"].notna().all() else events
 
     def _catch_up(self):
         """Read the steps a `fit` recorded that has not ended through `on_train_end`.

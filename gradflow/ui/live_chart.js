@@ -173,8 +173,11 @@ function heatmapWidths(div, data) {
 // columns narrower than a pixel, and which it skips depends on the width, so
 // a one-step spike the server's max per block kept vanished at some window
 // widths. Merge `factor` columns into one, keeping each row's largest value
-// (and its raw value for the hover), and say so in the axis title.
-function mergeColumns(trace, layout, factor) {
+// (and its raw value for the hover), and say so in the axis title, or, for
+// panels side by side (the Compare page), in the figure's subtitle: there the
+// axis title of a narrow panel ran into its neighbour's, and the block the
+// server had made (said in the subtitle) was not counted.
+function mergeColumns(trace, layout, factor, base) {
   const n = trace.x.length;
   const starts = Array.from({ length: Math.ceil(n / factor) }, (_, i) => i * factor);
   const largest = (row, from) => {
@@ -195,10 +198,25 @@ function mergeColumns(trace, layout, factor) {
   const axisKey = `xaxis${(trace.xaxis ?? "x").slice(1)}`;
   const axis = { ...(layout[axisKey] ?? {}) };
   const title = typeof axis.title === "string" ? { text: axis.title } : { ...(axis.title ?? {}) };
-  const block = /max over up to (\d+) steps/.exec(title.text ?? "");
-  title.text = `step (each column: max over up to ${(block ? Number(block[1]) : 1) * factor} steps)`;
-  axis.title = title;
-  layout[axisKey] = axis;
+  const blockWords = /max over up to (\d+) steps/;
+  const block = blockWords.exec(title.text ?? "");
+  if (block || !layout.meta?.gradflow_columns) {
+    title.text = `step (each column: max over up to ${(block ? Number(block[1]) : 1) * factor} steps)`;
+    axis.title = title;
+    layout[axisKey] = axis;
+    return merged;
+  }
+  // Read from the layout as received, not as an earlier panel rewrote it.
+  const top = typeof base.title === "string" ? { text: base.title } : { ...(base.title ?? {}) };
+  const given = blockWords.exec(top.text ?? "");
+  const steps = (given ? Number(given[1]) : 1) * factor;
+  if (given) {
+    top.text = top.text.replace(blockWords, `max over up to ${steps} steps`);
+  } else {
+    top.text = `${top.text ?? ""}<br><sup>each column: max over up to ${steps} steps</sup>`;
+    layout.margin = { ...(base.margin ?? {}), t: (base.margin?.t ?? 100) + 25 };
+  }
+  layout.title = top;
   return merged;
 }
 
@@ -211,7 +229,7 @@ function fitToWidths(drawn, widths) {
       return trace;
     }
     changed = true;
-    return mergeColumns(trace, layout, Math.ceil(trace.x.length / width));
+    return mergeColumns(trace, layout, Math.ceil(trace.x.length / width), drawn.layout);
   });
   return changed ? { data, layout, config: drawn.config } : null;
 }
