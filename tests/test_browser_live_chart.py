@@ -214,6 +214,23 @@ def test_a_screen_reader_hears_a_charts_title_not_its_tick_labels(chromium):
         page.close()
 
 
+@contextlib.contextmanager
+def drawn_with_plotly(chromium, chart, key, host, body, viewport):
+    """A page that drew `chart` with the real Plotly (cartesian bundle) in element `host`."""
+    update, _ = figure_update(chart.figure)
+    update["key"] = key
+    plotly = MODULE.parent / "vendor" / "plotly-cartesian.min.js"
+    page = chromium.new_page(viewport={"width": viewport[0], "height": viewport[1]})
+    try:
+        page.set_content(f"<html>{body}</html>")
+        page.add_script_tag(path=str(plotly))  # window.Plotly; the module's own load then finds it
+        page.evaluate(SETUP, MODULE.read_text())
+        page.evaluate(RENDER, [update, host, "data:text/javascript,void 0"])
+        yield page
+    finally:
+        page.close()
+
+
 def test_a_heatmap_wider_than_its_plot_keeps_a_one_step_spike(chromium):
     """Plotly skips the heatmap columns narrower than a pixel, which ones
     depending on the width: a one-step spike the server's max per block kept
@@ -241,15 +258,8 @@ def test_a_heatmap_wider_than_its_plot_keeps_a_one_step_spike(chromium):
         )
     chart = figures.heatmap(pd.concat(rows), "max_abs", max_columns=1000)
     assert len(chart.figure.data[0].x) > 600  # more columns than the plot has pixels
-    update, _ = figure_update(chart.figure)
-    update["key"] = "live.spike"
-    plotly = MODULE.parent / "vendor" / "plotly-cartesian.min.js"
-    page = chromium.new_page(viewport={"width": 700, "height": 600})
-    try:
-        page.set_content("<html><body style='width:600px'></body></html>")
-        page.add_script_tag(path=str(plotly))  # window.Plotly; the module's own load then finds it
-        page.evaluate(SETUP, MODULE.read_text())
-        page.evaluate(RENDER, [update, "spike", "data:text/javascript,void 0"])
+    body = "<body style='width:600px'></body>"
+    with drawn_with_plotly(chromium, chart, "live.spike", "spike", body, (700, 600)) as page:
         drawn = page.evaluate(
             """(host) => {
               const div = document.querySelector(`#${host} .gradflow-live-chart`);
@@ -265,8 +275,6 @@ def test_a_heatmap_wider_than_its_plot_keeps_a_one_step_spike(chromium):
         assert drawn["raw"][at] == pytest.approx(5e3)
         assert drawn["x"][at] <= 1237 < drawn["x"][at + 1]
         assert drawn["title"].startswith("step (each column: max over up to")
-    finally:
-        page.close()
 
 
 @pytest.mark.parametrize("max_columns", [1000, 400], ids=["whole", "server_blocks"])
@@ -281,15 +289,8 @@ def test_compared_heatmaps_merged_to_their_width_say_it_once_above_the_panels(
     runs = {"relu": run_rows(1, 800), "sigmoid": run_rows(1, 800, seed=3)}
     chart = figures.compare_heatmaps(runs, max_columns=max_columns)
     served = 1 if max_columns >= 800 else 2
-    update, _ = figure_update(chart.figure)
-    update["key"] = "compare.heatmaps"
-    plotly = MODULE.parent / "vendor" / "plotly-cartesian.min.js"
-    page = chromium.new_page(viewport={"width": 900, "height": 700})
-    try:
-        page.set_content("<html><body><div id='pair' style='width:760px'></div></body></html>")
-        page.add_script_tag(path=str(plotly))
-        page.evaluate(SETUP, MODULE.read_text())
-        page.evaluate(RENDER, [update, "pair", "data:text/javascript,void 0"])
+    body = "<body><div id='pair' style='width:760px'></div></body>"
+    with drawn_with_plotly(chromium, chart, "compare.heatmaps", "pair", body, (900, 700)) as page:
         drawn = page.evaluate(
             """(host) => {
               const div = document.querySelector(`#${host} .gradflow-live-chart`);
@@ -308,8 +309,6 @@ def test_compared_heatmaps_merged_to_their_width_say_it_once_above_the_panels(
         said = f"each column: max over up to {served * factor} steps"
         assert drawn["title"].count("max over up to") == 1 and said in drawn["title"], drawn
         assert drawn["top"] >= chart.figure.layout.margin.t + (25 if served == 1 else 0)
-    finally:
-        page.close()
 
 
 def test_a_page_whose_request_for_the_whole_figure_went_unanswered_asks_again(chromium):
