@@ -576,8 +576,9 @@ def run_charts(layer_stats, metrics, presentation=False, run=None, histograms=No
     Heatmaps of `max_abs` and `l2_norm` (kernels, or all weights when the
     model has no kernels), with clipping the norms applied after it, with a
     max-norm constraint the weight norms before and after it, activation
-    gradients when recorded, per-layer lines, the profile at the last step
-    and the loss/accuracy curves. Figures without data are left out.
+    gradients when recorded, per-layer lines, the profile at the last step,
+    the gradient through time when recorded (a heatmap and a profile), and
+    the loss/accuracy curves. Figures without data are left out.
 
     Args:
         layer_stats: tidy layer-statistics DataFrame.
@@ -632,6 +633,10 @@ def run_charts(layer_stats, metrics, presentation=False, run=None, histograms=No
         # How far back in the sequence the gradient still reaches the output.
         charts["through_time_heatmap"] = figures.heatmap(
             layer_stats, "l2_norm", schema.TIME_STEP, presentation=presentation
+        )
+        # One picture for a slide: the pack's profile was the kernels' alone.
+        charts["through_time_profile"] = figures.profile(
+            layer_stats, tensor=schema.TIME_STEP, presentation=presentation
         )
     if len(metrics):
         chart = figures.metrics_chart(metrics, presentation=presentation)

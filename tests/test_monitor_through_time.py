@@ -252,6 +252,10 @@ def test_a_recurrent_lab_run_records_through_time_and_an_mlp_does_not(tmp_path):
     through_time = charts["through_time_heatmap"]
     assert through_time.figure.layout.yaxis.title.text == "time step (first at the bottom)"
     assert through_time.title.endswith("reaching each time step")  # short: cut at 1280 px
+    # A slide's picture of it too: the lesson pack's profile was the kernels' alone.
+    assert charts["through_time_profile"].figure.layout.xaxis.title.text == (
+        "time step (first on the left)"
+    )
     # The layers' heatmaps keep their layers only.
     kernels = charts["max_abs_heatmap"].data
     assert not kernels["layer"].astype(str).str.startswith("t=").any()
