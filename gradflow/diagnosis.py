@@ -462,7 +462,7 @@ def _median_words(judged, span):
     return f"median of the {judged} of the last {span} recorded steps that could be compared"
 
 
-def _vanishing_through_time(table, thresholds):
+def _vanishing_through_time(rows, thresholds):
     """Alerts for a gradient that fades towards the first time steps, and for its coming back.
 
     Reads the rows through time (`tensor == "time_step"`, `layer_index` =
@@ -480,7 +480,6 @@ def _vanishing_through_time(table, thresholds):
     rules, and what a step says depends on the `(_BACK_WITHIN + 1) *
     repeat_after + time_window` recorded steps before it only (`look_back`).
     """
-    rows = table[table["tensor"] == schema.TIME_STEP]
     if rows.empty:
         return []
     value = "l2_norm" if "l2_norm" in rows.columns else "max_abs"
@@ -844,8 +843,9 @@ def diagnose(layer_stats, thresholds=None, layer_inputs=None):
         )
     # Rows through time are a sequence's time steps, not layers: one rule
     # reads them; the others compare layers.
-    events = _vanishing_through_time(table, thresholds)
-    table = table[table["tensor"] != schema.TIME_STEP]
+    in_time = (table["tensor"] == schema.TIME_STEP).to_numpy()
+    events = _vanishing_through_time(table[in_time], thresholds)
+    table = table[~in_time]
     origin = first_nonfinite(table)
     if origin is not None:
         count = "" if math.isnan(origin.count) else f", {origin.count:.0f} entries"

@@ -505,12 +505,9 @@ def _alerts_readme(alerts):
     for row in alerts.head(_ALERTS_QUOTED).itertuples():
         # A row through time ("t=01") is no layer; its message says where.
         layer = str(row.layer or "")
-        where = f", layer {layer}" if layer and not _TIME_LABEL.match(layer) else ""
+        where = f", layer {layer}" if layer and not schema.is_time_label(layer) else ""
         lines.append(f"  - step {row.step}{where} [{row.kind}]: {row.message}")
     return [*lines, ""]
-
-
-_TIME_LABEL = re.compile(r"^t=\d+(–\d+)?$")
 
 
 def run_alerts(layer_stats, events, thresholds=None, layer_inputs=None):

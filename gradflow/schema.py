@@ -17,6 +17,8 @@ When a tensor holds a NaN, `max_abs`, `l2_norm`, `mean_abs` and `std` are NaN
 too: a statistic never hides a broken gradient.
 """
 
+import re
+
 STATISTICS = ("max_abs", "l2_norm", "mean_abs", "std", "zero_fraction", "nonfinite")
 
 # One row per step x layer x tensor. `layer_index` is 0 for the layer nearest
@@ -47,6 +49,19 @@ ACTIVATION = "activation"
 # of a sequence; `layer` is "t=01", "t=02", ... and `layer_index` the position
 # in time. Like activation rows, they are gradients of no weight.
 TIME_STEP = "time_step"
+
+
+# The labels of rows through time (`gradflow.monitor.through_time.row_labels`).
+_TIME_LABEL = re.compile(r"^t=\d+(–\d+)?$")
+
+
+def is_time_label(layer):
+    """Whether `layer` is a row through time's label (`"t=01"`, `"t=001–003"`), not a layer's.
+
+    Events carry a layer, not a tensor: an alert about the gradient through
+    time names its first row.
+    """
+    return bool(_TIME_LABEL.match(str(layer)))
 
 
 def is_weight(tensor):

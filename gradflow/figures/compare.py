@@ -125,7 +125,7 @@ def compare_heatmaps(
     style.apply_style(figure, presentation)
     # Room for the subtitle above the panels' own titles, which it covered,
     # and for the panel titles' second lines, which covered the title.
-    font = 20 if presentation else 13
+    font = style.font_size_of(presentation)
     extra = font + 12 if "<br>" in shown_title else 0
     wrapped = max((a.text or "").count("<br>") for a in figure.layout.annotations)
     extra += wrapped * (font + 14)
@@ -202,7 +202,7 @@ def _panels(named, grids, cols, presentation):
     height = rows * panel
     # As many row labels as the panel's height holds at the font's size: the
     # 30 time steps of a recurrent run overlapped at slide size.
-    labels = max(2, int((panel - 140) / (1.15 * (20 if presentation else 13))))
+    labels = max(2, int((panel - 140) / (1.15 * style.font_size_of(presentation))))
     figure = make_subplots(
         figure=style.new_figure(),
         rows=rows,

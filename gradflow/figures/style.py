@@ -149,7 +149,7 @@ def apply_style(figure, presentation=False):
     """
     # Every figure builder comes here: `presentation="no"` meant slides.
     presentation = checks.flag("presentation", presentation)
-    font_size = 20 if presentation else 13
+    font_size = font_size_of(presentation)
     if figure.layout.template is not TEMPLATE:
         figure.update_layout(template=TEMPLATE)
     figure.update_layout(
@@ -223,6 +223,11 @@ _TENSOR_WORDS = {
 def row_noun(tensor):
     """What one row of `tensor`'s heatmap is: `"time step"` for rows through time, else `"layer"`."""
     return "time step" if tensor == "time_step" else "layer"
+
+
+def font_size_of(presentation):
+    """The figures' font size in px: 20 at slide size, 13 on screen (`apply_style`)."""
+    return 20 if presentation else 13
 
 
 def chart_heading(statistic, tensor, over_training=False):

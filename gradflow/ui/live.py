@@ -941,7 +941,7 @@ def _alerts_hint(store, run_id, cache):
     events = _run_events(store, run_id, cache)
     if events is None:
         return
-    through, layers = _split_through_time(events, cache.layer_stats)
+    through, layers = _split_through_time(events)
     words = [_ALERT_WORDS[k] for k in layers["kind"].drop_duplicates() if k in _ALERT_WORDS]
     came_back = len(through) and through["kind"].iloc[-1] == "info"
     if len(through):
@@ -957,10 +957,9 @@ def _alerts_hint(store, run_id, cache):
         st.caption(f"{icon} The diagnosis rules found {', '.join(words)}: see the **Alerts** view.")
 
 
-def _split_through_time(events, stats):
+def _split_through_time(events):
     """`(events about the gradient through time in step order, the other events)`."""
-    times = stats.loc[stats["tensor"] == schema.TIME_STEP, "layer"].astype(str).unique()
-    about_time = events["layer"].astype(str).isin(times).to_numpy()
+    about_time = events["layer"].map(schema.is_time_label).to_numpy(bool)
     through = events[about_time].sort_values("step", kind="stable")
     return through, events[~about_time]
 
@@ -993,7 +992,7 @@ def _alerts(store, run_id, cache):
     order = stats.drop_duplicates("layer").set_index("layer")["layer_index"]
     events = events.assign(_order=events["layer"].map(order).astype(float).fillna(-1.0))
     events = events.sort_values(["step", "_order"], kind="stable")
-    through, events = _split_through_time(events, stats)
+    through, events = _split_through_time(events)
     # The gradient through time's alerts are one story in step order: it
     # vanished, came back (an `info`), vanished again.
     groups = list(events.groupby("kind", sort=False)) + (
