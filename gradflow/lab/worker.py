@@ -121,6 +121,10 @@ def _train(store, run_id):
         # A recurrent network's gradient fades through time, which the
         # layers' rows (summed over every time step) cannot show.
         through_time=config.architecture == "rnn",
+        # Every step is in the store, which is all the dashboard, the CLI and
+        # `gradflow.train` read: kept in memory too, a 100-layer run of a
+        # million steps (RunConfig allows both) would hold gigabytes.
+        keep_steps=0,
     )
     control = RunControl(
         store,

@@ -18,7 +18,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from gradflow import schema
-from gradflow.checks import flag, positive_int, warn_user
+from gradflow.checks import flag, positive_int, warn_user, whole_number
 from gradflow.diagnosis import Thresholds, context_start, diagnose, look_back, no_gradient_message
 from gradflow.monitor import through_time, trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS
@@ -94,7 +94,9 @@ class GradientMonitor(keras.callbacks.Callback):
     more with `histograms=True`), also when a `store` has them on disk: a
     160-tensor model recorded for 100,000 steps keeps about 0.7 GB, and
     reading `history` builds a DataFrame of about 260 bytes a row more.
-    For long runs, `every=10` keeps a tenth (measured: docs/reliability.md).
+    For long runs, `every=10` keeps a tenth (measured: docs/reliability.md),
+    and `keep_steps` keeps only the last steps in memory, e.g. with a `store`
+    that has them all: `GradientMonitor(store="runs.db", keep_steps=1000)`.
 
     A monitor records one model (another model's `fit` with it raises). A
     layer's `trainable` changed without `compile()` again: Keras warns, and a
@@ -141,6 +143,13 @@ class GradientMonitor(keras.callbacks.Callback):
             recorded step (`every`). Defaults to `False`.
         store: A `gradflow.RunStore`, or a path to one, to write every
             recorded step to (live, for the dashboard). Defaults to `None`.
+        keep_steps: How many of the last recorded steps `history`,
+            `metrics` and `histogram_rows` keep in memory: for a long run
+            written to a `store` (or TensorBoard), which has every step. `0`
+            keeps none; `events` are always kept, and the diagnosis rules
+            still read every step (during the `fit`, in pieces of about
+            100,000 rows, before older steps go). Defaults to `None`: every
+            recorded step stays in memory.
         run_id: Write into this existing run of `store` instead of creating
             one. Defaults to `None`.
         run_name: Name of the run the monitor creates. Defaults to `None`.
@@ -191,6 +200,7 @@ class GradientMonitor(keras.callbacks.Callback):
 
     Raises:
         ValueError: if `every` or `probe_every` is not a positive integer,
+            `keep_steps` is neither None nor an integer >= 0,
             `probe_loss` is an unknown loss name or several losses, a
             switch is not True or False, `store`, `run_name` or `rules` is of
             the wrong kind, or `run_id` comes without `store`; at the start
@@ -214,6 +224,7 @@ class GradientMonitor(keras.callbacks.Callback):
         rules=None,
         probe_loss=None,
         through_time=False,
+        keep_steps=None,
     ):
         super().__init__()
         self.every = positive_int("every", every)
@@ -261,6 +272,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self.histograms = flag("histograms", histograms)
         self.through_time = flag("through_time", through_time)
         self.stop_on_nonfinite = flag("stop_on_nonfinite", stop_on_nonfinite)
+        self.keep_steps = whole_number("keep_steps", keep_steps, least=0, allow_none=True)
         self.tensorboard_dir = tensorboard_dir
         self.run_name = run_name
         self.run_id = run_id
@@ -276,6 +288,11 @@ class GradientMonitor(keras.callbacks.Callback):
         self._frames = None
         # How many of `_blocks` the diagnosis rules have read (`_diagnose`).
         self._diagnosed_blocks = 0
+        # Tidy rows in `_blocks` the rules have not read (with `keep_steps`,
+        # they read them during the `fit`, before older rows are dropped).
+        self._undiagnosed_rows = 0
+        # The last step `keep_steps` dropped from memory, or None.
+        self._forgotten_through = None
         self._nonfinite_step = None
         self._plan = None
         # Added to the optimizer's step count to number the steps of this
@@ -287,7 +304,10 @@ class GradientMonitor(keras.callbacks.Callback):
 
     @property
     def history(self):
-        """Tidy per-layer statistics of every recorded step (a DataFrame)."""
+        """Tidy per-layer statistics of every recorded step (a DataFrame).
+
+        With `keep_steps`, of the last `keep_steps` recorded steps only.
+        """
         self._catch_up()
         return self._tables()[0]
 
@@ -520,6 +540,7 @@ class GradientMonitor(keras.callbacks.Callback):
         store the later rows would replace the earlier ones.
         """
         reported = [int(block[0][-1]) for block in self._blocks if len(block[0])]
+        reported += [] if self._forgotten_through is None else [self._forgotten_through]
         reported += [row[0] for row in self._metric_rows + self._events if row[0] is not None]
         through = max(reported, default=None)
         offset = 0 if through is None else max(0, through - count)
@@ -611,17 +632,12 @@ class GradientMonitor(keras.callbacks.Callback):
                 f"calls (every layer's first) and left out {len(dropped)} more: {named}. "
                 "`gradflow.snapshot(model, x, y)` records every call, on one batch."
             )
-        try:
-            self._diagnose()
-        except Exception as error:  # A rule's fault must not lose the run.
-            warn_user(
-                f"GradientMonitor: the diagnosis rules failed ({type(error).__name__}: "
-                f"{error}); the recorded statistics are complete.",
-            )
+        self._diagnose_safely()
         status, message = "completed", None
         if self._nonfinite_step is not None:
             status = "diverged"
-            message = self._events[0][3] if self._events else None
+            # Not the first event: a layer no gradient reaches is told at the first step.
+            message = next((e[3] for e in self._events if e[2] == "nonfinite"), None)
         else:
             message = self._ended_early()
         self._close_outputs(status, message)
@@ -776,10 +792,14 @@ class GradientMonitor(keras.callbacks.Callback):
         stats, histograms = self._layout.take(stats), self._layout.take(histograms)
         # With its layout: a later `fit` of this monitor may have other rows (a frozen layer).
         self._blocks.append((steps, stats, metrics, histograms, self._layout))
+        self._undiagnosed_rows += int(np.prod(stats.shape[:2]))  # steps x tensors
         self._frames = None
         self._check_nonfinite(steps, stats, metrics)
         if self._writer is not None or self._summaries is not None:
             self._publish(steps, stats, metrics, histograms)
+        if self.keep_steps is not None and self._undiagnosed_rows >= _DIAGNOSED_ROWS:
+            # The rules read the steps now, so that the old ones can go.
+            self._diagnose_safely()
 
     def _store_layer_inputs(self):
         """Keep which recorded layer reads which in the run's config, for the
@@ -959,7 +979,7 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def _histogram_rows(self, blocks=None):
         rows = []
-        for steps, _, _, histograms, layout in self._blocks if blocks is None else blocks:
+        for steps, _, _, histograms, layout in self._kept_blocks() if blocks is None else blocks:
             if histograms is None:
                 continue
             for step, block in zip(steps, histograms, strict=False):
@@ -975,9 +995,29 @@ class GradientMonitor(keras.callbacks.Callback):
                     )
         return rows
 
+    def _kept_blocks(self):
+        """The blocks `history` shows: with `keep_steps`, only its last recorded steps.
+
+        `_blocks` may hold older steps too, which the rules still look back at.
+        """
+        if self.keep_steps is None:
+            return self._blocks
+        first = self._first_kept_step()
+        if first is None:  # `keep_steps=0`, or nothing recorded
+            return []
+        kept = []
+        for block in self._blocks:
+            keep = block[0] >= first
+            if keep.any():
+                kept.append(
+                    tuple(part if part is None else part[keep] for part in block[:4]) + block[4:]
+                )
+        return kept
+
     def _tables(self):
         if self._frames is None:
-            history = _layer_history(self._blocks)
+            blocks = self._kept_blocks()
+            history = _layer_history(blocks)
             metric_frames = [
                 metrics_frame(
                     np.concatenate([b[0] for b in run]),
@@ -985,13 +1025,17 @@ class GradientMonitor(keras.callbacks.Callback):
                     STEP_METRICS,
                     self._metric_names(),
                 )
-                for run in _layout_runs(self._blocks)
+                for run in _layout_runs(blocks)
             ]
             if metric_frames:
                 step_metrics = pd.concat(metric_frames, ignore_index=True)
             else:
                 step_metrics = pd.DataFrame(columns=list(schema.METRICS_COLUMNS))
-            extra = pd.DataFrame(self._metric_rows, columns=list(schema.METRICS_COLUMNS))
+            first = None if self.keep_steps is None else self._first_kept_step()
+            extra = pd.DataFrame(
+                [row for row in self._metric_rows if self._shown(row[0], first)],
+                columns=list(schema.METRICS_COLUMNS),
+            )
             if len(extra):
                 # Not concatenated with an empty frame, which pandas warns of (a
                 # probe that recorded nothing, and its model's logs).
@@ -1050,6 +1094,21 @@ class GradientMonitor(keras.callbacks.Callback):
                 f"Training went on after step {step}, where the run {_ENDED_AS[ended_as]}.",
             )
 
+    def _diagnose_safely(self):
+        """`_diagnose`, where a rule's fault only warns: it must not stop training or lose the run."""
+        try:
+            self._diagnose()
+        except Exception as error:
+            warn_user(
+                f"GradientMonitor: the diagnosis rules failed ({type(error).__name__}: "
+                f"{error}); the recorded statistics are complete.",
+            )
+            # Not read again at every step (`keep_steps`), nor kept for it.
+            self._diagnosed_blocks = len(self._blocks)
+            self._undiagnosed_rows = 0
+            if self.keep_steps is not None:
+                self._forget()
+
     def _diagnose(self):
         """Run the rules on what this `fit` recorded, with the steps before it they look back at.
 
@@ -1065,6 +1124,69 @@ class GradientMonitor(keras.callbacks.Callback):
                 rows += int(np.prod(self._blocks[end][1].shape[:2]))  # steps x tensors
                 end += 1
             self._diagnose_blocks(first, end)
+        self._undiagnosed_rows = 0
+        if self.keep_steps is not None:
+            self._forget()
+
+    def _forget(self):
+        """Drop the steps that `keep_steps` lets go of, once the rules have read them.
+
+        Kept: the last `keep_steps` recorded steps, the steps the rules have
+        not read, and the steps before those that the rules look back at
+        (`look_back`), so that their findings are those of the whole run.
+        The store and TensorBoard have every step already: they are written
+        as each step is read.
+        """
+        diagnosed = self._blocks[: self._diagnosed_blocks]
+        if not diagnosed:
+            return
+        window, quiet = look_back(self.rules, self.through_time)
+        cut = context_start(np.concatenate([block[0] for block in diagnosed]), window, quiet)
+        shown = self._first_kept_step()
+        if shown is not None:
+            cut = min(cut, shown)
+        kept, read = [], self._diagnosed_blocks
+        for index, block in enumerate(self._blocks):
+            steps = block[0]
+            if index >= read or not len(steps) or steps[0] >= cut:
+                kept.append(block)
+                continue
+            keep = steps >= cut
+            dropped = int(steps[~keep].max())
+            self._forgotten_through = max(dropped, self._forgotten_through or dropped)
+            if keep.any():
+                kept.append(
+                    tuple(part if part is None else part[keep] for part in block[:4]) + block[4:]
+                )
+            else:
+                self._diagnosed_blocks -= 1
+        self._blocks = kept
+        # The metrics of `fit`'s logs (compiled metrics, validation) go with their steps.
+        gone = [row for row in self._metric_rows if not self._shown(row[0], shown)]
+        if gone:
+            self._metric_rows = [row for row in self._metric_rows if self._shown(row[0], shown)]
+            last = max(row[0] for row in gone)
+            self._forgotten_through = max(last, self._forgotten_through or last)
+        self._frames = None
+
+    def _shown(self, step, first):
+        """Whether `history` and `metrics` show `step`, when they start at step `first`."""
+        return self.keep_steps is None or (self.keep_steps > 0 and step >= first)
+
+    def _first_kept_step(self):
+        """The first of the last `keep_steps` recorded steps: where `history` starts.
+
+        None when `keep_steps` is 0 (nothing is kept) or when the monitor
+        keeps every step (`keep_steps=None`): then `history` starts at its
+        first recorded step, and `_forget` drops nothing for `history`.
+        """
+        if self.keep_steps == 0:
+            return None
+        steps = [block[0] for block in self._blocks if len(block[0])]
+        if not steps:
+            return None
+        steps = np.unique(np.concatenate(steps))
+        return int(steps[max(0, len(steps) - self.keep_steps)])
 
     def _diagnose_blocks(self, first, end):
         """The rules on blocks `first` to `end`, with the blocks before them they look back at.
