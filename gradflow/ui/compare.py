@@ -1,18 +1,42 @@
 """The Compare page's pieces: an A/B launcher and side-by-side charts of several runs."""
 
+import math
+
 import pandas as pd
 import streamlit as st
 
 from gradflow import figures, schema
-from gradflow.ui import resources
+from gradflow.store import UnknownRunError
+from gradflow.ui import resources, run_rows
+from gradflow.ui.charts import plain_markdown
 from gradflow.ui.controls import WIDGETS
 from gradflow.ui.fragments import isolated_fragment, tick_after
-from gradflow.ui.live import ACTIVE, LIVE_MAX_COLUMNS, POLL_SECONDS, run_name, tensor_label
+from gradflow.ui.live import (
+    ACTIVE,
+    ALERT_WORDS,
+    LIVE_MAX_COLUMNS,
+    NO_ALERTS,
+    POLL_SECONDS,
+    THROUGH_TIME,
+    alert_box,
+    run_alerts,
+    run_name,
+    tensor_label,
+)
 from gradflow.ui.live_chart import show_live_chart
 
 _SELECTED = "compare.run_ids"
 _PICKER = "compare.picker"
 _LINKED = "runs"  # the URL's list of compared runs
+_ROWS = "compare.rows"  # run id -> the shared rows this session holds for the alerts
+# Alert columns side by side: more made each too narrow to read a message.
+_ALERT_COLUMNS = 3
+_ALERT_COLUMNS_PRESENTED = 2  # at slide size the boxes' text is larger
+# Boxes shown through time: the story "vanished, came back, vanished again".
+_THROUGH_TIME_SHOWN = 3
+_MORE_ABOUT = {**ALERT_WORDS, THROUGH_TIME: "the gradient through time"}
+# While a run trains, "No alerts" is only so far.
+_NO_ALERTS_YET = NO_ALERTS.replace("No alerts:", "No alerts so far:")
 # Fields worth an A/B lesson, with the choices offered for each.
 VARIABLE_FIELDS = {
     spec[0]: spec
@@ -179,12 +203,13 @@ def _charts(run_ids, was_active):
 def _draw_charts(run_ids, was_active):
     """Draws the comparison; returns whether a run is still active."""
     store = resources.run_store()
-    names, stats, metrics, statuses = {}, {}, {}, []
+    names, stats, metrics, statuses, infos = {}, {}, {}, [], []
     for run_id in run_ids:
         info = store.run_info(run_id)
         name = info["name"] if info["name"] not in names.values() else f"{info['name']} ({run_id})"
         names[run_id] = name
         statuses.append(info["status"])
+        infos.append(info)
         stats[name] = store.layer_stats(run_id, tensors=["kernel", schema.TIME_STEP])
         metrics[name] = store.metrics(run_id)
     st.caption(" · ".join(f"{names[r]}: {s}" for r, s in zip(run_ids, statuses, strict=True)))
@@ -244,4 +269,91 @@ def _draw_charts(run_ids, was_active):
                 "compare.loss",
                 run=" vs ".join(ready_metrics),
             )
+    _diagnosis(store, infos, names, presentation)
     return active
+
+
+def _diagnosis(store, infos, names, presentation):
+    """What the diagnosis rules found in each run, one column per run, under the charts.
+
+    The lesson's sentence ("the rules found vanishing gradients in the
+    sigmoid network, nothing in the ReLU one") was only on each run's Live
+    page. Each kind is told by its first alert, with a count of the others:
+    the full list is the Live page's **Alerts** view.
+
+    Args:
+        store: The `RunStore`.
+        infos: Each compared run's `RunStore.run_info`, in the picker's order.
+        names: The runs' names on this page, by run id.
+        presentation: Whether Presentation style is on.
+    """
+    st.subheader("What the diagnosis rules found")
+    held = _held_rows(store, [info["run_id"] for info in infos])
+    grid = _in_rows(infos, presentation)
+    for line in grid:
+        # As many columns in a shorter last row: each run's column keeps its width.
+        for column, info in zip(st.columns(len(grid[0])), line, strict=False):
+            with column:
+                _run_diagnosis(store, info, names[info["run_id"]], held[info["run_id"]])
+
+
+def _in_rows(infos, presentation):
+    """`infos` in rows of at most 3 (2 in Presentation style), as even as they come.
+
+    Four runs are two rows of two, not three and one.
+    """
+    most = _ALERT_COLUMNS_PRESENTED if presentation else _ALERT_COLUMNS
+    per_row = math.ceil(len(infos) / math.ceil(len(infos) / most))
+    return [infos[i : i + per_row] for i in range(0, len(infos), per_row)]
+
+
+def _held_rows(store, run_ids):
+    """The server's shared rows of each compared run (`run_rows`), held by this session.
+
+    Held here, not by the live panel, which holds one run at a time. A run
+    no longer compared is let go: its rows go once no other session shows it.
+    """
+    held = {
+        run_id: rows
+        for run_id, rows in st.session_state.get(_ROWS, {}).items()
+        if run_id in run_ids
+    }
+    for run_id in run_ids:
+        if run_id not in held:
+            held[run_id] = run_rows.shared_rows(store.path, run_id)
+    st.session_state[_ROWS] = held
+    return held
+
+
+def _run_diagnosis(store, info, name, rows):
+    """One run's column: its name, then "No alerts" or each kind's first alert."""
+    st.markdown(f"**{plain_markdown(name)}**")
+    try:
+        # Incremental while the run trains: the rules read only the new steps.
+        groups = run_alerts(store, info, rows)
+    except UnknownRunError:
+        st.caption("This run was deleted meanwhile.")
+        return
+    active = info["status"] in ACTIVE
+    if not groups:
+        if active and not rows.last_step:
+            st.caption("Waiting for the first recorded steps…")
+        else:
+            st.success(_NO_ALERTS_YET if active else NO_ALERTS)
+        return
+    for kind, group in groups:
+        # One box per kind; through time the order is the story, so a few.
+        shown = _THROUGH_TIME_SHOWN if kind == THROUGH_TIME else 1
+        for alert in group.head(shown).itertuples():
+            alert_box(alert.kind)(alert.message)
+        if len(group) > shown:
+            st.caption(_more(kind, len(group) - shown))
+
+
+def _more(kind, count):
+    """ "…and 7 more alerts about vanishing gradients", in a student's words."""
+    if kind == "info":
+        return f"…and {count} more {'note' if count == 1 else 'notes'}."
+    about = _MORE_ABOUT.get(kind, kind.replace("_", " "))
+    alerts = "alert" if count == 1 else "alerts"
+    return f"…and {count} more {alerts} about {about} (the Live page's **Alerts** view lists them)."

@@ -387,14 +387,15 @@ def _rows_of(store, run_id):
     return rows
 
 
-def _read_new(store, run_id, progress_step=0, ended=False):
+def _read_new(store, run_id, progress_step=0, ended=False, rows=None):
     """The rows of `run_id` read so far, with those new since the last read appended.
 
     The rows are the server's, shared by every session that shows the run
     (`gradflow.ui.run_rows`): the first session to see a new step reads it
-    for all of them.
+    for all of them. `rows`: the run's `RunRows` held by a page that shows
+    several runs; by default the live panel's (`_rows_of`), which holds one.
     """
-    cache = _rows_of(store, run_id)
+    cache = _rows_of(store, run_id) if rows is None else rows
     with cache.lock:
         if not cache.loaded:
             cache.layer_stats = store.layer_stats(run_id)
@@ -942,7 +943,7 @@ def _alerts_hint(store, run_id, cache):
     if events is None:
         return
     through, layers = _split_through_time(events)
-    words = [_ALERT_WORDS[k] for k in layers["kind"].drop_duplicates() if k in _ALERT_WORDS]
+    words = [ALERT_WORDS[k] for k in layers["kind"].drop_duplicates() if k in ALERT_WORDS]
     came_back = len(through) and through["kind"].iloc[-1] == "info"
     if len(through):
         # An LSTM's gradient fades through time until it learns to carry it.
@@ -964,7 +965,8 @@ def _split_through_time(events):
     return through, events[~about_time]
 
 
-_ALERT_WORDS = {
+# Each kind of alert in a student's words ("... found vanishing gradients").
+ALERT_WORDS = {
     "nonfinite": "NaN/Inf gradients",
     "exploding": "exploding gradients",
     "vanishing": "vanishing gradients",
@@ -981,28 +983,81 @@ def _run_events(store, run_id, cache):
     return alerts if len(alerts) else None
 
 
-def _alerts(store, run_id, cache):
-    stats = cache.layer_stats
+NO_ALERTS = "No alerts: no vanishing, exploding, dead or non-finite gradients detected."
+# Through time, an alert and its coming back are one story, not two kinds.
+THROUGH_TIME = "through time"
+
+
+def run_alerts(store, info, rows=None):
+    """What the diagnosis rules found in a run, for a page that shows its alerts.
+
+    Reads what is new in the run since the last look, and runs the rules on
+    those steps only (`_rule_events`): a page that redraws every second while
+    the run trains costs a short read and the rules over the new steps, once
+    for every session that shows the run. An ended run is read once.
+
+    Args:
+        store: The `RunStore`.
+        info: The run's `RunStore.run_info`.
+        rows: The run's `run_rows.RunRows`, held by the caller while it shows
+            the run (`run_rows.shared_rows`); by default the live panel's.
+
+    Returns:
+        The alerts as the Alerts view tells them (`alert_groups`), `[]` when
+        there are none.
+    """
+    run_id = info["run_id"]
+    cache = _read_new(
+        store,
+        run_id,
+        int(info.get("progress_step") or 0),
+        ended=info["status"] not in ACTIVE,
+        rows=rows,
+    )
     events = _run_events(store, run_id, cache)
-    if events is None:
-        st.success("No alerts: no vanishing, exploding, dead or non-finite gradients detected.")
-        return
+    return [] if events is None else alert_groups(events, cache.layer_stats)
+
+
+def alert_groups(events, layer_stats):
+    """`events` as the Alerts views tell them: `[(kind, its events)]`.
+
+    Each kind's events in step order, then layers in network order (input
+    first, not as strings: dense_2 before dense_10), each message once. The
+    gradient through time's alerts come last, as one group (`THROUGH_TIME`)
+    in step order: it vanished, came back (an `info`), vanished again.
+
+    Args:
+        events: A run's events (`_run_events`), not empty.
+        layer_stats: The run's statistics read so far, for the layers' order.
+    """
     events = events.drop_duplicates(subset=["kind", "layer", "message"])
-    # Layers in network order (input first), not as strings: dense_2 before dense_10.
-    order = stats.drop_duplicates("layer").set_index("layer")["layer_index"]
+    order = layer_stats.drop_duplicates("layer").set_index("layer")["layer_index"]
     events = events.assign(_order=events["layer"].map(order).astype(float).fillna(-1.0))
     events = events.sort_values(["step", "_order"], kind="stable")
     through, events = _split_through_time(events)
-    # The gradient through time's alerts are one story in step order: it
-    # vanished, came back (an `info`), vanished again.
-    groups = list(events.groupby("kind", sort=False)) + (
-        [("through time", through)] if len(through) else []
+    return list(events.groupby("kind", sort=False)) + (
+        [(THROUGH_TIME, through)] if len(through) else []
     )
-    # An `info` event (a loss-scale overflow, ...) is no alarm.
-    show = {"nonfinite": st.error, "exploding": st.error, "info": st.info}
-    for kind, group in groups:
+
+
+def alert_box(kind):
+    """The Streamlit box an alert of `kind` is shown in (`st.error`, `st.info`, `st.warning`).
+
+    NaN/Inf and exploding gradients wreck training: errors. An `info` event
+    (a loss-scale overflow, a gradient come back through time) is no alarm;
+    the other kinds are warnings.
+    """
+    return {"nonfinite": st.error, "exploding": st.error, "info": st.info}.get(kind, st.warning)
+
+
+def _alerts(store, run_id, cache):
+    events = _run_events(store, run_id, cache)
+    if events is None:
+        st.success(NO_ALERTS)
+        return
+    for kind, group in alert_groups(events, cache.layer_stats):
         for row in group.head(5).itertuples():
-            show.get(row.kind, st.warning)(row.message)
+            alert_box(row.kind)(row.message)
         if len(group) > 5:
             with st.expander(f"{len(group) - 5} more {kind} alerts"):
                 st.dataframe(
