@@ -194,6 +194,17 @@ def test_a_rule_that_fails_during_the_fit_warns_and_training_goes_on(tmp_path, m
     assert store.run_info(monitor.run_id)["status"] == "completed"
 
 
+def test_a_fit_shorter_than_every_keeps_its_logged_metrics():
+    """No step recorded yet: the compiled metrics of `fit`'s logs have no step to start from."""
+    x, y = make_data()
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    monitor = GradientMonitor(every=100, keep_steps=5)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    assert monitor.history.empty
+    assert monitor.metrics.query("name == 'mae'")["step"].tolist() == [1, 2, 3]
+
+
 @pytest.mark.parametrize("value", [-1, 2.5, True, "100"])
 def test_keep_steps_must_be_a_count_or_none(value):
     with pytest.raises(ValueError, match=r"`keep_steps` must be an integer >= 0 or None, got"):

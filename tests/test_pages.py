@@ -792,8 +792,8 @@ def test_alerts_come_in_network_order_and_none_is_hidden(page_environment):
     app = live_view(run_id, "Alerts")
     shown = [w.value.split(":")[0] for w in app.warning if w.value.startswith("Layer dense_")]
     assert shown == [f"Layer dense_{i}" for i in range(1, 6)]
-    [more] = [e for e in app.expander if "more vanishing alerts" in e.label]
-    assert more.label == "7 more vanishing alerts"
+    [more] = [e for e in app.expander if "more alerts about" in e.label]
+    assert more.label == "7 more alerts about vanishing gradients"
     table = more.dataframe[0].value
     assert table["layer"].tolist() == [f"dense_{i}" for i in range(6, 13)]
 

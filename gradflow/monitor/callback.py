@@ -1095,7 +1095,7 @@ class GradientMonitor(keras.callbacks.Callback):
             )
 
     def _diagnose_safely(self):
-        """`_diagnose`, where a rule's fault only warns: it must not stop training or lose the run."""
+        """`_diagnose`, where a rule's fault only warns: it must not stop training or a run."""
         try:
             self._diagnose()
         except Exception as error:
@@ -1170,15 +1170,19 @@ class GradientMonitor(keras.callbacks.Callback):
         self._frames = None
 
     def _shown(self, step, first):
-        """Whether `history` and `metrics` show `step`, when they start at step `first`."""
-        return self.keep_steps is None or (self.keep_steps > 0 and step >= first)
+        """Whether `history` and `metrics` show `step`, when they start at step `first`.
+
+        `first` is None before any step is recorded: the metrics of `fit`'s
+        logs are then all shown (a `fit` shorter than `every`).
+        """
+        if self.keep_steps is None:
+            return True
+        return self.keep_steps > 0 and (first is None or step >= first)
 
     def _first_kept_step(self):
-        """The first of the last `keep_steps` recorded steps: where `history` starts.
+        """The first of the last `keep_steps` recorded steps (with `keep_steps`): `history`'s first.
 
-        None when `keep_steps` is 0 (nothing is kept) or when the monitor
-        keeps every step (`keep_steps=None`): then `history` starts at its
-        first recorded step, and `_forget` drops nothing for `history`.
+        None when `keep_steps` is 0 (nothing is kept) or no step is recorded.
         """
         if self.keep_steps == 0:
             return None

@@ -13,12 +13,12 @@ from gradflow.ui.controls import WIDGETS
 from gradflow.ui.fragments import isolated_fragment, tick_after
 from gradflow.ui.live import (
     ACTIVE,
-    ALERT_WORDS,
     LIVE_MAX_COLUMNS,
     NO_ALERTS,
     POLL_SECONDS,
     THROUGH_TIME,
     alert_box,
+    more_alerts,
     run_alerts,
     run_name,
     tensor_label,
@@ -34,7 +34,6 @@ _ALERT_COLUMNS = 3
 _ALERT_COLUMNS_PRESENTED = 2  # at slide size the boxes' text is larger
 # Boxes shown through time: the story "vanished, came back, vanished again".
 _THROUGH_TIME_SHOWN = 3
-_MORE_ABOUT = {**ALERT_WORDS, THROUGH_TIME: "the gradient through time"}
 # While a run trains, "No alerts" is only so far.
 _NO_ALERTS_YET = NO_ALERTS.replace("No alerts:", "No alerts so far:")
 # Fields worth an A/B lesson, with the choices offered for each.
@@ -351,9 +350,7 @@ def _run_diagnosis(store, info, name, rows):
 
 
 def _more(kind, count):
-    """ "…and 7 more alerts about vanishing gradients", in a student's words."""
+    """ "…and 7 more alerts about vanishing gradients (the Live page's ... lists them)"."""
     if kind == "info":
-        return f"…and {count} more {'note' if count == 1 else 'notes'}."
-    about = _MORE_ABOUT.get(kind, kind.replace("_", " "))
-    alerts = "alert" if count == 1 else "alerts"
-    return f"…and {count} more {alerts} about {about} (the Live page's **Alerts** view lists them)."
+        return f"…and {more_alerts(kind, count)}."
+    return f"…and {more_alerts(kind, count)} (the Live page's **Alerts** view lists them)."

@@ -1040,6 +1040,21 @@ def alert_groups(events, layer_stats):
     )
 
 
+def more_alerts(kind, count):
+    """ "7 more alerts about dead ReLUs or saturated units": a group's rest, in a student's words.
+
+    Before, the kind's code name: "7 more dead_relu alerts", "2 more info alerts".
+    """
+    if kind == "info":
+        return f"{count} more {'note' if count == 1 else 'notes'}"
+    about = (
+        "the gradient through time"
+        if kind == THROUGH_TIME
+        else ALERT_WORDS.get(kind, kind.replace("_", " "))
+    )
+    return f"{count} more {'alert' if count == 1 else 'alerts'} about {about}"
+
+
 def alert_box(kind):
     """The Streamlit box an alert of `kind` is shown in (`st.error`, `st.info`, `st.warning`).
 
@@ -1059,7 +1074,7 @@ def _alerts(store, run_id, cache):
         for row in group.head(5).itertuples():
             alert_box(row.kind)(row.message)
         if len(group) > 5:
-            with st.expander(f"{len(group) - 5} more {kind} alerts"):
+            with st.expander(more_alerts(kind, len(group) - 5)):
                 st.dataframe(
                     group.iloc[5:][["step", "layer", "message"]],
                     hide_index=True,
