@@ -1006,16 +1006,28 @@ def run_alerts(store, info, rows=None):
         The alerts as the Alerts view tells them (`alert_groups`), `[]` when
         there are none.
     """
-    run_id = info["run_id"]
-    cache = _read_new(
+    cache = read_rows(store, info, rows)
+    events = _run_events(store, info["run_id"], cache)
+    return [] if events is None else alert_groups(events, cache.layer_stats)
+
+
+def read_rows(store, info, rows=None):
+    """A run's rows read so far (`run_rows.RunRows`), with those new since the last look.
+
+    Args:
+        store: The `RunStore`.
+        info: The run's `RunStore.run_info`: its progress says whether
+            anything is new, its status whether the run ended.
+        rows: The run's `run_rows.RunRows`, held by the caller while it shows
+            the run (`run_rows.shared_rows`); by default the live panel's.
+    """
+    return _read_new(
         store,
-        run_id,
+        info["run_id"],
         int(info.get("progress_step") or 0),
         ended=info["status"] not in ACTIVE,
         rows=rows,
     )
-    events = _run_events(store, run_id, cache)
-    return [] if events is None else alert_groups(events, cache.layer_stats)
 
 
 def alert_groups(events, layer_stats):
