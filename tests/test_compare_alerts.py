@@ -238,6 +238,33 @@ def test_a_training_runs_alerts_read_only_its_new_steps(page_environment, lesson
     assert len(read["ended"]) <= 1  # read once (or not at all: another page read it first)
 
 
+def test_a_run_compared_before_its_first_step_then_shows_its_steps(page_environment, lesson_pair):
+    """A lesson pair's second run starts later: the page read it with no step, and at its
+    first step every read of its shared rows raised (`after_step` -1), on Compare and on
+    the run's Live page, for every session, until the rows were let go."""
+    from gradflow.store import RunStore
+    from tests.test_pages import live_view
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 2}, name="second of the pair", status="running")
+    app = compare(lesson_pair[0], run_id)
+    column = run_columns(app)["second of the pair"]
+    assert [text for _, text in boxes(column)] == []  # nothing recorded yet
+    write_steps(store, run_id, 1, 30, ["hidden_1", "hidden_2"], lambda layer, step: 1.0)
+    with store.writer(run_id) as writer:
+        for step in range(1, 31):
+            writer.add_metrics(step, {"loss": 1.0 / step})
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    rows = app.session_state["compare.rows"][run_id]
+    assert rows.layer_stats["step"].max() == 30
+    assert sorted(rows.metrics.query("name == 'loss'")["step"]) == list(range(1, 31))
+    [(kind, text)] = boxes(run_columns(app)["second of the pair"])
+    assert kind == "success" and text.startswith("No alerts so far:")
+    live = live_view(run_id, "Alerts")  # the same shared rows, on the Live page
+    assert any(s.value.startswith("No alerts:") for s in live.success)
+
+
 def test_the_charts_read_only_new_steps_at_each_tick(page_environment, lesson_pair, monkeypatch):
     """The charts read every compared run whole at each tick: 0.3-0.6 s for a 40,000-step
     run's kernel rows, per run, every second while one trains (forty-first session)."""

@@ -435,7 +435,10 @@ def _metrics_from(cached, store, run_id, step):
     what is after the newest statistics never showed them.
     """
     kept = cached[cached["step"] < step] if len(cached) else cached
-    return _appended(kept, store.metrics(run_id, after_step=step - 1))
+    # Step 0: nothing was read yet (rows first read while the run had no
+    # step, as the Compare page reads a pair's second run): read them all.
+    after = step - 1 if step > 0 else None
+    return _appended(kept, store.metrics(run_id, after_step=after))
 
 
 def live_panel(info, key="live"):
