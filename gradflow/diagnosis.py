@@ -302,12 +302,26 @@ def _layer_norms(table):
         if "update_ratio" in weights.columns
         else pd.Series(np.nan, index=weights.index)
     )
+    # After the optimizer's clipping (NaN: not clipped, or not recorded).
+    clipped = (
+        pd.to_numeric(weights["l2_norm_clipped"], errors="coerce").astype("float64") ** 2
+        if "l2_norm_clipped" in weights.columns
+        else pd.Series(np.nan, index=weights.index)
+    )
     norms = (
-        weights.assign(_square=squares, _broken=broken, _update=update)
+        weights.assign(_square=squares, _broken=broken, _update=update, _clipped=clipped)
         .groupby(["step", "layer", "layer_index"], as_index=False, sort=True, observed=True)
-        .agg(_square=("_square", "sum"), _broken=("_broken", "any"), update=("_update", "max"))
+        .agg(
+            _square=("_square", "sum"),
+            _broken=("_broken", "any"),
+            update=("_update", "max"),
+            _clipped=("_clipped", "sum"),
+            _clipped_rows=("_clipped", "count"),
+        )
     )
     norms["norm"] = np.sqrt(norms.pop("_square"))
+    # A layer with no clipped norm recorded is NaN, not 0.
+    norms["clipped"] = np.sqrt(norms.pop("_clipped")).where(norms.pop("_clipped_rows") > 0)
     # A norm of +inf over entries that are all finite is beyond float32
     # itself (above 3.4e38): exploding, not broken.
     # NaN/Inf entries are the non-finite rule's.
@@ -615,6 +629,15 @@ def _exploding(norms, thresholds, steps):
         thresholds.repeat_after,
     )
     for row in _onsets(high).itertuples():
+        if row.clipped < 0.999 * row.norm:  # False where NaN (not clipped)
+            # With clipping on, "try gradient clipping" read as "it did nothing".
+            advice = (
+                f"the optimizer's clipping cut it to {row.clipped:.1e} before the update, so "
+                "the weights moved less than this gradient says; a smaller learning rate "
+                "tames the gradient itself."
+            )
+        else:
+            advice = "try a smaller learning rate or gradient clipping."
         events.append(
             (
                 row.step,
@@ -623,8 +646,7 @@ def _exploding(norms, thresholds, steps):
                 (
                     f"Layer {row.layer}: gradient norm {_norm_text(row.norm, thresholds.exploding_norm)} "
                     f"at step {row.step} "
-                    f"is above {thresholds.exploding_norm:.0e} — gradients are exploding; try a "
-                    "smaller learning rate or gradient clipping."
+                    f"is above {thresholds.exploding_norm:.0e} — gradients are exploding; " + advice
                 ),
             )
         )

@@ -460,6 +460,11 @@ _ALERTS_QUOTED = 10
 _GRAVITY = {"nonfinite": 0, "exploding": 1, "no_gradient": 2}
 
 
+def gravity(kind):
+    """How serious an alert of `kind` is: 0 for NaN/Inf, then exploding, no gradient, the rest."""
+    return _GRAVITY.get(kind, len(_GRAVITY))
+
+
 def alerts_in_order(alerts):
     """Alerts told once each, the most serious first (NaN/Inf, exploding, ...), then by step.
 

@@ -265,6 +265,36 @@ def test_a_run_compared_before_its_first_step_then_shows_its_steps(page_environm
     assert any(s.value.startswith("No alerts:") for s in live.success)
 
 
+def test_a_run_deleted_while_the_charts_tick_is_left_out(page_environment, lesson_pair):
+    """A fragment's tick keeps the run ids it was drawn with: a run deleted on the Runs page
+    meanwhile raised `UnknownRunError` at every tick."""
+    from streamlit.testing.v1 import AppTest
+
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    gone = store.create_run({"depth": 1}, name="gone", status="completed")
+    store.delete(gone)
+
+    def tick(run_ids):
+        # What a tick of the comparison's fragment runs, with the ids it was drawn with.
+        from gradflow.ui import compare
+
+        compare._draw_charts(run_ids, False)
+
+    for run_ids, says in (
+        (lesson_pair + (gone,), None),
+        ((lesson_pair[0], gone), "A compared run was deleted: pick two or more runs."),
+    ):
+        app = AppTest.from_function(tick, args=(run_ids,), default_timeout=120)
+        app.run()
+        assert not app.exception, [e.value for e in app.exception]
+        if says:
+            assert [i.value for i in app.info] == [says]
+        else:
+            assert set(run_columns(app)) == {"deep sigmoid", "relu he"}
+
+
 def test_the_charts_read_only_new_steps_at_each_tick(page_environment, lesson_pair, monkeypatch):
     """The charts read every compared run whole at each tick: 0.3-0.6 s for a 40,000-step
     run's kernel rows, per run, every second while one trains (forty-first session)."""
@@ -350,3 +380,24 @@ def test_four_runs_are_two_rows_of_two(lesson_pair, page_environment):
 
     assert list(rows_of_columns(app._tree)) == [["deep sigmoid", "relu he"], ["third", "fourth"]]
     assert [kind for kind, _ in boxes(columns["fourth"])] == ["success"]
+
+
+def test_the_most_serious_kind_comes_first():
+    """A diverged run's column opened with the explosion two steps before its NaN, and a
+    long dead-ReLU box; the NaN came third (the teacher's audit)."""
+    from gradflow.ui.live import THROUGH_TIME, alert_groups
+
+    events = pd.DataFrame(
+        [
+            (2, "dense_1", "exploding", "Layer dense_1: gradient norm 1.7e+10 ..."),
+            (2, "dense_2", "dead_relu", "Layer dense_2: 90% of units ..."),
+            (2, "t=01", "vanishing", "Through time (training step 2): ..."),
+            (3, "dense_9", "nonfinite", "The loss itself was NaN at step 3 ..."),
+            (3, "dense_1", "exploding", "Layer dense_1: again ..."),
+        ],
+        columns=["step", "layer", "kind", "message"],
+    )
+    stats = pd.DataFrame({"layer": [f"dense_{i}" for i in range(10)], "layer_index": range(10)})
+    groups = alert_groups(events, stats)
+    assert [kind for kind, _ in groups] == ["nonfinite", "exploding", "dead_relu", THROUGH_TIME]
+    assert groups[1][1]["step"].tolist() == [2, 3]

@@ -244,6 +244,33 @@ def test_vanishing_message_reads_plainly():
     )
 
 
+def test_an_exploding_gradient_the_optimizer_clipped_says_so():
+    """A clipped run was told "try ... gradient clipping", word for word as the unclipped one:
+    students read it as "clipping did nothing" (the teacher's audit, forty-first session)."""
+    clipped = {"l2_norm_clipped": 3.0}
+    table = pd.concat(
+        [
+            healthy_run(),
+            rows(
+                (6, "dense_2", 2, "kernel", 4e3, clipped), (6, "dense_2", 2, "bias", 3e3, clipped)
+            ),
+            # Clipping on, this layer's gradient under its threshold: unchanged.
+            rows((6, "dense_1", 1, "kernel", 2e3, {"l2_norm_clipped": 2e3})),
+        ]
+    )
+    found = diagnose(table).set_index("layer")["message"]
+    assert found["dense_2"].endswith(
+        "gradients are exploding; the optimizer's clipping cut it to 4.2e+00 before the update, "
+        "so the weights moved less than this gradient says; a smaller learning rate tames the "
+        "gradient itself."
+    )
+    assert "5.0e+03" in found["dense_2"]  # the norm before clipping, both tensors
+    assert found["dense_1"].endswith("try a smaller learning rate or gradient clipping.")
+    # No clipped norms recorded (a probe, an older store): as before.
+    table = table.drop(columns="l2_norm_clipped")
+    assert diagnose(table)["message"].str.endswith("or gradient clipping.").all()
+
+
 def test_a_vanishing_ratio_alert_names_every_layer_below_it():
     """A blind student asked "in which layers do the gradients vanish?" heard only
     the first: dense_1 to dense_6 were all below the ratio, one alert named dense_1."""

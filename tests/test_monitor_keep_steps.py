@@ -85,6 +85,23 @@ def test_keep_steps_zero_keeps_nothing_in_memory_and_everything_in_the_store(tmp
     assert len(store.histograms(kept.run_id)) == len(full.histogram_rows)
 
 
+def deep_sigmoid():
+    """Eight sigmoid layers drawn small: the rules alert on them (vanishing, then exploding)."""
+    keras.utils.set_random_seed(0)
+    init = keras.initializers.RandomNormal(stddev=0.05)
+    model = keras.Sequential(
+        [keras.Input((4,))]
+        + [
+            keras.layers.Dense(8, "sigmoid", kernel_initializer=init, name=f"hidden_{i}")
+            for i in range(8)
+        ]
+        + [keras.layers.Dense(1, "sigmoid", name="out")],
+        name="deep_sigmoid",
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="binary_crossentropy")
+    return model
+
+
 @pytest.mark.parametrize("keep_steps", [0, 30])
 def test_rules_read_every_step_and_memory_stays_bounded(monkeypatch, keep_steps):
     """A deep sigmoid MLP whose gradients vanish: the same alerts as a monitor that keeps all.
@@ -98,21 +115,6 @@ def test_rules_read_every_step_and_memory_stays_bounded(monkeypatch, keep_steps)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(256, 4)).astype("float32")
     y = (x[:, :1] > 0).astype("float32")
-
-    def deep_sigmoid():
-        keras.utils.set_random_seed(0)
-        init = keras.initializers.RandomNormal(stddev=0.05)
-        model = keras.Sequential(
-            [keras.Input((4,))]
-            + [
-                keras.layers.Dense(8, "sigmoid", kernel_initializer=init, name=f"hidden_{i}")
-                for i in range(8)
-            ]
-            + [keras.layers.Dense(1, "sigmoid", name="out")],
-            name="deep_sigmoid",
-        )
-        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="binary_crossentropy")
-        return model
 
     full, kept = GradientMonitor(), GradientMonitor(keep_steps=keep_steps)
     most = []
@@ -139,6 +141,25 @@ def test_rules_read_every_step_and_memory_stays_bounded(monkeypatch, keep_steps)
     if keep_steps:
         tail = full.history[full.history["step"] > 384 - keep_steps].reset_index(drop=True)
         pd.testing.assert_frame_equal(kept.history, tail)
+
+
+def test_events_are_in_step_order_as_a_monitor_that_keeps_all_tells_them(monkeypatch):
+    """A NaN is told when its step is read, the rules' findings when they run: with
+    `keep_steps`, during the fit, so the two monitors listed the same events in two orders
+    (the practitioner's audit)."""
+    monkeypatch.setattr(callback_module, "_DIAGNOSED_ROWS", 200)
+    monkeypatch.setattr(callback_module, "_READ_INTERVAL_S", 0.0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8 * 120, 4)).astype("float32")
+    y = (x[:, :1] > 0).astype("float32")
+    y[8 * 100 : 8 * 101] = np.nan  # the loss of step 101 is NaN
+    full, kept = GradientMonitor(), GradientMonitor(keep_steps=0)
+    for monitor in (full, kept):
+        deep_sigmoid().fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[monitor])
+    kinds = kept.events.set_index("step")["kind"]
+    assert kinds[101] == "nonfinite" and (kinds[kinds.index < 101] != "nonfinite").any()
+    assert kept.events["step"].is_monotonic_increasing
+    pd.testing.assert_frame_equal(kept.events, full.events)
 
 
 def test_a_later_fit_numbers_its_steps_after_the_steps_let_go(tmp_path):

@@ -148,8 +148,12 @@ class GradientMonitor(keras.callbacks.Callback):
             written to a `store` (or TensorBoard), which has every step. `0`
             keeps none; `events` are always kept, and the diagnosis rules
             still read every step (during the `fit`, in pieces of about
-            100,000 rows, before older steps go). Defaults to `None`: every
-            recorded step stays in memory.
+            100,000 rows, before older steps go). What the monitor holds
+            then stays bounded: up to a piece of rows the rules have not
+            read, and the steps they look back at (`repeat_after` + 1
+            recorded steps and `growth_window` steps before them; through
+            time, 10 times as many). Defaults to `None`: every recorded step
+            stays in memory.
         run_id: Write into this existing run of `store` instead of creating
             one. Defaults to `None`.
         run_name: Name of the run the monitor creates. Defaults to `None`.
@@ -182,9 +186,9 @@ class GradientMonitor(keras.callbacks.Callback):
             to differentiate and the monitor warns and records nothing.
         rules: A `gradflow.diagnosis.Thresholds` for the diagnosis rules
             (vanishing, exploding, dead ReLU, saturation, vanishing through
-            time) that run on the
-            history at the end of training; their findings join `.events`.
-            Defaults to `None` (the default thresholds).
+            time) that run on the history at the end of training (with
+            `keep_steps`, during it, in pieces); their findings join
+            `.events`. Defaults to `None` (the default thresholds).
 
     Attributes:
         history: Tidy layer statistics (`schema.LAYER_STATS_COLUMNS`).
@@ -313,15 +317,22 @@ class GradientMonitor(keras.callbacks.Callback):
 
     @property
     def metrics(self):
-        """Per-step metrics in long form: `step, name, value` (a DataFrame)."""
+        """Per-step metrics in long form: `step, name, value` (a DataFrame).
+
+        With `keep_steps`, from the first of the last `keep_steps` recorded
+        steps on (with `every > 1`, the logged metrics of the batches after it too).
+        """
         self._catch_up()
         return self._tables()[1]
 
     @property
     def events(self):
-        """Events such as the non-finite origin: `step, layer, kind, message`."""
+        """Events such as the non-finite origin: `step, layer, kind, message`, in step order."""
         self._catch_up()
         events = pd.DataFrame(self._events, columns=list(schema.EVENTS_COLUMNS))
+        # In the order found, a NaN (told when read) came before the rules'
+        # findings of the steps before it, or after them with `keep_steps`.
+        events = events.sort_values("step", kind="stable", na_position="last", ignore_index=True)
         # As `diagnose` returns them, empty too (an empty frame's steps were objects).
         return events.astype({"step": "int64"}) if events["step"].notna().all() else events
 
@@ -345,7 +356,10 @@ class GradientMonitor(keras.callbacks.Callback):
 
     @property
     def histogram_rows(self):
-        """Recorded histograms as a DataFrame: `step, layer, layer_index, tensor, counts`."""
+        """Recorded histograms as a DataFrame: `step, layer, layer_index, tensor, counts`.
+
+        With `keep_steps`, of the last `keep_steps` recorded steps only.
+        """
         rows = [
             (step, layer, index, tensor, counts)
             for step, layer, index, tensor, counts in self._histogram_rows()

@@ -203,6 +203,12 @@ def _charts(run_ids, was_active):
 def _draw_charts(run_ids, was_active):
     """Draws the comparison; returns whether a run is still active."""
     store = resources.run_store()
+    # A tick keeps the runs it was drawn with: one may have been deleted on
+    # the Runs page since (the picker leaves it out at the next full rerun).
+    run_ids = _existing(store, run_ids)
+    if len(run_ids) < 2:
+        st.info("A compared run was deleted: pick two or more runs.")
+        return False
     held = _held_rows(store, run_ids)
     names, stats, metrics, statuses, infos = {}, {}, {}, [], []
     for run_id in run_ids:
@@ -276,6 +282,18 @@ def _draw_charts(run_ids, was_active):
             )
     _diagnosis(store, infos, names, held, presentation)
     return active
+
+
+def _existing(store, run_ids):
+    """The runs of `run_ids` still in the store."""
+    existing = []
+    for run_id in run_ids:
+        try:
+            store.status(run_id)
+        except UnknownRunError:
+            continue
+        existing.append(run_id)
+    return tuple(existing)
 
 
 def _charted(layer_stats):

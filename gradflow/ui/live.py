@@ -1036,10 +1036,12 @@ def read_rows(store, info, rows=None):
 def alert_groups(events, layer_stats):
     """`events` as the Alerts views tell them: `[(kind, its events)]`.
 
-    Each kind's events in step order, then layers in network order (input
-    first, not as strings: dense_2 before dense_10), each message once. The
-    gradient through time's alerts come last, as one group (`THROUGH_TIME`)
-    in step order: it vanished, came back (an `info`), vanished again.
+    The most serious kind first (NaN/Inf, exploding: `export.gravity`),
+    then in the order of their first alerts; each kind's events in step
+    order, then layers in network order (input first, not as strings:
+    dense_2 before dense_10), each message once. The gradient through time's
+    alerts come last, as one group (`THROUGH_TIME`) in step order: it
+    vanished, came back (an `info`), vanished again.
 
     Args:
         events: A run's events (`_run_events`), not empty.
@@ -1050,9 +1052,9 @@ def alert_groups(events, layer_stats):
     events = events.assign(_order=events["layer"].map(order).astype(float).fillna(-1.0))
     events = events.sort_values(["step", "_order"], kind="stable")
     through, events = _split_through_time(events)
-    return list(events.groupby("kind", sort=False)) + (
-        [(THROUGH_TIME, through)] if len(through) else []
-    )
+    # A run that diverged: its NaN is the lesson, not the explosion two steps before.
+    by_kind = sorted(events.groupby("kind", sort=False), key=lambda group: export.gravity(group[0]))
+    return by_kind + ([(THROUGH_TIME, through)] if len(through) else [])
 
 
 def more_alerts(kind, count):
