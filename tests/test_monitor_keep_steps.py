@@ -69,6 +69,7 @@ def test_keep_steps_zero_keeps_nothing_in_memory_and_everything_in_the_store(tmp
     model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[kept])
     assert kept.history.empty and kept.metrics.empty and kept.histogram_rows.empty
     assert list(kept.history.columns) == list(GradientMonitor().history.columns)
+    assert kept.history["step"].dtype == "int64"  # as `.events`, and a table with rows
 
     full = GradientMonitor(histograms=True)
     model = make_model()

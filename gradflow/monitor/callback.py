@@ -1271,7 +1271,8 @@ def _layer_history(blocks):
         for run in _layout_runs(blocks)
     ]
     if not frames:
-        return pd.DataFrame(columns=list(schema.LAYER_STATS_COLUMNS))
+        # Integer steps, as a table with rows and `.events` have them.
+        return pd.DataFrame(columns=list(schema.LAYER_STATS_COLUMNS)).astype({"step": "int64"})
     return pd.concat(frames, ignore_index=True)
 
 
