@@ -967,7 +967,7 @@ def test_compared_heatmaps_carry_a_one_per_row_layout_for_narrow_screens():
     assert [t.xaxis for t in wide.data] == [t.xaxis for t in stacked.data]  # same axes
     for name in ("xaxis", "xaxis3", "yaxis2", "yaxis3"):
         assert narrow[name]["domain"] == list(stacked.layout[name].domain)
-    assert narrow["height"] == stacked.layout.height == 3 * wide.layout.height
+    assert narrow["height"] == stacked.layout.height > 3 * wide.layout.height  # + 2 row gaps
     with pytest.raises(ValueError, match="`columns` must be a positive integer or None, got 0"):
         figures.compare_heatmaps(runs, columns=0)
     # The one-per-row layout is made once per set of runs and layers: a run
@@ -977,6 +977,38 @@ def test_compared_heatmaps_carry_a_one_per_row_layout_for_narrow_screens():
     fresh = figures.compare_heatmaps(longer, "max_abs", columns=1).figure.layout
     for name in ("xaxis", "xaxis2", "xaxis3"):
         assert grown[name]["range"] == list(fresh[name].range) != narrow[name]["range"]
+
+
+def row_gaps(layout, count, cols):
+    """Pixels between each row of panels and the row below it, from a figure's layout."""
+    area = layout.height - layout.margin.t - layout.margin.b
+    axis = lambda n: layout[f"yaxis{n + 1 if n else ''}"]  # noqa: E731
+    return [
+        (axis(row * cols).domain[0] - axis((row + 1) * cols).domain[1]) * area
+        for row in range(math.ceil(count / cols) - 1)
+    ]
+
+
+@pytest.mark.parametrize("presentation", [False, True])
+def test_rows_of_compared_heatmaps_leave_room_for_the_titles_below(presentation):
+    """At slide size four runs' panels had a run's two-line name drawn over the "step" of
+    the panel above (the gap was a share of the height between the margins: about 90 px)."""
+    stats = _deep_run(4)
+    names = ["Deep sigmoid: the gradient fades", "ReLU + He: it reaches the input", "lr 0.1"]
+    runs = {name: stats for name in names + ["Learning rate 10: the loss diverges to NaN"]}
+    figure = figures.compare_heatmaps(runs, "max_abs", presentation=presentation).figure
+    font = figures.style.font_size_of(presentation)
+    lower_title = figure.layout.annotations[3]
+    lines = lower_title.text.count("<br>") + 1
+    assert lines >= 2
+    # The step axis's tick labels and title, then the title's lines.
+    [gap] = row_gaps(figure.layout, 4, 3)
+    assert gap >= 3 * font + lines * 1.3 * font, gap
+    assert lower_title.y == figure.layout.yaxis4.domain[1]  # the title sits on its panel
+    # Seven runs one to a row: the same gaps, within Plotly's limits.
+    seven = figures.compare_heatmaps({f"run {n}": stats for n in range(7)}, columns=1).figure
+    gaps = row_gaps(seven.layout, 7, 1)
+    assert len(gaps) == 6 and min(gaps) == pytest.approx(max(gaps)) and min(gaps) > 3 * 13
 
 
 def test_chart_descriptions_use_words_not_column_names():

@@ -130,7 +130,15 @@ def compare_heatmaps(
     wrapped = max((a.text or "").count("<br>") for a in figure.layout.annotations)
     extra += wrapped * (font + 14)
     if extra:
-        figure.update_layout(margin_t=figure.layout.margin.t + extra)
+        # Taller by as much: the panels keep their size and their rows'
+        # gaps (`_space_rows` set them in shares of the height between the margins).
+        figure.update_layout(
+            margin_t=figure.layout.margin.t + extra,
+            height=figure.layout.height + extra,
+            # At the top, not in the middle of the taller margin, where it
+            # ran into the first line of three-line panel titles.
+            title=dict(y=1, yref="container", yanchor="top", pad=dict(t=16)),
+        )
     if cols > 1:
         # The same panels one per row (the axes keep their numbers, so the
         # traces stay on theirs): what the live chart swaps in when narrow.
@@ -199,7 +207,13 @@ def _panels(named, grids, cols, presentation):
     same_layers = all(g.layer == grids[0].layer for g in grids)
     in_time = any(g.tensor == schema.TIME_STEP for g in grids)
     panel = min(700, max(380, 60 + 18 * max(len(g.layer) for g in grids)))
-    height = rows * panel
+    # Two presets' names side by side ran into each other at 1280 px
+    # ("...it cannot remeLSTM on..."): two lines each when long.
+    titles = [
+        style.wrap_label(name, _TITLE_CHARACTERS[presentation] * 2 // cols) for name, _ in named
+    ]
+    gap = _row_gap(titles[cols:], presentation)
+    height = rows * panel + (rows - 1) * gap
     # As many row labels as the panel's height holds at the font's size: the
     # 30 time steps of a recurrent run overlapped at slide size.
     labels = max(2, int((panel - 140) / (1.15 * style.font_size_of(presentation))))
@@ -207,17 +221,12 @@ def _panels(named, grids, cols, presentation):
         figure=style.new_figure(),
         rows=rows,
         cols=cols,
-        # Two presets' names side by side ran into each other at 1280 px
-        # ("...it cannot remeLSTM on..."): two lines each when long.
-        subplot_titles=[
-            style.wrap_label(name, _TITLE_CHARACTERS[presentation] * 2 // cols) for name, _ in named
-        ],
+        subplot_titles=titles,
         shared_yaxes=same_layers,
         horizontal_spacing=0.05 if same_layers else 0.22,
-        # About 130 px between rows for the titles, whatever the number of
-        # rows: a fixed share of the height passed Plotly's limit of
-        # 1/(rows - 1) at seven runs, one to a row.
-        vertical_spacing=min(0.18, 130 / height) if rows > 1 else 0.1,
+        # Set in pixels by `space_rows` once the margins are known: a share
+        # of the height passed Plotly's limit of 1/(rows - 1) at seven runs.
+        vertical_spacing=min(0.9 / (rows - 1), gap / height) if rows > 1 else 0.1,
     )
     for number, layer_grid in enumerate(grids):
         row, col = divmod(number, cols)
@@ -246,7 +255,42 @@ def _panels(named, grids, cols, presentation):
     figure.update_xaxes(showgrid=False)
     figure.update_yaxes(showgrid=False)
     style.apply_style(figure, presentation)
+    _space_rows(figure, len(grids), cols, gap)
     return figure
+
+
+def _row_gap(titles, presentation):
+    """Pixels between rows of panels: a row's step axis (its tick labels and
+    title) and the titles of the panels below it, at the figures' font size.
+
+    A fixed share of the height left about 90 px: at slide size a
+    two-line run name below the first row was drawn over its "step".
+    """
+    font = style.font_size_of(presentation)
+    lines = max((title.count("<br>") + 1 for title in titles), default=1)
+    return round(3.5 * font + 1.4 * font * lines + 24)
+
+
+def _space_rows(figure, count, cols, gap):
+    """Rows of `count` panels, `cols` to a row, `gap` px apart, in the figure's height and margins.
+
+    Plotly's subplots share out the height between the margins, so a gap
+    set as a share of the figure shrank as the margins grew (a wrapped
+    title, a subtitle). Run again after a margin changes.
+    """
+    rows = math.ceil(count / cols)
+    if rows < 2:
+        return
+    margin = figure.layout.margin
+    area = figure.layout.height - margin.t - margin.b
+    panel = (area - (rows - 1) * gap) / rows
+    for number in range(count):
+        top = 1 - (number // cols) * (panel + gap) / area
+        figure.layout[f"yaxis{number + 1 if number else ''}"].domain = [
+            max(0.0, top - panel / area),
+            top,
+        ]
+        figure.layout.annotations[number].y = top  # the panel's title
 
 
 def compare_profiles(
