@@ -155,25 +155,12 @@ def test_the_live_alerts_view_tells_the_same_first_alert(lesson_pair):
 def test_a_runs_nan_is_an_error_box(page_environment, lesson_pair):
     """The monitor's stored NaN event is told as an error, not as a warning."""
     from gradflow.store import RunStore
+    from tests.test_pages import write_a_nan_at_step_2
 
     store = RunStore(page_environment)
     run_id = store.create_run({"depth": 2}, name="blew up", status="running")
-    stats = pd.DataFrame(
-        {
-            "step": [1, 1, 2, 2],
-            "layer": ["dense", "output"] * 2,
-            "layer_index": [0, 1] * 2,
-            "tensor": "kernel",
-            "max_abs": [0.5, 0.5, np.nan, np.nan],
-            "l2_norm": [0.5, 0.5, np.nan, np.nan],
-            "nonfinite": [0, 0, 8, 4],
-        }
-    )
     message = "Layer output: first non-finite (NaN/Inf) gradient at step 2 (stored)."
-    with store.writer(run_id) as writer:
-        writer.add_layer_stats(stats)
-        writer.add_event(2, "output", "nonfinite", message)
-        writer.progress(2)
+    write_a_nan_at_step_2(store, run_id, message)
     store.set_status(run_id, "diverged")
     columns = run_columns(compare(run_id, lesson_pair[1]))
     said = list(boxes(columns["blew up"]))

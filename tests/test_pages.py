@@ -1472,16 +1472,10 @@ def test_a_data_set_this_server_has_not_downloaded_is_said_before_start(
     assert not any("first statistics appear" in c for c in captions)
 
 
-def test_the_nan_origin_is_one_alert_not_two(page_environment):
-    """The monitor's stored event and the rules' finding of the same step both showed."""
+def write_a_nan_at_step_2(store, run_id, message):
+    """Two layers' steps 1 (finite) and 2 (NaN), and the monitor's `nonfinite` event `message`."""
     import pandas as pd
 
-    from gradflow.store import RunStore
-    from gradflow.ui.live import _run_events
-    from gradflow.ui.run_rows import RunRows
-
-    store = RunStore(page_environment)
-    run_id = store.create_run({"depth": 2}, name="diverged", status="running")
     stats = pd.DataFrame(
         {
             "step": [1, 1, 2, 2],
@@ -1495,8 +1489,19 @@ def test_the_nan_origin_is_one_alert_not_two(page_environment):
     )
     with store.writer(run_id) as writer:
         writer.add_layer_stats(stats)
-        writer.add_event(2, "output", "nonfinite", "First non-finite gradient at step 2: ...")
+        writer.add_event(2, "output", "nonfinite", message)
         writer.progress(2)
+
+
+def test_the_nan_origin_is_one_alert_not_two(page_environment):
+    """The monitor's stored event and the rules' finding of the same step both showed."""
+    from gradflow.store import RunStore
+    from gradflow.ui.live import _run_events
+    from gradflow.ui.run_rows import RunRows
+
+    store = RunStore(page_environment)
+    run_id = store.create_run({"depth": 2}, name="diverged", status="running")
+    write_a_nan_at_step_2(store, run_id, "First non-finite gradient at step 2: ...")
     cache = RunRows(store.layer_stats(run_id), store.metrics(run_id), store.histograms(run_id))
     cache.last_step = 2
     events = _run_events(store, run_id, cache)

@@ -1009,28 +1009,26 @@ class GradientMonitor(keras.callbacks.Callback):
                     )
         return rows
 
-    def _kept_blocks(self):
-        """The blocks `history` shows: with `keep_steps`, only its last recorded steps.
+    def _kept_blocks(self, first=None):
+        """The blocks `history` shows: with `keep_steps`, its steps from `first` on.
 
         `_blocks` may hold older steps too, which the rules still look back at.
+
+        Args:
+            first: `_first_kept_step()`, if the caller has it already.
         """
         if self.keep_steps is None:
             return self._blocks
-        first = self._first_kept_step()
+        first = self._first_kept_step() if first is None else first
         if first is None:  # `keep_steps=0`, or nothing recorded
             return []
-        kept = []
-        for block in self._blocks:
-            keep = block[0] >= first
-            if keep.any():
-                kept.append(
-                    tuple(part if part is None else part[keep] for part in block[:4]) + block[4:]
-                )
-        return kept
+        kept = [_steps_of(block, block[0] >= first) for block in self._blocks]
+        return [block for block in kept if len(block[0])]
 
     def _tables(self):
         if self._frames is None:
-            blocks = self._kept_blocks()
+            first = None if self.keep_steps is None else self._first_kept_step()
+            blocks = self._kept_blocks(first)
             history = _layer_history(blocks)
             metric_frames = [
                 metrics_frame(
@@ -1045,7 +1043,6 @@ class GradientMonitor(keras.callbacks.Callback):
                 step_metrics = pd.concat(metric_frames, ignore_index=True)
             else:
                 step_metrics = pd.DataFrame(columns=list(schema.METRICS_COLUMNS))
-            first = None if self.keep_steps is None else self._first_kept_step()
             extra = pd.DataFrame(
                 [row for row in self._metric_rows if self._shown(row[0], first)],
                 columns=list(schema.METRICS_COLUMNS),
@@ -1169,9 +1166,7 @@ class GradientMonitor(keras.callbacks.Callback):
             dropped = int(steps[~keep].max())
             self._forgotten_through = max(dropped, self._forgotten_through or dropped)
             if keep.any():
-                kept.append(
-                    tuple(part if part is None else part[keep] for part in block[:4]) + block[4:]
-                )
+                kept.append(_steps_of(block, keep))
             else:
                 self._diagnosed_blocks -= 1
         self._blocks = kept
@@ -1251,6 +1246,11 @@ class GradientMonitor(keras.callbacks.Callback):
                 continue  # the monitor reported it already, when it happened
             if (int(step), layer, kind) not in known:
                 self._add_event(int(step), layer, kind, message)
+
+
+def _steps_of(block, keep):
+    """A `(steps, stats, metrics, histograms, layout)` block with only the steps `keep` marks."""
+    return tuple(part if part is None else part[keep] for part in block[:4]) + block[4:]
 
 
 def _layout_runs(blocks):

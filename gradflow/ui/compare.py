@@ -203,20 +203,24 @@ def _charts(run_ids, was_active):
 def _draw_charts(run_ids, was_active):
     """Draws the comparison; returns whether a run is still active."""
     store = resources.run_store()
-    # A tick keeps the runs it was drawn with: one may have been deleted on
-    # the Runs page since (the picker leaves it out at the next full rerun).
-    run_ids = _existing(store, run_ids)
-    if len(run_ids) < 2:
+    infos = []
+    for run_id in run_ids:
+        try:
+            infos.append(store.run_info(run_id))
+        except UnknownRunError:
+            # A tick keeps the runs it was drawn with: this one was deleted on
+            # the Runs page since (the picker leaves it out at the next full rerun).
+            continue
+    if len(infos) < 2:
         st.info("A compared run was deleted: pick two or more runs.")
         return False
+    run_ids = [info["run_id"] for info in infos]
     held = _held_rows(store, run_ids)
-    names, stats, metrics, statuses, infos = {}, {}, {}, [], []
-    for run_id in run_ids:
-        info = store.run_info(run_id)
+    names, stats, metrics, statuses = {}, {}, {}, []
+    for run_id, info in zip(run_ids, infos, strict=True):
         name = info["name"] if info["name"] not in names.values() else f"{info['name']} ({run_id})"
         names[run_id] = name
         statuses.append(info["status"])
-        infos.append(info)
         # Only what is new since the last tick, shared with every session
         # that shows the run: a whole 40,000-step run's kernel rows took
         # 0.3-0.6 s to read, per run and per tick (forty-first session).
@@ -284,18 +288,6 @@ def _draw_charts(run_ids, was_active):
     return active
 
 
-def _existing(store, run_ids):
-    """The runs of `run_ids` still in the store."""
-    existing = []
-    for run_id in run_ids:
-        try:
-            store.status(run_id)
-        except UnknownRunError:
-            continue
-        existing.append(run_id)
-    return tuple(existing)
-
-
 def _charted(layer_stats):
     """The rows the comparison draws: the kernels', and the rows through time."""
     if layer_stats.empty:
@@ -360,7 +352,7 @@ def _run_diagnosis(store, info, name, rows):
     st.markdown(f"**{plain_markdown(name)}**")
     try:
         # Incremental while the run trains: the rules read only the new steps.
-        groups = run_alerts(store, info, rows)
+        groups = run_alerts(store, info["run_id"], rows)
     except UnknownRunError:
         st.caption("This run was deleted meanwhile.")
         return

@@ -991,27 +991,25 @@ NO_ALERTS = "No alerts: no vanishing, exploding, dead or non-finite gradients de
 THROUGH_TIME = "through time"
 
 
-def run_alerts(store, info, rows=None):
+def run_alerts(store, run_id, rows):
     """What the diagnosis rules found in a run, for a page that shows its alerts.
 
-    Reads what is new in the run since the last look, and runs the rules on
-    those steps only (`_rule_events`): a page that redraws every second while
-    the run trains costs a short read and the rules over the new steps, once
-    for every session that shows the run. An ended run is read once.
+    The rules run on the steps `rows` got since they last ran (`_rule_events`):
+    a page that redraws every second while the run trains costs the rules
+    over the new steps, once for every session that shows the run.
 
     Args:
         store: The `RunStore`.
-        info: The run's `RunStore.run_info`.
-        rows: The run's `run_rows.RunRows`, held by the caller while it shows
-            the run (`run_rows.shared_rows`); by default the live panel's.
+        run_id: The run.
+        rows: The run's `run_rows.RunRows`, as the caller read them this tick
+            (`read_rows`).
 
     Returns:
         The alerts as the Alerts view tells them (`alert_groups`), `[]` when
         there are none.
     """
-    cache = read_rows(store, info, rows)
-    events = _run_events(store, info["run_id"], cache)
-    return [] if events is None else alert_groups(events, cache.layer_stats)
+    events = _run_events(store, run_id, rows)
+    return [] if events is None else alert_groups(events, rows.layer_stats)
 
 
 def read_rows(store, info, rows=None):
@@ -1083,11 +1081,11 @@ def alert_box(kind):
 
 
 def _alerts(store, run_id, cache):
-    events = _run_events(store, run_id, cache)
-    if events is None:
+    groups = run_alerts(store, run_id, cache)
+    if not groups:
         st.success(NO_ALERTS)
         return
-    for kind, group in alert_groups(events, cache.layer_stats):
+    for kind, group in groups:
         for row in group.head(5).itertuples():
             alert_box(row.kind)(row.message)
         if len(group) > 5:
