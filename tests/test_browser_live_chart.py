@@ -666,6 +666,39 @@ def test_on_a_phone_held_sideways_the_live_heatmaps_stand_one_above_the_other(
             context.close()
 
 
+ALERT_COLUMNS = """() => [...document.querySelectorAll('.st-key-compare-alerts [data-testid="stColumn"]')]
+  .filter(c => c.innerText.trim()).map(c => { const b = c.getBoundingClientRect();
+    return {x: Math.round(b.x), y: Math.round(b.y), width: Math.round(b.width)}; })"""
+
+
+@pytest.mark.parametrize("width", [800, 1400])
+def test_three_compared_runs_alerts_stay_wide_enough_to_read(
+    chromium, tmp_path, artifacts_dir, width
+):
+    """At 800 px, beside the sidebar, three alert columns were about 145 px
+    each: a few words a line. A column narrower than 220 px now goes to the
+    next line; at 1400 px the three stay side by side."""
+    db = tmp_path / "runs.db"
+    runs = [completed_run(db, name) for name in ("relu", "sigmoid", "tanh")]
+    with streamlit_server(
+        db,
+        extra_env={"GRADFLOW_PREWARM": "0"},
+        log_path=artifacts_dir / f"compare-alerts-{width}px-server.log",
+    ) as (url, _):
+        page = chromium.new_page(viewport={"width": width, "height": 900})
+        try:
+            page.goto(f"{url}/compare?runs={','.join(runs)}")
+            page.wait_for_function(f"() => ({ALERT_COLUMNS})().length === 3", timeout=120_000)
+            page.locator(".st-key-compare-alerts").scroll_into_view_if_needed()
+            page.screenshot(path=str(artifacts_dir / f"compare-alerts-{width}px.png"))
+            columns = page.evaluate(ALERT_COLUMNS)
+            assert min(c["width"] for c in columns) >= 220, columns
+            rows = len({c["y"] for c in columns})
+            assert rows == (1 if width == 1400 else 2), columns
+        finally:
+            page.close()
+
+
 def test_a_comparison_link_opened_first_on_a_fresh_server_runs_through_the_app(
     chromium, tmp_path, artifacts_dir
 ):

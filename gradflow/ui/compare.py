@@ -33,6 +33,14 @@ _ROWS = "compare.rows"  # run id -> the shared rows this session holds for the a
 # Alert columns side by side: more made each too narrow to read a message.
 _ALERT_COLUMNS = 3
 _ALERT_COLUMNS_PRESENTED = 2  # at slide size the boxes' text is larger
+# The server does not know the window's width: at 800 px, beside the sidebar,
+# three columns were about 145 px each, a few words a line. A column narrower
+# than this goes to the next line instead (Streamlit wraps only below 640 px
+# of window). Style only: `st.html` puts it where it takes no space.
+_WRAP_WHEN_NARROW = """<style>
+.st-key-compare-alerts [data-testid="stHorizontalBlock"] { flex-wrap: wrap; }
+.st-key-compare-alerts [data-testid="stColumn"] { min-width: min(220px, 100%); }
+</style>"""
 # Boxes shown through time: the story "vanished, came back, vanished again".
 _THROUGH_TIME_SHOWN = 3
 # While a run trains, "No alerts" is only so far.
@@ -311,12 +319,14 @@ def _diagnosis(store, infos, names, held, presentation):
         presentation: Whether Presentation style is on.
     """
     st.subheader("What the diagnosis rules found")
+    st.html(_WRAP_WHEN_NARROW)
     grid = _in_rows(infos, presentation)
-    for line in grid:
-        # As many columns in a shorter last row: each run's column keeps its width.
-        for column, info in zip(st.columns(len(grid[0])), line, strict=False):
-            with column:
-                _run_diagnosis(store, info, names[info["run_id"]], held[info["run_id"]])
+    with st.container(key="compare-alerts"):
+        for line in grid:
+            # As many columns in a shorter last row: each run's column keeps its width.
+            for column, info in zip(st.columns(len(grid[0])), line, strict=False):
+                with column:
+                    _run_diagnosis(store, info, names[info["run_id"]], held[info["run_id"]])
 
 
 def _in_rows(infos, presentation):
