@@ -219,6 +219,20 @@ def _table(layer_stats):
     return layer_stats
 
 
+def _carried_inputs(layer_stats, layer_inputs):
+    """`layer_inputs`, or else those the table carries in `attrs["layer_inputs"]`.
+
+    A `GradientMonitor`'s `.history` and a `Run`'s `.layer_stats` carry
+    them: called on those alone, as the README shows, the saturation rule
+    compared a Transformer's value projection with the key projection called
+    before it and said it was saturated, which the monitor did not.
+    """
+    if layer_inputs is None and isinstance(layer_stats, pd.DataFrame):
+        carried = layer_stats.attrs.get("layer_inputs")
+        return carried if isinstance(carried, dict) else None
+    return layer_inputs
+
+
 def _nonfinite_mask(table):
     if "nonfinite" in table.columns:
         counts = pd.to_numeric(table["nonfinite"], errors="coerce")
@@ -830,12 +844,17 @@ def diagnose(layer_stats, thresholds=None, layer_inputs=None):
             or a `Snapshot`.
         thresholds: A `Thresholds`. Defaults to `Thresholds()`.
         layer_inputs: A dict from each layer (an activation row's `layer`) to
-            the layer whose output it takes as input, or None where that is
-            not a recorded layer; `GradientMonitor` records it in the run's
-            config (`run_layer_inputs`). The saturation rule compares a
-            layer's output gradient with its input's: without this it takes
-            the layer called before as its input, which is right for a
-            chain only. Default None: a chain.
+            the layer whose output it takes as input, or None where the two
+            are not compared: not a recorded layer, or a layer without
+            weights whose output holds another number of entries (pooling,
+            where the mean |gradient| changes with the count alone).
+            `GradientMonitor` records it in the run's config
+            (`run_layer_inputs`) and in `.history.attrs["layer_inputs"]`.
+            The saturation rule compares a layer's output gradient with its
+            input's: without this it takes the layer called before as its
+            input, which is right for a chain only. Default None: the
+            table's `attrs["layer_inputs"]` if it has them (a monitor's
+            `.history`, a `Run`'s `.layer_stats`), else a chain.
 
     Returns:
         A DataFrame with columns `step`, `layer`, `kind`, `message`, sorted by
@@ -850,6 +869,7 @@ def diagnose(layer_stats, thresholds=None, layer_inputs=None):
             `Thresholds` or `layer_inputs` not a dict.
         ValueError: if required columns are missing.
     """
+    layer_inputs = _carried_inputs(layer_stats, layer_inputs)
     table = _table(layer_stats)
     if layer_inputs is not None and not isinstance(layer_inputs, dict):
         raise TypeError(
@@ -967,7 +987,8 @@ def diagnose_new(layer_stats, after_step, thresholds=None, layer_inputs=None):
         The events at steps after `after_step`, as `diagnose` returns them.
 
     Raises:
-        TypeError: if `after_step` is not a step number, or as `diagnose` does.
+        TypeError: if `after_step` is not a number (a bool or NaN is
+            refused too), or as `diagnose` does.
         ValueError: as `diagnose` does.
     """
     if (
@@ -979,6 +1000,7 @@ def diagnose_new(layer_stats, after_step, thresholds=None, layer_inputs=None):
             "`after_step` must be a step number (an int: 0 when nothing was diagnosed yet), "
             f"got {type(after_step).__name__} {after_step!r}."
         )
+    layer_inputs = _carried_inputs(layer_stats, layer_inputs)
     table = _table(layer_stats)
     rules = thresholds or Thresholds()
     step = table["step"].to_numpy()

@@ -776,6 +776,47 @@ def test_the_run_keeps_which_layer_reads_which_for_the_saturation_rule(tmp_path)
         "mha/key": "embed",
         "mha/value": "embed",
         "mha/attention_output": None,  # reads the attention's einsum, no layer's output
-        "pool": "mha/attention_output",
+        # A pool over 8 time steps spreads each output's gradient over 8 entries: not compared.
+        "pool": None,
         "out": "pool",
     }
+
+
+def test_a_global_pool_is_not_called_saturated(tmp_path):
+    """A pool over 28x28 spreads each output's gradient over 784 entries, so the
+    mean |gradient| at its input is 784 times smaller: the saturation rule said the
+    pool's "units are probably saturated" in almost every CNN recorded with
+    `activations=True` (the fine-tuning audit). And `gradflow.diagnose(monitor.history)`,
+    as the README writes it, compares the layers the monitor compares."""
+    from gradflow import diagnose, diagnose_new
+    from gradflow.lab.training import Run
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((32, 32, 3))
+    x = keras.layers.Conv2D(8, 3, activation="relu", name="c1")(inputs)
+    x = keras.layers.Conv2D(8, 3, activation="relu", name="c2")(x)
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="out")(x))
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x_data, y_data = rng.random((64, 32, 32, 3)).astype("float32"), rng.integers(0, 4, 64)
+    monitor = GradientMonitor(activations=True, store=tmp_path / "runs.db")
+    model.fit(x_data, y_data, batch_size=16, verbose=0, callbacks=[monitor])
+
+    history = monitor.history
+    outputs = history[(history["tensor"] == "activation") & (history["step"] == 1)]
+    mean = dict(zip(outputs["layer"], outputs["mean_abs"], strict=True))
+    assert mean["c2"] / mean["pool"] == pytest.approx(1 / 784, rel=1e-3)  # the count alone
+    reads = {"c1": None, "c2": "c1", "pool": None, "out": "pool"}
+    assert history.attrs["layer_inputs"] == reads
+    assert not (monitor.events["kind"] == "saturation").any()
+    assert not (diagnose(history)["kind"] == "saturation").any()
+    assert not (diagnose_new(history, after_step=0)["kind"] == "saturation").any()
+    # Compared as a chain, the pool is "saturated": what the attrs spare.
+    bare = history.copy()
+    bare.attrs = {}
+    assert (diagnose(bare)["layer"] == "pool").any()
+    assert (diagnose_new(bare, after_step=0)["layer"] == "pool").any()
+    run = Run(monitor.run_id, tmp_path / "runs.db")
+    assert run.layer_stats.attrs["layer_inputs"] == reads
+    assert not (diagnose(run.layer_stats)["kind"] == "saturation").any()

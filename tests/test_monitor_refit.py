@@ -395,6 +395,13 @@ def test_one_monitor_across_a_freeze_keeps_both_fits_records():
     assert sorted(monitor.metrics.query("name == 'loss'")["step"]) == [1, 2, 3, 4, 5, 6]
     histograms = monitor.histogram_rows
     assert set(histograms.query("step == 5")["layer"]) == {"d1", "d2"}
+    told = monitor.events.query("kind == 'info'")
+    assert told["step"].tolist() == [4]
+    assert told["message"].iloc[0] == (
+        "This fit trains 2 layers with weights, the last fit 3. Trained in the last fit and "
+        "not now, so without rows from this step on (frozen with `trainable = False`, or "
+        "gone): d0."
+    )
 
 
 def test_one_monitor_across_a_new_optimizer_numbers_the_steps_on(tmp_path):
@@ -445,7 +452,14 @@ def test_one_monitor_across_a_new_optimizer_numbers_the_steps_on(tmp_path):
     assert len(joined) == len(second) == len(expected) == 6 * 6
     np.testing.assert_allclose(joined["l2_norm_recorded"], joined["l2_norm"], rtol=1e-5)
     told = monitor.events.query("kind == 'info'")
-    assert len(told) == 1 and "numbered on from step 4" in told["message"].iloc[0]
+    assert told["step"].tolist() == [3, 4]
+    assert "numbered on from step 4" in told["message"].iloc[0]
+    assert told["message"].iloc[1] == (
+        "This fit trains 3 layers with weights, the last fit 2. "
+        "Training now and not in the last fit (unfrozen, or new): d0."
+    )
+    # Both said on the run's page too: the numbering was told in memory only.
+    assert store.events(monitor.run_id)["message"].tolist() == told["message"].tolist()
 
 
 def test_one_monitor_given_to_several_fits_halts_each_at_its_own_nan():

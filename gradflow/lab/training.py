@@ -4,6 +4,7 @@ import math
 import time
 
 from gradflow import checks
+from gradflow.diagnosis import run_layer_inputs
 from gradflow.store import ACTIVE_STATUSES, RunStore
 
 
@@ -144,8 +145,16 @@ class Run:
 
     @property
     def layer_stats(self):
-        """Tidy per-layer statistics (see `RunStore.layer_stats`)."""
-        return self.store.layer_stats(self.run_id)
+        """Tidy per-layer statistics (see `RunStore.layer_stats`).
+
+        A run its monitor recorded with `activations=True` carries which layer
+        reads which in `attrs["layer_inputs"]`, for `gradflow.diagnose`.
+        """
+        table = self.store.layer_stats(self.run_id)
+        layer_inputs = run_layer_inputs(self.store.run_info(self.run_id)["config"])
+        if layer_inputs:
+            table.attrs["layer_inputs"] = layer_inputs
+        return table
 
     @property
     def metrics(self):

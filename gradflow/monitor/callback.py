@@ -201,6 +201,11 @@ class GradientMonitor(keras.callbacks.Callback):
     If training raises (a KeyboardInterrupt, a bad batch), the steps
     recorded before are kept, the model gets Keras's own train step back, and
     a run the monitor created in `store` ends `interrupted` or `failed`.
+    When another callback raises, Keras calls none of the monitor's hooks:
+    the run is closed with that error when the notebook cell or the script
+    ends of it; if the script catches it, only the next `fit` or
+    `train_on_batch` closes the run, as `failed` with a general message
+    (the error itself is gone by then).
 
     Raises:
         ValueError: if `every` or `probe_every` is not a positive integer,
@@ -299,6 +304,9 @@ class GradientMonitor(keras.callbacks.Callback):
         self._forgotten_through = None
         self._nonfinite_step = None
         self._plan = None
+        # The row layout of the last `fit` that recorded a step: a later
+        # `fit` that trains other layers says so (`_note_trained_layers`).
+        self._last_layout = None
         # Added to the optimizer's step count to number the steps of this
         # `fit`: non-zero once the count went back below what this monitor
         # had recorded (a new optimizer, `compile()` again), see `_begin_fit`.
@@ -510,7 +518,7 @@ class GradientMonitor(keras.callbacks.Callback):
         # `_last_step` and `_final_step` count as the optimizer does (the
         # ring's steps); every step this monitor reports adds `_step_offset`.
         self._last_step = self._counted_steps()
-        self._number_on_from(self._last_step)
+        numbering = self._number_on_from(self._last_step)
         planned = _planned_steps(self.params)
         # Lets a short run skip compiling the deferred ring's read.
         self._final_step = None if planned is None else self._last_step + planned
@@ -542,6 +550,9 @@ class GradientMonitor(keras.callbacks.Callback):
                 ) from error
             if self.tensorboard_dir is not None:
                 self._summaries = SummaryWriter(self.tensorboard_dir)
+        if numbering is not None:
+            # Told once the store is open: the run's page says it too.
+            self._add_event(*numbering)
 
     def _number_on_from(self, count):
         """Number this `fit`'s steps after every step this monitor has reported.
@@ -552,14 +563,19 @@ class GradientMonitor(keras.callbacks.Callback):
         model. Numbered as they come, the second `fit`'s steps 1, 2, ...
         would repeat the first's: two rows per step in `history`, and in the
         store the later rows would replace the earlier ones.
+
+        Returns:
+            The `info` event that says so `(step, layer, kind, message)`, or
+            None when the numbering did not change.
         """
         reported = [int(block[0][-1]) for block in self._blocks if len(block[0])]
         reported += [] if self._forgotten_through is None else [self._forgotten_through]
         reported += [row[0] for row in self._metric_rows + self._events if row[0] is not None]
         through = max(reported, default=None)
         offset = 0 if through is None else max(0, through - count)
+        note = None
         if offset and offset != self._step_offset:
-            self._add_event(
+            note = (
                 through,
                 None,
                 "info",
@@ -570,6 +586,7 @@ class GradientMonitor(keras.callbacks.Callback):
                 f"iteration n - {offset}.",
             )
         self._step_offset = offset
+        return note
 
     def on_train_batch_end(self, batch, logs=None):
         self._batches_since_read += 1
@@ -802,6 +819,7 @@ class GradientMonitor(keras.callbacks.Callback):
                 self._plan.time_source,
             )
             self._note_unreached(int(steps[0]))
+            self._note_trained_layers(int(steps[0]))
             self._store_layer_inputs()
         stats, histograms = self._layout.take(stats), self._layout.take(histograms)
         # With its layout: a later `fit` of this monitor may have other rows (a frozen layer).
@@ -814,6 +832,31 @@ class GradientMonitor(keras.callbacks.Callback):
         if self.keep_steps is not None and self._undiagnosed_rows >= _DIAGNOSED_ROWS:
             # The rules read the steps now, so that the old ones can go.
             self._diagnose_safely()
+
+    def _note_trained_layers(self, step):
+        """An `info` event when this `fit` trains other layers than the last one did.
+
+        Keras's fine-tuning recipe trains a head on a frozen base, then
+        unfreezes part of it and trains again: the heatmap went from 2 layers
+        to 16 at that step with nothing saying why.
+        """
+        before, self._last_layout = self._last_layout, self._layout
+        if before is None:
+            return
+        old, new = _weight_layers(before), _weight_layers(self._layout)
+        added = [layer for layer in new if layer not in old]
+        gone = [layer for layer in old if layer not in new]
+        if not added and not gone:
+            return
+        told = [f"This fit trains {_count(new, 'layer')} with weights, the last fit {len(old)}."]
+        if added:
+            told.append(f"Training now and not in the last fit (unfrozen, or new): {_some(added)}.")
+        if gone:
+            told.append(
+                "Trained in the last fit and not now, so without rows from this step on "
+                f"(frozen with `trainable = False`, or gone): {_some(gone)}."
+            )
+        self._add_event(step, None, "info", " ".join(told))
 
     def _store_layer_inputs(self):
         """Keep which recorded layer reads which in the run's config, for the
@@ -1030,6 +1073,9 @@ class GradientMonitor(keras.callbacks.Callback):
             first = None if self.keep_steps is None else self._first_kept_step()
             blocks = self._kept_blocks(first)
             history = _layer_history(blocks)
+            if self._plan is not None and self._plan.activation_inputs:
+                # `gradflow.diagnose(monitor.history)` then compares the layers the monitor does.
+                history.attrs["layer_inputs"] = dict(self._plan.activation_inputs)
             metric_frames = [
                 metrics_frame(
                     np.concatenate([b[0] for b in run]),
@@ -1260,6 +1306,23 @@ def _layout_runs(blocks):
     (a layer frozen in between).
     """
     return [list(run) for _, run in itertools.groupby(blocks, key=lambda b: id(b[4]))]
+
+
+def _weight_layers(layout):
+    """The layers with weight rows in `layout`, in row order."""
+    rows = zip(layout.layers, layout.tensors, strict=True)
+    kinds = (schema.ACTIVATION, schema.TIME_STEP)
+    return list(dict.fromkeys(layer for layer, tensor in rows if tensor not in kinds))
+
+
+def _count(items, noun):
+    return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
+
+
+def _some(names, most=8):
+    """`names` joined, at most `most` of them and how many more."""
+    shown = ", ".join(names[:most])
+    return shown if len(names) <= most else f"{shown} and {len(names) - most} more"
 
 
 def _layer_history(blocks):

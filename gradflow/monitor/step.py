@@ -104,7 +104,8 @@ class StepPlan:
         # output, in call order (`path#2` for a second call of a shared layer).
         self.activation_paths = []
         # Recorded layer -> the recorded layer whose output it reads, or None
-        # (`LayerOutputs.fed_by`): the saturation rule's pairs.
+        # (`LayerOutputs.fed_by`; None too for a pooling layer, whose pair
+        # is not compared: `LayerOutputs.spreads`): the saturation rule's pairs.
         self.activation_inputs = {}
         # Paths of the layer calls left out for want of rows (repeated calls).
         self.dropped_activations = []
@@ -973,7 +974,10 @@ def _take_activations(plan, outputs):
     room = max(0, plan.activation_slots - len(firsts))
     keep = sorted(firsts[: plan.activation_slots] + repeats[:room])
     plan.activation_paths = [outputs.paths[i] for i in keep]
-    plan.activation_inputs = {outputs.paths[i]: outputs.fed_by[i] for i in keep}
+    # A pooling layer's pair is not compared (`LayerOutputs.spreads`).
+    plan.activation_inputs = {
+        outputs.paths[i]: None if outputs.spreads[i] else outputs.fed_by[i] for i in keep
+    }
     kept = set(keep)
     plan.dropped_activations = [p for i, p in enumerate(outputs.paths) if i not in kept]
     return (

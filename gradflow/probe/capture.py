@@ -10,6 +10,7 @@ the same tape (eager) or the same trace (`tf.function`).
 """
 
 import contextlib
+import math
 
 import keras
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
@@ -128,6 +129,11 @@ class LayerOutputs:
             and value projections all read one input, not each other's
             output; a rule that took a layer's input gradient from the layer
             called before it saw a 4,500-fold "shrink" through a linear layer.
+        spreads: For each call, whether the layer has no weights and its
+            first output holds another number of entries per sample than
+            the recorded input it takes (pooling, global pooling): its mean
+            |gradient| then changes with the count alone, 784-fold through
+            a global average pool over 28x28, which is no saturation.
     """
 
     def __init__(self):
@@ -136,6 +142,7 @@ class LayerOutputs:
         self.tensors = []
         self.others = []
         self.fed_by = []
+        self.spreads = []
         self._calls = {}
         self._made_by = {}  # each key (`_keys`) of a recorded first output -> its call's path
 
@@ -143,14 +150,16 @@ class LayerOutputs:
         flat = keras.tree.flatten(outputs)
         if not flat:
             return
-        fed_by = None
+        fed_by, taken = None, None
         for tensor in keras.tree.flatten(inputs):
             for key in _keys(tensor):
-                fed_by = self._made_by.get(key, fed_by)
+                if key in self._made_by:
+                    fed_by, taken = self._made_by[key], tensor
         count = self._calls.get(path, 0) + 1
         self._calls[path] = count
         self.paths.append(path if count == 1 else f"{path}#{count}")
         self.fed_by.append(fed_by)
+        self.spreads.append(taken is not None and not layer.weights and _resizes(taken, flat[0]))
         for key in _keys(flat[0]):
             self._made_by[key] = self.paths[-1]
         self.layers.append(layer)
@@ -174,6 +183,21 @@ def _keys(tensor):
         if getattr(op, "type", None) == "Cast" and len(op.inputs):
             keys.append(op.inputs[0].name)
     return keys
+
+
+def _resizes(taken, made):
+    """Whether `made` holds another number of entries per sample than `taken`.
+
+    Unknown sizes (a sequence of any length) compare by shape: a global pool
+    over `(batch, None, 64)` to `(batch, 64)` resizes; a rank nobody knows does not.
+    """
+    try:
+        shapes = [tuple(taken.shape)[1:], tuple(made.shape)[1:]]
+    except (AttributeError, TypeError, ValueError):
+        return False
+    if all(isinstance(d, int) for shape in shapes for d in shape):
+        return math.prod(shapes[0]) != math.prod(shapes[1])
+    return shapes[0] != shapes[1]
 
 
 def _is_float(value):
