@@ -951,6 +951,32 @@ def test_a_deep_heatmap_labels_its_output_layer_and_a_readable_share_of_the_rest
             assert len(set(ticks)) == len(ticks)
 
 
+def test_a_nested_backbones_long_name_is_written_once_not_on_every_layer():
+    """A fine-tuned MobileNetV2's 155 labels each began `mobilenetv2_0.35_32/`:
+    the labels took a third of a half-width heatmap (the fine-tuning audit)."""
+    outer = "mobilenetv2_0.35_32"
+    stats = _deep_run(6).assign(
+        layer=lambda f: [
+            "head_out" if i == 5 else f"{outer}/block_{i}_expand" for i in f["layer_index"]
+        ],
+        mean_abs=0.01,
+    )
+    shown = ["…/block_0_expand", "…/block_1_expand", "…/block_4_expand", "head_out"]
+    heat = figures.heatmap(stats, "max_abs").figure
+    assert [heat.data[0].y[i] for i in (0, 1, 4, 5)] == shown
+    assert heat.layout.yaxis.title.text == f"layer (input at the bottom; …/ = {outer}/)"
+    compared = figures.compare_heatmaps({"a": stats, "b": stats}, "max_abs").figure
+    assert compared.layout.yaxis.title.text == heat.layout.yaxis.title.text
+    profile = figures.profile(stats).figure
+    assert profile.data[0].x[-1] == "head_out" and profile.data[0].x[0] == shown[0]
+    assert profile.layout.xaxis.title.text == f"layer (input on the left; …/ = {outer}/)"
+    # A short outer name says more than "…" would: `mha/query` stays whole.
+    short = stats.assign(layer=lambda f: [f"mha/part_{i}" for i in f["layer_index"]])
+    heat = figures.heatmap(short, "max_abs").figure
+    assert heat.data[0].y[0] == "mha/part_0"
+    assert heat.layout.yaxis.title.text == "layer (input at the bottom)"
+
+
 def test_compared_heatmaps_say_which_end_of_the_layer_axis_is_the_input():
     stats = _deep_run(4)
     figure = figures.compare_heatmaps({"relu": stats, "sigmoid": stats}, "max_abs").figure

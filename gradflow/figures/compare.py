@@ -241,7 +241,11 @@ def _panels(named, grids, cols, presentation):
             tickvals=heatmap_lib.layer_ticks(layer_grid, most=labels),
             # Once per row of panels when they share the layers.
             title_text=(
-                ("time step (first at the bottom)" if in_time else "layer (input at the bottom)")
+                (
+                    "time step (first at the bottom)"
+                    if in_time
+                    else style.layer_axis_title("layer (input at the bottom)", layer_grid.layer)
+                )
                 if col == 0 or not same_layers
                 else None
             ),

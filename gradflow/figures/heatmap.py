@@ -336,7 +336,11 @@ def _drawn(layer_grid, log_range, output_apart, title, presentation):
     figure.update_layout(
         title=style.escape_label(plain_title),
         xaxis_title=step_axis_title(layer_grid),
-        yaxis_title="time step (first at the bottom)" if in_time else "layer (input at the bottom)",
+        yaxis_title=(
+            "time step (first at the bottom)"
+            if in_time
+            else style.layer_axis_title("layer (input at the bottom)", layer_grid.layer)
+        ),
         height=min(900, max(380, 60 + 22 * len(layer_grid.layer))),
         legend=LEGEND_ABOVE,
     )

@@ -211,7 +211,11 @@ def profile(
     figure.update_layout(
         title=style.escape_label(plain_title),
         barmode="group",
-        xaxis_title="time step (first on the left)" if in_time else "layer (input on the left)",
+        xaxis_title=(
+            "time step (first on the left)"
+            if in_time
+            else style.layer_axis_title("layer (input on the left)", data["layer"].tolist())
+        ),
         yaxis_title="|gradient| (log scale)",
     )
     figure.update_xaxes(type="category", categoryorder="array", categoryarray=labels)

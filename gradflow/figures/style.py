@@ -271,11 +271,60 @@ def statistic_label(statistic):
 
 
 def layer_labels(names, indices):
-    """Escaped axis labels for layers, made unique with the index if needed."""
-    labels = [escape_label(name) for name in names]
+    """Escaped axis labels for layers, made unique with the index if needed.
+
+    The layers of a model nested in another share their path's first part
+    (`mobilenetv2_1.00_224/block_16_project`): where `nested_in` finds one,
+    those labels write it as "…/" (the axis title says it once,
+    `layer_axis_title`). Written whole, it took 150 of a half-width
+    heatmap's 450 px, and the cells were a narrow strip.
+    """
+    outer = nested_in(names)
+    cut = len(outer) + 1
+    shown = [
+        f"…/{name[cut:]}" if outer and name.startswith(f"{outer}/") else name for name in names
+    ]
+    labels = [escape_label(name) for name in shown]
     if len(set(labels)) < len(labels):
         labels = [f"{label} [{index}]" for label, index in zip(labels, indices, strict=True)]
     return labels
+
+
+# A shared outer name shorter than this is kept in every label: `mha/query`
+# says more than `…/query` and costs little room.
+_SHORTEST_NESTED = 12
+
+
+def nested_in(names):
+    """The outer model's name that `layer_labels` writes as "…", or "" for none.
+
+    The first part of the layer paths (`outer` of `outer/dense`) that at
+    least half of `names`, and at least three, share, when it is
+    `_SHORTEST_NESTED` characters or longer.
+    """
+    counts = {}
+    for name in names:
+        outer, nested, _ = str(name).partition("/")
+        if nested:
+            counts[outer] = counts.get(outer, 0) + 1
+    if not counts:
+        return ""
+    outer = max(counts, key=counts.get)
+    shared = counts[outer] >= max(3, len(names) / 2)
+    return outer if shared and len(outer) >= _SHORTEST_NESTED else ""
+
+
+def layer_axis_title(title, names):
+    """`title` of a layer axis, saying what "…/" stands for in `layer_labels`.
+
+    In the title's closing bracket, if it has one: "layer (input at the
+    bottom; …/ = mobilenetv2_1.00_224/)".
+    """
+    outer = nested_in(names)
+    if not outer:
+        return title
+    said = f"…/ = {escape_label(outer)}/"
+    return f"{title[:-1]}; {said})" if title.endswith(")") else f"{title}; {said}"
 
 
 def no_data_figure(message, presentation=False):
