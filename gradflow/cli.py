@@ -488,6 +488,7 @@ def _runs(args):
         )
     if args.last is not None and args.last < 1:
         raise UsageError(f"gradflow runs: --last must be a positive number, got {args.last}")
+    _named_store_exists(args.db, "runs")
     store = RunStore(args.db)
     if args.compact:
         before, after = store.compact()
@@ -513,6 +514,22 @@ def _runs(args):
     return EXIT_OK
 
 
+def _named_store_exists(db, command, consequence=None):
+    """Refuse a `--db` that names no file, for a command that only reads the store.
+
+    `gradflow runs --db typo.db` made an empty store there and said "No runs
+    yet", as if the runs were lost. (The default store, not made before the
+    first run, is still "No runs yet".)
+    """
+    if db is None or pathlib.Path(db).exists():
+        return
+    said = f", {consequence}" if consequence else ""
+    raise UsageError(
+        f"gradflow {command}: no run store at {db!r} (--db){said}. Check the path; "
+        f"`gradflow train --db {db}` makes one."
+    )
+
+
 def _export(args):
     from gradflow.export import EXPORT_FORMATS, ExportError, export_run
     from gradflow.store import RunStore
@@ -522,6 +539,7 @@ def _export(args):
             f"gradflow export: --format must be one of {', '.join(EXPORT_FORMATS)}, "
             f"got {args.fmt!r}"
         )
+    _named_store_exists(args.db, "export", f"so no run {args.run!r} to export")
     store = RunStore(args.db)
     try:
         paths = export_run(store, args.run, args.fmt, args.out)

@@ -160,6 +160,7 @@ def test_usage_errors_exit_2_with_one_line(argv, message, capsys, tmp_path):
 
 
 def test_export_of_an_unknown_run_exits_2(tmp_path, capsys):
+    RunStore(tmp_path / "r.db")
     code = cli.main(
         [
             "export",
@@ -174,6 +175,19 @@ def test_export_of_an_unknown_run_exits_2(tmp_path, capsys):
     )
     assert code == 2
     assert "0123456789ab" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command", [["runs"], ["export", "0123456789ab", "--format", "csv", "--out", "exports"]]
+)
+def test_a_db_path_with_no_store_is_said_not_made(tmp_path, capsys, command):
+    """`gradflow runs --db typo.db` made an empty store there and said "No runs yet"."""
+    typo = tmp_path / "typo.db"
+    assert cli.main([*command, "--db", str(typo)]) == 2
+    error = capsys.readouterr().err
+    assert f"no run store at {str(typo)!r} (--db)" in error and "gradflow train --db" in error
+    assert error.count("\n") == 1
+    assert not typo.exists()
 
 
 def test_preset_with_overrides_and_boolean_flags(tmp_path):
