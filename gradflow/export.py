@@ -410,7 +410,8 @@ def lesson_pack(charts, config=None, title="gradflow lesson pack", alerts=None, 
             "the maximum over blocks of steps, and a loss curve each block's lowest and",
             "highest value (its `block` column numbers the blocks), so no spike, dip, NaN or",
             "Inf is hidden.",
-            "Text cells starting with = + - @ are prefixed with ' for spreadsheet safety.",
+            "Text cells starting with = + - @, a tab or a carriage return are prefixed with ' "
+            "for spreadsheet safety.",
         ]
         archive.writestr(
             "config.json",

@@ -202,6 +202,9 @@ class RunConfig:
             False.
         activations: Also record gradients w.r.t. each layer's output.
             Defaults to False.
+        pace: At most this many steps a second (above 0, at most 10,000),
+            to watch a run live in class; the command line's `--pace`.
+            Defaults to None: full speed.
         name: A name for the run, or None for an automatic one.
 
     Raises:
