@@ -393,25 +393,31 @@ def _mark_streaks(frame, condition, steps, quiet, keys=("layer",)):
     return frame[frame["_flag"]]
 
 
+def _vanishing_message(row, thresholds):
+    if row.norm == 0:
+        # Not small but none: "barely learns" sent a user with an output of
+        # loss weight 0 looking for a vanishing gradient (the fine-tuning audit).
+        return (
+            f"Layer {row.layer}: gradient norm exactly 0 at step {row.step}: no gradient "
+            "reaches this layer's weights, so it does not learn. The layers above it may pass "
+            "nothing back (dead ReLUs, saturated units), or its output may not count in the "
+            "loss (a loss weight of 0)."
+        )
+    return (
+        f"Layer {row.layer}: gradient norm {_beside(row.norm, thresholds.vanishing_norm)} "
+        f"at step {row.step} is below "
+        f"{thresholds.vanishing_norm:.0e} — gradients are vanishing, so this layer "
+        "barely learns."
+    )
+
+
 def _vanishing(norms, thresholds, steps):
     events = []
     low = _mark_streaks(
         norms, norms["norm"] < thresholds.vanishing_norm, steps, thresholds.repeat_after
     )
     for row in _onsets(low).itertuples():
-        events.append(
-            (
-                row.step,
-                row.layer,
-                "vanishing",
-                (
-                    f"Layer {row.layer}: gradient norm {_beside(row.norm, thresholds.vanishing_norm)} "
-                    f"at step {row.step} is below "
-                    f"{thresholds.vanishing_norm:.0e} — gradients are vanishing, so this layer "
-                    "barely learns."
-                ),
-            )
-        )
+        events.append((row.step, row.layer, "vanishing", _vanishing_message(row, thresholds)))
     # First-to-last ratio, one value per step.
     ordered = norms.sort_values(["step", "layer_index"], kind="stable").groupby(
         "step", observed=True

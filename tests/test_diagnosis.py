@@ -244,6 +244,19 @@ def test_vanishing_message_reads_plainly():
     )
 
 
+def test_a_gradient_of_exactly_zero_is_told_as_none_reaching_the_layer():
+    """A two-output model with `loss_weights=[1, 0]`: the second output's layer got
+    exactly-zero gradients, and "barely learns" sent its user after a vanishing
+    gradient (the fine-tuning audit)."""
+    table = rows((40, "reg_out", 3, "kernel", 0.0))
+    (message,) = diagnose(table)["message"]
+    assert message.startswith(
+        "Layer reg_out: gradient norm exactly 0 at step 40: no gradient reaches this layer's "
+        "weights, so it does not learn."
+    )
+    assert "a loss weight of 0" in message
+
+
 def test_an_exploding_gradient_the_optimizer_clipped_says_so():
     """A clipped run was told "try ... gradient clipping", word for word as the unclipped one:
     students read it as "clipping did nothing" (the teacher's audit, forty-first session)."""
