@@ -472,7 +472,9 @@ def test_a_live_tick_sends_the_new_columns_not_the_history(chromium, tmp_path, a
     assert columns <= LIVE_MAX_COLUMNS
     whole_figures = 2 * 2 * LAYERS * columns * 8 * 4 / 3
     sent_per_tick = sum(size for size, _ in heatmaps) / (len(heatmaps) / 2)
-    assert sent_per_tick < whole_figures / 50, (sent_per_tick, whole_figures)
+    # A slow tick carries up to 3 new columns and the message's own framing: 3.0 kB
+    # a tick (1/48 of the whole figures) in a CI run on a loaded machine.
+    assert sent_per_tick < whole_figures / 30, (sent_per_tick, whole_figures)
     received_per_s = sum(len(p) for when, p in frames if start <= when < end) / window_s
     assert received_per_s < whole_figures / 5, (received_per_s, whole_figures)
 
