@@ -515,17 +515,20 @@ def _runs(args):
 
 
 def _named_store_exists(db, command, consequence=None):
-    """Refuse a `--db` that names no file, for a command that only reads the store.
+    """Refuse a `--db` (or `$GRADFLOW_DB`) that names no file, for a command that only reads.
 
     `gradflow runs --db typo.db` made an empty store there and said "No runs
     yet", as if the runs were lost. (The default store, not made before the
     first run, is still "No runs yet".)
     """
-    if db is None or pathlib.Path(db).exists():
+    where = "--db"
+    if db is None:
+        db, where = os.environ.get("GRADFLOW_DB"), "$GRADFLOW_DB"
+    if not db or pathlib.Path(db).exists():
         return
     said = f", {consequence}" if consequence else ""
     raise UsageError(
-        f"gradflow {command}: no run store at {db!r} (--db){said}. Check the path; "
+        f"gradflow {command}: no run store at {db!r} ({where}){said}. Check the path; "
         f"`gradflow train --db {db}` makes one."
     )
 

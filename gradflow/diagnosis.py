@@ -222,13 +222,16 @@ def _table(layer_stats):
 def _carried_inputs(layer_stats, layer_inputs):
     """`layer_inputs`, or else those the table carries in `attrs["layer_inputs"]`.
 
-    A `GradientMonitor`'s `.history` and a `Run`'s `.layer_stats` carry
-    them: called on those alone, as the README shows, the saturation rule
+    A `GradientMonitor`'s `.history`, a `Run`'s `.layer_stats` and a
+    `Snapshot`'s carry them: called on those alone, as the README shows, the saturation rule
     compared a Transformer's value projection with the key projection called
     before it and said it was saturated, which the monitor did not.
     """
-    if layer_inputs is None and isinstance(layer_stats, pd.DataFrame):
-        carried = layer_stats.attrs.get("layer_inputs")
+    if layer_inputs is None:
+        if not isinstance(layer_stats, pd.DataFrame):
+            layer_stats = getattr(layer_stats, "layer_stats", None)  # a Snapshot
+        attrs = getattr(layer_stats, "attrs", None)
+        carried = attrs.get("layer_inputs") if isinstance(attrs, dict) else None
         return carried if isinstance(carried, dict) else None
     return layer_inputs
 

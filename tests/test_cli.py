@@ -180,13 +180,18 @@ def test_export_of_an_unknown_run_exits_2(tmp_path, capsys):
 @pytest.mark.parametrize(
     "command", [["runs"], ["export", "0123456789ab", "--format", "csv", "--out", "exports"]]
 )
-def test_a_db_path_with_no_store_is_said_not_made(tmp_path, capsys, command):
+def test_a_db_path_with_no_store_is_said_not_made(tmp_path, capsys, monkeypatch, command):
     """`gradflow runs --db typo.db` made an empty store there and said "No runs yet"."""
     typo = tmp_path / "typo.db"
     assert cli.main([*command, "--db", str(typo)]) == 2
     error = capsys.readouterr().err
     assert f"no run store at {str(typo)!r} (--db)" in error and "gradflow train --db" in error
     assert error.count("\n") == 1
+    assert not typo.exists()
+    # The same store named by the environment.
+    monkeypatch.setenv("GRADFLOW_DB", str(typo))
+    assert cli.main(command) == 2
+    assert f"no run store at {str(typo)!r} ($GRADFLOW_DB)" in capsys.readouterr().err
     assert not typo.exists()
 
 

@@ -970,6 +970,15 @@ def test_a_nested_backbones_long_name_is_written_once_not_on_every_layer():
     profile = figures.profile(stats).figure
     assert profile.data[0].x[-1] == "head_out" and profile.data[0].x[0] == shown[0]
     assert profile.layout.xaxis.title.text == f"layer (input on the left; …/ = {outer}/)"
+    lines = figures.layer_lines(stats, "max_abs").figure
+    assert [t.name for t in lines.data[:2]] == shown[:2]
+    assert lines.layout.legend.title.text == f"layer; …/ = {outer}/"
+    deep = _deep_run(12).assign(layer=lambda f: [f"{outer}/b{i}" for i in f["layer_index"]])
+    scale = figures.layer_lines(deep, "max_abs").figure.data[-1].marker.colorbar
+    assert scale.title.text == f"layer; …/ = {outer}/" and scale.ticktext[0] == "…/b0 (input)"
+    # Compared profiles name each point in its hover text only: the whole path.
+    hover = figures.compare_profiles({"a": stats}, statistic="max_abs").figure.data[0].text
+    assert hover[0] == f"{outer}/block_0_expand"
     # A short outer name says more than "…" would: `mha/query` stays whole.
     short = stats.assign(layer=lambda f: [f"mha/part_{i}" for i in f["layer_index"]])
     heat = figures.heatmap(short, "max_abs").figure

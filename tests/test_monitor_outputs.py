@@ -820,3 +820,41 @@ def test_a_global_pool_is_not_called_saturated(tmp_path):
     run = Run(monitor.run_id, tmp_path / "runs.db")
     assert run.layer_stats.attrs["layer_inputs"] == reads
     assert not (diagnose(run.layer_stats)["kind"] == "saturation").any()
+
+
+def test_pools_over_images_of_any_size_are_not_called_saturated_in_a_fit_or_a_snapshot():
+    """Inputs of any size keep a 12x12 pool's rank, `(batch, None, None, 4)` in and out,
+    so the shapes alone did not say it spreads its gradient; and `diagnose` of a snapshot
+    compared a chain (the review of the pooling fix)."""
+    from gradflow import diagnose
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((None, None, 3))
+    x = keras.layers.Conv2D(4, 3, activation="relu", name="c1")(inputs)
+    x = keras.layers.AveragePooling2D(12, name="avg")(x)
+    x = keras.layers.GlobalAveragePooling2D(name="gp")(x)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="out")(x))
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x_data, y_data = rng.random((32, 26, 26, 3)).astype("float32"), rng.integers(0, 4, 32)
+    # Batches whose images may be of any size, as a pipeline of varied images gives.
+    batches = tf.data.Dataset.from_generator(
+        lambda: ((x_data[i : i + 16], y_data[i : i + 16]) for i in (0, 16)),
+        output_signature=(
+            tf.TensorSpec((None, None, None, 3), tf.float32),
+            tf.TensorSpec((None,), tf.int64),
+        ),
+    )
+    monitor = GradientMonitor(activations=True)
+    model.fit(batches, shuffle=False, verbose=0, callbacks=[monitor])
+    reads = {"c1": None, "avg": None, "gp": None, "out": "gp"}
+    assert monitor.history.attrs["layer_inputs"] == reads
+    assert not (monitor.events["kind"] == "saturation").any()
+
+    shot = snapshot(model, x_data[:16], y_data[:16])
+    assert shot.layer_inputs == reads
+    assert not (diagnose(shot)["kind"] == "saturation").any()
+    assert not (diagnose(shot.layer_stats)["kind"] == "saturation").any()
+    chain = shot.layer_stats
+    chain.attrs = {}
+    assert (diagnose(chain)["kind"] == "saturation").any()  # what the pairs spare

@@ -412,7 +412,8 @@ def compare_profiles(
                 x=piece["depth"].to_numpy(),
                 y=np.power(10.0, logscale.to_log(raw, log_min, zero_at)),
                 customdata=np.stack([raw, piece["step"].to_numpy(dtype=np.float64)], axis=1),
-                text=style.layer_labels(piece["layer"].tolist(), piece["layer_index"].tolist()),
+                # Whole paths: hover text has room, and no axis title says what "…/" is.
+                text=[style.escape_label(name) for name in piece["layer"].tolist()],
                 mode="lines+markers",
                 name=label,
                 line=dict(color=color, width=2),

@@ -145,7 +145,12 @@ def layer_lines(
             )
         )
     if len(labels) > len(style.OKABE_ITO):
-        figure.add_trace(_depth_scale(labels, in_time=tensor == schema.TIME_STEP))
+        in_time = tensor == schema.TIME_STEP
+        named = "time step" if in_time else style.layer_axis_title("layer", layer_grid.layer)
+        figure.add_trace(_depth_scale(labels, named, in_time))
+    elif style.nested_in(layer_grid.layer):
+        # What the legend's "…/" stands for (`style.layer_labels`).
+        figure.update_layout(legend_title_text=style.layer_axis_title("layer", layer_grid.layer))
     rows_nf, cols_nf = np.nonzero(layer_grid.present & ~np.isfinite(layer_grid.values))
     marker_y = np.full(len(rows_nf), 10.0 ** (log_max + _MARKER_HEADROOM / 2))
     label_array = np.asarray(labels, dtype=object)
@@ -172,7 +177,7 @@ def layer_lines(
     return Chart(figure, data, plain_title, description)
 
 
-def _depth_scale(labels, in_time=False):
+def _depth_scale(labels, named, in_time=False):
     """A colour bar from the input layer to the output one, instead of a legend.
 
     Beyond eight layers the lines are coloured by depth (`style.line_colors`);
@@ -194,7 +199,7 @@ def _depth_scale(labels, in_time=False):
             colorscale=style.HEATMAP_COLORSCALE,
             showscale=True,
             colorbar=dict(
-                title=dict(text="time step" if in_time else "layer", side="right"),
+                title=dict(text=named, side="right"),
                 tickvals=[0, last],
                 ticktext=[labels[0] if in_time else f"{labels[0]} (input)", labels[last]],
                 thickness=14,

@@ -159,7 +159,9 @@ class LayerOutputs:
         self._calls[path] = count
         self.paths.append(path if count == 1 else f"{path}#{count}")
         self.fed_by.append(fed_by)
-        self.spreads.append(taken is not None and not layer.weights and _resizes(taken, flat[0]))
+        self.spreads.append(
+            taken is not None and not layer.weights and _resizes(layer, taken, flat[0])
+        )
         for key in _keys(flat[0]):
             self._made_by[key] = self.paths[-1]
         self.layers.append(layer)
@@ -185,11 +187,13 @@ def _keys(tensor):
     return keys
 
 
-def _resizes(taken, made):
-    """Whether `made` holds another number of entries per sample than `taken`.
+def _resizes(layer, taken, made):
+    """Whether `layer` made `made` with another number of entries per sample than `taken`.
 
-    Unknown sizes (a sequence of any length) compare by shape: a global pool
-    over `(batch, None, 64)` to `(batch, 64)` resizes; a rank nobody knows does not.
+    Unknown sizes (images or sequences of any size) compare by shape: a
+    global pool over `(batch, None, 64)` to `(batch, 64)` resizes; and a
+    layer with a `pool_size` (Keras's pooling layers) resizes whatever the
+    shapes say: `(batch, None, None, 4)` in and out of a 12x12 pool.
     """
     try:
         shapes = [tuple(taken.shape)[1:], tuple(made.shape)[1:]]
@@ -197,7 +201,7 @@ def _resizes(taken, made):
         return False
     if all(isinstance(d, int) for shape in shapes for d in shape):
         return math.prod(shapes[0]) != math.prod(shapes[1])
-    return shapes[0] != shapes[1]
+    return shapes[0] != shapes[1] or getattr(layer, "pool_size", None) is not None
 
 
 def _is_float(value):

@@ -68,6 +68,9 @@ class Snapshot:
             them. They have no rows above; zeros there would read as
             vanishing gradients. `gradflow.diagnosis.no_gradient_message`
             says it in words.
+        layer_inputs: `{layer call: the recorded call whose output it reads}`,
+            None where the two are not compared (see `gradflow.diagnose`'s
+            `layer_inputs`).
     """
 
     weights: pd.DataFrame = dataclasses.field(repr=False)
@@ -77,12 +80,19 @@ class Snapshot:
     histograms: pd.DataFrame = dataclasses.field(repr=False)
     training: bool = False
     no_gradient: dict = dataclasses.field(default_factory=dict)
+    layer_inputs: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def layer_stats(self):
-        """`weights` and `activations` stacked in gradflow's tidy layout."""
+        """`weights` and `activations` stacked in gradflow's tidy layout.
+
+        Carries `layer_inputs` in `attrs`, for `gradflow.diagnose`.
+        """
         columns = [c for c in schema.LAYER_STATS_COLUMNS if c in self.weights.columns]
-        return pd.concat([self.weights[columns], self.activations[columns]], ignore_index=True)
+        table = pd.concat([self.weights[columns], self.activations[columns]], ignore_index=True)
+        if self.layer_inputs:
+            table.attrs["layer_inputs"] = dict(self.layer_inputs)
+        return table
 
 
 def resolve_loss(model, loss, argument="loss"):
@@ -369,6 +379,13 @@ class GradientProbe:
         # Runs while tracing only: the Python side of the graph's layout.
         self._layouts[_signature(x, y)] = self._last_layout = {
             "paths": list(outputs.paths),
+            # The saturation rule's pairs, as the monitor keeps them (`StepPlan.activation_inputs`).
+            "layer_inputs": {
+                path: None if spreads else fed_by
+                for path, fed_by, spreads in zip(
+                    outputs.paths, outputs.fed_by, outputs.spreads, strict=True
+                )
+            },
             "shapes": [tuple(t.shape) for t in tensors],
             "variables": variables,
             "unreached": unreached,
@@ -471,6 +488,7 @@ class GradientProbe:
             histograms=counts.reset_index(drop=True),
             training=self.training,
             no_gradient={layer: tuple(tensors) for layer, tensors in no_gradient.items()},
+            layer_inputs=dict(traced["layer_inputs"]),
         )
 
 
