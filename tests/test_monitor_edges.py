@@ -261,8 +261,24 @@ def test_a_failing_diagnosis_rule_warns_and_loses_nothing(tmp_path, monkeypatch)
     assert sorted(store.layer_stats(monitor.run_id)["step"].unique()) == [1, 2, 3, 4]
 
 
-def test_compiled_metrics_of_a_short_last_execution_land_on_steps_that_ran():
-    """6 batches an epoch at 4 steps per execution: calls of 4 and 2 steps."""
+class _KerasLogs(keras.callbacks.Callback):
+    """Each batch's compiled accuracy with the optimizer's step count after it (waits for it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = int(self.model.optimizer.iterations.numpy())
+        self.rows.append((step, float(logs["accuracy"])))
+
+
+@pytest.mark.parametrize("length", ["known", "unknown"])
+def test_compiled_metrics_of_a_short_last_execution_land_on_steps_that_ran(length):
+    """6 batches an epoch at 4 steps per execution: calls of 4 and 2 steps. Of a
+    dataset of unknown length (a generator) Keras reports the call of 2 as batch 7:
+    the epoch's accuracy was put on step 8, in the next epoch, and the last on step
+    14 of a 12-step run (the optimizer audit)."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(48, 5)).astype("float32")
     y = rng.integers(0, CLASSES, 48)
@@ -270,10 +286,22 @@ def test_compiled_metrics_of_a_short_last_execution_land_on_steps_that_ran():
     model.compile(
         "sgd", "sparse_categorical_crossentropy", metrics=["accuracy"], steps_per_execution=4
     )
-    monitor = GradientMonitor()
-    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[monitor])
+    monitor, logs = GradientMonitor(), _KerasLogs()
+    if length == "known":
+        data = {"x": x, "y": y, "batch_size": BATCH}
+    else:
+        batches = tf.data.Dataset.from_generator(
+            lambda: ((x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, 48, BATCH)),
+            output_signature=(
+                tf.TensorSpec((None, 5), tf.float32),
+                tf.TensorSpec((None,), tf.int64),
+            ),
+        )
+        data = {"x": batches}
+    model.fit(**data, epochs=2, shuffle=False, verbose=0, callbacks=[monitor, logs])
     accuracy = monitor.metrics.query("name == 'accuracy'")
     assert accuracy["step"].tolist() == [4, 6, 10, 12]
+    assert list(zip(accuracy["step"], accuracy["value"], strict=True)) == logs.rows
 
 
 def test_gradient_accumulation_records_every_batch_under_its_own_step():

@@ -307,6 +307,7 @@ class GradientMonitor(keras.callbacks.Callback):
         # The row layout of the last `fit` that recorded a step: a later
         # `fit` that trains other layers says so (`_note_trained_layers`).
         self._last_layout = None
+        self._held_log = None
         # Added to the optimizer's step count to number the steps of this
         # `fit`: non-zero once the count went back below what this monitor
         # had recorded (a new optimizer, `compile()` again), see `_begin_fit`.
@@ -526,6 +527,8 @@ class GradientMonitor(keras.callbacks.Callback):
         self._last_read = time.monotonic()
         self._batches_since_read = 0
         self._pending_logs = []
+        # The last execution's metrics in an epoch of unknown length (`on_train_batch_end`).
+        self._held_log = None
         self._epoch_start_step = self._current_step()
         # A short last execution is reported as whole (see on_train_batch_end).
         self._steps_per_epoch = int(self.params.get("steps") or 0) or math.inf
@@ -602,7 +605,18 @@ class GradientMonitor(keras.callbacks.Callback):
             # Keras reports a short last execution of an epoch (6 batches at
             # 4 steps per execution) as if it were whole: it ends the epoch.
             done = min(batch + 1, self._steps_per_epoch)
-            self._pending_logs.append((self._epoch_start_step + done, compiled))
+            entry = (self._epoch_start_step + done, compiled)
+            if self._steps_per_epoch == math.inf and self._steps_per_execution > 1:
+                # An epoch of unknown length (a generator) says its short
+                # last execution is whole only by ending: batch 7 of an epoch
+                # of 6 put the epoch's metrics on a step of the next one, and
+                # the last epoch's past the run's end. So each execution's
+                # metrics wait for the next one of the epoch, or for its end.
+                if self._held_log is not None:
+                    self._pending_logs.append(self._held_log)
+                self._held_log = entry
+            else:
+                self._pending_logs.append(entry)
         # With `stop_on_nonfinite`, the step that meets a non-finite gradient
         # records itself and halts: it and every step after it leave the
         # weights and `optimizer.iterations` alone. Reading the ring finds
@@ -644,6 +658,7 @@ class GradientMonitor(keras.callbacks.Callback):
         )
 
     def on_epoch_end(self, epoch, logs=None):
+        self._release_held_log()
         self._collect()
         # Validation results belong to the last step of the epoch.
         values = {k: float(v) for k, v in (logs or {}).items() if k.startswith("val_")}
@@ -652,6 +667,7 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         try:
+            self._release_held_log()
             self._collect()
         finally:
             self._restore_model()
@@ -956,6 +972,13 @@ class GradientMonitor(keras.callbacks.Callback):
             f"{scale:g}). This is normal while mixed-precision training finds its scale; "
             "skipped batches are not in the history.",
         )
+
+    def _release_held_log(self):
+        """The held metrics of an epoch of unknown length, at most at the step it ended."""
+        if self._held_log is not None:
+            step, compiled = self._held_log
+            self._held_log = None
+            self._pending_logs.append((min(step, self._current_step()), compiled))
 
     def _current_step(self):
         """The step the optimizer is at, as this monitor numbers it."""
