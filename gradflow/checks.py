@@ -10,6 +10,7 @@ switch takes only True or False: `activations="no"` is a mistake too, not a yes.
 
 import math
 import numbers
+import re
 import sys
 import warnings
 
@@ -129,3 +130,21 @@ def warn_user(message, category=UserWarning):
     while frame is not None and frame.f_globals.get("__name__", "").startswith(_LIBRARY_PACKAGES):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level if frame is not None else 2)
+
+
+# Keras's terminal styling (bold names in its messages) and the dump of a
+# layer call's arguments that follows them.
+_TERMINAL_STYLE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_CALL_DUMP = re.compile(r"\s*Arguments received by .*\Z", re.DOTALL)
+
+
+def error_text(error):
+    """`"ValueError: ..."` for a run's message: without terminal codes or Keras's argument dump.
+
+    A run that failed in a layer's call read "Training failed: ValueError:
+    Exception encountered when calling Sequential.call(). [1m'x' is not a
+    valid scope name [0m Arguments received by Sequential.call(): • inputs=
+    tf.Tensor(...)" on the dashboard (the odd-runs audit).
+    """
+    text = _CALL_DUMP.sub("", _TERMINAL_STYLE.sub("", str(error)))
+    return f"{type(error).__name__}: {' '.join(text.split())}"

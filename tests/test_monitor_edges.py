@@ -1298,3 +1298,42 @@ def test_a_dead_layer_of_a_large_model_has_a_gradient_norm_of_zero(compiled_read
     assert (kernel["max_abs"] == 0).all() and (kernel["zero_fraction"] == 1).all()
     assert (kernel["l2_norm"] == 0).all(), kernel["l2_norm"].unique()
     assert (kernel["std"] == 0).all()
+
+
+class _FailsWhenTraining(keras.layers.Layer):
+    def call(self, inputs, training=None):
+        if training:
+            raise ValueError("bad input")
+        return inputs
+
+
+def test_a_failed_runs_message_has_no_terminal_codes_or_keras_call_dump(tmp_path):
+    """Keras dresses an error raised in a layer's call with terminal bold codes and a
+    dump of the call's arguments: the dashboard showed "[1m ... [0m Arguments received
+    by Sequential.call(): • inputs=tf.Tensor(...)" (the odd-runs audit)."""
+    x, y = data()
+    model = keras.Sequential([keras.Input((5,)), _FailsWhenTraining(), keras.layers.Dense(3)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    monitor = GradientMonitor(store=tmp_path / "runs.db")
+    with pytest.raises(ValueError, match="bad input") as raised:
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+    assert "\x1b[" in str(raised.value) and "Arguments received" in str(raised.value)
+    info = RunStore(tmp_path / "runs.db").run_info(monitor.run_id)
+    assert info["status"] == "failed"
+    assert info["message"].startswith("Training failed: ValueError: ")
+    assert "bad input" in info["message"]
+    assert "\x1b" not in info["message"] and "Arguments received" not in info["message"]
+
+
+def test_a_run_recorded_every_50_steps_ends_at_its_last_step_not_its_last_record(tmp_path):
+    """64 steps recorded every 50: the run read "Completed · step 50 / 64"."""
+    x, y = data()
+    model = classifier()
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    monitor = GradientMonitor(every=50, store=tmp_path / "runs.db")
+    model.fit(x, y, batch_size=2, epochs=4, verbose=0, callbacks=[monitor])
+    steps = int(model.optimizer.iterations.numpy())
+    assert monitor.history["step"].unique().tolist() == [50] and steps > 50
+    info = RunStore(tmp_path / "runs.db").run_info(monitor.run_id)
+    assert info["status"] == "completed"
+    assert info["progress_step"] == info["total_steps"] == steps

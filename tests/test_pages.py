@@ -315,6 +315,16 @@ def test_run_names_show_as_typed_and_twins_can_be_told_apart(page_environment):
         second,
     ]
     assert not any("Pick two or more runs" in i.value for i in linked.info)
+    assert not linked.warning
+    # A link whose runs are gone says so: it showed "Pick two or more runs" alone.
+    stale = run_page("compare.py", runs=f"{first},0123456789ab,zz<b>")
+    assert [w.value for w in stale.warning] == [
+        "2 of the 3 runs in this link no longer exist (deleted, or the link is wrong)."
+    ]
+    gone = run_page("compare.py", runs="0123456789ab")
+    assert [w.value for w in gone.warning] == [
+        "The runs in this link no longer exist (deleted, or the link is wrong)."
+    ]
 
 
 def test_inspect_shows_a_snapshot_only_beside_what_it_was_taken_of():
@@ -1383,12 +1393,28 @@ def test_a_watched_run_shows_the_validation_written_after_its_last_step(page_env
     assert sorted(metrics.query("name == 'loss'")["step"]) == [1, 2, 3, 4, 5, 6]
 
 
+def two_layer_kernels(step, max_abs, l2_norm, nonfinite):
+    """One step's kernel rows of a two-layer run: "dense", then "output"."""
+    import pandas as pd
+
+    return pd.DataFrame(
+        {
+            "step": step,
+            "layer": ["dense", "output"],
+            "layer_index": [0, 1],
+            "tensor": "kernel",
+            "max_abs": max_abs,
+            "l2_norm": l2_norm,
+            "nonfinite": nonfinite,
+        }
+    )
+
+
 @pytest.mark.parametrize("loss_at_nan", [float("nan"), 0.7], ids=["NaN loss", "finite loss"])
 def test_a_diverged_run_says_whether_the_loss_itself_blew_up(page_environment, loss_at_nan):
     """When the loss is NaN every gradient is, and the banner named the output
     layer as the origin: students blamed the output layer."""
     import numpy as np
-    import pandas as pd
 
     from gradflow.store import RunStore
 
@@ -1397,17 +1423,7 @@ def test_a_diverged_run_says_whether_the_loss_itself_blew_up(page_environment, l
     with store.writer(run_id) as writer:
         for step, broken in ((1, 0), (2, 5)):
             writer.add_layer_stats(
-                pd.DataFrame(
-                    {
-                        "step": step,
-                        "layer": ["dense", "output"],
-                        "layer_index": [0, 1],
-                        "tensor": "kernel",
-                        "max_abs": [1.0, np.nan if broken else 2.0],
-                        "l2_norm": 1.0,
-                        "nonfinite": [broken, broken],
-                    }
-                )
+                two_layer_kernels(step, [1.0, np.nan if broken else 2.0], 1.0, [broken, broken])
             )
         writer.add_metrics(1, {"loss": 5.9243e9})
         writer.add_metrics(2, {"loss": loss_at_nan})
@@ -1419,6 +1435,39 @@ def test_a_diverged_run_says_whether_the_loss_itself_blew_up(page_environment, l
         assert "the loss itself was NaN (at the step before it was 5.92e+09)" in banner
     else:
         assert "It started at step 2 in layer **output**." in banner
+
+
+def test_a_run_nan_from_its_first_step_that_trained_on_is_told_so(page_environment):
+    """A monitor's run (no `stop_on_nonfinite`) NaN from step 1 to its end read "so
+    training stopped ... Try a smaller learning rate": it had not stopped, and at
+    step 1 no update had come before (the odd-runs audit). Its Histograms view sent
+    the script's user to the lab's sidebar."""
+    import numpy as np
+
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    run_id = store.create_run(
+        {"model": "mine"}, name="nan inputs", status="running", source="monitor", total_steps=3
+    )
+    with store.writer(run_id) as writer:
+        for step in (1, 2, 3):
+            writer.add_layer_stats(two_layer_kernels(step, np.nan, np.nan, 4))
+            writer.add_metrics(step, {"loss": np.nan})
+        writer.progress(3)
+    store.set_status(run_id, "diverged")
+    app = run_page("live_training.py", run=run_id)
+    banner = next(e.value for e in app.error if "NaN or infinite" in e.value)
+    assert banner.startswith(
+        "The gradients became NaN or infinite (training went on to its end: "
+        "`stop_on_nonfinite` was off)."
+    )
+    assert "check the inputs and labels for NaN or Inf" in banner
+    assert "smaller learning rate" not in banner
+    app.session_state["live.view"] = "Histograms"
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert any("GradientMonitor(histograms=True)" in i.value for i in app.info)
 
 
 def test_runs_are_named_by_what_sets_them_apart():

@@ -34,6 +34,7 @@ import threading
 import traceback
 import warnings
 
+from gradflow.checks import error_text
 from gradflow.lab.datasets import DataFileError, DatasetDownloadError
 from gradflow.safety.errors import UnsafeInputError
 from gradflow.store import ACTIVE_STATUSES, RunStore
@@ -173,7 +174,7 @@ def _failure_message(error):
         return str(error)
     where = traceback.extract_tb(error.__traceback__)
     last = f" (at {os.path.basename(where[-1].filename)}:{where[-1].lineno})" if where else ""
-    return f"{type(error).__name__}: {error}{last}"
+    return f"{error_text(error)}{last}"
 
 
 class NothingToRecordError(ValueError):

@@ -18,7 +18,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from gradflow import schema
-from gradflow.checks import flag, positive_int, warn_user, whole_number
+from gradflow.checks import error_text, flag, positive_int, warn_user, whole_number
 from gradflow.diagnosis import Thresholds, context_start, diagnose, look_back, no_gradient_message
 from gradflow.monitor import through_time, trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS
@@ -687,6 +687,10 @@ class GradientMonitor(keras.callbacks.Callback):
             message = next((e[3] for e in self._events if e[2] == "nonfinite"), None)
         else:
             message = self._ended_early()
+        if self._writer is not None:
+            # With `every=50` a 60-step run's last recorded step is 50: it read
+            # "Completed · step 50 / 60", as if 10 steps had been lost.
+            self._writer.progress(self._current_step())
         self._close_outputs(status, message)
 
     def _ended_early(self):
@@ -764,7 +768,7 @@ class GradientMonitor(keras.callbacks.Callback):
             status, message = "interrupted", "Training was interrupted (KeyboardInterrupt)."
         else:
             status = "failed"
-            message = f"Training failed: {type(error).__name__}: {error}"[:500]
+            message = f"Training failed: {error_text(error)}"[:500]
         self._close_outputs(status, message)
 
     def _restore_model(self):

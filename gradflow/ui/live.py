@@ -640,7 +640,7 @@ def _charts(info, cache, key):
             run=run,
         )
     elif view == "Histograms":
-        _histograms(cache.histograms, stats, tensor, key, presentation, run)
+        _histograms(cache.histograms, stats, tensor, key, presentation, run, info.get("source"))
     elif view == "Loss":
         if cache.metrics.empty:
             st.caption("No metrics recorded yet.")
@@ -873,11 +873,23 @@ def _status_line(info, cache, status, watched=False, announce=False):
                 + ": the network's outputs blew up, so every gradient was NaN from the last "
                 "layer down."
             )
-        st.error(
-            "The gradients became NaN or infinite, so training stopped."
-            + where
-            + " Try a smaller learning rate, gradient clipping, or normalization."
+        # A monitor without `stop_on_nonfinite` trains on through its NaNs.
+        trained_on = bool(total) and step >= total
+        ended = (
+            " (training went on to its end: `stop_on_nonfinite` was off)."
+            if trained_on
+            else ", so training stopped."
         )
+        if origin is not None and origin.step == 1 and loss is not None:
+            # No update came before step 1: no learning rate made this.
+            advice = (
+                " At the first step no weight had been updated yet, so the learning rate did "
+                "not cause it: check the inputs and labels for NaN or Inf values, and the "
+                "loss for values it cannot take (a log of 0)."
+            )
+        else:
+            advice = " Try a smaller learning rate, gradient clipping, or normalization."
+        st.error("The gradients became NaN or infinite" + ended + where + advice)
 
 
 def _loss_before(metrics, step):
@@ -891,9 +903,16 @@ def _loss_before(metrics, step):
     return before, "NaN" if np.isnan(losses.loc[step]) else "infinite"
 
 
-def _histograms(histograms, stats, tensor, key, presentation, run):
+def _histograms(histograms, stats, tensor, key, presentation, run, source=None):
     if histograms.empty:
-        st.info("No histograms in this run: turn on **Record histograms** under More settings.")
+        if source == "monitor":
+            # The sidebar's switch is for lab runs; a script's run says so in its code.
+            st.info(
+                "No histograms in this run: its script records them with "
+                "`GradientMonitor(histograms=True)`."
+            )
+        else:
+            st.info("No histograms in this run: turn on **Record histograms** under More settings.")
         return
     layers = stats.sort_values("layer_index").drop_duplicates("layer")["layer"].tolist()
     with_hist = [layer for layer in layers if layer in set(histograms["layer"])]
