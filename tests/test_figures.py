@@ -267,7 +267,7 @@ def test_a_comparison_of_many_runs_is_drawn(runs):
         assert [a.text for a in chart.figure.layout.annotations][:runs] == list(named)
 
 
-def test_a_diverged_run_is_compared_at_its_last_finite_step_and_on_a_log_loss_axis():
+def test_a_diverged_run_is_compared_at_its_last_step_with_a_value_and_on_a_log_loss_axis():
     """Beside its fix, a diverged run had no profile line (its last step all NaN), and
     its loss of 1e7 flattened the other run's loss to a line at 0 ("clipping made the
     loss zero")."""
@@ -278,7 +278,18 @@ def test_a_diverged_run_is_compared_at_its_last_finite_step_and_on_a_log_loss_ax
     shown = chart.data.groupby("run")["step"].max()
     assert shown.to_dict() == {"diverged": 5, "fixed": 6}
     assert np.isfinite(chart.data["max_abs"]).all()
-    assert "a diverged run's last finite one" in chart.title
+    assert chart.title.endswith("at each run's last step")
+    names = [trace.name for trace in chart.figure.data]
+    assert names == ["diverged (step 5, its last with a value)", "fixed (step 6)"]
+    # One broken layer in a run whose loss stayed finite: its last step is drawn,
+    # the layer marked NaN; going back to step 5 hid it (the odd-runs audit).
+    one_layer = make_layer_stats()
+    last = one_layer["step"] == 6
+    one_layer.loc[last & (one_layer["layer_index"] == 1), "max_abs"] = np.nan
+    chart = figures.compare_profiles({"one NaN layer": one_layer, "fixed": fixed})
+    assert chart.data.groupby("run")["step"].max().to_dict() == {"one NaN layer": 6, "fixed": 6}
+    marker = next(t for t in chart.figure.data if t.name == "one NaN layer: NaN")
+    assert list(marker.x) == [1] and marker.marker.symbol == style.NAN_SYMBOL
     assert chart.figure.layout.xaxis.dtick == 1  # whole depths, not 0.5
     assert "max_abs" not in chart.description
     assert figures.compare_profiles({"diverged": diverged}, step=6).data["step"].max() == 6
@@ -290,6 +301,10 @@ def test_a_diverged_run_is_compared_at_its_last_finite_step_and_on_a_log_loss_ax
     calm = {"a": loss(np.linspace(3, 2, 10)), "b": loss(np.linspace(2.5, 1, 10))}
     assert figures.compare_metrics(calm).figure.layout.yaxis.type in (None, "linear", "-")
     assert figures.compare_metrics(blown, log_y=False).figure.layout.yaxis.type != "log"
+    # A run of one recorded step: a line of one point is not drawn at all.
+    one = {"one step": loss(np.full(10, 0.88))[:1], "ten": calm["a"]}
+    modes = [trace.mode for trace in figures.compare_metrics(one).figure.data]
+    assert modes == ["lines+markers", "lines"]
 
 
 @pytest.mark.parametrize(
@@ -979,6 +994,11 @@ def test_a_nested_backbones_long_name_is_written_once_not_on_every_layer():
     # Compared profiles name each point in its hover text only: the whole path.
     hover = figures.compare_profiles({"a": stats}, statistic="max_abs").figure.data[0].text
     assert hover[0] == f"{outer}/block_0_expand"
+    # A name of 80 characters keeps its start and end: it took the heatmap's width.
+    long = stats.assign(layer=lambda f: [f"{'A' * 70}_layer_{i:03d}" for i in f["layer_index"]])
+    labels = list(figures.heatmap(long, "max_abs").figure.data[0].y)
+    assert labels[0] == "AAAAAAAAAAAAAAA…AAAAAA_layer_000" and max(map(len, labels)) == 32
+    assert len(set(labels)) == len(labels)
     # A short outer name says more than "…" would: `mha/query` stays whole.
     short = stats.assign(layer=lambda f: [f"mha/part_{i}" for i in f["layer_index"]])
     heat = figures.heatmap(short, "max_abs").figure

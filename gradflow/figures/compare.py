@@ -336,7 +336,6 @@ def compare_profiles(
     """
     named = _check_runs(runs)
     pieces = []
-    before_divergence = False
     for name, frame in named:
         try:
             grid_lib.check_layer_stats(frame, statistic)
@@ -345,13 +344,17 @@ def compare_profiles(
             raise type(error)(f"Run {name!r}: {error}") from error
         if shown is None:
             continue
+        last = shown
         if step is None:
-            finite = _last_finite_step(frame, tensor, statistic)
-            before_divergence |= finite is not None and finite < shown
-            # A diverged run's last step is all NaN: no line beside the other runs.
-            shown = finite if finite is not None else shown
+            drawn = _last_drawn_step(frame, tensor, statistic)
+            # A diverged run's last step is all NaN: no line beside the other
+            # runs. One with some finite values is drawn, its NaNs marked: a
+            # run whose one broken layer was hidden by going back to its last
+            # finite step read as healthy (the odd-runs audit).
+            shown = drawn if drawn is not None else shown
         piece = profile_lib.profile_frame(frame, shown, tensor, [statistic])
         piece.insert(0, "run", name)
+        piece.attrs["before_last"] = shown < last
         # Depth counts the layers with this tensor: by `layer_index`, a batch-norm
         # network's 10th dense layer stood at 30 (its BatchNormalization and
         # Activation layers counted), beside the plain network's at 10.
@@ -360,14 +363,15 @@ def compare_profiles(
         piece.insert(1, "depth", piece["layer_index"].rank(method="dense").astype(int) - 1 + first)
         pieces.append(piece)
     columns = ["run", "depth", "layer_index", "layer", "step", statistic]
+    before_last = {piece["run"].iloc[0]: piece.attrs["before_last"] for piece in pieces}
     data = pd.concat(pieces, ignore_index=True) if pieces else pd.DataFrame(columns=columns)
     shown_steps = sorted({int(s) for s in data["step"]}) if len(data) else []
-    # Which step it is: each run's last unless one was chosen.
+    # Which step it is: each run's last unless one was chosen (then each
+    # run's step is in its legend entry: a title saying it was cut).
     at = (
         f" at step {shown_steps[0]}"
         if len(shown_steps) == 1
         else " at each run's last step"
-        + (" (a diverged run's last finite one)" if before_divergence else "")
         if step is None
         else f" at step {step} or the last before it"
     )
@@ -402,24 +406,51 @@ def compare_profiles(
     log_min, log_max = logscale.log_range(values)
     zero_at = logscale.zero_level(values, log_min)
     figure = style.new_figure()
+    broken = ~np.isfinite(values)
     for (name, piece), color in zip(
         data.groupby("run", sort=False), style.line_colors(len(pieces)), strict=False
     ):
         raw = piece[statistic].to_numpy(dtype=np.float64)
         label = style.escape_label(name)
+        drawn_at = int(piece["step"].iloc[0])
+        named = label
+        if len(shown_steps) > 1:
+            named += f" (step {drawn_at}" + (
+                ", its last with a value)" if before_last[name] else ")"
+            )
+        # Whole paths: hover text has room, and no axis title says what "…/" is.
+        layers = [style.escape_label(layer) for layer in piece["layer"].tolist()]
         figure.add_trace(
             go.Scatter(
                 x=piece["depth"].to_numpy(),
                 y=np.power(10.0, logscale.to_log(raw, log_min, zero_at)),
                 customdata=np.stack([raw, piece["step"].to_numpy(dtype=np.float64)], axis=1),
-                # Whole paths: hover text has room, and no axis title says what "…/" is.
-                text=[style.escape_label(name) for name in piece["layer"].tolist()],
+                text=layers,
                 mode="lines+markers",
-                name=label,
+                name=named,
                 line=dict(color=color, width=2),
                 hovertemplate=f"{label}<br>%{{text}} (step %{{customdata[1]}})<br>%{{customdata[0]:.3g}}<extra></extra>",
             )
         )
+        for kind, symbol, where in (
+            ("NaN", style.NAN_SYMBOL, np.isnan(raw)),
+            ("Inf", style.INF_SYMBOL, np.isinf(raw)),
+        ):
+            if where.any():
+                # Above the lines, at the layer's depth, as in the one-run profile.
+                figure.add_trace(
+                    go.Scatter(
+                        x=piece["depth"].to_numpy()[where],
+                        y=np.full(int(where.sum()), 10.0 ** (log_max + _MARKER_HEADROOM / 2)),
+                        mode="markers",
+                        name=f"{label}: {kind}",
+                        marker=dict(
+                            symbol=symbol, color=style.NONFINITE_COLOR, size=9, line=dict(width=1.5)
+                        ),
+                        text=np.asarray(layers, dtype=object)[where],
+                        hovertemplate=f"{label}<br>%{{text}} (step {drawn_at})<br>{kind}<extra></extra>",
+                    )
+                )
     tickvals, ticktext = logscale.decade_ticks(log_min, log_max, zero_at=zero_at)
     figure.update_layout(
         title=style.escape_label(plain_title),
@@ -440,7 +471,10 @@ def compare_profiles(
     figure.update_xaxes(tick0=0, dtick=max(1, math.ceil(int(data["depth"].max()) / 10)))
     figure.update_yaxes(
         type="log",
-        range=[log_min if zero_at is None else zero_at, log_max],
+        range=[
+            log_min if zero_at is None else zero_at,
+            log_max + (_MARKER_HEADROOM if broken.any() else 0),
+        ],
         tickvals=[10.0**v for v in tickvals],
         ticktext=ticktext,
     )
@@ -451,13 +485,17 @@ def compare_profiles(
     return Chart(figure, data, plain_title, description)
 
 
-def _last_finite_step(frame, tensor, statistic):
-    """The last step at which every layer's `statistic` of `tensor` is finite, or None."""
+# Room above the lines for the NaN/Inf markers, in decades (as `profile.py`).
+_MARKER_HEADROOM = 0.35
+
+
+def _last_drawn_step(frame, tensor, statistic):
+    """The last step at which some layer's `statistic` of `tensor` is finite, or None."""
     rows = frame[grid_lib.tensor_mask(frame, tensor)]
     finite = np.isfinite(rows[statistic].to_numpy(dtype=np.float64))
-    whole = pd.Series(finite).groupby(rows["step"].to_numpy()).all()
-    whole = whole[whole]
-    return int(whole.index.max()) if len(whole) else None
+    some = pd.Series(finite).groupby(rows["step"].to_numpy()).any()
+    some = some[some]
+    return int(some.index.max()) if len(some) else None
 
 
 def compare_metrics(
@@ -526,7 +564,8 @@ def compare_metrics(
                     y=values,
                     # Validation comes once an epoch: its few points, marked,
                     # stay visible on the training line of the same colour.
-                    mode="lines" if dash == "solid" else "lines+markers",
+                    # A run of one recorded step has no line to draw: its point is marked.
+                    mode="lines" if dash == "solid" and len(steps) > 1 else "lines+markers",
                     marker=dict(symbol="diamond", size=8),
                     name=label,
                     line=dict(color=color, dash=dash, width=2),

@@ -277,17 +277,31 @@ def layer_labels(names, indices):
     (`mobilenetv2_1.00_224/block_16_project`): where `nested_in` finds one,
     those labels write it as "…/" (the axis title says it once,
     `layer_axis_title`). Written whole, it took 150 of a half-width
-    heatmap's 450 px, and the cells were a narrow strip.
+    heatmap's 450 px, and the cells were a narrow strip. A label longer than
+    32 characters keeps its start and end around a "…".
     """
     outer = nested_in(names)
     cut = len(outer) + 1
     shown = [
         f"…/{name[cut:]}" if outer and name.startswith(f"{outer}/") else name for name in names
     ]
-    labels = [escape_label(name) for name in shown]
+    labels = [escape_label(_shortened(str(name))) for name in shown]
     if len(set(labels)) < len(labels):
         labels = [f"{label} [{index}]" for label, index in zip(labels, indices, strict=True)]
     return labels
+
+
+# Longer labels keep their start and end around a "…": one name of 80
+# characters took a heatmap's width and, on the Compare page, ran over the
+# panel beside it (the odd-runs audit).
+_LONGEST_LABEL = 32
+
+
+def _shortened(name):
+    if len(name) <= _LONGEST_LABEL:
+        return name
+    head = (_LONGEST_LABEL - 1) // 2
+    return f"{name[:head]}…{name[-(_LONGEST_LABEL - 1 - head) :]}"
 
 
 # A shared outer name shorter than this is kept in every label: `mha/query`

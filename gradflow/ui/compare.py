@@ -181,6 +181,15 @@ def run_picker():
         st.session_state[_PICKER] = [
             r for r in linked or st.session_state.get(_SELECTED, []) if r in labels
         ]
+        gone = len([r for r in linked if r not in labels])
+        if gone:
+            # Else "Pick two or more runs" alone, as if the link had held none.
+            st.warning(
+                f"{gone} of the {len(linked)} runs in this link no longer exist (deleted, or "
+                "the link is wrong)."
+                if gone < len(linked)
+                else "The runs in this link no longer exist (deleted, or the link is wrong)."
+            )
     # Keep only runs that still exist (one may have been deleted on the Runs page).
     st.session_state[_PICKER] = [r for r in st.session_state[_PICKER] if r in labels]
     chosen = st.multiselect("Runs to compare", list(labels), format_func=labels.get, key=_PICKER)
