@@ -873,8 +873,9 @@ def _status_line(info, cache, status, watched=False, announce=False):
                 + ": the network's outputs blew up, so every gradient was NaN from the last "
                 "layer down."
             )
-        # A monitor without `stop_on_nonfinite` trains on through its NaNs.
-        trained_on = bool(total) and step >= total
+        # A monitor without `stop_on_nonfinite` trains on through its NaNs; a
+        # run that halted ends at its first NaN, even one at its last step.
+        trained_on = origin is not None and bool(total) and origin.step < step >= total
         ended = (
             " (training went on to its end: `stop_on_nonfinite` was off)."
             if trained_on
