@@ -305,6 +305,11 @@ def test_a_diverged_run_is_compared_at_its_last_step_with_a_value_and_on_a_log_l
     one = {"one step": loss(np.full(10, 0.88))[:1], "ten": calm["a"]}
     modes = [trace.mode for trace in figures.compare_metrics(one).figure.data]
     assert modes == ["lines+markers", "lines"]
+    # A loss that turned NaN: its steps marked at the top of the data (nothing was drawn).
+    nan_tail = {"diverged": loss(np.r_[np.linspace(3, 2, 7), [np.nan] * 3]), "calm": calm["a"]}
+    marked = figures.compare_metrics(nan_tail).figure.data[-1]
+    assert marked.name == "diverged: NaN" and list(marked.x) == [8, 9, 10]
+    assert list(marked.y) == [3.0] * 3 and marked.marker.symbol == style.NAN_SYMBOL
 
 
 @pytest.mark.parametrize(

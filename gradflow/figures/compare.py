@@ -543,6 +543,7 @@ def compare_metrics(
     figure = style.new_figure()
     pieces = []
     every_name = set()
+    broken = []  # (label, steps, values) of the lines with NaN/Inf points
     for (run, metrics), color in zip(named, style.line_colors(len(named)), strict=True):
         try:
             lines.check_metrics(metrics)
@@ -558,6 +559,8 @@ def compare_metrics(
                 pd.DataFrame({"run": run, "step": steps, "name": metric, "value": values})
             )
             label = style.escape_label(run) + (" (validation)" if dash == "dash" else "")
+            if not np.isfinite(values).all():
+                broken.append((label, steps, values))
             figure.add_trace(
                 go.Scatter(
                     x=steps,
@@ -592,10 +595,23 @@ def compare_metrics(
             plain_title,
             description,
         )
+    values = data["value"].to_numpy(dtype=np.float64)
+    values = values[np.isfinite(values)]
     if log_y is None:
-        values = data["value"].to_numpy(dtype=np.float64)
-        values = values[np.isfinite(values)]
         log_y = bool(len(values) and values.min() > 0 and values.max() > 1000 * values.min())
+    for label, steps, run_values in broken:
+        # A line stops at a NaN: its steps marked at the top of the data, as
+        # on the Live page (a run's NaN loss drew nothing here).
+        bad = ~np.isfinite(run_values)
+        top = float(values.max()) if len(values) else 1.0
+        for trace in heatmap_lib.nonfinite_markers(
+            steps[bad],
+            np.full(int(bad.sum()), top),
+            run_values[bad],
+            np.full(int(bad.sum()), label, dtype=object),
+            name_prefix=f"{label}: ",
+        ):
+            figure.add_trace(trace)
     figure.update_layout(
         title=style.escape_label(plain_title),
         xaxis_title="step",
