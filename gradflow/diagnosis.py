@@ -227,13 +227,13 @@ def _carried_inputs(layer_stats, layer_inputs):
     compared a Transformer's value projection with the key projection called
     before it and said it was saturated, which the monitor did not.
     """
-    if layer_inputs is None:
-        if not isinstance(layer_stats, pd.DataFrame):
-            layer_stats = getattr(layer_stats, "layer_stats", None)  # a Snapshot
-        attrs = getattr(layer_stats, "attrs", None)
-        carried = attrs.get("layer_inputs") if isinstance(attrs, dict) else None
-        return carried if isinstance(carried, dict) else None
-    return layer_inputs
+    if layer_inputs is not None:
+        return layer_inputs
+    if isinstance(layer_stats, pd.DataFrame):
+        carried = layer_stats.attrs.get("layer_inputs")
+    else:  # a Snapshot holds them itself (its `layer_stats` carries them only if any)
+        carried = getattr(layer_stats, "layer_inputs", None) or None
+    return carried if isinstance(carried, dict) else None
 
 
 def _nonfinite_mask(table):

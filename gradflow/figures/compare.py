@@ -336,6 +336,7 @@ def compare_profiles(
     """
     named = _check_runs(runs)
     pieces = []
+    before_last = {}  # run -> whether it is drawn before its last step (that one all NaN)
     for name, frame in named:
         try:
             grid_lib.check_layer_stats(frame, statistic)
@@ -354,7 +355,7 @@ def compare_profiles(
             shown = drawn if drawn is not None else shown
         piece = profile_lib.profile_frame(frame, shown, tensor, [statistic])
         piece.insert(0, "run", name)
-        piece.attrs["before_last"] = shown < last
+        before_last[name] = shown < last
         # Depth counts the layers with this tensor: by `layer_index`, a batch-norm
         # network's 10th dense layer stood at 30 (its BatchNormalization and
         # Activation layers counted), beside the plain network's at 10.
@@ -363,7 +364,6 @@ def compare_profiles(
         piece.insert(1, "depth", piece["layer_index"].rank(method="dense").astype(int) - 1 + first)
         pieces.append(piece)
     columns = ["run", "depth", "layer_index", "layer", "step", statistic]
-    before_last = {piece["run"].iloc[0]: piece.attrs["before_last"] for piece in pieces}
     data = pd.concat(pieces, ignore_index=True) if pieces else pd.DataFrame(columns=columns)
     shown_steps = sorted({int(s) for s in data["step"]}) if len(data) else []
     # Which step it is: each run's last unless one was chosen (then each
@@ -432,25 +432,17 @@ def compare_profiles(
                 hovertemplate=f"{label}<br>%{{text}} (step %{{customdata[1]}})<br>%{{customdata[0]:.3g}}<extra></extra>",
             )
         )
-        for kind, symbol, where in (
-            ("NaN", style.NAN_SYMBOL, np.isnan(raw)),
-            ("Inf", style.INF_SYMBOL, np.isinf(raw)),
+        bad = ~np.isfinite(raw)
+        # Above the lines, at the layer's depth, as in the one-run profile.
+        for trace in heatmap_lib.nonfinite_markers(
+            piece["depth"].to_numpy()[bad],
+            np.full(int(bad.sum()), 10.0 ** (log_max + _MARKER_HEADROOM / 2)),
+            raw[bad],
+            np.asarray([f"{label}<br>{layer}" for layer in layers], dtype=object)[bad],
+            name_prefix=f"{label}: ",
+            at=f"step {drawn_at}",
         ):
-            if where.any():
-                # Above the lines, at the layer's depth, as in the one-run profile.
-                figure.add_trace(
-                    go.Scatter(
-                        x=piece["depth"].to_numpy()[where],
-                        y=np.full(int(where.sum()), 10.0 ** (log_max + _MARKER_HEADROOM / 2)),
-                        mode="markers",
-                        name=f"{label}: {kind}",
-                        marker=dict(
-                            symbol=symbol, color=style.NONFINITE_COLOR, size=9, line=dict(width=1.5)
-                        ),
-                        text=np.asarray(layers, dtype=object)[where],
-                        hovertemplate=f"{label}<br>%{{text}} (step {drawn_at})<br>{kind}<extra></extra>",
-                    )
-                )
+            figure.add_trace(trace)
     tickvals, ticktext = logscale.decade_ticks(log_min, log_max, zero_at=zero_at)
     figure.update_layout(
         title=style.escape_label(plain_title),
@@ -599,11 +591,11 @@ def compare_metrics(
     values = values[np.isfinite(values)]
     if log_y is None:
         log_y = bool(len(values) and values.min() > 0 and values.max() > 1000 * values.min())
+    # A line stops at a NaN: its steps marked at the top of the data, as on
+    # the Live page (a run's NaN loss drew nothing here).
+    top = float(values.max()) if len(values) else 1.0
     for label, steps, run_values in broken:
-        # A line stops at a NaN: its steps marked at the top of the data, as
-        # on the Live page (a run's NaN loss drew nothing here).
         bad = ~np.isfinite(run_values)
-        top = float(values.max()) if len(values) else 1.0
         for trace in heatmap_lib.nonfinite_markers(
             steps[bad],
             np.full(int(bad.sum()), top),

@@ -24,7 +24,7 @@ def colorbar(statistic, log_min, log_max, zero_at=None):
     )
 
 
-def nonfinite_markers(x, y, raw, hover_names, name_prefix=""):
+def nonfinite_markers(x, y, raw, hover_names, name_prefix="", at="step %{x}"):
     """Scatter traces marking NaN (x) and Inf (triangle) cells; may be empty.
 
     Args:
@@ -33,6 +33,8 @@ def nonfinite_markers(x, y, raw, hover_names, name_prefix=""):
         raw: the recorded values at those points.
         hover_names: text shown on hover (already escaped), same length.
         name_prefix: prefix for the legend entries (e.g. an escaped run name).
+        at: the hover's line saying when (a Plotly template). Default
+            `"step %{x}"`, for charts whose x axis is the step.
 
     Returns:
         A list of 0, 1 or 2 `go.Scatter` traces.
@@ -56,7 +58,7 @@ def nonfinite_markers(x, y, raw, hover_names, name_prefix=""):
                     symbol=symbol, color=style.NONFINITE_COLOR, size=9, line=dict(width=1.5)
                 ),
                 customdata=hover_names[selected],
-                hovertemplate=f"%{{customdata}}<br>step %{{x}}<br>{label}<extra></extra>",
+                hovertemplate=f"%{{customdata}}<br>{at}<br>{label}<extra></extra>",
             )
         )
     return traces

@@ -974,10 +974,8 @@ def _take_activations(plan, outputs):
     room = max(0, plan.activation_slots - len(firsts))
     keep = sorted(firsts[: plan.activation_slots] + repeats[:room])
     plan.activation_paths = [outputs.paths[i] for i in keep]
-    # A pooling layer's pair is not compared (`LayerOutputs.spreads`).
-    plan.activation_inputs = {
-        outputs.paths[i]: None if outputs.spreads[i] else outputs.fed_by[i] for i in keep
-    }
+    inputs = outputs.compared_inputs()
+    plan.activation_inputs = {outputs.paths[i]: inputs[i] for i in keep}
     kept = set(keep)
     plan.dropped_activations = [p for i, p in enumerate(outputs.paths) if i not in kept]
     return (

@@ -170,6 +170,12 @@ class LayerOutputs:
         # A mask or an index has no gradient to turn to.
         self.others.append([t for t in flat[1:] if _is_float(t)])
 
+    def compared_inputs(self):
+        """`fed_by`, with None where the call `spreads`: the saturation rule's pairs."""
+        return [
+            None if spreads else fed for fed, spreads in zip(self.fed_by, self.spreads, strict=True)
+        ]
+
     def __len__(self):
         return len(self.paths)
 

@@ -380,12 +380,7 @@ class GradientProbe:
         self._layouts[_signature(x, y)] = self._last_layout = {
             "paths": list(outputs.paths),
             # The saturation rule's pairs, as the monitor keeps them (`StepPlan.activation_inputs`).
-            "layer_inputs": {
-                path: None if spreads else fed_by
-                for path, fed_by, spreads in zip(
-                    outputs.paths, outputs.fed_by, outputs.spreads, strict=True
-                )
-            },
+            "layer_inputs": dict(zip(outputs.paths, outputs.compared_inputs(), strict=True)),
             "shapes": [tuple(t.shape) for t in tensors],
             "variables": variables,
             "unreached": unreached,
