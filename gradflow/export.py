@@ -424,7 +424,7 @@ def lesson_pack(charts, config=None, title="gradflow lesson pack", alerts=None, 
 _ENDINGS = {
     "completed": "Completed",
     "stopped": "Stopped",
-    "diverged": "Diverged (a gradient became NaN or infinite)",
+    "diverged": "Diverged (the loss or a gradient became NaN or infinite)",
     "interrupted": "Interrupted",
     "failed": "Failed",
     "running": "Still training when this pack was made",

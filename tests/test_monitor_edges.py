@@ -1337,3 +1337,158 @@ def test_a_run_recorded_every_50_steps_ends_at_its_last_step_not_its_last_record
     info = RunStore(tmp_path / "runs.db").run_info(monitor.run_id)
     assert info["status"] == "completed"
     assert info["progress_step"] == info["total_steps"] == steps
+
+
+class _FailsAtStep(keras.callbacks.Callback):
+    """Raises once the optimizer has applied `step` updates: a pre-empted job."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) == self.step:
+            raise RuntimeError("pre-empted")
+
+
+class _AppliedGradients(keras.callbacks.Callback):
+    """The gradient plain SGD applied at each step, from the weights before and after it."""
+
+    def __init__(self, learning_rate):
+        super().__init__()
+        self.learning_rate = learning_rate
+        self.norms = {}  # optimizer step -> the first kernel's gradient norm
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.before = self.model.trainable_variables[0].numpy().astype(np.float64)
+
+    def on_train_batch_end(self, batch, logs=None):
+        after = self.model.trainable_variables[0].numpy().astype(np.float64)
+        step = int(self.model.optimizer.iterations.numpy())
+        self.norms[step] = np.linalg.norm((self.before - after) / self.learning_rate)
+
+
+def _resumed(tmp_path, monitor_first, same_monitor):
+    """Three epochs of 4 steps with BackupAndRestore, pre-empted at step 6, then resumed.
+
+    Returns the model, the monitor of the resumed fit, the resumed fit's
+    applied gradients and the store.
+    """
+    x, y = data()
+    backup, store = tmp_path / "backup", RunStore(tmp_path / "runs.db")
+
+    def fit(model, monitor, *more):
+        restore = keras.callbacks.BackupAndRestore(backup)
+        callbacks = [monitor, restore] if monitor_first else [restore, monitor]
+        model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=3,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks + list(more),
+        )
+
+    model = compile_for_logits(classifier("linear"))
+    monitor = GradientMonitor(store=store)
+    with pytest.raises(RuntimeError, match="pre-empted"):
+        fit(model, monitor, _FailsAtStep(6))
+    if not same_monitor:
+        # A new process: a new model and monitor resume from the backup.
+        model = compile_for_logits(classifier("linear", seed=1))
+        model.build((None, 5))
+        monitor = GradientMonitor(store=store)
+    applied = _AppliedGradients(0.1)
+    # Other inputs than the first fit's, so that its steps 5 and 6 cannot pass for these.
+    x *= 1.5
+    fit(model, monitor, applied)
+    return model, monitor, applied, store
+
+
+@pytest.mark.parametrize("monitor_first", [True, False], ids=["monitor-first", "monitor-last"])
+def test_a_fit_resumed_by_backup_and_restore_records_every_applied_step(tmp_path, monitor_first):
+    """BackupAndRestore loads the weights and the step count in its own `on_train_begin`:
+    after the monitor's, the resumed steps at or below the old count were dropped as
+    already read, and the run's total was off by the restored steps ("18 of 12")."""
+    model, monitor, applied, store = _resumed(tmp_path, monitor_first, same_monitor=False)
+    assert sorted(applied.norms) == list(range(5, 13))  # epoch 2 (steps 5-8) again, and 3
+    kernel = rows(monitor, "hidden", "kernel").set_index("step")["l2_norm"]
+    assert kernel.index.tolist() == list(range(5, 13))
+    for step, norm in applied.norms.items():
+        assert kernel[step] == pytest.approx(norm, rel=1e-4)
+    info = store.run_info(monitor.run_id)
+    assert (info["status"], info["progress_step"], info["total_steps"]) == ("completed", 12, 12)
+
+
+@pytest.mark.parametrize("monitor_first", [True, False], ids=["monitor-first", "monitor-last"])
+def test_one_monitor_across_a_backup_restore_numbers_on_and_says_why(tmp_path, monitor_first):
+    """The same monitor kept the first fit's steps 5 and 6, rolled back, and dropped
+    the resumed fit's own 5 and 6, or said "a new optimizer, e.g. after compile()"."""
+    model, monitor, applied, store = _resumed(tmp_path, monitor_first, same_monitor=True)
+    kernel = rows(monitor, "hidden", "kernel").set_index("step")["l2_norm"]
+    # Nothing recorded is replaced: the resumed steps 5..12 are numbered 7..14.
+    assert kernel.index.tolist() == list(range(1, 15))
+    for step, norm in applied.norms.items():
+        assert kernel[step + 2] == pytest.approx(norm, rel=1e-4)
+    told = monitor.events[monitor.events["message"].str.contains("step count is 4")]
+    assert len(told) == 1 and "BackupAndRestore" in told["message"].iloc[0]
+    assert "new optimizer" not in told["message"].iloc[0]
+    info = store.run_info(monitor.run_id)
+    assert (info["status"], info["progress_step"], info["total_steps"]) == ("completed", 14, 14)
+
+
+def test_a_loss_that_overflows_before_its_gradients_is_a_divergence(tmp_path):
+    """A squared error overflowed float32 while every gradient was finite; TerminateOnNaN
+    stopped the fit, and the run was stored "completed: a callback stopped it (such
+    as EarlyStopping)", with no NaN event."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 5)).astype("float32") * 1e3
+    y = rng.normal(size=(64, 1)).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1, name="out")])
+    model.compile(keras.optimizers.SGD(1e4), "mse")
+    monitor = GradientMonitor(store=tmp_path / "runs.db")
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=4,
+        verbose=0,
+        callbacks=[monitor, keras.callbacks.TerminateOnNaN()],
+    )
+    losses = monitor.metrics[monitor.metrics["name"] == "loss"].set_index("step")["value"]
+    first = int(losses.index[~np.isfinite(losses.to_numpy())][0])
+    at_first = monitor.history[monitor.history["step"] == first]
+    assert np.isfinite(at_first["l2_norm"]).all()  # the case: only the loss overflowed
+    assert int(model.optimizer.iterations.numpy()) == first  # TerminateOnNaN stopped there
+    events = monitor.events[monitor.events["kind"] == "nonfinite"]
+    assert events["step"].tolist() == [first]
+    message = events["message"].iloc[0]
+    assert message.startswith(f"The loss was infinite at step {first} while every gradient")
+    info = RunStore(tmp_path / "runs.db").run_info(monitor.run_id)
+    assert (info["status"], info["message"]) == ("diverged", message)
+
+
+def test_steps_per_execution_auto_is_refused_in_gradflows_words():
+    """Python's "invalid literal for int() with base 10: 'auto'" named no argument."""
+    x, y = data()
+    model = classifier()
+    model.compile("sgd", "sparse_categorical_crossentropy", steps_per_execution="auto")
+    with pytest.raises(ValueError, match=r"`steps_per_execution` .* got 'auto'"):
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[GradientMonitor()])
+    assert "train_step" not in model.__dict__
+
+
+def test_a_used_monitor_with_a_store_can_be_copied_and_pickled(tmp_path):
+    """KerasTuner deep-copies its callbacks for every trial: a monitor that had
+    written to a store raised "cannot pickle '_thread._local' object"."""
+    import copy
+    import pickle
+
+    x, y, store, model, monitor = stored_classifier(tmp_path)
+    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+    for copied in (copy.deepcopy(monitor), pickle.loads(pickle.dumps(monitor))):
+        pd.testing.assert_frame_equal(copied.history, monitor.history)
+        # The copy's store opens its own connection and reads the same run.
+        assert copied._store.run_info(monitor.run_id)["status"] == "completed"

@@ -1470,6 +1470,33 @@ def test_a_run_nan_from_its_first_step_that_trained_on_is_told_so(page_environme
     assert any("GradientMonitor(histograms=True)" in i.value for i in app.info)
 
 
+def test_a_run_whose_loss_alone_overflowed_is_not_said_to_have_nan_gradients(page_environment):
+    """A squared error overflowed while every gradient was finite (TerminateOnNaN stopped
+    it): the banner said "The gradients became NaN or infinite"."""
+    import numpy as np
+
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    run_id = store.create_run(
+        {"model": "mine"}, name="huge inputs", status="running", source="monitor", total_steps=9
+    )
+    with store.writer(run_id) as writer:
+        for step, loss in ((1, 3.0), (2, 4e37), (3, np.inf)):
+            writer.add_layer_stats(two_layer_kernels(step, 1e18 * step, 2e18 * step, 0))
+            writer.add_metrics(step, {"loss": loss})
+        writer.progress(3)
+    store.set_status(run_id, "diverged")
+    app = run_page("live_training.py", run=run_id)
+    assert not app.exception, [e.value for e in app.exception]
+    errors = [e.value for e in app.error]
+    assert any(
+        e.startswith("The loss became infinite at step 3 while every gradient was still finite")
+        for e in errors
+    ), errors
+    assert not any("gradients became NaN" in e for e in errors), errors
+
+
 def test_runs_are_named_by_what_sets_them_apart():
     """The exploding run and a healthy relu run were both "relu · depth 10 · sgd lr=0.05",
     and a loaded preset's runs lost its title."""

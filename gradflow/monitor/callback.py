@@ -10,6 +10,7 @@ import sqlite3
 import sys
 import threading
 import time
+import weakref
 
 import keras
 import numpy as np
@@ -303,6 +304,7 @@ class GradientMonitor(keras.callbacks.Callback):
         # The last step `keep_steps` dropped from memory, or None.
         self._forgotten_through = None
         self._nonfinite_step = None
+        self._halt_step = None
         self._plan = None
         # The row layout of the last `fit` that recorded a step: a later
         # `fit` that trains other layers says so (`_note_trained_layers`).
@@ -312,6 +314,16 @@ class GradientMonitor(keras.callbacks.Callback):
         # `fit`: non-zero once the count went back below what this monitor
         # had recorded (a new optimizer, `compile()` again), see `_begin_fit`.
         self._step_offset = 0
+        # The optimizer of the last `fit`: a count that went back with the
+        # same optimizer is a restored state, not a new optimizer.
+        self._last_optimizer = None
+
+    def __getstate__(self):
+        # A weak reference cannot be pickled, and a copy's model (copied
+        # with it) has its own optimizer.
+        state = dict(self.__dict__)
+        state["_last_optimizer"] = None
+        return state
 
     # Results -----------------------------------------------------------------
 
@@ -432,7 +444,7 @@ class GradientMonitor(keras.callbacks.Callback):
             if strategy.num_replicas_in_sync == 1
             else _EXECUTIONS_PER_READ_DISTRIBUTED
         )
-        self._steps_per_execution = max(1, int(model.steps_per_execution))
+        self._steps_per_execution = _steps_per_execution(model)
         self._saved_train_step = model.__dict__.get("train_step")
         # Made once: the optimizer's config and every layer are read for it.
         reuse_key = _ReuseKey(self, model)
@@ -519,7 +531,9 @@ class GradientMonitor(keras.callbacks.Callback):
         # `_last_step` and `_final_step` count as the optimizer does (the
         # ring's steps); every step this monitor reports adds `_step_offset`.
         self._last_step = self._counted_steps()
-        numbering = self._number_on_from(self._last_step)
+        restored = self._last_optimizer is not None and self._last_optimizer() is model.optimizer
+        numbering = self._number_on_from(self._last_step, "restored" if restored else "new")
+        self._last_optimizer = weakref.ref(model.optimizer)
         planned = _planned_steps(self.params)
         # Lets a short run skip compiling the deferred ring's read.
         self._final_step = None if planned is None else self._last_step + planned
@@ -536,6 +550,8 @@ class GradientMonitor(keras.callbacks.Callback):
         # Each `fit` halts at its own first non-finite step (a monitor given
         # to several fits); the events of earlier fits stay.
         self._nonfinite_step = None
+        # The first non-finite gradient, where the step halts with `stop_on_nonfinite`.
+        self._halt_step = None
         self._loss_scaled = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
         self._overflows_seen, self._overflow_step = self._overflows(), self._current_step()
         if self._is_chief:
@@ -557,15 +573,23 @@ class GradientMonitor(keras.callbacks.Callback):
             # Told once the store is open: the run's page says it too.
             self._add_event(*numbering)
 
-    def _number_on_from(self, count):
+    def _number_on_from(self, count, why):
         """Number this `fit`'s steps after every step this monitor has reported.
 
         Steps are the optimizer's count, which starts again at 0 with a new
         optimizer: Keras's fine-tuning recipe (train the head, unfreeze,
         `compile()` again, `fit` again) or one monitor given to another
-        model. Numbered as they come, the second `fit`'s steps 1, 2, ...
+        model. It also goes back when a saved state is loaded
+        (`BackupAndRestore` resuming after a crash, `load_weights`).
+        Numbered as they come, the second `fit`'s steps 1, 2, ...
         would repeat the first's: two rows per step in `history`, and in the
         store the later rows would replace the earlier ones.
+
+        Args:
+            count: the optimizer's step count now.
+            why: what the event gives as the cause: `"new"` (another
+                optimizer), `"restored"` (the same optimizer, its state
+                loaded) or `"callback"` (a callback's `on_train_begin` loaded it).
 
         Returns:
             The `info` event that says so `(step, layer, kind, message)`, or
@@ -583,8 +607,8 @@ class GradientMonitor(keras.callbacks.Callback):
                 None,
                 "info",
                 f"The optimizer's step count is {count} at the start of this fit, below the "
-                f"step {through} this monitor has already recorded (a new optimizer, e.g. "
-                f"after `compile()`). So that nothing recorded is replaced, this fit's steps are "
+                f"step {through} this monitor has already recorded ({_WHY_THE_COUNT_WENT_BACK[why]}). "
+                f"So that nothing recorded is replaced, this fit's steps are "
                 f"numbered on from step {through + 1}: its step n is the optimizer's "
                 f"iteration n - {offset}.",
             )
@@ -632,15 +656,38 @@ class GradientMonitor(keras.callbacks.Callback):
             self._collect()
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch_start_step = self._current_step()
         if self._first_epoch is None:
             self._first_epoch = epoch
-            if epoch > 0 and self._final_step is not None:
-                # `fit(initial_epoch=...)` runs epochs - initial_epoch epochs,
-                # and `params` does not say so.
-                self._final_step -= epoch * int(self.params["steps"])
-                if self._created_run and self._store is not None:
-                    self._store.set_total_steps(self.run_id, self._final_numbered_step())
+            self._count_again(epoch)
+        self._epoch_start_step = self._current_step()
+
+    def _count_again(self, epoch):
+        """Take the optimizer's step count again, now that every callback's `on_train_begin` ran.
+
+        `BackupAndRestore` loads the weights, `optimizer.iterations` and the
+        epoch to resume from in its own `on_train_begin`, after this
+        monitor's when the monitor comes first in `callbacks`. Counted from
+        before the restore, the resumed steps the ring held at or below the
+        old count were dropped as already read, and the planned total was
+        off by the restored steps ("step 18 of 12").
+        """
+        count = self._counted_steps()
+        if count != self._last_step:
+            self._last_step = count
+            numbering = self._number_on_from(count, "callback")
+            if numbering is not None:
+                self._add_event(*numbering)
+            self._overflows_seen, self._overflow_step = self._overflows(), self._current_step()
+        planned = _planned_steps(self.params)
+        if planned is None:
+            return
+        # `fit(initial_epoch=...)`, or the epoch a backup resumes from, runs
+        # epochs - initial_epoch epochs, and `params` does not say so.
+        final = count + planned - epoch * int(self.params["steps"])
+        if final != self._final_step:
+            self._final_step = final
+            if self._created_run and self._store is not None:
+                self._store.set_total_steps(self.run_id, self._final_numbered_step())
 
     def on_test_begin(self, logs=None):
         # `fit` runs its validation through `evaluate` with the same callbacks.
@@ -684,7 +731,15 @@ class GradientMonitor(keras.callbacks.Callback):
         if self._nonfinite_step is not None:
             status = "diverged"
             # Not the first event: a layer no gradient reaches is told at the first step.
-            message = next((e[3] for e in self._events if e[2] == "nonfinite"), None)
+            # Nor an earlier fit's: this monitor may have recorded several.
+            message = next(
+                (
+                    e[3]
+                    for e in self._events
+                    if e[2] == "nonfinite" and e[0] == self._nonfinite_step
+                ),
+                None,
+            )
         else:
             message = self._ended_early()
         if self._writer is not None:
@@ -819,7 +874,9 @@ class GradientMonitor(keras.callbacks.Callback):
     def _halted_step(self):
         """The step where `stop_on_nonfinite` halted training, or None."""
         halts = self.stop_on_nonfinite and not self._plan.probing and self._plan.replicas == 1
-        return self._nonfinite_step if halts else None
+        # A non-finite loss with finite gradients halts nothing in the step:
+        # its update was applied, and so were those after it until `fit` stopped.
+        return self._halt_step if halts else None
 
     def _read_ring(self):
         steps, stats, metrics, histograms = self._plan.buffer.read(
@@ -910,15 +967,27 @@ class GradientMonitor(keras.callbacks.Callback):
             self._add_event(step, layer, "no_gradient", no_gradient_message(layer, tensors))
 
     def _check_nonfinite(self, steps, stats, metrics):
-        if self._nonfinite_step is not None:
+        if self._halt_step is not None:
             return
         for step, block, values in zip(steps, stats, metrics, strict=False):
             row = nonfinite_origin(block, self._layout)
+            loss = float(values[STEP_METRICS.index("loss")])
             if row is None:
+                if not math.isfinite(loss) and self._nonfinite_step is None:
+                    # A squared error overflows float32 before its gradient
+                    # (twice the error) does. `TerminateOnNaN` stopped such a
+                    # run and it was stored "completed: a callback stopped it
+                    # (such as EarlyStopping)".
+                    self._nonfinite_step = int(step)
+                    self._add_event(int(step), None, "nonfinite", _loss_alone_message(step, loss))
+                    if self.stop_on_nonfinite:
+                        self.model.stop_training = True
                 continue
+            self._halt_step = int(step)
+            if self._nonfinite_step is None:
+                self._nonfinite_step = int(step)
             layer, tensor = self._layout.layers[row], self._layout.tensors[row]
             count = int(block[row, schema.STATISTICS.index("nonfinite")])
-            loss = float(values[STEP_METRICS.index("loss")])
             if math.isfinite(loss):
                 message = (
                     f"First non-finite gradient at step {int(step)}: {count} NaN/Inf entries "
@@ -938,7 +1007,6 @@ class GradientMonitor(keras.callbacks.Callback):
                     "say which layer made it; the steps before show how the weights and "
                     "gradients grew."
                 )
-            self._nonfinite_step = int(step)
             self._add_event(int(step), layer, "nonfinite", message)
             if self.stop_on_nonfinite:
                 self.model.stop_training = True
@@ -1543,6 +1611,36 @@ def _is_finite(value):
         return math.isfinite(value)
     except TypeError:  # not a number: Keras could not make it a float
         return True
+
+
+_WHY_THE_COUNT_WENT_BACK = {
+    "new": "a new optimizer, e.g. after `compile()`",
+    "restored": "the optimizer's state was loaded, e.g. by `load_weights` or by "
+    "`BackupAndRestore` resuming after an interruption",
+    "callback": "a callback loaded an earlier state as this fit began, e.g. `BackupAndRestore` "
+    "resuming after an interruption",
+}
+
+
+def _loss_alone_message(step, loss):
+    """The `nonfinite` event of a loss that turned NaN/Inf while every gradient was finite."""
+    return (
+        f"The loss was {'NaN' if math.isnan(loss) else 'infinite'} at step {int(step)} while "
+        "every gradient was still finite: the loss overflowed first (a large error squared, "
+        "or a huge output). The steps before show how the weights and gradients grew; a "
+        "smaller learning rate, or inputs and targets scaled to about 1, usually mend it."
+    )
+
+
+def _steps_per_execution(model):
+    """The model's `steps_per_execution`, checked: Python's own words named no argument."""
+    value = model.steps_per_execution
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(
+            f"`steps_per_execution` (given to `model.compile`) must be a whole number of at "
+            f"least 1, got {value!r}. Keras 3 does not tune it (`'auto'` was tf.keras 2's)."
+        )
+    return int(value)
 
 
 def _planned_steps(params):

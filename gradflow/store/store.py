@@ -94,6 +94,19 @@ class RunStore:
     def __repr__(self):
         return f"RunStore({str(self.path)!r})"
 
+    def __getstate__(self):
+        # Connections belong to the thread that opened them, and a pickle
+        # cannot hold one: KerasTuner deep-copies its callbacks (a used
+        # GradientMonitor holds its store) for every trial. A copy opens its own.
+        state = dict(self.__dict__)
+        state["_local"] = None
+        state["_series_cache"] = {}
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._local = threading.local()
+
     # Runs ---------------------------------------------------------------
 
     def create_run(

@@ -92,7 +92,7 @@ _STATUS_TEXT = {
     "paused": ":material/pause: Paused",
     "completed": ":material/check_circle: Completed",
     "stopped": ":material/stop_circle: Stopped",
-    "diverged": ":material/error: Diverged (a gradient became NaN or infinite)",
+    "diverged": ":material/error: Diverged (the loss or a gradient became NaN or infinite)",
     "interrupted": ":material/warning: Interrupted (the worker or the server stopped unexpectedly)",
     "failed": ":material/cancel: Failed",
 }
@@ -861,6 +861,14 @@ def _status_line(info, cache, status, watched=False, announce=False):
         st.caption(f":material/info: {plain_markdown(info['message'])}")
     if status == "diverged":
         origin = diagnosis.first_nonfinite(cache.layer_stats)
+        if origin is None and (alone := _loss_alone(cache.metrics)) is not None:
+            # The loss overflowed while every gradient was finite (a squared error).
+            st.error(
+                f"The loss became {alone[1]} at step {alone[0]} while every gradient was still "
+                "finite: the loss overflowed first. Try a smaller learning rate, or scale the "
+                "inputs and targets to about 1."
+            )
+            return
         where = f" It started at step {origin.step} in layer **{origin.layer}**." if origin else ""
         loss = _loss_before(cache.metrics, origin.step) if origin else None
         if loss is not None:
@@ -891,6 +899,17 @@ def _status_line(info, cache, status, watched=False, announce=False):
         else:
             advice = " Try a smaller learning rate, gradient clipping, or normalization."
         st.error("The gradients became NaN or infinite" + ended + where + advice)
+
+
+def _loss_alone(metrics):
+    """`(step, "NaN"/"infinite")` of the first non-finite loss, or None."""
+    losses = metrics[metrics["name"] == "loss"]
+    values = losses["value"].astype(float).to_numpy()
+    bad = ~np.isfinite(values)
+    if not bad.any():
+        return None
+    first = losses[bad].sort_values("step").iloc[0]
+    return int(first["step"]), "NaN" if np.isnan(float(first["value"])) else "infinite"
 
 
 def _loss_before(metrics, step):
