@@ -5,10 +5,12 @@ Each page lives in pages/ and stays thin; shared UI code is in gradflow/ui/.
 """
 
 import pathlib
+import sqlite3
 
 import streamlit as st
 
-from gradflow.store import StoreGoneError
+from gradflow.store import NewerStoreError, StoreGoneError, default_path
+from gradflow.store.trouble import explain
 from gradflow.ui import FAVICON, live_chart, resources
 
 st.set_page_config(page_title="gradflow", page_icon=str(FAVICON), layout="wide")
@@ -46,3 +48,7 @@ except StoreGoneError as error:
     # A store file moved or deleted under the server: said in words on every
     # page, where Streamlit showed its "This app has encountered an error".
     st.error(f":material/error: {error}")
+except (NewerStoreError, sqlite3.Error) as error:
+    # One too new, damaged, on a full or read-only disk, locked for minutes.
+    where = default_path()
+    st.error(f":material/error: gradflow cannot use its run store: {explain(error, where)}.")

@@ -15,6 +15,7 @@ and one line on stderr, never a traceback.
 """
 
 import argparse
+import contextlib
 import errno
 import math
 import os
@@ -28,6 +29,8 @@ import time
 
 from gradflow.lab.config import RunConfig, field_table, rename_settings, run_name
 from gradflow.lab.presets import PRESETS, get_preset
+from gradflow.store import NewerStoreError, StoreGoneError, default_path, trouble
+from gradflow.store.store import NotARunStoreError
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -83,11 +86,19 @@ def main(argv=None):
     except KeyboardInterrupt:
         _say_error("gradflow: interrupted")
         return EXIT_INTERRUPTED
-    except sqlite3.DatabaseError as error:
+    except NotARunStoreError as error:
         # `--db` named a file that is not a run store, or a folder.
-        where = getattr(args, "db", None) or "the run store"
-        _say_error(f"gradflow: {where} is not a gradflow run store (an SQLite file): {error}")
+        _say_error(f"gradflow: {error}")
         return EXIT_USAGE
+    except NewerStoreError as error:
+        _say_error(f"gradflow: {error}")
+        return EXIT_USAGE
+    except (sqlite3.Error, StoreGoneError) as error:
+        # A full disk, a lock held too long, a damaged file: not a bad
+        # command line, and not "not a run store", as all of them were called.
+        where = getattr(args, "db", None) or os.environ.get("GRADFLOW_DB") or default_path()
+        _say_error(f"gradflow: could not use the run store: {trouble.explain(error, where)}.")
+        return EXIT_FAILED
     except BrokenPipeError:
         # `gradflow runs | head -3`: the reader has what it wanted.
         # Python's recipe: what is left in stdout's buffer goes nowhere at exit.
@@ -101,7 +112,7 @@ def main(argv=None):
 
 def _check_db(path, argument="--db"):
     """A `--db` that is a folder or another kind of file, in the flag's name (RunStore's says `path`)."""
-    from gradflow.store.store import NotARunStoreError, check_store_path
+    from gradflow.store.store import check_store_path
 
     try:
         check_store_path(path, argument)
@@ -493,7 +504,10 @@ def _runs(args):
     if args.compact:
         before, after = store.compact()
         print(f"{store.path}: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB")
-    store.recover()  # a run whose `gradflow train` was killed is not "running"
+    # A run whose `gradflow train` was killed is not "running". Only if the
+    # store can be written: a listing of a read-only or full one goes on.
+    with contextlib.suppress(sqlite3.OperationalError):
+        store.recover()
     runs = store.runs()
     if not len(runs):
         print("No runs yet. Start one with: gradflow train")

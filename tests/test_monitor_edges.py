@@ -1219,7 +1219,7 @@ def test_a_store_it_cannot_write_is_named_and_the_model_is_left_as_it_was(tmp_pa
     monkeypatch.setattr(RunStore, "create_run", read_only)
     monitor = GradientMonitor(store=str(path))
     with pytest.raises(
-        RuntimeError, match=r"could not write to its `store` '.*shared\.db'.*readonly"
+        RuntimeError, match=r"could not write to its `store`: '.*shared\.db' can only be read here"
     ):
         model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
     assert "train_step" not in model.__dict__

@@ -39,7 +39,8 @@ from gradflow.monitor.step import (
 )
 from gradflow.monitor.tensorboard import SummaryWriter
 from gradflow.probe.snapshot import resolve_loss
-from gradflow.store.store import MAX_NAME_LENGTH, check_store_path
+from gradflow.store import trouble
+from gradflow.store.store import MAX_NAME_LENGTH, UnknownRunError, check_store_path
 
 # The ring holds this many executions of the train function, so the callback
 # can read it every few batches instead of after each one. A read is a few
@@ -291,6 +292,11 @@ class GradientMonitor(keras.callbacks.Callback):
         self.rules = rules
         self._store = store
         self._writer = None
+        # (writer, status, message) of a run whose end the store could not
+        # take (a full disk): `flush()` tries again.
+        self._unwritten = None
+        # The store trouble this fit's user was told of (`_check_store`).
+        self._told_store = set()
         self._summaries = None
         self._blocks = []
         self._metric_rows = []
@@ -323,6 +329,7 @@ class GradientMonitor(keras.callbacks.Callback):
         # with it) has its own optimizer.
         state = dict(self.__dict__)
         state["_last_optimizer"] = None
+        state["_unwritten"] = None  # a writer's connection and thread stay with this monitor
         return state
 
     # Results -----------------------------------------------------------------
@@ -394,6 +401,18 @@ class GradientMonitor(keras.callbacks.Callback):
         most 0.2 s apart); call this when the run must show its latest step
         at once, e.g. before it pauses. A no-op outside `fit`.
         """
+        if self._unwritten is not None:
+            # The end of a `fit` the store could not take (see `_close_outputs`).
+            writer, status, message = self._unwritten
+            try:
+                writer.close(status, message)
+            except sqlite3.Error as error:
+                raise RuntimeError(
+                    f"GradientMonitor still cannot write run {self.run_id} to its store: "
+                    f"{trouble.explain(error, self._store_path())}. Every step is in `.history`."
+                ) from error
+            self._unwritten = None
+            return
         if getattr(self, "_plan", None) is None:
             return
         self._collect()
@@ -543,6 +562,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self._pending_logs = []
         # The last execution's metrics in an epoch of unknown length (`on_train_batch_end`).
         self._held_log = None
+        self._told_store = set()
         self._epoch_start_step = self._current_step()
         # A short last execution is reported as whole (see on_train_batch_end).
         self._steps_per_epoch = int(self.params.get("steps") or 0) or math.inf
@@ -562,10 +582,9 @@ class GradientMonitor(keras.callbacks.Callback):
                 # neither the argument nor the file; `fit` ends here.
                 self._abandon(error)
                 raise RuntimeError(
-                    f"GradientMonitor could not write to its `store` "
-                    f"{str(getattr(self._store, 'path', self._store))!r}: {error}. Give `store` "
-                    "a file this program can write (or leave `store` out to keep the "
-                    "statistics in `.history` only)."
+                    f"GradientMonitor could not write to its `store`: "
+                    f"{trouble.explain(error, self._store_path())} (or leave `store` out to "
+                    "keep the statistics in `.history` only)."
                 ) from error
             if self.tensorboard_dir is not None:
                 self._summaries = SummaryWriter(self.tensorboard_dir)
@@ -687,7 +706,7 @@ class GradientMonitor(keras.callbacks.Callback):
         if final != self._final_step:
             self._final_step = final
             if self._created_run and self._store is not None:
-                self._store.set_total_steps(self.run_id, self._final_numbered_step())
+                self._store_call("set_total_steps", self._final_numbered_step())
 
     def on_test_begin(self, logs=None):
         # `fit` runs its validation through `evaluate` with the same callbacks.
@@ -760,7 +779,7 @@ class GradientMonitor(keras.callbacks.Callback):
         done = self._current_step()
         if not self.model.stop_training or done >= planned:
             return None
-        self._store.set_total_steps(self.run_id, done)
+        self._store_call("set_total_steps", done)
         return (
             f"Training ended at step {done} of the {planned} planned: a callback "
             "stopped it (such as EarlyStopping)."
@@ -850,11 +869,21 @@ class GradientMonitor(keras.callbacks.Callback):
                 summaries.close()
         finally:
             if writer is not None:
-                if self.close_run:
+                status = status if self.close_run else None
+                try:
                     writer.close(status, message)
-                else:
-                    writer.flush()
-                    writer.close()
+                except sqlite3.Error as error:
+                    # Training is done and every step is in `.history`: a
+                    # store that cannot take the last ones (a full disk, a
+                    # lock held for minutes) must not end `fit` in SQLite's
+                    # words, before the user's next line (`model.save`) runs.
+                    self._unwritten = (writer, status, message)
+                    warn_user(
+                        f"GradientMonitor could not write the end of run {self.run_id} to its "
+                        f"store: {trouble.explain(error, self._store_path())}. Training "
+                        "finished and every step is in `.history`; call `monitor.flush()` to "
+                        "write the rest to the store once that is mended."
+                    )
 
     def _collect(self):
         """Read the ring, keep the new records, and pass them on."""
@@ -863,6 +892,8 @@ class GradientMonitor(keras.callbacks.Callback):
         if self._plan.buffer is not None:  # None until the step is traced
             self._read_ring()
             self._note_overflows()
+        if self._writer is not None:
+            self._check_store()
         halted_at = self._halted_step()
         for step, compiled in self._pending_logs:
             # The batches `fit` ran after a halt changed nothing: their
@@ -870,6 +901,46 @@ class GradientMonitor(keras.callbacks.Callback):
             if halted_at is None or step <= halted_at:
                 self._add_metrics(step, {name: float(value) for name, value in compiled.items()})
         self._pending_logs = []
+
+    def _check_store(self):
+        """Tell the user once when the store stops taking this run's rows.
+
+        The writer keeps them in memory and tries again every half second:
+        a disk that fills and is freed loses nothing. Before, nothing was
+        said until `fit` ended in SQLite's "database or disk is full".
+        """
+        writer = self._writer
+        if writer.run_deleted and "deleted" not in self._told_store:
+            self._told_store.add("deleted")
+            warn_user(
+                f"Run {self.run_id} was deleted from the run store while it trained: "
+                "GradientMonitor keeps its steps in `.history` only."
+            )
+        error = writer.write_error
+        if error is not None and "unwritable" not in self._told_store:
+            self._told_store.add("unwritable")
+            warn_user(
+                f"GradientMonitor cannot write run {self.run_id} to its store now: "
+                f"{trouble.explain(error, self._store_path())}. Training goes on; the steps "
+                "wait in memory (and are in `.history`) and are written once the store "
+                "takes them again."
+            )
+
+    def _store_path(self):
+        return str(getattr(self._store, "path", self._store))
+
+    def _store_call(self, method, *args):
+        """A write of the run's total or settings during `fit`: a store in trouble only warns.
+
+        A run deleted from the dashboard while its script trained ended the
+        script's `fit` in `UnknownRunError` (with EarlyStopping, at its end).
+        """
+        try:
+            getattr(self._store, method)(self.run_id, *args)
+        except UnknownRunError:
+            pass  # `_check_store` says so
+        except sqlite3.Error:
+            pass  # the writer's rows meet the same trouble, and `_check_store` says so
 
     def _halted_step(self):
         """The step where `stop_on_nonfinite` halted training, or None."""
@@ -939,9 +1010,7 @@ class GradientMonitor(keras.callbacks.Callback):
         """Keep which recorded layer reads which in the run's config, for the
         dashboard's and the exports' alerts (`diagnosis.run_layer_inputs`)."""
         if self._store is not None and self._created_run and self._plan.activation_inputs:
-            self._store.update_config(
-                self.run_id, {"layer_inputs": dict(self._plan.activation_inputs)}
-            )
+            self._store_call("update_config", {"layer_inputs": dict(self._plan.activation_inputs)})
 
     def _note_unreached(self, step):
         """A `no_gradient` event per layer with weights or an output no gradient reaches.

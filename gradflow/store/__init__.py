@@ -21,11 +21,13 @@ from gradflow.store.tables import (
     StoreGoneError,
     default_path,
 )
+from gradflow.store.trouble import NewerStoreError
 from gradflow.store.writer import RunWriter
 
 __all__ = [
     "ACTIVE_STATUSES",
     "FINAL_STATUSES",
+    "NewerStoreError",
     "REQUESTS",
     "SCHEMA_VERSION",
     "STATUSES",

@@ -8,6 +8,7 @@ the old format in place, to be upgraded by the next open.
 import numpy as np
 
 from gradflow.store import blocks, tables
+from gradflow.store.trouble import NewerStoreError
 
 
 def upgrade(conn, path):
@@ -68,7 +69,7 @@ def _columns(conn, table):
 
 def _refuse_newer(version, path):
     if version is not None and version > tables.SCHEMA_VERSION:
-        raise RuntimeError(
+        raise NewerStoreError(
             f"The run store {str(path)!r} has schema version {version}, written by a "
             f"newer gradflow; this gradflow reads up to version {tables.SCHEMA_VERSION}. "
             f"Upgrade gradflow, or use another store path (--db or $GRADFLOW_DB)."

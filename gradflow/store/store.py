@@ -16,6 +16,7 @@ import pandas as pd
 from gradflow import schema
 from gradflow.checks import flag, positive_number, whole_number
 from gradflow.store import blocks, migrate, tables
+from gradflow.store.trouble import NotARunStoreError
 from gradflow.store.writer import RunWriter
 
 _SERIES_CACHE_SIZE = 256
@@ -75,9 +76,10 @@ class RunStore:
             old rows, so every read goes through `sqlite3`.
 
     Raises:
-        RuntimeError: if the file was written by a newer gradflow, or a file
-            of an older gradflow could not be upgraded (see
-            `gradflow.store.migrate`).
+        NewerStoreError: a `RuntimeError`, if the file was written by a
+            newer gradflow.
+        RuntimeError: if a file of an older gradflow could not be upgraded
+            (see `gradflow.store.migrate`).
     """
 
     def __init__(self, path=None, arrow_reads=False):
@@ -738,10 +740,6 @@ class _SeriesTable:
 
     def __len__(self):
         return len(self.frame)
-
-
-class NotARunStoreError(sqlite3.DatabaseError, ValueError):
-    """A path given as a run store is a folder or a file of another kind."""
 
 
 _SQLITE_HEADER = b"SQLite format 3\x00"

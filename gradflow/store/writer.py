@@ -1,6 +1,7 @@
 """Batched writer of one run's statistics into the run store."""
 
 import contextlib
+import sqlite3
 import threading
 import time
 
@@ -54,6 +55,10 @@ class RunWriter:
         self.run_id = run_id
         # Set once a write found the run deleted: its rows are dropped, not written.
         self.run_deleted = False
+        # The last background write's error (a full disk, a lock held too
+        # long), None once a write gets through: the rows wait in memory, and
+        # the monitor tells its user once.
+        self.write_error = None
         self.flush_interval = positive_number("flush_interval", flush_interval, unit="of seconds")
         self._run = run_key
         self._conn = tables.connect(path, create=False)
@@ -72,6 +77,7 @@ class RunWriter:
         self._reset_buffers()
         self._last_flush = time.monotonic()
         self._closed = threading.Event()
+        self._finished = False  # closed for good: everything written
         self._wake = threading.Event()
         self._wrote_rows = False
         self._thread = None
@@ -298,6 +304,10 @@ class RunWriter:
     def close(self, status=None, message=None):
         """Flushes, optionally sets the run's final status, and closes.
 
+        When the store cannot be written (a full disk, a lock held longer
+        than 30 s), this raises SQLite's error and keeps the unwritten rows
+        and the connection: calling `close` again, once mended, writes them.
+
         Args:
             status: None to leave the status alone, else one of
                 `RunStore` statuses (`"completed"`, `"stopped"`, ...).
@@ -305,7 +315,7 @@ class RunWriter:
         """
         if status is not None and status not in tables.STATUSES:
             raise ValueError(f"`status` must be one of {tables.STATUSES}, got {status!r}.")
-        if self._closed.is_set():
+        if self._finished:
             return
         self._closed.set()
         self._wake.set()
@@ -319,7 +329,14 @@ class RunWriter:
                     "WHERE id = ?",
                     (status, message, time.time(), time.time(), self._run),
                 )
+        self.write_error = None
+        # The finished run into the main file now, not at some later
+        # writer's checkpoint: a '-wal' file removed by hand (or a copy of
+        # the store without it) lost whole runs that had been written.
+        with contextlib.suppress(sqlite3.Error):
+            self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
         self._conn.close()
+        self._finished = True
 
     def __enter__(self):
         return self
@@ -452,8 +469,10 @@ class RunWriter:
                 return
             try:
                 self.flush()
-            except Exception:  # The next tick retries; close() raises for real.
-                pass
+            except Exception as error:  # The next tick retries; close() raises for real.
+                self.write_error = error
+            else:
+                self.write_error = None
 
 
 def _to_float(value):

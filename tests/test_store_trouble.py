@@ -1,0 +1,222 @@
+"""A run store in trouble: a full disk, a lock, a damaged or newer file, a run deleted mid-fit.
+
+Each test began as a fault of the store audit (forty-third session). A full
+disk is SQLite's own: `PRAGMA max_page_count` at the file's size makes the
+next write fail with SQLITE_FULL ("database or disk is full"), as a full disk
+does, without mounting one. The promise: training is never killed by the
+store, nothing recorded is lost, and what went wrong is said in words.
+"""
+
+import pathlib
+import shutil
+import sqlite3
+import threading
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+from gradflow import GradientMonitor
+from gradflow.cli import main
+from gradflow.store import RunStore, tables
+from gradflow.store.trouble import explain
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+NO_LIMIT = 1_073_741_823  # SQLite's largest max_page_count
+
+
+class DiskFull(keras.callbacks.Callback):
+    """Fills the store's "disk" after step `at`, and frees it after step `until`."""
+
+    def __init__(self, monitor, at, until=None):
+        super().__init__()
+        self.monitor, self.at, self.until = monitor, at, until
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = int(self.model.optimizer.iterations.numpy())
+        if step == self.at:
+            fill(self.monitor._writer._conn)
+        if step == self.until:
+            self.monitor._writer._conn.execute(f"PRAGMA max_page_count = {NO_LIMIT}")
+        if self.at <= step:
+            # Slow enough that the writer's half-second ticks meet the full disk.
+            threading.Event().wait(0.03)
+
+
+def fill(conn):
+    pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    conn.execute(f"PRAGMA max_page_count = {pages}")
+
+
+def fitted(tmp_path, *callbacks_after, epochs=2, monitor=None):
+    """A 60-step fit of a small classifier with a monitor storing to tmp_path/runs.db."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(240, 5)).astype("float32")
+    y = rng.integers(0, 3, 240)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(3)]
+    )
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    monitor = monitor or GradientMonitor(store=tmp_path / "runs.db")
+    callbacks = [monitor] + [make(monitor) for make in callbacks_after]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=8, epochs=epochs, verbose=0, callbacks=callbacks)
+    return model, monitor, [str(w.message) for w in caught if "GradientMonitor" in str(w.message)]
+
+
+def test_a_disk_full_for_a_while_loses_nothing_and_is_told_once(tmp_path):
+    """Nothing was said while the disk was full; the rows waited and were written later."""
+    model, monitor, said = fitted(tmp_path, lambda m: DiskFull(m, at=5, until=40))
+    told = [s for s in said if "cannot write run" in s]
+    assert len(told) == 1
+    assert "is full: free some space there" in told[0] and "Training goes on" in told[0]
+    store = RunStore(tmp_path / "runs.db")
+    info = store.run_info(monitor.run_id)
+    assert (info["status"], info["progress_step"]) == ("completed", 60)
+    assert sorted(store.layer_stats(monitor.run_id)["step"].unique()) == list(range(1, 61))
+
+
+def test_a_disk_still_full_when_fit_ends_lets_fit_return_and_flush_writes_the_rest(tmp_path):
+    """`fit` ended in a bare "sqlite3.OperationalError: database or disk is full" after
+    training, the user's next line never ran, and the run stayed "running"."""
+    model, monitor, said = fitted(tmp_path, lambda m: DiskFull(m, at=5))
+    assert int(model.optimizer.iterations.numpy()) == 60  # `fit` returned
+    assert sorted(monitor.history["step"].unique()) == list(range(1, 61))
+    ending = [s for s in said if "could not write the end of run" in s]
+    assert len(ending) == 1 and "call `monitor.flush()`" in ending[0]
+    store = RunStore(tmp_path / "runs.db")
+    assert store.run_info(monitor.run_id)["status"] == "running"
+    writer = monitor._unwritten[0]
+    with pytest.raises(RuntimeError, match="still cannot write run .* is full"):
+        monitor.flush()
+    writer._conn.execute(f"PRAGMA max_page_count = {NO_LIMIT}")  # space freed
+    monitor.flush()
+    info = store.run_info(monitor.run_id)
+    assert (info["status"], info["progress_step"]) == ("completed", 60)
+    assert sorted(store.layer_stats(monitor.run_id)["step"].unique()) == list(range(1, 61))
+    monitor.flush()  # nothing left: a no-op
+
+
+class DeleteRun(keras.callbacks.Callback):
+    """Deletes the monitor's run from another connection (the dashboard's Delete) at step 3."""
+
+    def __init__(self, monitor):
+        super().__init__()
+        self.monitor = monitor
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) == 3:
+            RunStore(self.monitor._store.path).delete(self.monitor.run_id)
+
+
+def test_a_run_deleted_while_its_script_trains_only_warns(tmp_path):
+    """With EarlyStopping, `fit` ended in UnknownRunError at its end; without, nothing was said."""
+    stop = lambda m: keras.callbacks.EarlyStopping(monitor="loss", min_delta=1e9, patience=0)  # noqa: E731
+    model, monitor, said = fitted(tmp_path, DeleteRun, stop, epochs=5)
+    assert int(model.optimizer.iterations.numpy()) == 60  # stopped after 2 epochs of 30
+    assert sorted(monitor.history["step"].unique()) == list(range(1, 61))
+    assert [s for s in said if "was deleted from the run store" in s]
+    assert len(RunStore(tmp_path / "runs.db").runs()) == 0
+
+
+def store_with_runs(path, runs=12):
+    store = RunStore(path)
+    for number in range(runs):
+        run_id = store.create_run({"depth": 2}, name=f"run {number}", status="completed")
+        with store.writer(run_id) as writer:
+            for step in range(1, 150):
+                writer.add_metrics(step, {"loss": 1.0 / step})
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    return store
+
+
+def damaged(path):
+    """A store cut in half (a copy that stopped, a disk that failed)."""
+    store_with_runs(path)
+    size = path.stat().st_size
+    with open(path, "r+b") as file:
+        file.truncate(size // 2)
+    return path
+
+
+def test_explain_says_what_real_sqlite_failures_mean(tmp_path):
+    path = tmp_path / "runs.db"
+    store_with_runs(path, runs=1)
+    errors = {}
+    conn = tables.connect(path)
+    fill(conn)
+    with pytest.raises(sqlite3.OperationalError) as full:
+        conn.execute("INSERT INTO metrics VALUES (1, 1, 'x', zeroblob(100000))")
+    errors["full"] = full.value
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    with pytest.raises(sqlite3.OperationalError) as locked:
+        # In WAL mode readers go on: a writer meets the lock.
+        sqlite3.connect(path, timeout=0, isolation_level=None).execute("BEGIN IMMEDIATE")
+    errors["locked"] = locked.value
+    holder.execute("ROLLBACK")
+    reader = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    with pytest.raises(sqlite3.OperationalError) as read_only:
+        reader.execute("DELETE FROM runs")
+    errors["read-only"] = read_only.value
+    with pytest.raises(sqlite3.DatabaseError) as broken:
+        sqlite3.connect(damaged(tmp_path / "cut.db")).execute("SELECT * FROM metrics").fetchall()
+    errors["damaged"] = broken.value
+    said = {kind: explain(error, path) for kind, error in errors.items()}
+    assert said["full"] == f"the disk that holds {str(path)!r} is full: free some space there"
+    assert said["locked"].startswith(f"another program holds the lock of {str(path)!r}")
+    assert said["read-only"].startswith(f"{str(path)!r} can only be read here")
+    assert said["damaged"].startswith(f"{str(path)!r} is damaged (")
+    assert "sqlite3" in said["damaged"] and ".recover" in said["damaged"]
+
+
+def test_the_command_line_tells_a_damaged_store_from_one_that_is_not_a_store(tmp_path, capsys):
+    """Every SQLite error read "is not a gradflow run store", exit 2 (a bad command line)."""
+    path = damaged(tmp_path / "runs.db")
+    assert main(["runs", "--db", str(path)]) == 1
+    said = capsys.readouterr().err.strip()
+    assert said.startswith(f"gradflow: could not use the run store: {str(path)!r} is damaged")
+    assert "not a gradflow run store" not in said
+    text = tmp_path / "notes.db"
+    text.write_text("my notes\n")
+    assert main(["runs", "--db", str(text)]) == 2
+    assert "is not a gradflow run store" in capsys.readouterr().err
+
+
+def test_the_command_line_says_a_newer_store_in_one_line(tmp_path, capsys):
+    """It printed a Python traceback around the right sentence, exit 1."""
+    path = tmp_path / "runs.db"
+    store_with_runs(path, runs=1)
+    conn = sqlite3.connect(path)
+    conn.execute(
+        "UPDATE meta SET value = ? WHERE key = 'schema_version'", (tables.SCHEMA_VERSION + 1,)
+    )
+    conn.commit()
+    conn.close()
+    assert main(["runs", "--db", str(path)]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "written by a newer gradflow" in said[0], said
+
+
+def test_a_damaged_store_is_said_in_words_on_the_dashboard(tmp_path):
+    """Every page showed Streamlit's "This app has encountered an error"."""
+    from streamlit.testing.v1 import AppTest
+
+    from tests.conftest import pages_on
+
+    with pages_on(tmp_path / "runs.db") as db:
+        shutil.copy(damaged(tmp_path / "cut.db"), db)
+        app = AppTest.from_file(str(REPO / "app.py"), default_timeout=120)
+        app.switch_page("pages/runs.py")
+        app.run()
+        assert not app.exception, [e.value for e in app.exception]
+        assert any(
+            e.value.startswith(f"gradflow cannot use its run store: {str(db)!r}")
+            and "is damaged" in e.value
+            for e in app.error
+        ), [e.value for e in app.error]
