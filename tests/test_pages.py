@@ -467,13 +467,13 @@ def test_the_inspect_page_says_what_is_wrong_without_a_traceback(tmp_path):
 def test_a_refusal_on_the_page_gives_no_advice_a_student_cannot_follow():
     """ "Upload a smaller file or raise `max_bytes`": the browser has no `max_bytes` to raise."""
     import gradflow
-    from gradflow.ui import inspect
+    from gradflow.probe import uploads
 
     error = gradflow.UnsafeInputError(
         "The model file is 60,000,000 bytes, over the limit of `max_bytes`=52,428,800. "
         "Upload a smaller file or raise `max_bytes`."
     )
-    assert inspect._for_the_page(error) == (
+    assert uploads.for_the_page(error) == (
         "The model file is 60,000,000 bytes, over the limit of 52,428,800. Upload a smaller file."
     )
 

@@ -26,14 +26,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 
 from gradflow.checks import positive_int, positive_number
-from gradflow.safety import archives
+from gradflow.safety import archives, sandbox
 from gradflow.safety.errors import UnsafeInputError
 from gradflow.safety.keras_config import check_model_config
-from gradflow.safety.sandbox import RESULT_PREFIX
 
 _EXPECTED_ENTRIES = ("config.json", "metadata.json", "model.weights.h5")
 _MAX_CONFIG_BYTES = 4 << 20
@@ -44,7 +42,6 @@ _HDF5_ADVICE = (
     "Legacy HDF5 model files can run code or read files on load; re-save the model as "
     ".keras with model.save('m.keras') and upload that."
 )
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def safe_load_model(
@@ -125,6 +122,44 @@ def safe_load_model(
             "The model built differently here than in the checking process "
             f"({model.count_params():,} vs {summary['params']:,} parameters); refused."
         )
+    return _with_saved_loss(model, config)
+
+
+def load_in_limited_process(
+    path, *, max_bytes=50 * 2**20, max_entries=16, max_weight_entries=20_000_000
+):
+    """`safe_load_model`'s checks and load, all in this process: call it only in a limited child.
+
+    The process that calls it must already be limited as the rehearsal child
+    is (`gradflow.safety.sandbox`): the dashboard's uploads run their whole
+    path (load, batch, snapshot) in one such child (`gradflow.probe.uploads`),
+    so a second child only to rehearse the load would cost another
+    TensorFlow start-up for nothing.
+
+    Args:
+        path: the uploaded `.keras` file.
+        max_bytes, max_entries, max_weight_entries: as for `safe_load_model`.
+
+    Returns:
+        The `keras.Model`, compiled with its saved loss as `safe_load_model` does.
+
+    Raises:
+        UnsafeInputError: the file was refused.
+    """
+    with tempfile.TemporaryDirectory(prefix="gradflow-upload-") as private:
+        copy = os.path.join(private, "model.keras")
+        _private_copy(path, copy, max_bytes)
+        config = check_keras_file(
+            copy,
+            max_bytes=max_bytes,
+            max_entries=max_entries,
+            max_weight_entries=max_weight_entries,
+        )
+        model, _ = sandbox.load_checked(copy, max_bytes, max_weight_entries)
+    return _with_saved_loss(model, config)
+
+
+def _with_saved_loss(model, config):
     loss = saved_loss(config)
     if loss is not None:
         # Only the loss: a model trained on logits (from_logits=True) read
@@ -263,11 +298,6 @@ def rehearse_load(path, *, max_bytes, max_weight_entries, timeout, memory_limit)
         UnsafeInputError: the child refused the weights, ran out of memory or
             time, or failed to load the model.
     """
-    env = dict(os.environ)
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env["TMPDIR"] = os.path.dirname(path)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
     request = {
         "path": path,
         "max_bytes": max_bytes,
@@ -275,28 +305,18 @@ def rehearse_load(path, *, max_bytes, max_weight_entries, timeout, memory_limit)
         "memory_limit": memory_limit,
     }
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "gradflow.safety.sandbox"],
-            input=json.dumps(request) + "\n",
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-            cwd=os.path.dirname(path),
+        result, code, stderr = sandbox.run_in_child(
+            "gradflow.safety.sandbox", request, folder=os.path.dirname(path), timeout=timeout
         )
     except subprocess.TimeoutExpired as e:
         raise UnsafeInputError(
             f"Loading the model took longer than `timeout`={timeout} seconds and was "
             "stopped. Upload a smaller model or raise `timeout`."
         ) from e
-    result = None
-    for line in done.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            result = json.loads(line[len(RESULT_PREFIX) :])
     if result is None:
         raise UnsafeInputError(
-            f"Loading the model failed in the checking process (exit code {done.returncode}, "
-            f"within `memory_limit`={memory_limit:,} bytes): {done.stderr.strip()[-300:]!r}"
+            f"Loading the model failed in the checking process (exit code {code}, "
+            f"within `memory_limit`={memory_limit:,} bytes): {stderr.strip()[-300:]!r}"
         )
     if result["ok"]:
         return result["summary"]

@@ -33,6 +33,7 @@ import signal
 import sys
 
 RESULT_PREFIX = "GRADFLOW-SANDBOX-RESULT "
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _MAX_H5_OBJECTS = 10_000
 # How running out of address space shows up in TensorFlow and the dynamic loader.
 _OUT_OF_MEMORY_SIGNS = ("memory", "alloc", "failed to map segment", "resource exhausted")
@@ -124,15 +125,30 @@ def _check_dataset(dataset, path, error):
     return math.prod(dataset.shape)
 
 
-def _rehearse(request):
+def load_checked(path, max_bytes, max_weight_entries):
+    """Checks the weights file, loads the model and counts what it built: in a limited process only.
+
+    Args:
+        path: a private copy of a `.keras` file whose config
+            `gradflow.safety.models.check_keras_file` accepted.
+        max_bytes: largest size of `model.weights.h5`.
+        max_weight_entries: most weight values stored or built.
+
+    Returns:
+        `(model, summary)`: the `keras.Model` (not compiled) and a dict with
+        `class_name`, `layers`, `params` (built weight values) and
+        `stored_values` (values in the weights file).
+
+    Raises:
+        gradflow.UnsafeInputError: the weights file or the built model was refused.
+    """
     import zipfile
 
     from gradflow.safety.archives import read_member
 
-    path = request["path"]
     with zipfile.ZipFile(path) as archive:
-        data = read_member(archive, "model.weights.h5", request["max_bytes"], "model file")
-    stored = check_weights_file(data, request["max_weight_entries"])
+        data = read_member(archive, "model.weights.h5", max_bytes, "model file")
+    stored = check_weights_file(data, max_weight_entries)
     del data
 
     import keras
@@ -148,26 +164,75 @@ def _rehearse(request):
             "`keras.Input(shape=...)`), then save it again."
         )
     params = int(model.count_params())
-    if params > request["max_weight_entries"]:
+    if params > max_weight_entries:
         raise UnsafeInputError(
             f"The model builds {params:,} weight values, over the limit of "
-            f"`max_weight_entries`={request['max_weight_entries']:,}."
+            f"`max_weight_entries`={max_weight_entries:,}."
         )
-    return {
+    summary = {
         "class_name": type(model).__name__,
         "layers": len(model.layers),
         "params": params,
         "stored_values": stored,
     }
+    return model, summary
 
 
-def main():
+def _rehearse(request):
+    _, summary = load_checked(request["path"], request["max_bytes"], request["max_weight_entries"])
+    return summary
+
+
+def run_in_child(module, request, *, folder, timeout):
+    """Run `python -m module` with `request` (JSON) on its stdin; returns its result and exit code.
+
+    The child limits itself (`serve_request`) before it reads a file; its
+    temporary files go to `folder`, there is no GPU, and it is killed after
+    `timeout` seconds.
+
+    Returns:
+        `(result, returncode, stderr)`: the dict the child reported, or None
+        when it died before reporting (a signal, a failed allocation in C).
+
+    Raises:
+        subprocess.TimeoutExpired: the child ran longer than `timeout`.
+    """
+    import subprocess
+
+    env = dict(os.environ)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["TMPDIR"] = str(folder)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", module],
+        input=json.dumps(request) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=str(folder),
+    )
+    result = None
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            result = json.loads(line[len(RESULT_PREFIX) :])
+    return result, done.returncode, done.stderr
+
+
+def serve_request(work):
+    """The child's side of `run_in_child`: limit this process, run `work(request)`, report.
+
+    `work` returns a JSON-serialisable dict. Its `UnsafeInputError` is
+    reported as `"unsafe"`, running out of memory as `"memory"`, any other
+    error as `"error"`, all with their messages. Never returns.
+    """
     request = json.loads(sys.stdin.readline())
     _limit_self(request["memory_limit"], request["max_bytes"])
     try:
         from gradflow.safety.errors import UnsafeInputError
 
-        result = {"ok": True, "summary": _rehearse(request)}
+        result = {"ok": True, "summary": work(request)}
     except UnsafeInputError as e:
         result = {"ok": False, "kind": "unsafe", "message": str(e)}
     except MemoryError:
@@ -180,6 +245,10 @@ def main():
     sys.stdout.flush()
     # Skip interpreter teardown: TensorFlow's can be slow and says nothing useful.
     os._exit(0)
+
+
+def main():
+    serve_request(_rehearse)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,19 @@ def open_sessions():
         return 1
 
 
+def upload_limits():
+    """`(timeout in seconds, memory limit in bytes)` of the child that differentiates an upload.
+
+    $GRADFLOW_UPLOAD_TIMEOUT_S and $GRADFLOW_UPLOAD_MEMORY_GIB change them
+    (a server for one lecturer's large models, or a small shared one).
+    """
+    from gradflow.probe.uploads import UPLOAD_MEMORY_LIMIT, UPLOAD_TIMEOUT_S
+
+    timeout = _setting("GRADFLOW_UPLOAD_TIMEOUT_S", 0) or UPLOAD_TIMEOUT_S
+    gib = _setting("GRADFLOW_UPLOAD_MEMORY_GIB", 0)
+    return float(timeout), (gib * 2**30 if gib else UPLOAD_MEMORY_LIMIT)
+
+
 def _setting(name, default):
     """An integer from environment variable `name`, or `default` when unset."""
     value = os.environ.get(name, "").strip()
