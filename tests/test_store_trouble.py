@@ -220,3 +220,30 @@ def test_a_damaged_store_is_said_in_words_on_the_dashboard(tmp_path):
             and "is damaged" in e.value
             for e in app.error
         ), [e.value for e in app.error]
+
+
+def test_the_write_ahead_log_shrinks_after_an_outside_reader_lets_go(tmp_path, monkeypatch):
+    """A reader left in a transaction made the '-wal' file grow, and it kept its largest
+    size for as long as any connection was open (the store audit: 14 MB)."""
+    monkeypatch.setattr(tables, "WAL_SIZE_LIMIT", 64 << 10, raising=False)
+    path = tmp_path / "runs.db"
+    store = RunStore(path)
+    run_id = store.create_run({"depth": 2}, name="long")
+    reader = sqlite3.connect(path, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT COUNT(*) FROM runs").fetchone()  # holds its snapshot
+    wal = path.with_name("runs.db-wal")
+    with store.writer(run_id) as writer:
+        for step in range(1, 3000):
+            writer.add_metrics(step, {"loss": 1.0 / step, "accuracy": 0.5})
+            if step % 500 == 0:
+                writer.flush()
+        writer.flush()
+        grown = wal.stat().st_size
+        reader.execute("COMMIT")
+        reader.close()
+        writer.add_metrics(3000, {"loss": 0.1})
+    # The writer's close checkpointed everything: the next write starts the log again.
+    store.set_status(run_id, "completed")
+    assert grown > 256 << 10
+    assert wal.stat().st_size <= 64 << 10, (grown, wal.stat().st_size)

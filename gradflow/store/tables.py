@@ -185,6 +185,10 @@ def write_transaction(conn):
         raise
 
 
+# Bytes a '-wal' file is cut back to after a checkpoint empties it.
+WAL_SIZE_LIMIT = 4 << 20
+
+
 class StoreGoneError(RuntimeError):
     """The store's file was moved or deleted while a program had it open."""
 
@@ -230,4 +234,8 @@ def connect(path, create=True):
         conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
     conn.execute("PRAGMA journal_mode = WAL")
     conn.execute("PRAGMA synchronous = NORMAL")
+    # SQLite keeps a '-wal' file at its largest size while any connection is
+    # open: one outside reader left in a transaction (a database browser)
+    # grew it to 14 MB, kept for as long as the server ran.
+    conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT}")
     return conn
