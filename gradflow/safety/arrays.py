@@ -5,13 +5,19 @@
 file has. Here every `.npy` header (dtype and shape) is read and checked
 *before* any array data is read, compressed sizes are checked against the zip
 directory before anything is decompressed, and CSV reading stops at a row cap.
+A CSV's rows are counted with Python's `csv` module before pandas parses it:
+pandas spends time and memory out of proportion on a row wider than the
+header, and silently turns its extra values into an index.
 
-Only numeric data is accepted: bool, integer, unsigned, float and complex
-dtypes. Object, string, void, structured and datetime arrays are refused.
+Only real numbers are accepted: bool, integer, unsigned and float dtypes.
+Complex, object, string, void, structured and datetime arrays are refused,
+and so are arrays with an axis of length 0.
 """
 
+import csv
 import math
 import os
+import re
 
 import numpy as np
 
@@ -22,7 +28,15 @@ from gradflow.safety.errors import UnsafeInputError
 NPY_MAGIC = b"\x93NUMPY"
 _MAX_MEMBERS = 64
 _MAX_HEADER_BYTES = 10_000
-_NUMERIC_KINDS = "biufc"
+_NUMERIC_KINDS = "biuf"
+# What `np.savez(path, x=...)` writes for a Python keyword: one plain name and
+# `.npy`. Anything else (`./x.npy`, `sub/x.npy`, `x.npy.npy`) would come back
+# as a second, differently spelled `x` or as a name no code looks for.
+_NPZ_MEMBER = re.compile(r"[A-Za-z0-9_]{1,100}\.npy")
+# Most columns of a .csv file. Far more features than a table a student
+# uploads has, and it bounds what one row can cost before pandas sees it
+# (pandas spends about 2 KiB per value of a row wider than the header).
+_MAX_CSV_COLUMNS = 10_000
 _LABEL_NAMES = ("y", "label", "target")
 _SUFFIXES = (".npz", ".npy", ".csv")
 
@@ -37,14 +51,16 @@ def load_arrays(path, *, max_bytes=50 * 2**20, max_rows=1_000_000, max_elements=
     x, y = data["x"], data["y"]
     ```
 
-    - `.npz`: one entry per array, named as in `np.savez(path, x=..., y=...)`.
-      Read with pickles disabled; every header is checked before its data.
+    - `.npz`: one entry per array, named as in `np.savez(path, x=..., y=...)`
+      (letters, digits and underscores). Read with pickles disabled; every
+      header is checked before its data.
     - `.npy`: one array, returned as `{"x": array}`.
     - `.csv`: a table of numbers with a header row (a header made only of
       numbers is taken as data). Returns `{"x": float32 features, "y": labels}`
       where the label column is the one named `y`, `label` or `target`
       (any case), else the last column. Integer-valued labels come back as
-      int64, others as float32.
+      int64, others as float32. Every row must have as many values as the
+      first, at most 10,000.
 
     Args:
         path: the uploaded file; its suffix (`.npz`, `.npy`, `.csv`) says how
@@ -120,6 +136,13 @@ def _load_npz(path, max_bytes, limits):
                 raise UnsafeInputError(
                     f"The .npz entry {info.filename!r} is not a .npy array; save with np.savez."
                 )
+            if not _NPZ_MEMBER.fullmatch(info.filename):
+                raise UnsafeInputError(
+                    f"The .npz entry {info.filename!r:.120} is not a plain array name. gradflow "
+                    "reads entries named like 'x.npy': letters, digits and underscores, then "
+                    "'.npy', and no folders. Save the arrays again with "
+                    "np.savez(path, x=..., y=...)."
+                )
             where = f"Array {info.filename[:-4]!r}"
             try:
                 with archive.open(info, "r") as f:
@@ -151,13 +174,32 @@ def _read_npy(f, size, where, limits):
         raise
     except Exception as e:  # noqa: BLE001 -- numpy's header parser raises many kinds (TokenError, ...)
         raise UnsafeInputError(f"{where} has an invalid .npy header: {e}") from e
+    if dtype.kind == "c":
+        raise UnsafeInputError(
+            f"{where} has dtype {dtype}: complex numbers are not accepted. Gradients of "
+            "them, and the statistics gradflow shows, are defined for real numbers only. "
+            "Save the real and imaginary parts as two real features instead, e.g. "
+            "np.stack([x.real, x.imag], axis=-1)."
+        )
     if dtype.hasobject or dtype.kind not in _NUMERIC_KINDS or dtype.fields or dtype.subdtype:
         raise UnsafeInputError(
-            f"{where} has dtype {dtype!s:.60}; only numeric arrays (bool, int, float, complex) "
+            f"{where} has dtype {dtype!s:.60}; only numeric arrays (bool, int, float) "
             "are accepted. Object arrays would need pickle, which can run code."
         )
     if not all(isinstance(d, int) and d >= 0 for d in shape):
         raise UnsafeInputError(f"{where} declares an invalid shape {shape!r:.80}.")
+    if shape and shape[0] == 0:
+        # Refused later anyway ("the data are empty"), but only after the other
+        # arrays were read; a declared (0, 10**12) also reads as 0 values here.
+        raise UnsafeInputError(
+            f"{where} has no examples: its shape is {shape}. Save at least one example "
+            "(row) in each array."
+        )
+    if 0 in shape:
+        raise UnsafeInputError(
+            f"{where} holds no values: its shape {shape} has an axis of length 0. Every "
+            "example needs at least one value."
+        )
     limits.take(shape, where)
     nbytes = math.prod(shape) * dtype.itemsize
     header_bytes = f.tell()
@@ -174,11 +216,13 @@ def _read_npy(f, size, where, limits):
 
 
 def _load_csv(path, limits):
-    import pandas as pd
-
     with open(path, "rb") as f:
         if b"\x00" in f.read(8192):
             raise UnsafeInputError("The .csv file contains binary data; upload a text CSV.")
+    # The header and one row over `max_rows`: as many rows as pandas reads below.
+    _check_csv_widths(path, limits.max_rows + 2)
+
+    import pandas as pd
 
     def read(header):
         try:
@@ -189,6 +233,7 @@ def _load_csv(path, limits):
                 encoding="utf-8",
                 encoding_errors="strict",
                 engine="c",
+                index_col=False,  # never turn leading values into an index
             )
         except Exception as e:  # noqa: BLE001 -- any parser failure on untrusted text is a refusal
             raise UnsafeInputError(f"The .csv file could not be read as CSV: {e}".strip()) from e
@@ -232,6 +277,105 @@ def _load_csv(path, limits):
     else:
         label = label.astype(np.float32)
     return {"x": features, "y": label}
+
+
+def _check_csv_widths(path, max_rows):
+    """Refuses a CSV whose rows do not all have as many values as the first.
+
+    Counted with Python's `csv` module, which splits quoted fields as pandas
+    does, on at most `max_rows` rows (pandas reads no more). A row is split
+    only once the commas of its lines showed it has at most
+    `_MAX_CSV_COLUMNS` values, so no row costs more than that many strings.
+    """
+    with open(path, encoding="utf-8", errors="strict", newline="") as f:
+        lines = _CommaCountedLines(f)
+        reader = csv.reader(lines)
+        first = None
+        rows = 0
+        try:
+            for row in reader:
+                lines.row_done()
+                if not row or (len(row) == 1 and not row[0].strip()):
+                    continue  # a blank line, which pandas skips too
+                rows += 1
+                if first is None:
+                    first = len(row)
+                elif len(row) != first:
+                    raise UnsafeInputError(
+                        f"Line {reader.line_num} of the .csv file has {len(row):,} values, but "
+                        f"the first row (line {lines.first_line}) has {first:,}. Every row "
+                        "needs one value per column: look for a missing value or a stray "
+                        "comma in that row."
+                    )
+                if rows >= max_rows:
+                    return
+        except _TooManyColumns as e:
+            first_row = (
+                "" if first is None else f"; the first row (line {lines.first_line}) has {first:,}"
+            )
+            raise UnsafeInputError(
+                f"Line {e.line} of the .csv file has {e.count}{first_row}. gradflow reads at "
+                f"most {_MAX_CSV_COLUMNS:,} columns from a .csv file: upload fewer columns, or "
+                "save wide data as an .npz file with np.savez(path, x=..., y=...)."
+            ) from None
+        except UnicodeDecodeError as e:
+            raise UnsafeInputError(
+                f"The .csv file is not UTF-8 text ({e.reason}); save it as 'CSV UTF-8' and "
+                "upload it again."
+            ) from e
+        except csv.Error as e:
+            raise UnsafeInputError(
+                f"The .csv file could not be read as CSV: line {reader.line_num}: {e}."
+            ) from e
+
+
+class _TooManyColumns(Exception):
+    """A row over `_MAX_CSV_COLUMNS`, found by `_CommaCountedLines`; worded by the caller."""
+
+    def __init__(self, line, count):
+        super().__init__(line, count)
+        self.line = line
+        self.count = count
+
+
+class _CommaCountedLines:
+    """The lines of a text file for `csv.reader`, counting the commas of each row.
+
+    `csv.reader` asks for another line only while the row it is splitting goes
+    on, and `row_done` is called after each row it returns. A row whose lines
+    hold `_MAX_CSV_COLUMNS` commas or more (that many values and one more,
+    unless some commas are inside quotes) is refused before the reader makes a
+    string of each of its values.
+    """
+
+    def __init__(self, file):
+        self.file = file
+        self.line = 0
+        self.first_line = None
+        self.commas = 0
+        self.quoted = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        text = next(self.file)
+        self.line += 1
+        if self.first_line is None and text.strip():
+            self.first_line = self.line
+        self.commas += text.count(",")
+        self.quoted = self.quoted or '"' in text
+        if self.commas >= _MAX_CSV_COLUMNS:
+            # Exact unless quotes may hide commas; the rest of a row that
+            # quotes carry over several lines is not read.
+            if self.quoted:
+                raise _TooManyColumns(self.line, f"{_MAX_CSV_COLUMNS:,} commas or more")
+            raise _TooManyColumns(self.line, f"{self.commas + 1:,} values")
+        return text
+
+    def row_done(self):
+        self.commas = 0
+        self.quoted = False
 
 
 def _is_number(text):

@@ -102,9 +102,11 @@ for module, names in _OPS.items():
     for name in names:
         _ALLOWED.setdefault(name, set()).add(module)
 _MODEL_MODULES = set().union(*_ALLOWED.values())
-# compile_config is never deserialized (`compile=False`), but it is still
-# walked: if it names anything but Keras optimizers, schedules, losses and
-# metrics, it is dropped from the parsed config (`_Walker.visit_compile_config`).
+# The top-level compile_config is never deserialized (`compile=False`), but it
+# is still walked: if it names anything but Keras optimizers, schedules, losses
+# and metrics, it is dropped from the parsed config
+# (`_Walker.visit_compile_config`). A nested model's compile_config is refused
+# (`_Walker.visit`): Keras compiles nested models even with `compile=False`.
 _COMPILE_MODULES = {
     "keras.optimizers",
     "keras.optimizers.schedules",
@@ -223,8 +225,11 @@ class _Walker:
                 child_path = f"{path}.{key}" if path else key
                 self.check_named_value(key, value, child_path, in_compile)
                 if key == "compile_config" and not in_compile:
-                    self.visit_compile_config(node, value, child_path, depth + 1)
-                    continue
+                    if path:
+                        self.check_nested_compile_config(node, value, child_path)
+                    else:
+                        self.visit_compile_config(node, value, child_path, depth + 1)
+                        continue
                 self.visit(value, child_path, depth + 1, in_compile)
         elif isinstance(node, list):
             for i, value in enumerate(node):
@@ -237,18 +242,46 @@ class _Walker:
             )
 
     def visit_compile_config(self, parent, value, path, depth):
-        """The training settings: never deserialized (`compile=False`), so not refused.
+        """The top-level training settings: never deserialized (`compile=False`), so not refused.
 
         A model compiled with the user's own loss or metric is otherwise fine;
         refused, its owner was told to rebuild a model that has nothing
         wrong. Settings that are not all built-in are dropped from the parsed
         config, so that nothing downstream (`models.saved_loss`) reads them.
+        A nested model's settings are refused instead
+        (`check_nested_compile_config`): Keras deserializes those.
         """
         try:
             self.visit(value, path, depth, in_compile=True)
         except UnsafeInputError as error:
             parent["compile_config"] = None
             self.dropped_compile_config = str(error)
+
+    def check_nested_compile_config(self, parent, value, path):
+        """Refuses the training settings of a model inside the model.
+
+        `load_model(compile=False)` clears only the top-level compile_config;
+        Keras's deserializer compiles every nested object that has one, so its
+        losses and metrics are built on load (a `MeanIoU(num_classes=10000)`
+        allocates 800 MB). Dropping it from the parsed config would not help:
+        Keras reads the file itself.
+        """
+        if not value:
+            # Keras compiles only on a non-empty one (`if compile_config:`), and
+            # saves a nested model that was never compiled with `{}`.
+            return
+        inner = parent.get("config")
+        name = inner.get("name") if isinstance(inner, dict) else None
+        layer = f"layer {name!r:.60}" if isinstance(name, str) else "a layer"
+        raise UnsafeInputError(
+            f"Refused model file: config.json has a compile_config inside {layer} at "
+            f"{_where(path)} (a nested model saved compiled). gradflow loads models "
+            "uncompiled, but Keras still builds the loss and metrics of a nested model on "
+            "load, and gradflow cannot drop them from the file. Save the inner model "
+            "uncompiled (build it again, or load it with "
+            "keras.saving.load_model(path, compile=False)), rebuild the outer model from it, "
+            "save that with model.save('m.keras') and upload again."
+        )
 
     def check_object(self, node, path, in_compile):
         class_name = node["class_name"]
