@@ -8,6 +8,7 @@ forty-third session). Each test here gives `snapshot_of_upload` such a file
 with limits small enough for CI, and checks the page's message.
 """
 
+import pathlib
 import resource
 
 import keras
@@ -109,3 +110,28 @@ def test_a_refused_file_is_said_for_the_page(tmp_path):
     shot, message = uploads.snapshot_of_upload(path, data, "mse")
     assert shot is None
     assert message.startswith("That file was refused: ") and "Lambda" in message
+
+
+def test_a_spare_child_takes_one_upload_as_a_new_child_would(tmp_path):
+    """The Inspect page starts a spare while the files are picked (TensorFlow's start-up
+    was most of an upload's time in a new child)."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="out")])
+    path = saved(model, tmp_path / "m.keras")
+    data = batch(tmp_path / "d.npz", np.ones((4, 3), "float32"), np.zeros((4, 2), "float32"))
+    spare = uploads.SpareChild()
+    shot, message = uploads.snapshot_of_upload(path, data, "mse", spare=spare)
+    fresh, _ = uploads.snapshot_of_upload(path, data, "mse")
+    assert message is None
+    pd.testing.assert_frame_equal(shot.weights, fresh.weights)
+    assert spare.process.poll() == 0  # one request, then it is done
+    assert not pathlib.Path(spare.folder).exists()
+
+
+def test_a_spare_child_ends_with_its_server_and_is_not_used_with_other_limits(tmp_path):
+    spare = uploads.SpareChild(memory_limit=6 * 2**30)
+    assert spare.usable(6 * 2**30) and not spare.usable(8 * 2**30)
+    spare.process.stdin.close()  # the server is gone
+    assert spare.process.wait(timeout=120) == 0
+    assert not spare.usable(6 * 2**30)
+    spare.close()
+    assert not pathlib.Path(spare.folder).exists()

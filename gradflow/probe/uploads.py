@@ -20,8 +20,11 @@ Run as `python -m gradflow.probe.uploads` with a JSON request on stdin.
 
 import base64
 import io
+import json
 import re
+import shutil
 import subprocess
+import sys
 import tempfile
 
 SAVED_LOSS = "the model's own (saved with it)"
@@ -48,10 +51,83 @@ UPLOAD_TIMEOUT_S = 600.0
 # the model, the batch and its activations ($GRADFLOW_UPLOAD_MEMORY_GIB).
 UPLOAD_MEMORY_LIMIT = 8 * 2**30
 _TABLES = ("weights", "activations", "inputs", "histograms")
+# Nothing the snapshot does writes a file; Keras may unpack the weights.
+_MAX_CHILD_FILE_BYTES = 50 * 2**20
+
+
+class SpareChild:
+    """A child ready for one upload: limited, TensorFlow imported, waiting for its request.
+
+    Starting TensorFlow takes 4-8 s on this machine, most of an upload's
+    time in a new child; a spare started while the user picks the files
+    (`gradflow.ui.resources.spare_upload_child`) has done it by the click.
+
+    Example:
+
+    ```python
+    spare = SpareChild()
+    shot, message = snapshot_of_upload("m.keras", "d.npz", "mse", spare=spare)
+    ```
+
+    Args:
+        memory_limit: the child's address-space limit in bytes.
+    """
+
+    def __init__(self, memory_limit=UPLOAD_MEMORY_LIMIT):
+        from gradflow.safety import sandbox
+
+        self.memory_limit = int(memory_limit)
+        self.folder = tempfile.mkdtemp(prefix="gradflow-upload-run-")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gradflow.probe.uploads", "--spare", str(self.memory_limit)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=sandbox.child_environment(self.folder),
+            cwd=self.folder,
+        )
+
+    def usable(self, memory_limit):
+        """Whether it is alive and was started with `memory_limit`."""
+        return self.process.poll() is None and self.memory_limit == int(memory_limit)
+
+    def run(self, request, timeout):
+        """Give the child its request; `(result, returncode, stderr)` as `sandbox.run_in_child`.
+
+        Raises:
+            subprocess.TimeoutExpired: it ran longer than `timeout` (it is killed).
+        """
+        from gradflow.safety import sandbox
+
+        try:
+            stdout, stderr = self.process.communicate(json.dumps(request) + "\n", timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.close()
+            raise
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        return sandbox.read_result(stdout), self.process.returncode, stderr
+
+    def close(self):
+        """Stop it if it still runs, and remove its folder."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+            if stream is not None and not stream.closed:
+                stream.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def snapshot_of_upload(
-    model_path, data_path, loss, *, timeout=UPLOAD_TIMEOUT_S, memory_limit=UPLOAD_MEMORY_LIMIT
+    model_path,
+    data_path,
+    loss,
+    *,
+    timeout=UPLOAD_TIMEOUT_S,
+    memory_limit=UPLOAD_MEMORY_LIMIT,
+    spare=None,
 ):
     """Snapshot of an uploaded `.keras` model on an uploaded batch, taken in a limited child.
 
@@ -67,6 +143,9 @@ def snapshot_of_upload(
         loss: a key of `LOSSES`.
         timeout: seconds before the child is stopped.
         memory_limit: the child's address-space limit in bytes.
+        spare: a `SpareChild` to use (it takes one request), or None to
+            start a child now. A spare that died or has another memory
+            limit is not used.
 
     Returns:
         `(snapshot, None)`, or `(None, message)` when a file is refused, the
@@ -82,19 +161,23 @@ def snapshot_of_upload(
         "data": str(data_path),
         "loss": loss,
         "memory_limit": int(memory_limit),
-        # Nothing the snapshot does writes a file; Keras may unpack the weights.
-        "max_bytes": 50 * 2**20,
+        "max_bytes": _MAX_CHILD_FILE_BYTES,
     }
-    with tempfile.TemporaryDirectory(prefix="gradflow-upload-run-") as folder:
-        try:
-            result, code, _ = sandbox.run_in_child(
-                "gradflow.probe.uploads", request, folder=folder, timeout=timeout
-            )
-        except subprocess.TimeoutExpired:
-            return None, (
-                f"Working out this model's gradients took longer than {_duration(timeout)}, "
-                "so it was stopped. Try a smaller batch or a smaller model."
-            )
+    try:
+        if spare is not None and spare.usable(memory_limit):
+            result, code, _ = spare.run(request, timeout)
+        else:
+            if spare is not None:
+                spare.close()
+            with tempfile.TemporaryDirectory(prefix="gradflow-upload-run-") as folder:
+                result, code, _ = sandbox.run_in_child(
+                    "gradflow.probe.uploads", request, folder=folder, timeout=timeout
+                )
+    except subprocess.TimeoutExpired:
+        return None, (
+            f"Working out this model's gradients took longer than {_duration(timeout)}, "
+            "so it was stopped. Try a smaller batch or a smaller model."
+        )
     if result is None or (not result["ok"] and result["kind"] == "memory"):
         # A failed allocation in TensorFlow's C++ may end the child without a word.
         return None, (
@@ -339,7 +422,21 @@ def _loss_hint(error):
     )
 
 
+def _prepare_spare(memory_limit):
+    """A spare child's start: limits first, then everything an upload imports."""
+    from gradflow.safety import sandbox
+
+    sandbox.limit_self(memory_limit, _MAX_CHILD_FILE_BYTES)
+    import keras  # noqa: F401  (TensorFlow with it: the seconds a spare saves)
+    import pyarrow.parquet  # noqa: F401  (the tables go back as Parquet)
+
+    import gradflow.probe.snapshot  # noqa: F401
+    import gradflow.safety.models  # noqa: F401
+
+
 if __name__ == "__main__":
     from gradflow.safety.sandbox import serve_request
 
+    if len(sys.argv) == 3 and sys.argv[1] == "--spare":
+        _prepare_spare(int(sys.argv[2]))
     serve_request(_work)

@@ -183,6 +183,30 @@ def _rehearse(request):
     return summary
 
 
+def child_environment(folder):
+    """The environment of a limited child: no GPU, temporary files in `folder`, this gradflow."""
+    env = dict(os.environ)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["TMPDIR"] = str(folder)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+    return env
+
+
+def limit_self(memory_limit, max_file_bytes):
+    """Limit this process's address space, file size and core dumps (a spare child, before it waits)."""
+    _limit_self(memory_limit, max_file_bytes)
+
+
+def read_result(stdout):
+    """The dict a child reported on its stdout, or None."""
+    result = None
+    for line in stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            result = json.loads(line[len(RESULT_PREFIX) :])
+    return result
+
+
 def run_in_child(module, request, *, folder, timeout):
     """Run `python -m module` with `request` (JSON) on its stdin; returns its result and exit code.
 
@@ -199,25 +223,16 @@ def run_in_child(module, request, *, folder, timeout):
     """
     import subprocess
 
-    env = dict(os.environ)
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env["TMPDIR"] = str(folder)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, "-m", module],
         input=json.dumps(request) + "\n",
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
+        env=child_environment(folder),
         cwd=str(folder),
     )
-    result = None
-    for line in done.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            result = json.loads(line[len(RESULT_PREFIX) :])
-    return result, done.returncode, done.stderr
+    return read_result(done.stdout), done.returncode, done.stderr
 
 
 def serve_request(work):
@@ -227,7 +242,11 @@ def serve_request(work):
     reported as `"unsafe"`, running out of memory as `"memory"`, any other
     error as `"error"`, all with their messages. Never returns.
     """
-    request = json.loads(sys.stdin.readline())
+    line = sys.stdin.readline()
+    if not line.strip():
+        # A spare child whose server ended (its stdin closed) before it had work.
+        os._exit(0)
+    request = json.loads(line)
     _limit_self(request["memory_limit"], request["max_bytes"])
     try:
         from gradflow.safety.errors import UnsafeInputError

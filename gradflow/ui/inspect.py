@@ -51,7 +51,7 @@ def snapshot_of_upload(model_file, data_file, loss):
     Returns:
         `(snapshot, None)`, `(snapshot, note)` or `(None, message)`.
     """
-    from gradflow.ui.resources import upload_limits
+    from gradflow.ui.resources import spare_uploads, upload_limits
 
     timeout, memory_limit = upload_limits()
     with tempfile.TemporaryDirectory(prefix="gradflow-upload-") as folder:
@@ -61,6 +61,7 @@ def snapshot_of_upload(model_file, data_file, loss):
             loss,
             timeout=timeout,
             memory_limit=memory_limit,
+            spare=spare_uploads().take(),
         )
 
 
@@ -83,6 +84,10 @@ def model_source():
                 st.session_state[_TAKEN_OF] = st.session_state[_SHOWN]
                 st.session_state[_SUBJECT] = name
         return
+    from gradflow.ui.resources import spare_uploads, upload_limits
+
+    # TensorFlow starts in a spare child while the files are picked.
+    spare_uploads().ensure(upload_limits()[1])
     model_file = st.file_uploader("Keras model (.keras)", type=["keras"], key="inspect.model_file")
     data_file = st.file_uploader(
         "One batch (.npz with x and y, or .csv with a label column)",

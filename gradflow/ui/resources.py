@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import sqlite3
+import threading
 
 import streamlit as st
 
@@ -95,6 +96,54 @@ def open_sessions():
         return int(Runtime.instance()._session_mgr.num_active_sessions())
     except (RuntimeError, AttributeError, TypeError):  # no server, or AppTest's stand-in runtime
         return 1
+
+
+class _SpareUploads:
+    """The server's one spare upload child (`gradflow.probe.uploads.SpareChild`).
+
+    Started when someone opens the upload form, so that TensorFlow has
+    started by the time they click Take snapshot; the click takes it, and
+    the page's next run starts another. One for the whole server: a second
+    upload at the same moment starts its own child, as without a spare.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._spare = None
+        # GRADFLOW_PREWARM=0: no spare processes (page smoke tests, tiny servers).
+        self.enabled = os.environ.get("GRADFLOW_PREWARM", "1") != "0"
+
+    def ensure(self, memory_limit):
+        """Start a spare unless one with `memory_limit` is ready."""
+        if not self.enabled:
+            return
+        from gradflow.probe.uploads import SpareChild
+
+        with self._lock:
+            if self._spare is not None and self._spare.usable(memory_limit):
+                return
+            if self._spare is not None:
+                self._spare.close()
+            self._spare = SpareChild(memory_limit)
+
+    def take(self):
+        """The spare, now the caller's (None when there is none)."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        return spare
+
+    def close(self):
+        spare = self.take()
+        if spare is not None:
+            spare.close()
+
+
+@st.cache_resource(show_spinner=False)
+def spare_uploads():
+    """The server's spare upload child holder (stopped when the server exits)."""
+    holder = _SpareUploads()
+    atexit.register(holder.close)
+    return holder
 
 
 def upload_limits():
