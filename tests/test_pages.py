@@ -416,6 +416,34 @@ def logits_model(tmp_path, loss=None):
     return model, tmp_path / "m.keras"
 
 
+def test_uploads_beyond_the_servers_slots_wait_for_one(tmp_path, monkeypatch):
+    """Each upload's child starts TensorFlow: thirty clicks at once started thirty."""
+    import threading
+    import time
+
+    import numpy as np
+    import streamlit as st
+
+    from gradflow.ui import resources
+
+    monkeypatch.setenv("GRADFLOW_MAX_UPLOADS", "1")
+    st.cache_resource.clear()
+    _, path = logits_model(tmp_path, loss="mse")
+    slots, count = resources.upload_slots()
+    assert count == 1
+    slots.acquire()  # another student's upload
+    threading.Timer(3.0, slots.release).start()
+    started = time.monotonic()
+    app = upload_and_snapshot(path, {"x": np.ones((4, 4), "float32"), "y": np.zeros((4, 5))})
+    assert time.monotonic() - started >= 3.0
+    assert not app.error, [e.value for e in app.error]
+    assert len(app.metric) and len(app.dataframe)  # the snapshot is shown
+    # The slot is free again for the next upload.
+    assert slots.acquire(blocking=False)
+    slots.release()
+    st.cache_resource.clear()
+
+
 def test_an_uploaded_logits_model_is_read_with_its_own_saved_loss(tmp_path):
     """Read as probabilities its loss was 7.6 against 1.7, its gradients 3-5x too large."""
     import keras

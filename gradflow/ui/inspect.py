@@ -51,18 +51,31 @@ def snapshot_of_upload(model_file, data_file, loss):
     Returns:
         `(snapshot, None)`, `(snapshot, note)` or `(None, message)`.
     """
-    from gradflow.ui.resources import spare_uploads, upload_limits
+    from gradflow.ui.resources import spare_uploads, upload_limits, upload_slots
 
     timeout, memory_limit = upload_limits()
-    with tempfile.TemporaryDirectory(prefix="gradflow-upload-") as folder:
-        return uploads.snapshot_of_upload(
-            _save_upload(model_file, folder),
-            _save_upload(data_file, folder),
-            loss,
-            timeout=timeout,
-            memory_limit=memory_limit,
-            spare=spare_uploads().take(),
+    slots, count = upload_slots()
+    waiting = None
+    if not slots.acquire(blocking=False):
+        waiting = st.info(
+            f"{count} other upload{'s are' if count > 1 else ' is'} being worked out on this "
+            "server: yours starts when one ends."
         )
+        slots.acquire()
+    try:
+        if waiting is not None:
+            waiting.empty()
+        with tempfile.TemporaryDirectory(prefix="gradflow-upload-") as folder:
+            return uploads.snapshot_of_upload(
+                _save_upload(model_file, folder),
+                _save_upload(data_file, folder),
+                loss,
+                timeout=timeout,
+                memory_limit=memory_limit,
+                spare=spare_uploads().take(),
+            )
+    finally:
+        slots.release()
 
 
 def model_source():

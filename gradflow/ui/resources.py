@@ -146,6 +146,18 @@ def spare_uploads():
     return holder
 
 
+@st.cache_resource(show_spinner=False)
+def upload_slots():
+    """How many uploads the server works out at once: a semaphore, one per core by default.
+
+    Each upload's child starts TensorFlow (about 600 MB) and may use up to
+    its memory limit: thirty students clicking at once would have started
+    thirty. $GRADFLOW_MAX_UPLOADS changes the number.
+    """
+    count = _setting("GRADFLOW_MAX_UPLOADS", 0) or os.cpu_count() or 1
+    return threading.BoundedSemaphore(count), count
+
+
 def upload_limits():
     """`(timeout in seconds, memory limit in bytes)` of the child that differentiates an upload.
 
