@@ -1475,9 +1475,22 @@ def test_steps_per_execution_auto_is_refused_in_gradflows_words():
     x, y = data()
     model = classifier()
     model.compile("sgd", "sparse_categorical_crossentropy", steps_per_execution="auto")
+    monitor = GradientMonitor()
     with pytest.raises(ValueError, match=r"`steps_per_execution` .* got 'auto'"):
-        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[GradientMonitor()])
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
     assert "train_step" not in model.__dict__
+    # Mended as the message says, the same monitor records (it failed in `_restore_model`).
+    model.compile("sgd", "sparse_categorical_crossentropy", steps_per_execution=2)
+    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+    assert sorted(monitor.history["step"].unique()) == [1, 2, 3, 4]
+
+
+def test_a_fit_with_no_epoch_left_to_run_is_stored_as_done(tmp_path):
+    """`fit(initial_epoch=3, epochs=3)` runs nothing: its run read "completed · 0 / 12"."""
+    x, y, store, model, monitor = stored_classifier(tmp_path)
+    model.fit(x, y, batch_size=BATCH, epochs=3, initial_epoch=3, verbose=0, callbacks=[monitor])
+    info = store.run_info(monitor.run_id)
+    assert (info["status"], info["progress_step"], info["total_steps"]) == ("completed", 0, 0)
 
 
 def test_a_used_monitor_with_a_store_can_be_copied_and_pickled(tmp_path):

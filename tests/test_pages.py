@@ -1460,7 +1460,7 @@ def test_a_diverged_run_says_whether_the_loss_itself_blew_up(page_environment, l
     app = run_page("live_training.py", run=run_id)
     banner = next(e.value for e in app.error if "NaN or infinite" in e.value)
     if np.isnan(loss_at_nan):
-        assert "the loss itself was NaN (at the step before it was 5.92e+09)" in banner
+        assert "the loss itself was NaN (its last finite value, at step 1, was 5.92e+09)" in banner
     else:
         assert "It started at step 2 in layer **output**." in banner
 
@@ -1496,6 +1496,38 @@ def test_a_run_nan_from_its_first_step_that_trained_on_is_told_so(page_environme
     app.run()
     assert not app.exception, [e.value for e in app.exception]
     assert any("GradientMonitor(histograms=True)" in i.value for i in app.info)
+
+
+def test_a_loss_that_overflowed_before_the_gradients_did_is_told_first(page_environment):
+    """The loss infinite at step 3 with finite gradients, the gradients NaN at step 5: the
+    banner began with the gradients, and called step 2's loss "the step before" step 5's."""
+    import numpy as np
+
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    run_id = store.create_run(
+        {"model": "mine"}, name="overflow", status="running", source="monitor", total_steps=6
+    )
+    losses = {1: 1.7e6, 2: 2.2e27, 3: np.inf, 4: np.inf, 5: np.nan, 6: np.nan}
+    with store.writer(run_id) as writer:
+        for step, loss in losses.items():
+            broken = int(step >= 5)
+            writer.add_layer_stats(
+                two_layer_kernels(step, np.nan if broken else 1e20, 1.0, [broken, broken])
+            )
+            writer.add_metrics(step, {"loss": loss})
+        writer.progress(6)
+    store.set_status(run_id, "diverged")
+    app = run_page("live_training.py", run=run_id)
+    errors = [e.value for e in app.error]
+    assert any(
+        e.startswith(
+            "The loss became infinite at step 3 while every gradient was still finite: the "
+            "loss overflowed first. The gradients followed at step 5."
+        )
+        for e in errors
+    ), errors
 
 
 def test_a_run_whose_loss_alone_overflowed_is_not_said_to_have_nan_gradients(page_environment):

@@ -239,3 +239,38 @@ def test_run_reads_back_from_the_store_in_a_new_object(store):
     assert again.status == "completed"
     with pytest.raises(ValueError, match="`run_id`"):
         gradflow.Run("no such run!", store)
+
+
+@pytest.mark.parametrize("locked_closes", [1, 10], ids=["lock released", "lock kept"])
+def test_a_run_whose_end_the_store_refused_is_retried_or_failed(store, monkeypatch, locked_closes):
+    """The writer's close met a lock held past its 30 s wait: `fit` returned all the same,
+    and the run was stored "completed" with its last steps missing (the review)."""
+    import sqlite3
+
+    from gradflow.lab import worker
+    from gradflow.store import writer as store_writer
+
+    close = store_writer.RunWriter.close
+    refused = []
+
+    def locked(self, *args, **kwargs):
+        if len(refused) < locked_closes:
+            refused.append(self)
+            raise sqlite3.OperationalError("database is locked")
+        return close(self, *args, **kwargs)
+
+    monkeypatch.setattr(store_writer.RunWriter, "close", locked)
+    config = RunConfig(steps=40, depth=2, width=8)
+    run_id = store.create_run(config.to_dict(), name="locked at its end")
+    status = worker.execute(store, run_id)
+    info = store.run_info(run_id)
+    if locked_closes == 1:
+        assert status == info["status"] == "completed"
+        assert sorted(store.layer_stats(run_id)["step"].unique()) == list(range(1, 41))
+    else:
+        assert status == info["status"] == "failed"
+        assert info["message"].startswith(
+            "Training finished, but its last steps could not be stored: GradientMonitor still "
+            "cannot write run"
+        )
+        assert "another program holds the lock" in info["message"]

@@ -304,7 +304,9 @@ def npy_bytes(array=None, header=None):
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize("name", ["./x.npy", "sub/x.npy", "x.npy.npy", "x-train.npy", "é.npy"])
+@pytest.mark.parametrize(
+    "name", ["./x.npy", "sub/x.npy", "x.npy.npy", "a..b.npy", ".x.npy", "é.npy"]
+)
 def test_npz_entries_that_are_not_plain_array_names_are_refused(tmp_path, name):
     """`x.npy` and `./x.npy` came back as two arrays, `x` and `./x`."""
     path = tmp_path / "d.npz"

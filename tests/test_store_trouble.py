@@ -49,16 +49,17 @@ def fill(conn):
     conn.execute(f"PRAGMA max_page_count = {pages}")
 
 
-def fitted(tmp_path, *callbacks_after, epochs=2, monitor=None):
-    """A 60-step fit of a small classifier with a monitor storing to tmp_path/runs.db."""
+def fitted(tmp_path, *callbacks_after, epochs=2, monitor=None, model=None):
+    """A 60-step fit (2 epochs) of a small classifier with a monitor storing to tmp_path/runs.db."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(240, 5)).astype("float32")
     y = rng.integers(0, 3, 240)
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [keras.Input((5,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(3)]
-    )
-    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if model is None:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((5,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(3)]
+        )
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     monitor = monitor or GradientMonitor(store=tmp_path / "runs.db")
     callbacks = [monitor] + [make(monitor) for make in callbacks_after]
     with warnings.catch_warnings(record=True) as caught:
@@ -86,10 +87,10 @@ def test_a_disk_still_full_when_fit_ends_lets_fit_return_and_flush_writes_the_re
     assert int(model.optimizer.iterations.numpy()) == 60  # `fit` returned
     assert sorted(monitor.history["step"].unique()) == list(range(1, 61))
     ending = [s for s in said if "could not write the end of run" in s]
-    assert len(ending) == 1 and "call `monitor.flush()`" in ending[0]
+    assert len(ending) == 1 and "Call `monitor.flush()`" in ending[0]
     store = RunStore(tmp_path / "runs.db")
     assert store.run_info(monitor.run_id)["status"] == "running"
-    writer = monitor._unwritten[0]
+    writer = monitor._unwritten[0][0]
     with pytest.raises(RuntimeError, match="still cannot write run .* is full"):
         monitor.flush()
     writer._conn.execute(f"PRAGMA max_page_count = {NO_LIMIT}")  # space freed
@@ -247,3 +248,39 @@ def test_the_write_ahead_log_shrinks_after_an_outside_reader_lets_go(tmp_path, m
     store.set_status(run_id, "completed")
     assert grown > 256 << 10
     assert wal.stat().st_size <= 64 << 10, (grown, wal.stat().st_size)
+
+
+class FlushAt(keras.callbacks.Callback):
+    """Calls `monitor.flush()` at step `at` (a pause in the lab does)."""
+
+    def __init__(self, monitor, at):
+        super().__init__()
+        self.monitor, self.at = monitor, at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) == self.at:
+            self.monitor.flush()
+
+
+def test_an_earlier_fits_unwritten_end_neither_stops_nor_overrides_a_later_fit(tmp_path):
+    """The same monitor again while the store still owed the first fit's end: a `flush()`
+    in the second fit raised and ended it, a second unwritten end dropped the first's rows,
+    and the first fit's "completed" replaced the second's status when written (the review)."""
+    model, monitor, _ = fitted(tmp_path, lambda m: DiskFull(m, at=5))
+    first = monitor._unwritten[0][0]
+    stop = lambda m: keras.callbacks.EarlyStopping(monitor="loss", min_delta=1e9, patience=0)  # noqa: E731
+    # Another connection: this fit's writer can write, the first's still cannot.
+    _, _, said = fitted(
+        tmp_path, lambda m: FlushAt(m, at=62), stop, epochs=3, monitor=monitor, model=model
+    )
+    assert any("still cannot write run" in message for message in said)
+    store = RunStore(tmp_path / "runs.db")
+    after_second = store.run_info(monitor.run_id)
+    assert after_second["status"] == "completed"
+    assert after_second["message"].startswith("Training ended at step 120 of the 150 planned")
+    first._conn.execute(f"PRAGMA max_page_count = {NO_LIMIT}")  # space freed
+    monitor.flush()
+    assert not monitor._unwritten
+    info = store.run_info(monitor.run_id)
+    assert (info["status"], info["message"]) == ("completed", after_second["message"])
+    assert sorted(store.layer_stats(monitor.run_id)["step"].unique()) == list(range(1, 121))

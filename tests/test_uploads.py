@@ -135,3 +135,21 @@ def test_a_spare_child_ends_with_its_server_and_is_not_used_with_other_limits(tm
     assert not spare.usable(6 * 2**30)
     spare.close()
     assert not pathlib.Path(spare.folder).exists()
+
+
+def test_a_model_whose_inputs_are_named_with_dashes_and_dots_can_be_uploaded(tmp_path):
+    """The .npz names its arrays after the inputs; 'img-in.npy' was refused as not a
+    plain array name (the review)."""
+    image, meta = keras.Input((3,), name="img-in"), keras.Input((2,), name="meta.v2")
+    joined = keras.layers.Concatenate()([image, meta])
+    model = keras.Model([image, meta], keras.layers.Dense(2, name="out")(joined))
+    path = saved(model, tmp_path / "two.keras")
+    data = tmp_path / "two.npz"
+    np.savez(
+        data,
+        y=np.zeros((4, 2), "float32"),
+        **{"img-in": np.ones((4, 3), "float32"), "meta.v2": np.ones((4, 2), "float32")},
+    )
+    shot, message = uploads.snapshot_of_upload(path, data, "mse")
+    assert message is None and shot is not None, message
+    assert shot.weights["layer"].tolist() == ["out", "out"]

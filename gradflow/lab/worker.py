@@ -148,6 +148,13 @@ def _train(store, run_id):
         with contextlib.suppress(Exception):  # The error being raised matters more.
             monitor.flush()
         raise
+    try:
+        # What the store could not take at the end (a lock held longer than
+        # its 30 s wait), tried once more: `fit` returned all the same, and
+        # the run was stored "completed" with its last steps missing.
+        monitor.flush()
+    except RuntimeError as error:
+        return "failed", f"Training finished, but its last steps could not be stored: {error}"
     # Optimizer steps taken: after a non-finite halt, fit's last few batches
     # changed nothing and do not count.
     store.heartbeat(run_id, int(model.optimizer.iterations.numpy()))

@@ -173,7 +173,11 @@ class GradientMonitor(keras.callbacks.Callback):
             one (it counts as a step, as a skipped update does in
             `LossScaleOptimizer`; the steps after it do not count). Under
             `tf.distribute` the update is applied: a cond around the
-            optimizer's cross-replica update is not allowed there. Defaults
+            optimizer's cross-replica update is not allowed there. A loss
+            that turns NaN/Inf while every gradient is finite (a squared
+            error overflowing) stops training at the end of its execution,
+            with that step's update applied: with `steps_per_execution > 1`
+            the steps after it in the execution are applied too. Defaults
             to `False`.
         tensorboard_dir: Also write the statistics as TensorBoard scalars and
             histograms into this folder. Defaults to `None`.
@@ -294,7 +298,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self._writer = None
         # (writer, status, message) of a run whose end the store could not
         # take (a full disk): `flush()` tries again.
-        self._unwritten = None
+        self._unwritten = []
         # The store trouble this fit's user was told of (`_check_store`).
         self._told_store = set()
         self._summaries = None
@@ -329,7 +333,7 @@ class GradientMonitor(keras.callbacks.Callback):
         # with it) has its own optimizer.
         state = dict(self.__dict__)
         state["_last_optimizer"] = None
-        state["_unwritten"] = None  # a writer's connection and thread stay with this monitor
+        state["_unwritten"] = []  # a writer's connection and thread stay with this monitor
         return state
 
     # Results -----------------------------------------------------------------
@@ -399,25 +403,37 @@ class GradientMonitor(keras.callbacks.Callback):
 
         The monitor reads the compiled step's records every few batches (at
         most 0.2 s apart); call this when the run must show its latest step
-        at once, e.g. before it pauses. A no-op outside `fit`.
+        at once, e.g. before it pauses. Outside `fit` it writes what an
+        earlier `fit` could not (a full disk, a lock held for minutes: that
+        `fit` warned), and is otherwise a no-op.
+
+        Raises:
+            RuntimeError: outside `fit`, when the store still cannot take
+                those rows (inside `fit` it warns: training goes on).
         """
-        if self._unwritten is not None:
-            # The end of a `fit` the store could not take (see `_close_outputs`).
-            writer, status, message = self._unwritten
-            try:
-                writer.close(status, message)
-            except sqlite3.Error as error:
-                raise RuntimeError(
-                    f"GradientMonitor still cannot write run {self.run_id} to its store: "
-                    f"{trouble.explain(error, self._store_path())}. Every step is in `.history`."
-                ) from error
-            self._unwritten = None
-            return
+        self._write_unwritten(during_fit=self._writer is not None)
         if getattr(self, "_plan", None) is None:
             return
         self._collect()
         if self._writer is not None:
             self._writer.flush()
+
+    def _write_unwritten(self, during_fit):
+        """Write the ends of earlier fits the store could not take (`_close_outputs`), oldest first."""
+        while self._unwritten:
+            writer, status, message = self._unwritten[0]
+            try:
+                writer.close(status, message)
+            except sqlite3.Error as error:
+                said = (
+                    f"GradientMonitor still cannot write run {self.run_id} to its store: "
+                    f"{trouble.explain(error, self._store_path())}.{self._kept_in_history()}"
+                )
+                if not during_fit:
+                    raise RuntimeError(said) from error
+                warn_user(said)
+                return
+            self._unwritten.pop(0)
 
     # Callback hooks ----------------------------------------------------------
 
@@ -427,6 +443,9 @@ class GradientMonitor(keras.callbacks.Callback):
             raise ValueError(
                 "GradientMonitor needs a compiled model; call `model.compile()` first."
             )
+        # Before the model is taken: raised later, it left the model this
+        # monitor's, and the next `fit` failed in `_restore_model`.
+        steps_per_execution = _steps_per_execution(model)
         # The plan of this monitor's last `fit` holds the model it recorded.
         first = self._plan.model if self._plan is not None else None
         if first is not None and first is not model:
@@ -463,7 +482,7 @@ class GradientMonitor(keras.callbacks.Callback):
             if strategy.num_replicas_in_sync == 1
             else _EXECUTIONS_PER_READ_DISTRIBUTED
         )
-        self._steps_per_execution = _steps_per_execution(model)
+        self._steps_per_execution = steps_per_execution
         self._saved_train_step = model.__dict__.get("train_step")
         # Made once: the optimizer's config and every layer are read for it.
         reuse_key = _ReuseKey(self, model)
@@ -777,6 +796,10 @@ class GradientMonitor(keras.callbacks.Callback):
         if not (self._created_run and self._store is not None and planned is not None):
             return None
         done = self._current_step()
+        if self._first_epoch is None and done < planned:
+            # No epoch ran (`fit(initial_epoch=3, epochs=3)`): nothing was planned.
+            self._store_call("set_total_steps", done)
+            return None
         if not self.model.stop_training or done >= planned:
             return None
         self._store_call("set_total_steps", done)
@@ -872,17 +895,19 @@ class GradientMonitor(keras.callbacks.Callback):
                 status = status if self.close_run else None
                 try:
                     writer.close(status, message)
+                    # A short fit's last flush may be the first to find its run deleted.
+                    self._check_store(writer)
                 except sqlite3.Error as error:
                     # Training is done and every step is in `.history`: a
                     # store that cannot take the last ones (a full disk, a
                     # lock held for minutes) must not end `fit` in SQLite's
                     # words, before the user's next line (`model.save`) runs.
-                    self._unwritten = (writer, status, message)
+                    self._unwritten.append((writer, status, message))
                     warn_user(
                         f"GradientMonitor could not write the end of run {self.run_id} to its "
                         f"store: {trouble.explain(error, self._store_path())}. Training "
-                        "finished and every step is in `.history`; call `monitor.flush()` to "
-                        "write the rest to the store once that is mended."
+                        f"finished.{self._kept_in_history()} Call `monitor.flush()` to write "
+                        "the rest to the store once that is mended."
                     )
 
     def _collect(self):
@@ -893,7 +918,7 @@ class GradientMonitor(keras.callbacks.Callback):
             self._read_ring()
             self._note_overflows()
         if self._writer is not None:
-            self._check_store()
+            self._check_store(self._writer)
         halted_at = self._halted_step()
         for step, compiled in self._pending_logs:
             # The batches `fit` ran after a halt changed nothing: their
@@ -902,14 +927,13 @@ class GradientMonitor(keras.callbacks.Callback):
                 self._add_metrics(step, {name: float(value) for name, value in compiled.items()})
         self._pending_logs = []
 
-    def _check_store(self):
+    def _check_store(self, writer):
         """Tell the user once when the store stops taking this run's rows.
 
         The writer keeps them in memory and tries again every half second:
         a disk that fills and is freed loses nothing. Before, nothing was
         said until `fit` ended in SQLite's "database or disk is full".
         """
-        writer = self._writer
         if writer.run_deleted and "deleted" not in self._told_store:
             self._told_store.add("deleted")
             warn_user(
@@ -922,9 +946,13 @@ class GradientMonitor(keras.callbacks.Callback):
             warn_user(
                 f"GradientMonitor cannot write run {self.run_id} to its store now: "
                 f"{trouble.explain(error, self._store_path())}. Training goes on; the steps "
-                "wait in memory (and are in `.history`) and are written once the store "
-                "takes them again."
+                "wait in memory and are written once the store takes them again."
+                f"{self._kept_in_history()}"
             )
+
+    def _kept_in_history(self):
+        # With `keep_steps`, `.history` holds only the last steps.
+        return " Every step is in `.history`." if self.keep_steps is None else ""
 
     def _store_path(self):
         return str(getattr(self._store, "path", self._store))
@@ -1269,6 +1297,11 @@ class GradientMonitor(keras.callbacks.Callback):
     def _open_store(self):
         if self._store is None:
             return
+        if self._unwritten:
+            # This fit sets the run's status at its end: an earlier fit's,
+            # written later by `flush()`, would replace it. Its rows still go.
+            self._unwritten = [(writer, None, None) for writer, _, _ in self._unwritten]
+            self._write_unwritten(during_fit=True)
         store = self._store
         if isinstance(store, (str, os.PathLike)):
             from gradflow.store import RunStore

@@ -29,10 +29,13 @@ NPY_MAGIC = b"\x93NUMPY"
 _MAX_MEMBERS = 64
 _MAX_HEADER_BYTES = 10_000
 _NUMERIC_KINDS = "biuf"
-# What `np.savez(path, x=...)` writes for a Python keyword: one plain name and
-# `.npy`. Anything else (`./x.npy`, `sub/x.npy`, `x.npy.npy`) would come back
-# as a second, differently spelled `x` or as a name no code looks for.
-_NPZ_MEMBER = re.compile(r"[A-Za-z0-9_]{1,100}\.npy")
+# What `np.savez(path, x=...)` writes: one name and `.npy`. A model's input
+# may be named `img-in` or `meta.v2` (Keras allows both, and an .npz names its
+# arrays after the inputs, via `np.savez(path, **{"img-in": ...})`), so `-` and
+# `.` are allowed inside a name. Anything else (`./x.npy`, `sub/x.npy`,
+# `x.npy.npy`) would come back as a second, differently spelled `x` or as a
+# name no code looks for.
+_NPZ_MEMBER = re.compile(r"(?!.*\.\.)(?!.*\.npy\.npy$)[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}\.npy")
 # Most columns of a .csv file. Far more features than a table a student
 # uploads has, and it bounds what one row can cost before pandas sees it
 # (pandas spends about 2 KiB per value of a row wider than the header).
@@ -139,9 +142,10 @@ def _load_npz(path, max_bytes, limits):
             if not _NPZ_MEMBER.fullmatch(info.filename):
                 raise UnsafeInputError(
                     f"The .npz entry {info.filename!r:.120} is not a plain array name. gradflow "
-                    "reads entries named like 'x.npy': letters, digits and underscores, then "
-                    "'.npy', and no folders. Save the arrays again with "
-                    "np.savez(path, x=..., y=...)."
+                    "reads entries named like 'x.npy' or 'img-in.npy': letters, digits, '_', "
+                    "'-' and '.' (not first, not '..'), then '.npy', and no folders. Save the "
+                    "arrays again with np.savez(path, x=..., y=...), or for a model of several "
+                    "inputs np.savez(path, y=..., **{input_name: array})."
                 )
             where = f"Array {info.filename[:-4]!r}"
             try:

@@ -105,8 +105,10 @@ _MODEL_MODULES = set().union(*_ALLOWED.values())
 # The top-level compile_config is never deserialized (`compile=False`), but it
 # is still walked: if it names anything but Keras optimizers, schedules, losses
 # and metrics, it is dropped from the parsed config
-# (`_Walker.visit_compile_config`). A nested model's compile_config is refused
-# (`_Walker.visit`): Keras compiles nested models even with `compile=False`.
+# (`_Walker.visit_compile_config`). A nested model's compile_config is always
+# dropped (`_Walker.drop_nested_compile_config`): Keras compiles nested models
+# even with `compile=False`, so the loader writes the checked config into its
+# private copy for Keras to read.
 _COMPILE_MODULES = {
     "keras.optimizers",
     "keras.optimizers.schedules",
@@ -205,6 +207,7 @@ class _Walker:
         self.max_weight_entries = max_weight_entries
         self.weight_entries = 0
         self.dropped_compile_config = None
+        self.dropped_nested_compile_configs = []
 
     def visit(self, node, path, depth, in_compile):
         if depth > _MAX_DEPTH:
@@ -226,10 +229,10 @@ class _Walker:
                 self.check_named_value(key, value, child_path, in_compile)
                 if key == "compile_config" and not in_compile:
                     if path:
-                        self.check_nested_compile_config(node, value, child_path)
+                        self.drop_nested_compile_config(node, value, child_path)
                     else:
                         self.visit_compile_config(node, value, child_path, depth + 1)
-                        continue
+                    continue
                 self.visit(value, child_path, depth + 1, in_compile)
         elif isinstance(node, list):
             for i, value in enumerate(node):
@@ -248,8 +251,8 @@ class _Walker:
         refused, its owner was told to rebuild a model that has nothing
         wrong. Settings that are not all built-in are dropped from the parsed
         config, so that nothing downstream (`models.saved_loss`) reads them.
-        A nested model's settings are refused instead
-        (`check_nested_compile_config`): Keras deserializes those.
+        A nested model's settings are dropped whatever they name
+        (`drop_nested_compile_config`): Keras deserializes those.
         """
         try:
             self.visit(value, path, depth, in_compile=True)
@@ -257,31 +260,23 @@ class _Walker:
             parent["compile_config"] = None
             self.dropped_compile_config = str(error)
 
-    def check_nested_compile_config(self, parent, value, path):
-        """Refuses the training settings of a model inside the model.
+    def drop_nested_compile_config(self, parent, value, path):
+        """Drops the training settings of a model inside the model.
 
         `load_model(compile=False)` clears only the top-level compile_config;
         Keras's deserializer compiles every nested object that has one, so its
         losses and metrics are built on load (a `MeanIoU(num_classes=10000)`
-        allocates 800 MB). Dropping it from the parsed config would not help:
-        Keras reads the file itself.
+        allocated 800 MB). A compiled pretrained backbone inside a new model
+        is the usual transfer-learning recipe, and the outer model's loss is
+        the one that counts, so it is dropped, not refused: the loader then
+        writes the checked config into its private copy
+        (`gradflow.safety.models`), and Keras reads that.
         """
-        if not value:
+        if value:
             # Keras compiles only on a non-empty one (`if compile_config:`), and
             # saves a nested model that was never compiled with `{}`.
-            return
-        inner = parent.get("config")
-        name = inner.get("name") if isinstance(inner, dict) else None
-        layer = f"layer {name!r:.60}" if isinstance(name, str) else "a layer"
-        raise UnsafeInputError(
-            f"Refused model file: config.json has a compile_config inside {layer} at "
-            f"{_where(path)} (a nested model saved compiled). gradflow loads models "
-            "uncompiled, but Keras still builds the loss and metrics of a nested model on "
-            "load, and gradflow cannot drop them from the file. Save the inner model "
-            "uncompiled (build it again, or load it with "
-            "keras.saving.load_model(path, compile=False)), rebuild the outer model from it, "
-            "save that with model.save('m.keras') and upload again."
-        )
+            parent["compile_config"] = None
+            self.dropped_nested_compile_configs.append(path)
 
     def check_object(self, node, path, in_compile):
         class_name = node["class_name"]

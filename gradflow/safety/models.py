@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import zipfile
 
 from gradflow.checks import positive_int, positive_number
 from gradflow.safety import archives, sandbox
@@ -106,6 +107,7 @@ def safe_load_model(
             max_bytes=max_bytes,
             max_entries=max_entries,
             max_weight_entries=max_weight_entries,
+            private_copy=True,
         )
         summary = rehearse_load(
             copy,
@@ -154,6 +156,7 @@ def load_in_limited_process(
             max_bytes=max_bytes,
             max_entries=max_entries,
             max_weight_entries=max_weight_entries,
+            private_copy=True,
         )
         model, _ = sandbox.load_checked(copy, max_bytes, max_weight_entries)
     return _with_saved_loss(model, config)
@@ -230,7 +233,7 @@ def saved_loss(config):
         return None
 
 
-def check_keras_file(path, *, max_bytes, max_entries, max_weight_entries):
+def check_keras_file(path, *, max_bytes, max_entries, max_weight_entries, private_copy=False):
     """Checks the structure and config of a `.keras` file; nothing is executed.
 
     Args:
@@ -238,6 +241,10 @@ def check_keras_file(path, *, max_bytes, max_entries, max_weight_entries):
         max_bytes: largest file size and largest total uncompressed size.
         max_entries: most zip entries.
         max_weight_entries: most weight values the config may declare.
+        private_copy: `path` is the loader's own copy: when the check
+            dropped settings Keras would build on load (a nested model's
+            `compile_config`), the checked config is written into it, for
+            Keras to read. Never for a user's file.
 
     Returns:
         The parsed `config.json`.
@@ -272,8 +279,27 @@ def check_keras_file(path, *, max_bytes, max_entries, max_weight_entries):
             "metadata.json of the model file does not say it was saved by Keras 3 "
             f"(found {metadata!r:.120}). Save the model with Keras 3: model.save('m.keras')."
         )
+    checked = json.dumps(config)
     check_model_config(config, max_weight_entries=max_weight_entries)
+    if private_copy and json.dumps(config) != checked:
+        # The check dropped settings Keras would build (a nested model's
+        # compile_config): Keras reads the private copy, so it gets the config
+        # as checked.
+        _rewrite_config(path, config)
     return config
+
+
+def _rewrite_config(path, config):
+    """Replace `config.json` in the zip at `path` (a private copy), keeping its other entries."""
+    rewritten = f"{path}.rewritten"
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(rewritten, "w") as target:
+        for info in source.infolist():
+            if info.filename == "config.json":
+                target.writestr("config.json", json.dumps(config))
+                continue
+            with source.open(info) as entry, target.open(info.filename, "w") as copy:
+                shutil.copyfileobj(entry, copy)
+    os.replace(rewritten, path)
 
 
 def rehearse_load(path, *, max_bytes, max_weight_entries, timeout, memory_limit):

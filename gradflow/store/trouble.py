@@ -16,6 +16,7 @@ explain(sqlite3.OperationalError("database or disk is full"), "runs.db")
 
 import os
 import pathlib
+import shlex
 import sqlite3
 
 from gradflow.store.tables import StoreGoneError
@@ -93,9 +94,13 @@ def explain(error, path):
             "written, or give another store path (--db or $GRADFLOW_DB)"
         )
     if kind == "damaged":
+        # `.recover` prints SQL for what it can read; on a store cut in half
+        # it saved nothing here, so it is offered as a try, not a cure.
+        saved = shlex.quote(str(path.with_name(path.stem + "-recovered" + path.suffix)))
         return (
-            f"{where} is damaged ({error}): keep a copy of it, try `sqlite3 {path} "
-            '".recover"` to save what it holds, or start a new store (--db or $GRADFLOW_DB)'
+            f"{where} is damaged ({error}): keep a copy of it and start a new store (--db or "
+            f"$GRADFLOW_DB); `sqlite3 {shlex.quote(str(path))} .recover | sqlite3 {saved}` "
+            "may save part of it into a new file"
         )
     if kind == "io":
         return (

@@ -861,12 +861,15 @@ def _status_line(info, cache, status, watched=False, announce=False):
         st.caption(f":material/info: {plain_markdown(info['message'])}")
     if status == "diverged":
         origin = diagnosis.first_nonfinite(cache.layer_stats)
-        if origin is None and (alone := _loss_alone(cache.metrics)) is not None:
-            # The loss overflowed while every gradient was finite (a squared error).
+        alone = _loss_alone(cache.metrics)
+        if alone is not None and (origin is None or alone[0] < origin.step):
+            # The loss overflowed while every gradient was finite (a squared
+            # error); the gradients may have followed later.
+            later = f" The gradients followed at step {origin.step}." if origin is not None else ""
             st.error(
                 f"The loss became {alone[1]} at step {alone[0]} while every gradient was still "
-                "finite: the loss overflowed first. Try a smaller learning rate, or scale the "
-                "inputs and targets to about 1."
+                f"finite: the loss overflowed first.{later} Try a smaller learning rate, or "
+                "scale the inputs and targets to about 1."
             )
             return
         where = f" It started at step {origin.step} in layer **{origin.layer}**." if origin else ""
@@ -877,7 +880,11 @@ def _status_line(info, cache, status, watched=False, announce=False):
             before, at = loss
             where = (
                 f" At step {origin.step} the loss itself was {at}"
-                + (f" (at the step before it was {before:.3g})" if before is not None else "")
+                + (
+                    f" (its last finite value, at step {before[0]}, was {before[1]:.3g})"
+                    if before is not None
+                    else ""
+                )
                 + ": the network's outputs blew up, so every gradient was NaN from the last "
                 "layer down."
             )
@@ -913,13 +920,14 @@ def _loss_alone(metrics):
 
 
 def _loss_before(metrics, step):
-    """`(loss at the step before, "NaN"/"infinite")` when the loss at `step` is not finite, else None."""
+    """`((step, loss) of the last finite loss before it or None, "NaN"/"infinite")` when
+    the loss at `step` is not finite, else None."""
     losses = metrics[metrics["name"] == "loss"].set_index("step")["value"].astype(float)
     losses = losses[~losses.index.duplicated(keep="last")].sort_index()
     if step not in losses.index or np.isfinite(losses.loc[step]):
         return None
     earlier = losses[(losses.index < step) & np.isfinite(losses)]
-    before = float(earlier.iloc[-1]) if len(earlier) else None
+    before = (int(earlier.index[-1]), float(earlier.iloc[-1])) if len(earlier) else None
     return before, "NaN" if np.isnan(losses.loc[step]) else "infinite"
 
 
