@@ -22,6 +22,7 @@ three stages, each of which must pass before the next runs:
 The private copy means the file cannot be swapped between checking and loading.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -99,16 +100,7 @@ def safe_load_model(
     timeout = positive_number("timeout", timeout, unit="of seconds")
     memory_limit = positive_int("memory_limit", memory_limit)
 
-    with tempfile.TemporaryDirectory(prefix="gradflow-upload-") as private:
-        copy = os.path.join(private, "model.keras")
-        _private_copy(path, copy, max_bytes)
-        config = check_keras_file(
-            copy,
-            max_bytes=max_bytes,
-            max_entries=max_entries,
-            max_weight_entries=max_weight_entries,
-            private_copy=True,
-        )
+    with _checked_copy(path, max_bytes, max_entries, max_weight_entries) as (copy, config):
         summary = rehearse_load(
             copy,
             max_bytes=max_bytes,
@@ -148,6 +140,17 @@ def load_in_limited_process(
     Raises:
         UnsafeInputError: the file was refused.
     """
+    with _checked_copy(path, max_bytes, max_entries, max_weight_entries) as (copy, config):
+        model, _ = sandbox.load_checked(copy, max_bytes, max_weight_entries)
+    return _with_saved_loss(model, config)
+
+
+@contextlib.contextmanager
+def _checked_copy(path, max_bytes, max_entries, max_weight_entries):
+    """A private copy of the file, checked (stage 1): yields `(copy's path, parsed config)`.
+
+    The copy means the file cannot be swapped between checking and loading.
+    """
     with tempfile.TemporaryDirectory(prefix="gradflow-upload-") as private:
         copy = os.path.join(private, "model.keras")
         _private_copy(path, copy, max_bytes)
@@ -158,8 +161,7 @@ def load_in_limited_process(
             max_weight_entries=max_weight_entries,
             private_copy=True,
         )
-        model, _ = sandbox.load_checked(copy, max_bytes, max_weight_entries)
-    return _with_saved_loss(model, config)
+        yield copy, config
 
 
 def _with_saved_loss(model, config):
