@@ -348,7 +348,8 @@ Y = np.arange(20) % 2
 @pytest.mark.parametrize(
     "arrays, pattern",
     [
-        ({"x": np.zeros((0, 2), "float32"), "y": np.zeros(0, "int64")}, "empty"),
+        # Refused by the loader itself (an axis of length 0), in its own words.
+        ({"x": np.zeros((0, 2), "float32"), "y": np.zeros(0, "int64")}, "'x' has no examples"),
         ({"x": np.float32(1.0), "y": np.int64(1)}, "empty"),
         ({"x": X, "y": Y[:15]}, "one row per example"),
         ({"x": X, "y": np.int64(1)}, "one row per example"),
