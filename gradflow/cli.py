@@ -15,7 +15,6 @@ and one line on stderr, never a traceback.
 """
 
 import argparse
-import contextlib
 import errno
 import math
 import os
@@ -86,17 +85,14 @@ def main(argv=None):
     except KeyboardInterrupt:
         _say_error("gradflow: interrupted")
         return EXIT_INTERRUPTED
-    except NotARunStoreError as error:
-        # `--db` named a file that is not a run store, or a folder.
-        _say_error(f"gradflow: {error}")
-        return EXIT_USAGE
-    except NewerStoreError as error:
+    except (NotARunStoreError, NewerStoreError) as error:
+        # `--db` named a folder, a file that is not a run store, or one too new.
         _say_error(f"gradflow: {error}")
         return EXIT_USAGE
     except (sqlite3.Error, StoreGoneError) as error:
         # A full disk, a lock held too long, a damaged file: not a bad
         # command line, and not "not a run store", as all of them were called.
-        where = getattr(args, "db", None) or os.environ.get("GRADFLOW_DB") or default_path()
+        where = getattr(args, "db", None) or default_path()
         _say_error(f"gradflow: could not use the run store: {trouble.explain(error, where)}.")
         return EXIT_FAILED
     except BrokenPipeError:
@@ -504,10 +500,7 @@ def _runs(args):
     if args.compact:
         before, after = store.compact()
         print(f"{store.path}: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB")
-    # A run whose `gradflow train` was killed is not "running". Only if the
-    # store can be written: a listing of a read-only or full one goes on.
-    with contextlib.suppress(sqlite3.OperationalError):
-        store.recover()
+    store.recover()  # a run whose `gradflow train` was killed is not "running"
     runs = store.runs()
     if not len(runs):
         print("No runs yet. Start one with: gradflow train")

@@ -39,7 +39,8 @@ _MAX_H5_OBJECTS = 10_000
 _OUT_OF_MEMORY_SIGNS = ("memory", "alloc", "failed to map segment", "resource exhausted")
 
 
-def _limit_self(memory_limit, max_file_bytes):
+def limit_self(memory_limit, max_file_bytes):
+    """Limit this process's address space, file size and core dumps (before reading any file)."""
     resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     # Keras may extract the weights to a temporary file; nothing needs more.
@@ -193,11 +194,6 @@ def child_environment(folder):
     return env
 
 
-def limit_self(memory_limit, max_file_bytes):
-    """Limit this process's address space, file size and core dumps (a spare child, before it waits)."""
-    _limit_self(memory_limit, max_file_bytes)
-
-
 def read_result(stdout):
     """The dict a child reported on its stdout, or None."""
     result = None
@@ -247,7 +243,7 @@ def serve_request(work):
         # A spare child whose server ended (its stdin closed) before it had work.
         os._exit(0)
     request = json.loads(line)
-    _limit_self(request["memory_limit"], request["max_bytes"])
+    limit_self(request["memory_limit"], request["max_bytes"])
     try:
         from gradflow.safety.errors import UnsafeInputError
 

@@ -431,7 +431,10 @@ class RunStore:
         A queued, running or paused run is interrupted when its process (the
         worker, or the process that queued it) is no longer alive on this host
         (a zombie counts as gone). A run owned by another host is interrupted
-        when it has sent no heartbeat for `stale_after` seconds.
+        when it has sent no heartbeat for `stale_after` seconds. A store this
+        process cannot write (a read-only file, a full disk) is left as it
+        is: the dashboard and `gradflow runs` call this before they list runs,
+        and a listing must not fail for it.
 
         Args:
             stale_after: seconds without a heartbeat after which a run of
@@ -469,12 +472,15 @@ class RunStore:
                 if dead
                 else f"no heartbeat for {now - (heartbeat or 0):.0f} s while {status}"
             )
-            # Only if nobody finished it meanwhile.
-            cursor = conn.execute(
-                f"UPDATE runs SET status = 'interrupted', message = ?, updated_at = ? "
-                f"WHERE id = ? AND status IN ({marks})",
-                (f"Interrupted: {reason}.", now, key) + tables.ACTIVE_STATUSES,
-            )
+            try:
+                # Only if nobody finished it meanwhile.
+                cursor = conn.execute(
+                    f"UPDATE runs SET status = 'interrupted', message = ?, updated_at = ? "
+                    f"WHERE id = ? AND status IN ({marks})",
+                    (f"Interrupted: {reason}.", now, key) + tables.ACTIVE_STATUSES,
+                )
+            except sqlite3.OperationalError:
+                break  # cannot be written now: the next call tries again
             if cursor.rowcount:
                 interrupted.append(run_id)
         return interrupted

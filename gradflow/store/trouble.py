@@ -108,8 +108,3 @@ def explain(error, path):
             "or another program removed or replaced the store's '-wal' file while it was open"
         )
     return f"the run store {where} failed: {error}"
-
-
-def is_store_error(error):
-    """Whether `error` is trouble with a store (an SQLite error, a store gone or too new)."""
-    return isinstance(error, (sqlite3.Error, StoreGoneError, NewerStoreError))

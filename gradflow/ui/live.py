@@ -908,22 +908,25 @@ def _status_line(info, cache, status, watched=False, announce=False):
         st.error("The gradients became NaN or infinite" + ended + where + advice)
 
 
+def _losses(metrics):
+    """The run's loss by step (a float Series, each step once, in order)."""
+    losses = metrics[metrics["name"] == "loss"].set_index("step")["value"].astype(float)
+    return losses[~losses.index.duplicated(keep="last")].sort_index()
+
+
 def _loss_alone(metrics):
     """`(step, "NaN"/"infinite")` of the first non-finite loss, or None."""
-    losses = metrics[metrics["name"] == "loss"]
-    values = losses["value"].astype(float).to_numpy()
-    bad = ~np.isfinite(values)
-    if not bad.any():
+    losses = _losses(metrics)
+    bad = losses[~np.isfinite(losses)]
+    if bad.empty:
         return None
-    first = losses[bad].sort_values("step").iloc[0]
-    return int(first["step"]), "NaN" if np.isnan(float(first["value"])) else "infinite"
+    return int(bad.index[0]), "NaN" if np.isnan(bad.iloc[0]) else "infinite"
 
 
 def _loss_before(metrics, step):
     """`((step, loss) of the last finite loss before it or None, "NaN"/"infinite")` when
     the loss at `step` is not finite, else None."""
-    losses = metrics[metrics["name"] == "loss"].set_index("step")["value"].astype(float)
-    losses = losses[~losses.index.duplicated(keep="last")].sort_index()
+    losses = _losses(metrics)
     if step not in losses.index or np.isfinite(losses.loc[step]):
         return None
     earlier = losses[(losses.index < step) & np.isfinite(losses)]

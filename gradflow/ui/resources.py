@@ -6,10 +6,8 @@ by every browser session, which is what caps concurrent runs server-wide.
 """
 
 import atexit
-import contextlib
 import logging
 import os
-import sqlite3
 import threading
 
 import streamlit as st
@@ -33,10 +31,8 @@ DEFAULT_RUNS_PER_WORKER = 1
 def run_store():
     """The server's run store (path from $GRADFLOW_DB, else ./gradflow-data/runs.db)."""
     store = RunStore()
-    # Runs whose worker died with a previous server show `interrupted`; a
-    # store the server may only read (a course's published runs) is shown as it is.
-    with contextlib.suppress(sqlite3.OperationalError):
-        store.recover()
+    # Runs whose worker died with a previous server show `interrupted`.
+    store.recover()
     return store
 
 
