@@ -29,7 +29,7 @@ import time
 from gradflow.lab.config import RunConfig, field_table, rename_settings, run_name
 from gradflow.lab.presets import PRESETS, get_preset
 from gradflow.store import NewerStoreError, StoreGoneError, default_path, trouble
-from gradflow.store.store import NotARunStoreError
+from gradflow.store.store import NotARunStoreError, check_name
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -232,6 +232,9 @@ def _config_from(args):
     try:
         preset = get_preset(args.preset).config if args.preset else None
         config = RunConfig.from_query({**(preset.to_query() if preset else {}), **given})
+        if config.name:
+            # The store refuses it too, but only after TensorFlow's start, with a traceback.
+            check_name(config.name)
     except ValueError as error:
         raise UsageError(f"gradflow train: {_as_flags(str(error))}") from None
     if (
@@ -314,7 +317,7 @@ def _train(args):
     steps = info["progress_step"]
     print(
         f"gradflow: run {run_id} {status} after {steps} steps in {elapsed:.1f} s"
-        + (f": {info['message']}" if info["message"] else "")
+        + (f": {printable(info['message'])}" if info["message"] else "")
     )
     table = final_layer_table(store, run_id)
     if len(table):
@@ -322,7 +325,8 @@ def _train(args):
             f"Gradients per layer at step {int(table.attrs['step'])} (all of a layer's "
             "weights together; the exported heatmaps show kernels):"
         )
-        print(table.to_string(index=False, float_format=lambda value: f"{value:.3g}"))
+        shown = table.assign(layer=table["layer"].map(printable))
+        print(shown.to_string(index=False, float_format=lambda value: f"{value:.3g}"))
     export_command = f"gradflow export {run_id} --format html --out gradflow-export" + (
         f" --db {args.db}" if args.db else ""
     )
@@ -371,7 +375,7 @@ def _print_alerts(store, run_id, export_command):
         return
     print(f"Alerts ({len(alerts)}):")
     for row in alerts.head(_ALERTS_SHOWN).itertuples():
-        print(f"- {row.kind}: {row.message}")
+        print(f"- {row.kind}: {printable(row.message)}")
     if len(alerts) > _ALERTS_SHOWN:
         print(
             f"- ... and {len(alerts) - _ALERTS_SHOWN} more; the export's data/alerts.csv "
@@ -517,8 +521,31 @@ def _runs(args):
     table = runs[["run_id", "name", "status", "source", "progress_step", "total_steps"]].copy()
     table.insert(3, "created", runs["created_at"].dt.strftime("%Y-%m-%d %H:%M:%S"))
     table = table.rename(columns={"progress_step": "step", "total_steps": "of"})
+    # Names are anyone's: an ESC in one cleared the reader's screen or set its title.
+    table["name"] = table["name"].map(printable)
     print(table.to_string(index=False))
     return EXIT_OK
+
+
+# C0 and C1 control characters, DEL, and the bidirectional overrides and isolates
+# (U+202A-U+202E, U+2066-U+2069), which reorder the rest of a terminal's line.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text):
+    r"""`text` as a terminal should show it: what would act on the terminal written out.
+
+    ```python
+    printable("slides\x1b]0;TITLE\x07")    # 'slides\\x1b]0;TITLE\\x07'
+    ```
+
+    A run name, a layer name or a message can come from anyone who can
+    write to the store: its escape sequences would otherwise clear the
+    reader's screen, set the window's title or recolour what follows.
+    """
+    return _UNPRINTABLE.sub(
+        lambda match: match[0].encode("unicode_escape").decode("ascii"), str(text)
+    )
 
 
 def _named_store_exists(db, command, consequence=None):

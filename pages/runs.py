@@ -4,7 +4,7 @@ import streamlit as st
 
 from gradflow.store.tables import ACTIVE_STATUSES
 from gradflow.ui import resources
-from gradflow.ui.charts import plain_markdown
+from gradflow.ui.charts import plain_markdown, plain_message
 from gradflow.ui.live import show_on_live_page
 from gradflow.ui.runs_table import delete_several, run_labels, run_picker, runs_table
 
@@ -12,8 +12,8 @@ st.title("Runs")
 store = resources.run_store()
 # Named: a mistyped GRADFLOW_DB made a new, empty store that read as lost runs.
 st.caption(
-    "Runs started here, with `gradflow train`, or logged by `GradientMonitor(store=...)` in your own "
-    f"script all land in the same store, `{store.path}`. The table follows them as they train; open "
+    "Runs started here, with `gradflow train`, or logged by `GradientMonitor(store=...)` or "
+    f"`GradientLog(store=...)` in your own script all land in the same store, `{store.path}`. The table follows them as they train; open "
     "one to watch its gradients live."
 )
 
@@ -35,8 +35,12 @@ with rename_col.form("rename", border=False):
         if not new_name.strip():
             st.error("Type a name first.")
         else:
-            store.rename(chosen, new_name)
-            st.rerun()
+            try:
+                store.rename(chosen, new_name)
+            except ValueError as error:  # a control character (a pasted tab); a deleted run
+                st.error(f"The run was not renamed: {plain_message(error)}")
+            else:
+                st.rerun()
 # A run still training keeps writing: it is stopped first, then deleted.
 if store.status(chosen) in ACTIVE_STATUSES:
     if delete_col.button("Stop", help="Asks the run to stop; it can be deleted once stopped."):

@@ -7,6 +7,7 @@ colour-blind-safe colours (Okabe-Ito for lines, viridis for heatmaps).
 """
 
 import html
+import re
 import textwrap
 
 import numpy as np
@@ -100,13 +101,27 @@ def escape_label(text):
     models, so they are escaped: `<b>` stays the four characters `<b>` and
     `&` stays `&` in the dashboard, in HTML and in SVG exports.
 
+    Control characters (a run named `"slides\\x07"` before the store refused
+    them) are replaced too: in an SVG they are not XML, and Plotly.js could
+    not draw a PNG or PDF of the figure. Tabs and line breaks become spaces,
+    the others U+FFFD (�).
+
     Args:
         text: the name; anything else is converted with `str()`.
 
     Returns:
         The escaped string.
     """
-    return html.escape(str(text), quote=False)
+    text = _CONTROL_CHARACTERS.sub(_visible, str(text))
+    return html.escape(text, quote=False)
+
+
+# C0 and C1 control characters and DEL (Unicode's Cc).
+_CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _visible(match):
+    return " " if match[0] in "\t\n\r" else "\ufffd"
 
 
 def line_colors(count):

@@ -119,7 +119,8 @@ class RunStore:
         Args:
             config: the run's settings: a dict, or an object with `to_dict()`
                 (such as `RunConfig`). Stored as JSON.
-            name: a label for people, default `"run N"`.
+            name: a label for people, default `"run N"`; no control
+                characters (a `ValueError` says so).
             source: who logs it: `"lab"`, `"monitor"` or `"cli"`.
             total_steps: the planned number of steps, if known.
             tags: strings to find the run by.
@@ -143,6 +144,8 @@ class RunStore:
         tags = _check_tags(tags)
         total_steps = whole_number("total_steps", total_steps)
         pid = whole_number("pid", pid, least=1)
+        if name:
+            check_name(str(name))
         if name and len(str(name)) > MAX_NAME_LENGTH:
             # Made from settings (an A/B launch names a run after every setting
             # that differs): shortened, not refused, which would fail the launch.
@@ -285,7 +288,7 @@ class RunStore:
         """Gives a run a new name.
 
         Raises:
-            ValueError: if `name` is empty.
+            ValueError: if `name` is empty, too long or holds a control character.
         """
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"`name` must be a non-empty string, got {name!r}.")
@@ -860,13 +863,40 @@ def _codes(values):
 MAX_NAME_LENGTH = 200
 
 
+# C0 and C1 control characters and DEL (Unicode's Cc): an ESC in a run name
+# acted on the terminal of whoever ran `gradflow runs`, and a BEL made every
+# SVG of the run invalid XML and its PNG and PDF fail.
+_CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def check_name(name, argument="name"):
+    """Refuse a run name that holds a control character (tab, newline, ESC, BEL, ...).
+
+    Args:
+        name: The name, a string.
+        argument: How the error names it (`run_name`, `--name`). Defaults to `"name"`.
+
+    Returns:
+        `name`.
+
+    Raises:
+        ValueError: If it holds one; the message shows the name with `!r`.
+    """
+    if _CONTROL_CHARACTERS.search(name):
+        raise ValueError(
+            f"`{argument}` must not contain control characters (tabs, line breaks, "
+            f"escape codes), got {name!r}."
+        )
+    return name
+
+
 def _check_name(name):
     if len(name) > MAX_NAME_LENGTH:
         raise ValueError(
             f"`name` must be at most {MAX_NAME_LENGTH} characters, got {len(name):,}: "
             f"{name[:40]!r}..."
         )
-    return name
+    return check_name(name)
 
 
 def _check_status(status):

@@ -12,16 +12,55 @@ import streamlit as st
 from gradflow import export, figures
 from gradflow.ui.controls import keep_across_pages
 
-_MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>$~:])")
+_MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>$~:&])")
+# What a message keeps as it is (its words, numbers, "Layer dense_1: ... (NaN/Inf)")
+# and what it escapes: what could start a link, an image, HTML, a formula, a
+# colour, emphasis, a heading or a list. `_` only where it could emphasise
+# (not inside a word), `:` only before a letter (`:red[`, `:material/...:`).
+# Backticks stay: a code span shows its text as typed, links and all, and a
+# failure message's `gradflow train --data-path` or a chart description's
+# `block` column stays code.
+_MESSAGE_SPECIALS = re.compile(r"([\\*\[\]#|<>$~!&]|(?<![^\W_])_|_(?![^\W_])|:(?=[^\W\d_]))")
+# A list item or a heading's underline at the start of a line ("- ", "1. ", "===").
+_LINE_STARTS = re.compile(r"^([ \t]*(?:\d+)?)([-+=.)])", re.MULTILINE)
+# GitHub's markdown (remark-gfm in Streamlit) makes these into links even as
+# plain text, after the backslashes are read: `http://`, `https://`, `www.`,
+# `mailto:`, `xmpp:` and `name@host.tld`. An invisible word joiner (U+2060)
+# after the scheme's colon, inside `www.` and after `@` stops it; the text
+# still reads as typed.
+_AUTOLINKS = re.compile(
+    r"(?i)(?<=https:)(?=//)|(?<=http:)(?=//)|(?<=mailto:)|(?<=xmpp:)|(?<=www)(?=\.)|(?<=@)"
+)
+_WORD_JOINER = "\u2060"
+
+
+def _unlinked(text):
+    return _AUTOLINKS.sub(_WORD_JOINER, str(text))
 
 
 def plain_markdown(text):
     """`text` escaped so that Streamlit's markdown shows it as typed.
 
     Run names come from students: `# heading`, `:red[...]` or `$x^2$` in a
-    name must not turn into a heading, colour or formula in a status line.
+    name must not turn into a heading, colour or formula in a status line,
+    nor `[Log in](https://...)`, `![](http://...)` or a bare
+    `https://...` into a link or an image.
     """
-    return _MARKDOWN_SPECIALS.sub(r"\\\1", str(text))
+    return _MARKDOWN_SPECIALS.sub(r"\\\1", _unlinked(text))
+
+
+def plain_message(text):
+    """A stored message (an alert, a failure, a layer name in one) safe in Streamlit's markdown.
+
+    Lighter than `plain_markdown`, so that the message's own text stays
+    readable where it is compared and copied ("Layer dense_1: gradient norm
+    1.0e-09 at step 1"): it escapes every character that could start a link,
+    an image, HTML, a formula, a colour, emphasis, a heading or a list, and
+    stops bare URLs becoming links. Shown, it reads as typed (text between
+    backticks as code).
+    """
+    text = _MESSAGE_SPECIALS.sub(r"\\\1", _unlinked(text))
+    return _LINE_STARTS.sub(r"\1\\\2", text)
 
 
 @functools.cache
@@ -68,7 +107,8 @@ def show_chart(chart, key, exports=True, run=None):
         chart.figure, config=plotly_config(chart, key, run), key=f"{key}.plot", width="stretch"
     )
     if chart.description:
-        st.caption(chart.description)
+        # It can name a user's metric or layer.
+        st.caption(plain_message(chart.description))
     if exports:
         export_buttons(chart, key, run)
 

@@ -8,7 +8,7 @@ import streamlit as st
 from gradflow import figures, schema
 from gradflow.store import UnknownRunError
 from gradflow.ui import resources, run_rows
-from gradflow.ui.charts import plain_markdown
+from gradflow.ui.charts import plain_markdown, plain_message
 from gradflow.ui.controls import WIDGETS
 from gradflow.ui.fragments import isolated_fragment, tick_after
 from gradflow.ui.live import (
@@ -244,7 +244,13 @@ def _draw_charts(run_ids, was_active):
         rows = read_rows(store, info, held[run_id])
         stats[name] = _charted(rows.layer_stats)
         metrics[name] = rows.metrics
-    st.caption(" · ".join(f"{names[r]}: {s}" for r, s in zip(run_ids, statuses, strict=True)))
+    # Names from the store, shown as typed (`plain_markdown`), never as markdown.
+    st.caption(
+        " · ".join(
+            f"{plain_markdown(names[r])}: {plain_markdown(s)}"
+            for r, s in zip(run_ids, statuses, strict=True)
+        )
+    )
     active = any(s in ACTIVE for s in statuses)
     if was_active and not active:
         st.rerun(scope="app")  # once: the run picker shows the new statuses
@@ -386,7 +392,7 @@ def _run_diagnosis(store, info, name, rows):
         # One box per kind; through time the order is the story, so a few.
         shown = _THROUGH_TIME_SHOWN if kind == THROUGH_TIME else 1
         for alert in group.head(shown).itertuples():
-            alert_box(alert.kind)(alert.message)
+            alert_box(alert.kind)(plain_message(alert.message))
         if len(group) > shown:
             st.caption(_more(kind, len(group) - shown))
 

@@ -14,6 +14,7 @@ from gradflow.lab import config as lab_config
 from gradflow.lab.config import RunConfig
 from gradflow.lab.datasets import needs_download
 from gradflow.lab.presets import PRESETS
+from gradflow.store.store import check_name
 
 _WIDTHS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 _BATCH_SIZES = [1, 8, 16, 32, 64, 128, 256, 512, 1024]
@@ -227,9 +228,20 @@ def _initial_config():
             if _came_from_own_model(query["run"]):
                 # Beside a ResNet50's charts the form read "mlp, depth 4, sgd": as if it were that run's.
                 st.session_state["_form_note"] = query["run"]
-        return RunConfig.from_query(settings), None
+        config = RunConfig.from_query(settings)
+        if config.name:
+            # Refused when the run starts (`RunStore.create_run`): said here, before.
+            check_name(config.name)
+        return config, None
     except ValueError as error:
-        return RunConfig(), f"The link's settings were not valid ({error}). Using the defaults."
+        # Here: gradflow.ui.charts imports this module.
+        from gradflow.ui.charts import plain_markdown
+
+        # The error quotes the link's value: escaped, a crafted link's
+        # `![...](http://...)` or `[Log in](https://...)` shows as typed.
+        return RunConfig(), (
+            f"The link's settings were not valid ({plain_markdown(error)}). Using the defaults."
+        )
 
 
 def _came_from_own_model(run_id):
@@ -250,7 +262,13 @@ def _settings_of_run(run_id):
         config = lab_config_of(resources.run_store().run_info(run_id))
     except ValueError:  # no such run: the page says so
         return None
-    return None if config is None else dataclasses.replace(config, data_path=None)
+    if config is None:
+        return None
+    try:
+        check_name(config.name or "")
+    except ValueError:  # named before names were checked: a new run could not keep it
+        config = dataclasses.replace(config, name=None)
+    return dataclasses.replace(config, data_path=None)
 
 
 def _render(container, prefix, field, label, kind, options):

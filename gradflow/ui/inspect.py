@@ -14,7 +14,7 @@ from gradflow import figures
 from gradflow.diagnosis import no_gradient_message
 from gradflow.probe import uploads
 from gradflow.probe.uploads import LOSSES
-from gradflow.ui.charts import show_chart
+from gradflow.ui.charts import plain_message, show_chart
 
 _RESULT = "inspect.snapshot"
 # What the last snapshot was taken of, and what the widgets choose now.
@@ -143,7 +143,8 @@ def snapshot_report():
         "(`gradflow.snapshot(..., training=True)` takes a training pass.)"
     )
     for layer, tensors in shot.no_gradient.items():
-        st.warning(no_gradient_message(layer, tensors))
+        # The layer's name is the uploaded model's: shown as typed, not as markdown.
+        st.warning(plain_message(no_gradient_message(layer, tensors)))
     presentation = st.session_state.get("ui.presentation", False)
     subject = st.session_state.get(_SUBJECT)
     weights, activations, inputs = st.tabs(

@@ -55,7 +55,7 @@ from gradflow.lab.config import run_name
 from gradflow.store import UnknownRunError
 from gradflow.ui import controls, resources, run_rows
 from gradflow.ui.board import watch_place, watch_warm
-from gradflow.ui.charts import image_export_available, plain_markdown
+from gradflow.ui.charts import image_export_available, plain_markdown, plain_message
 from gradflow.ui.fragments import isolated_fragment, tick_after
 from gradflow.ui.live_chart import show_live_chart
 from gradflow.ui.sessions import session_ownership
@@ -640,7 +640,7 @@ def _charts(info, cache, key):
             run=run,
         )
     elif view == "Histograms":
-        _histograms(cache.histograms, stats, tensor, key, presentation, run, info.get("source"))
+        _histograms(cache.histograms, stats, tensor, key, presentation, run, _recorded_by(info))
     elif view == "Loss":
         if cache.metrics.empty:
             st.caption("No metrics recorded yet.")
@@ -855,7 +855,7 @@ def _status_line(info, cache, status, watched=False, announce=False):
                 f"All training slots are busy: this run starts when a slot frees ({ahead} ahead of it)."
             )
     if status in ("failed", "interrupted") and info.get("message"):
-        st.error(info["message"])
+        st.error(plain_message(info["message"]))
     if status in ("completed", "stopped") and info.get("message"):
         # Why it ended where it did: EarlyStopping, a new run started from its page.
         st.caption(f":material/info: {plain_markdown(info['message'])}")
@@ -872,7 +872,11 @@ def _status_line(info, cache, status, watched=False, announce=False):
                 "scale the inputs and targets to about 1."
             )
             return
-        where = f" It started at step {origin.step} in layer **{origin.layer}**." if origin else ""
+        where = (
+            f" It started at step {origin.step} in layer **{plain_message(origin.layer)}**."
+            if origin
+            else ""
+        )
         loss = _loss_before(cache.metrics, origin.step) if origin else None
         if loss is not None:
             # Every gradient comes from the loss: a NaN loss makes them all NaN,
@@ -934,13 +938,22 @@ def _loss_before(metrics, step):
     return before, "NaN" if np.isnan(losses.loc[step]) else "infinite"
 
 
-def _histograms(histograms, stats, tensor, key, presentation, run, source=None):
+def _recorded_by(info):
+    """`"GradientMonitor"` or `"GradientLog"` for a script's run, None for the lab's."""
+    if info.get("source") != "monitor":
+        return None
+    config = info.get("config")
+    recorded_by = config.get("recorded_by") if isinstance(config, dict) else None
+    return "GradientLog" if recorded_by == "GradientLog" else "GradientMonitor"
+
+
+def _histograms(histograms, stats, tensor, key, presentation, run, recorded_by=None):
     if histograms.empty:
-        if source == "monitor":
+        if recorded_by is not None:
             # The sidebar's switch is for lab runs; a script's run says so in its code.
             st.info(
                 "No histograms in this run: its script records them with "
-                "`GradientMonitor(histograms=True)`."
+                f"`{recorded_by}(histograms=True)`."
             )
         else:
             st.info("No histograms in this run: turn on **Record histograms** under More settings.")
@@ -1137,7 +1150,7 @@ def _alerts(store, run_id, cache):
         return
     for kind, group in groups:
         for row in group.head(5).itertuples():
-            alert_box(row.kind)(row.message)
+            alert_box(row.kind)(plain_message(row.message))
         if len(group) > 5:
             with st.expander(more_alerts(kind, len(group) - 5)):
                 st.dataframe(

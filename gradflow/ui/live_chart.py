@@ -74,7 +74,7 @@ import zlib
 import streamlit as st
 
 from gradflow import figures
-from gradflow.ui.charts import export_buttons, plotly_config, show_chart
+from gradflow.ui.charts import export_buttons, plain_message, plotly_config, show_chart
 from gradflow.ui.figure_delta import figure_update
 
 # App static files live in <app folder>/static/ and are served at
@@ -286,7 +286,8 @@ def show_live_chart(chart, key, exports=True, run=None):
     # the browser then asks for the whole figure.
     st.session_state[sent_key] = sent
     if chart.description:
-        st.caption(chart.description)
+        # It can name a user's metric or layer.
+        st.caption(plain_message(chart.description))
     if exports:
         export_buttons(chart, key, run)
 
