@@ -4,11 +4,14 @@ Start with `bash scripts/serve.sh`, `gradflow serve` or `streamlit run app.py`.
 Each page lives in pages/ and stays thin; shared UI code is in gradflow/ui/.
 """
 
+import os
 import pathlib
 import sqlite3
+import sys
 
 import streamlit as st
 
+from gradflow.checks import backend_problem
 from gradflow.store import NewerStoreError, StoreGoneError, default_path
 from gradflow.store.trouble import explain
 from gradflow.ui import FAVICON, live_chart, resources
@@ -31,7 +34,20 @@ navigation = st.navigation(
 )
 # Each page its own tab title, read first by a screen reader (all were "gradflow").
 st.set_page_config(page_title=f"{navigation.title} · gradflow")
+# gradflow needs Keras on TensorFlow, in this server (built-in examples, the
+# split-backprop lesson) and in its workers and upload children (which
+# inherit it): a KERAS_BACKEND=jax exported for the user's own scripts, or
+# "backend": "jax" in ~/.keras/keras.json, is not the dashboard's. Keras
+# reads the choice once, when first imported: nothing above imports it.
+os.environ["KERAS_BACKEND"] = "tensorflow"
+# Imported before this line with another backend (another script in this process).
+wrong_keras = "keras" in sys.modules and backend_problem(
+    "The gradflow dashboard", command="streamlit run app.py"
+)
 try:
+    if wrong_keras:
+        st.error(f":material/error: {wrong_keras}")
+        st.stop()
     # Start the run manager (and its warm worker, which imports TensorFlow in
     # its own process) with the server, not on the first click of Start training.
     resources.run_manager()

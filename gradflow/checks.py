@@ -8,8 +8,10 @@ Python makes `True` an integer, since `every=True` is a mistake, not a 1. A
 switch takes only True or False: `activations="no"` is a mistake too, not a yes.
 """
 
+import json
 import math
 import numbers
+import os
 import re
 import sys
 import warnings
@@ -148,3 +150,110 @@ def error_text(error):
     """
     text = _CALL_DUMP.sub("", _TERMINAL_STYLE.sub("", str(error)))
     return f"{type(error).__name__}: {' '.join(text.split())}"
+
+
+def backend_problem(what="gradflow", command="python train.py"):
+    """Why this process's Keras cannot run gradflow, in words, or None if it can.
+
+    gradflow differentiates with TensorFlow's `GradientTape` and rebuilds
+    Keras's TensorFlow train step, so it needs Keras 3 on the TensorFlow
+    backend. Another backend (`KERAS_BACKEND=jax`, or `"backend": "jax"` in
+    `~/.keras/keras.json`) failed deep inside with "Cannot convert a symbolic
+    tf.Tensor" or "'Sequential' object has no attribute
+    'distribute_strategy'". Imports Keras (which reads that choice once).
+
+    Args:
+        what: who needs it, the sentence's subject (`"gradflow.snapshot"`).
+        command: the command of the example fix, after `KERAS_BACKEND=tensorflow`.
+    """
+    import keras
+
+    version = str(getattr(keras, "__version__", "0"))
+    if not version.split(".")[0].isdigit() or int(version.split(".")[0]) < 3:
+        return (
+            f"{what} needs Keras 3 on the TensorFlow backend; this process has Keras "
+            f"{version}. Install Keras 3 (`pip install 'keras>=3'`)."
+        )
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        return None
+    source, config = _backend_source(backend)
+    return (
+        f"{what} needs Keras 3 on the TensorFlow backend; this process uses {backend!r} "
+        f"({source}). Set KERAS_BACKEND=tensorflow before Keras is imported (e.g. "
+        f"`KERAS_BACKEND=tensorflow {command}`)"
+        + (f', or "backend": "tensorflow" in {config}.' if config else ".")
+    )
+
+
+def check_backend(what="gradflow"):
+    """Raises a RuntimeError saying so if Keras is not Keras 3 on TensorFlow (`backend_problem`)."""
+    problem = backend_problem(what)
+    if problem is not None:
+        raise RuntimeError(problem)
+
+
+def _backend_source(backend):
+    """Where the backend `backend` came from, as far as one can tell afterwards.
+
+    Returns:
+        The words, and the path of the keras.json that chose it (else None).
+    """
+    variable = os.environ.get("KERAS_BACKEND")
+    if variable == backend:
+        return f"set by $KERAS_BACKEND={backend}", None
+    if variable:
+        return (
+            f"chosen when Keras was first imported; $KERAS_BACKEND={variable} came too late "
+            "to change it",
+            None,
+        )
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    config = os.path.join(home, "keras.json")
+    try:
+        with open(config, encoding="utf-8") as file:
+            from_file = json.load(file).get("backend")
+    except (OSError, ValueError, AttributeError):
+        from_file = None
+    if from_file == backend:
+        return f'set by "backend": "{backend}" in {config}', config
+    return "set by $KERAS_BACKEND or ~/.keras/keras.json", None
+
+
+# Modules of Keras 2 classes: tf_keras (what `tf.keras` is under
+# TF_USE_LEGACY_KERAS=1), Keras 2.13+ (`keras.src.engine`), older Keras 2
+# (`keras.engine`) and TensorFlow's own copy before that.
+_LEGACY_KERAS_MODULES = (
+    "tf_keras.",
+    "keras.src.engine.",
+    "keras.engine.",
+    "tensorflow.python.keras.",
+)
+
+
+def legacy_keras_words(obj):
+    """A sentence saying that `obj` is a tf_keras (Keras 2) object gradflow cannot use, or None.
+
+    A tf_keras model met "`model` must be a Keras model, got Sequential" (it
+    is one, of Keras 2), and a `GradientMonitor` in a tf_keras `fit` an
+    AttributeError from inside tf_keras. Recognised by the modules of its
+    class and of the classes it derives from (a user's subclass of
+    `tf_keras.Model` lives in `__main__`).
+    """
+    for kind in type(obj).__mro__:
+        module = getattr(kind, "__module__", None) or ""
+        if module == "tf_keras" or module.startswith(_LEGACY_KERAS_MODULES):
+            return (
+                f"this is a tf_keras (Keras 2) model ({type(obj).__name__}); gradflow needs "
+                "Keras 3: unset TF_USE_LEGACY_KERAS and build it with `import keras`, or "
+                "convert a saved .h5 with `keras.models.load_model('m.h5', compile=False)` "
+                "in Keras 3 and save it as .keras"
+            )
+    return None
+
+
+def check_not_legacy(name, value):
+    """Raises a TypeError in words if `value` is a tf_keras (Keras 2) object (`legacy_keras_words`)."""
+    words = legacy_keras_words(value)
+    if words is not None:
+        raise TypeError(f"`{name}` must be a Keras 3 model or layer: {words}.")

@@ -70,6 +70,9 @@ def main(argv=None):
     args = None
     try:
         args = parser.parse_args(argv)
+        # gradflow's own commands (and `serve`'s dashboard, which inherits it) run Keras on
+        # TensorFlow: a KERAS_BACKEND=jax exported for the user's scripts is not theirs.
+        os.environ["KERAS_BACKEND"] = "tensorflow"
         if not getattr(args, "command", None):
             raise UsageError(
                 "gradflow: choose a command: train, runs, export or serve (see --help)"
@@ -282,6 +285,16 @@ def _unused_flags(given, config):
 def _train(args):
     config = _config_from(args)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    if "keras" in sys.modules:
+        # `main()` called from Python after Keras was imported on another backend
+        # (else `main` has just chosen TensorFlow for the import to come).
+        from gradflow.checks import check_backend
+
+        try:
+            check_backend("gradflow train")
+        except RuntimeError as error:
+            _say_error(f"gradflow: {error}")
+            return EXIT_FAILED
     from gradflow.lab.worker import execute
     from gradflow.store import RunStore
 

@@ -406,6 +406,8 @@ def test_the_monitors_own_histograms_draw_as_the_stored_ones_do(tmp_path):
         ({"probe_every": -2}, "`probe_every` must be a positive integer, got -2"),
         ({"every": 10**30}, r"`every` must be a positive integer no larger than 2\*\*63 - 1"),
         ({"run_id": "abc"}, "`run_id` needs a `store`"),
+        # Refused when the monitor is made, not at the start of `fit` as `name`.
+        ({"run_name": "slides\x1b[2J"}, "`run_name` must not contain control characters"),
     ],
 )
 def test_arguments_are_checked(kwargs, message):

@@ -16,7 +16,16 @@ data = load_dataset(config)
 model = build_model(config, data)
 model.fit(data.x_train, data.y_train, batch_size=config.batch_size, epochs=1)
 ```
+
+A lab run's model does not depend on the process's global Keras settings
+(`~/.keras/keras.json`, `keras.config.set_floatx`, a mixed-precision policy,
+`set_image_data_format`): every layer is float32 and channels-last (`_LAYER`,
+`_IMAGE`), and so are its loss, metrics and optimizer. A float16 lab model
+made the lessons' vanishing-gradient alerts fire on rounding, and a
+channels-first CNN read an (8, 8, 1) digit as 8 channels.
 """
+
+import contextlib
 
 import keras
 
@@ -35,6 +44,9 @@ _OPTIMIZERS = {
     "adagrad": (keras.optimizers.Adagrad, {}),
     "nadam": (keras.optimizers.Nadam, {}),
 }
+# Given to every layer the lab builds (see the module docstring).
+_LAYER = {"dtype": "float32"}
+_IMAGE = {"data_format": "channels_last"}
 _CLIPPING_ARGUMENTS = {"value": "clipvalue", "norm": "clipnorm", "global_norm": "global_clipnorm"}
 _LOSSES = {
     "sparse_categorical_crossentropy": keras.losses.SparseCategoricalCrossentropy,
@@ -79,28 +91,45 @@ def build_model(config, dataset):
         ValueError: If the loss does not suit the data set's task.
     """
     keras.utils.set_random_seed(config.seed)
-    inputs = keras.Input(dataset.input_shape, name="input")
+    inputs = keras.Input(dataset.input_shape, name="input", dtype="float32")
     hidden = inputs
     if config.architecture != "rnn" and config.architecture != "cnn" and len(inputs.shape) > 2:
-        hidden = keras.layers.Flatten(name="flatten")(hidden)
+        hidden = keras.layers.Flatten(name="flatten", **_IMAGE, **_LAYER)(hidden)
     for index in range(1, config.depth + 1):
         hidden = _hidden_block(config, hidden, index)
     if config.architecture == "cnn":
-        hidden = keras.layers.Flatten(name="flatten")(hidden)
+        hidden = keras.layers.Flatten(name="flatten", **_IMAGE, **_LAYER)(hidden)
     units, activation = _output_units(config, dataset)
     outputs = keras.layers.Dense(
-        units, activation=activation, name="output", **_kernel_arguments(config)
+        units, activation=activation, name="output", **_kernel_arguments(config), **_LAYER
     )(hidden)
     model = keras.Model(
         inputs, outputs, name=f"{config.architecture}_{config.depth}x{config.width}"
     )
-    model.compile(
-        optimizer=build_optimizer(config),
-        loss=build_loss(config, dataset),
-        metrics=["accuracy"] if dataset.task == "classification" else None,
-    )
-    _build_for_training(model, dataset)
+    # The metrics ("accuracy") and the optimizer's learning rate take their
+    # dtype from `floatx()` when they are made, here.
+    with _float32_default():
+        model.compile(
+            optimizer=build_optimizer(config),
+            loss=build_loss(config, dataset),
+            metrics=["accuracy"] if dataset.task == "classification" else None,
+        )
+        _build_for_training(model, dataset)
     return model
+
+
+@contextlib.contextmanager
+def _float32_default():
+    """`keras.config.floatx()` is float32 inside (it is put back after)."""
+    before = keras.config.floatx()
+    if before == "float32":
+        yield
+        return
+    keras.config.set_floatx("float32")
+    try:
+        yield
+    finally:
+        keras.config.set_floatx(before)
 
 
 def _build_for_training(model, dataset):
@@ -168,7 +197,7 @@ def build_loss(config, dataset):
             f"`loss={config.loss!r}` is for classification, but the data set is a regression "
             "task; use 'auto', 'mse', 'mae' or 'huber'."
         )
-    return _LOSSES[name]()
+    return _LOSSES[name](dtype="float32")
 
 
 def _hidden_block(config, inputs, index):
@@ -182,6 +211,7 @@ def _hidden_block(config, inputs, index):
             return_sequences=not last,
             name=f"{config.rnn_cell}_{index}",
             **_kernel_arguments(config),
+            **_LAYER,
         )
     elif config.architecture == "cnn":
         layer = keras.layers.Conv2D(
@@ -191,6 +221,8 @@ def _hidden_block(config, inputs, index):
             activation=None if normalized else config.activation,
             name=f"conv_{index}",
             **_kernel_arguments(config, filters=True),
+            **_IMAGE,
+            **_LAYER,
         )
     else:
         layer = keras.layers.Dense(
@@ -198,22 +230,28 @@ def _hidden_block(config, inputs, index):
             activation=None if normalized else config.activation,
             name=f"dense_{index}",
             **_kernel_arguments(config),
+            **_LAYER,
         )
     outputs = layer(inputs)
     if config.normalization == "batch":
-        outputs = keras.layers.BatchNormalization(name=f"batch_norm_{index}")(outputs)
+        # axis=-1 (the default) is the channels of a channels-last convolution.
+        outputs = keras.layers.BatchNormalization(name=f"batch_norm_{index}", **_LAYER)(outputs)
     elif config.normalization == "layer":
-        outputs = keras.layers.LayerNormalization(name=f"layer_norm_{index}")(outputs)
+        outputs = keras.layers.LayerNormalization(name=f"layer_norm_{index}", **_LAYER)(outputs)
     # A recurrent cell applies its activation itself; Dense and Conv2D get it
     # after the normalization, as in the BatchNorm paper.
     if normalized and config.architecture != "rnn":
-        outputs = keras.layers.Activation(config.activation, name=f"activation_{index}")(outputs)
+        outputs = keras.layers.Activation(config.activation, name=f"activation_{index}", **_LAYER)(
+            outputs
+        )
     if config.dropout > 0:
-        outputs = keras.layers.Dropout(config.dropout, name=f"dropout_{index}")(outputs)
+        outputs = keras.layers.Dropout(config.dropout, name=f"dropout_{index}", **_LAYER)(outputs)
     # The last recurrent layer returns only its final state, which has no
     # sequence axis to add the input to.
     if config.residual_connections and not (config.architecture == "rnn" and last):
-        outputs = keras.layers.Add(name=f"add_{index}")([_skip(config, inputs, index), outputs])
+        outputs = keras.layers.Add(name=f"add_{index}", **_LAYER)(
+            [_skip(config, inputs, index), outputs]
+        )
     return outputs
 
 
@@ -228,10 +266,16 @@ def _skip(config, inputs, index):
             use_bias=False,
             name=f"projection_{index}",
             **_kernel_arguments(config, filters=True),
+            **_IMAGE,
+            **_LAYER,
         )
     else:
         projection = keras.layers.Dense(
-            config.width, use_bias=False, name=f"projection_{index}", **_kernel_arguments(config)
+            config.width,
+            use_bias=False,
+            name=f"projection_{index}",
+            **_kernel_arguments(config),
+            **_LAYER,
         )
     return projection(inputs)
 

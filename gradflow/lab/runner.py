@@ -369,7 +369,8 @@ class RunManager:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-        env.setdefault("KERAS_BACKEND", "tensorflow")
+        # Outright: a user's exported KERAS_BACKEND=jax crashed every worker.
+        env["KERAS_BACKEND"] = "tensorflow"
         log = open(self._log_path, "ab")
         try:
             proc = subprocess.Popen(

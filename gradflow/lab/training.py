@@ -43,6 +43,8 @@ def train(config, background=False, store=None, name=None):
     Raises:
         TypeError: if `config` is not a `RunConfig` or a dict.
         ValueError: if a config field is invalid.
+        RuntimeError: in the foreground, if this process's Keras is not
+            Keras 3 on the TensorFlow backend (e.g. `KERAS_BACKEND=jax`).
     """
     from gradflow.lab.config import RunConfig
 
@@ -61,6 +63,9 @@ def train(config, background=False, store=None, name=None):
         manager = RunManager.for_store(store)
         return Run(manager.start(config, name=name), store, manager)
 
+    # A background run trains in a worker, which uses TensorFlow whatever
+    # this process's Keras backend; this one must use it itself.
+    checks.check_backend("gradflow.train")
     from gradflow.lab.worker import execute
 
     run_id = store.create_run(

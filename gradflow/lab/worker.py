@@ -306,7 +306,9 @@ def main(argv=None):
         target=_lifeline, args=(args.db, handoff), name="gradflow-lifeline", daemon=True
     ).start()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    # Outright: a user's exported KERAS_BACKEND=jax is for their own scripts,
+    # and the lab's training needs TensorFlow (RunManager sets it too).
+    os.environ["KERAS_BACKEND"] = "tensorflow"
     _limit_threads(max(1, args.threads))
     if not args.no_warm_up:
         _warm_up()

@@ -19,14 +19,25 @@ import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from gradflow import schema
-from gradflow.checks import error_text, flag, positive_int, warn_user, whole_number
-from gradflow.diagnosis import Thresholds, context_start, diagnose, look_back, no_gradient_message
+from gradflow.checks import (
+    check_backend,
+    error_text,
+    flag,
+    legacy_keras_words,
+    positive_int,
+    warn_user,
+    whole_number,
+)
+from gradflow.diagnosis import context_start, diagnose, look_back, no_gradient_message
 from gradflow.monitor import through_time, trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS
+from gradflow.monitor.outputs import check_outputs
 from gradflow.monitor.records import (
     RowLayout,
     layer_stats_frame,
+    loss_alone_message,
     metrics_frame,
+    nonfinite_message,
     nonfinite_origin,
     unrecorded_time_steps,
 )
@@ -40,7 +51,7 @@ from gradflow.monitor.step import (
 from gradflow.monitor.tensorboard import SummaryWriter
 from gradflow.probe.snapshot import resolve_loss
 from gradflow.store import trouble
-from gradflow.store.store import MAX_NAME_LENGTH, UnknownRunError, check_store_path
+from gradflow.store.store import UnknownRunError
 
 # The ring holds this many executions of the train function, so the callback
 # can read it every few batches instead of after each one. A read is a few
@@ -241,6 +252,7 @@ class GradientMonitor(keras.callbacks.Callback):
         through_time=False,
         keep_steps=None,
     ):
+        check_backend("gradflow.GradientMonitor")
         super().__init__()
         self.every = positive_int("every", every)
         self.probe_every = (
@@ -253,36 +265,7 @@ class GradientMonitor(keras.callbacks.Callback):
             raise ValueError(
                 f"`run_id` needs a `store` to write to, got run_id={run_id!r} and store=None."
             )
-        if store is not None and not (
-            isinstance(store, (str, os.PathLike)) or hasattr(store, "writer")
-        ):
-            raise ValueError(
-                "`store` must be a gradflow.RunStore, the path of one, or None, got "
-                f"{type(store).__name__} {store!r}."
-            )
-        for name, value in (("run_name", run_name), ("tensorboard_dir", tensorboard_dir)):
-            if value is not None and not isinstance(value, (str, os.PathLike)):
-                raise ValueError(
-                    f"`{name}` must be a string or None, got {type(value).__name__} {value!r}."
-                )
-        if run_name is not None and len(str(run_name)) > MAX_NAME_LENGTH:
-            raise ValueError(
-                f"`run_name` must be at most {MAX_NAME_LENGTH} characters, got "
-                f"{len(str(run_name)):,}."
-            )
-        # Here, not at the start of `fit` in SQLite's or TensorFlow's words.
-        if isinstance(store, (str, os.PathLike)):
-            check_store_path(store, "store")
-        if tensorboard_dir is not None and os.path.isfile(tensorboard_dir):
-            raise ValueError(
-                "`tensorboard_dir` must be a folder (TensorBoard's --logdir), got the file "
-                f"{os.fspath(tensorboard_dir)!r}."
-            )
-        if rules is not None and not isinstance(rules, Thresholds):
-            raise ValueError(
-                "`rules` must be a gradflow.diagnosis.Thresholds or None, got "
-                f"{type(rules).__name__} {rules!r}: e.g. `rules=Thresholds(vanishing_norm=1e-6)`."
-            )
+        check_outputs(store, run_name, tensorboard_dir, rules)
         self.activations = flag("activations", activations)
         self.histograms = flag("histograms", histograms)
         self.through_time = flag("through_time", through_time)
@@ -436,6 +419,14 @@ class GradientMonitor(keras.callbacks.Callback):
             self._unwritten.pop(0)
 
     # Callback hooks ----------------------------------------------------------
+
+    def set_model(self, model):
+        # A tf_keras (Keras 2) `fit` calls this first, then Keras 2 methods a
+        # Keras 3 callback lacks (an AttributeError from inside tf_keras).
+        words = legacy_keras_words(model)
+        if words is not None:
+            raise TypeError(f"GradientMonitor needs a Keras 3 model: {words}.")
+        super().set_model(model)
 
     def on_train_begin(self, logs=None):
         model = self.model
@@ -1076,7 +1067,7 @@ class GradientMonitor(keras.callbacks.Callback):
                     # run and it was stored "completed: a callback stopped it
                     # (such as EarlyStopping)".
                     self._nonfinite_step = int(step)
-                    self._add_event(int(step), None, "nonfinite", _loss_alone_message(step, loss))
+                    self._add_event(int(step), None, "nonfinite", loss_alone_message(step, loss))
                     if self.stop_on_nonfinite:
                         self.model.stop_training = True
                 continue
@@ -1085,25 +1076,7 @@ class GradientMonitor(keras.callbacks.Callback):
                 self._nonfinite_step = int(step)
             layer, tensor = self._layout.layers[row], self._layout.tensors[row]
             count = int(block[row, schema.STATISTICS.index("nonfinite")])
-            if math.isfinite(loss):
-                message = (
-                    f"First non-finite gradient at step {int(step)}: {count} NaN/Inf entries "
-                    f"in the {tensor} gradient of layer {layer!r} (the layer nearest the loss "
-                    "with one; backpropagation carried it towards the input from there)."
-                )
-            else:
-                # Every gradient comes from the loss: all of them are NaN, and
-                # the layer nearest the loss is only where backprop starts.
-                message = (
-                    f"The loss itself was {'NaN' if math.isnan(loss) else 'infinite'} at step "
-                    f"{int(step)}, so every gradient is non-finite (NaN/Inf) from layer {layer!r} "
-                    "down. "
-                    "The NaN/Inf was made in the forward pass: a layer's output (a log or "
-                    "square root of a negative number, a division by zero, an overflow from "
-                    "large weights or a large learning rate) or the loss. Gradients cannot "
-                    "say which layer made it; the steps before show how the weights and "
-                    "gradients grew."
-                )
+            message = nonfinite_message(step, layer, tensor, count, loss)
             self._add_event(int(step), layer, "nonfinite", message)
             if self.stop_on_nonfinite:
                 self.model.stop_training = True
@@ -1722,16 +1695,6 @@ _WHY_THE_COUNT_WENT_BACK = {
     "callback": "a callback loaded an earlier state as this fit began, e.g. `BackupAndRestore` "
     "resuming after an interruption",
 }
-
-
-def _loss_alone_message(step, loss):
-    """The `nonfinite` event of a loss that turned NaN/Inf while every gradient was finite."""
-    return (
-        f"The loss was {'NaN' if math.isnan(loss) else 'infinite'} at step {int(step)} while "
-        "every gradient was still finite: the loss overflowed first (a large error squared, "
-        "or a huge output). The steps before show how the weights and gradients grew; a "
-        "smaller learning rate, or inputs and targets scaled to about 1, usually mend it."
-    )
 
 
 def _steps_per_execution(model):

@@ -8,6 +8,7 @@ a memory copy per read, not for pandas.
 
 import dataclasses
 import functools
+import math
 
 import numpy as np
 import pandas as pd
@@ -195,3 +196,43 @@ def nonfinite_origin(stats, layout):
         return None
     indices = np.asarray(layout.layer_indices)[broken]
     return int(broken[np.argmax(indices)])
+
+
+def nonfinite_message(step, layer, tensor, count, loss):
+    """The `nonfinite` event of the first step with a NaN/Inf gradient.
+
+    Args:
+        step: The step.
+        layer: The layer nearest the loss with one (`nonfinite_origin`).
+        tensor: Its tensor there (`kernel`, `activation`, ...).
+        count: How many NaN/Inf entries that tensor's gradient holds.
+        loss: The step's loss (NaN when unknown counts as non-finite).
+    """
+    if math.isfinite(loss):
+        return (
+            f"First non-finite gradient at step {int(step)}: {count} NaN/Inf entries "
+            f"in the {tensor} gradient of layer {layer!r} (the layer nearest the loss "
+            "with one; backpropagation carried it towards the input from there)."
+        )
+    # Every gradient comes from the loss: all of them are NaN, and the layer
+    # nearest the loss is only where backprop starts.
+    return (
+        f"The loss itself was {'NaN' if math.isnan(loss) else 'infinite'} at step "
+        f"{int(step)}, so every gradient is non-finite (NaN/Inf) from layer {layer!r} "
+        "down. "
+        "The NaN/Inf was made in the forward pass: a layer's output (a log or "
+        "square root of a negative number, a division by zero, an overflow from "
+        "large weights or a large learning rate) or the loss. Gradients cannot "
+        "say which layer made it; the steps before show how the weights and "
+        "gradients grew."
+    )
+
+
+def loss_alone_message(step, loss):
+    """The `nonfinite` event of a loss that turned NaN/Inf while every gradient was finite."""
+    return (
+        f"The loss was {'NaN' if math.isnan(loss) else 'infinite'} at step {int(step)} while "
+        "every gradient was still finite: the loss overflowed first (a large error squared, "
+        "or a huge output). The steps before show how the weights and gradients grew; a "
+        "smaller learning rate, or inputs and targets scaled to about 1, usually mend it."
+    )

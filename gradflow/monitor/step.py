@@ -684,7 +684,7 @@ def _summarize_step(
 
     # Weights, their change and the clipped gradients share the shapes of the
     # weights, so they share one grouping by shape.
-    segments = _WeightSegments(weights if isinstance(weights, Stacked) else weight_gradients)
+    segments = WeightSegments(weights if isinstance(weights, Stacked) else weight_gradients)
     # `weights` is either the weights after the update (stacked) or, when the
     # step took them from the optimizer's increments, their norms already.
     columns = [] if isinstance(weights, tf.Tensor) else [segments.flat(weights)]
@@ -882,7 +882,7 @@ class _UpdateCapture:
         return change, after
 
 
-class _WeightSegments:
+class WeightSegments:
     """Per-variable reductions over tensors shaped like the model's weights.
 
     Same-shaped tensors are stacked and reduced together

@@ -33,7 +33,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from gradflow.checks import flag, positive_int
+from gradflow.checks import check_backend, flag, legacy_keras_words, positive_int
 from gradflow.probe import capture
 from gradflow.probe.sensitivity import restored_state, to_tensors
 from gradflow.probe.snapshot import check_batch_sizes, resolve_loss
@@ -113,6 +113,7 @@ class ChainedBackprop:
         max_jacobian_entries=DEFAULT_MAX_JACOBIAN_ENTRIES,
         training=False,
     ):
+        check_backend("gradflow.chain_gradients")
         if isinstance(models, keras.layers.Layer) or not isinstance(models, (list, tuple)):
             raise TypeError(
                 "`models` must be a list of Keras models (the parts, input side "
@@ -121,6 +122,9 @@ class ChainedBackprop:
         if not models:
             raise ValueError("`models` must hold at least one model, got an empty list.")
         for i, model in enumerate(models):
+            legacy = legacy_keras_words(model)
+            if legacy is not None:
+                raise TypeError(f"`models[{i}]` must be a Keras 3 model or layer: {legacy}.")
             if not isinstance(model, keras.layers.Layer):
                 raise TypeError(
                     f"`models[{i}]` must be a Keras model or layer, got {type(model).__name__}."
@@ -413,6 +417,8 @@ def split_cnn(input_shape=(8, 8, 1), filters=4, seed=0):
         )
     filters = positive_int("filters", filters)
 
+    # Float32 and channels-last whatever the global Keras config (keras.json,
+    # `set_floatx`, `set_image_data_format`): the lesson's numbers and shapes.
     def conv(offset):
         return keras.layers.Conv2D(
             filters,
@@ -420,18 +426,24 @@ def split_cnn(input_shape=(8, 8, 1), filters=4, seed=0):
             activation="relu",
             kernel_initializer=keras.initializers.HeNormal(seed=seed + offset),
             bias_initializer=keras.initializers.Constant(0.01),
+            data_format="channels_last",
+            dtype="float32",
         )
 
-    first = keras.Sequential([keras.Input(shape), conv(0)], name="part_1_conv")
-    second = keras.Sequential([keras.Input(first.output_shape[1:]), conv(1)], name="part_2_conv")
+    def start(shape):
+        return keras.Input(shape, dtype="float32")
+
+    first = keras.Sequential([start(shape), conv(0)], name="part_1_conv")
+    second = keras.Sequential([start(first.output_shape[1:]), conv(1)], name="part_2_conv")
     head = keras.Sequential(
         [
-            keras.Input(second.output_shape[1:]),
-            keras.layers.Flatten(),
+            start(second.output_shape[1:]),
+            keras.layers.Flatten(data_format="channels_last", dtype="float32"),
             keras.layers.Dense(
                 1,
                 activation="sigmoid",
                 kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 2),
+                dtype="float32",
             ),
         ],
         name="part_3_head",

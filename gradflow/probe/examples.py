@@ -3,6 +3,10 @@
 Each example is the kind of model people get stuck on: a subclassed model
 whose layers were never called symbolically, a recurrent network with a
 hand-written cell, a nested model, a residual CNN with BatchNorm.
+
+Every layer is float32 and channels-last (`_F32`, `_LAST`), whatever the
+global Keras config (`~/.keras/keras.json`, `keras.config.set_floatx`,
+`set_image_data_format`): the examples show the same numbers everywhere.
 """
 
 import dataclasses
@@ -10,6 +14,9 @@ import dataclasses
 import keras
 import numpy as np
 import tensorflow as tf
+
+_F32 = {"dtype": "float32"}
+_LAST = {"data_format": "channels_last"}
 
 
 @dataclasses.dataclass
@@ -19,7 +26,7 @@ class Example:
     model: keras.Model
     x: np.ndarray
     y: np.ndarray
-    loss: str
+    loss: keras.losses.Loss
 
 
 class MinimalCell(keras.layers.Layer):
@@ -46,9 +53,13 @@ class SequenceClassifier(keras.Model):
 
     def __init__(self, units=16, classes=3, **kwargs):
         super().__init__(**kwargs)
-        self.rnn = keras.layers.RNN(MinimalCell(units), name="rnn")
+        self.rnn = keras.layers.RNN(MinimalCell(units, **_F32), name="rnn", **_F32)
         self.head = keras.Sequential(
-            [keras.layers.Dense(units, activation="relu"), keras.layers.Dense(classes)], name="head"
+            [
+                keras.layers.Dense(units, activation="relu", **_F32),
+                keras.layers.Dense(classes, **_F32),
+            ],
+            name="head",
         )
 
     def call(self, inputs):
@@ -57,50 +68,54 @@ class SequenceClassifier(keras.Model):
 
 def _mnist_mlp(rng):
     model = keras.Sequential(
-        [keras.Input((28, 28)), keras.layers.Flatten()]
-        + [keras.layers.Dense(32, activation="relu") for _ in range(5)]
-        + [keras.layers.Dense(10, activation="softmax")]
+        [keras.Input((28, 28), **_F32), keras.layers.Flatten(**_LAST, **_F32)]
+        + [keras.layers.Dense(32, activation="relu", **_F32) for _ in range(5)]
+        + [keras.layers.Dense(10, activation="softmax", **_F32)]
     )
     x = rng.random((32, 28, 28), dtype=np.float32)
     y = keras.utils.to_categorical(rng.integers(0, 10, 32), 10)
-    return Example(model, x, y, "categorical_crossentropy")
+    return Example(model, x, y, keras.losses.CategoricalCrossentropy(**_F32))
 
 
 def _subclassed_rnn(rng):
-    model = SequenceClassifier()
+    model = SequenceClassifier(**_F32)
     x = rng.normal(size=(16, 12, 4)).astype("float32")
     y = rng.integers(0, 3, 16)
-    return Example(model, x, y, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, **_F32)
+    return Example(model, x, y, loss)
 
 
 def _bidirectional_lstm(rng):
     model = keras.Sequential(
         [
-            keras.Input((20, 3)),
-            keras.layers.Bidirectional(keras.layers.LSTM(8, return_sequences=True)),
-            keras.layers.GRU(8),
-            keras.layers.Dense(1),
+            keras.Input((20, 3), **_F32),
+            keras.layers.Bidirectional(keras.layers.LSTM(8, return_sequences=True, **_F32), **_F32),
+            keras.layers.GRU(8, **_F32),
+            keras.layers.Dense(1, **_F32),
         ]
     )
     x = rng.normal(size=(16, 20, 3)).astype("float32")
     y = x.sum(axis=(1, 2))[:, None].astype("float32")
-    return Example(model, x, y, "mse")
+    return Example(model, x, y, keras.losses.MeanSquaredError(**_F32))
 
 
 def _residual_cnn(rng):
-    inputs = keras.Input((8, 8, 1))
-    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="conv_1")(inputs)
-    r = keras.layers.Conv2D(8, 3, padding="same", name="conv_2")(h)
-    r = keras.layers.BatchNormalization(name="batch_norm")(r)
-    h = keras.layers.Activation("relu", name="relu")(keras.layers.Add(name="residual_add")([h, r]))
-    h = keras.layers.MaxPooling2D(name="pool")(h)
-    h = keras.layers.Dropout(0.2, name="dropout")(keras.layers.Flatten(name="flatten")(h))
-    outputs = keras.layers.Dense(10, activation="softmax", name="output")(h)
+    inputs = keras.Input((8, 8, 1), **_F32)
+    h = keras.layers.Conv2D(
+        8, 3, padding="same", activation="relu", name="conv_1", **_LAST, **_F32
+    )(inputs)
+    r = keras.layers.Conv2D(8, 3, padding="same", name="conv_2", **_LAST, **_F32)(h)
+    r = keras.layers.BatchNormalization(name="batch_norm", **_F32)(r)  # axis -1: channels
+    h = keras.layers.Add(name="residual_add", **_F32)([h, r])
+    h = keras.layers.Activation("relu", name="relu", **_F32)(h)
+    h = keras.layers.MaxPooling2D(name="pool", **_LAST, **_F32)(h)
+    h = keras.layers.Flatten(name="flatten", **_LAST, **_F32)(h)
+    h = keras.layers.Dropout(0.2, name="dropout", **_F32)(h)
+    outputs = keras.layers.Dense(10, activation="softmax", name="output", **_F32)(h)
     x = rng.random((32, 8, 8, 1), dtype=np.float32)
     y = rng.integers(0, 10, 32)
-    return Example(
-        keras.Model(inputs, outputs, name="residual_cnn"), x, y, "sparse_categorical_crossentropy"
-    )
+    loss = keras.losses.SparseCategoricalCrossentropy(**_F32)
+    return Example(keras.Model(inputs, outputs, name="residual_cnn"), x, y, loss)
 
 
 EXAMPLES = {

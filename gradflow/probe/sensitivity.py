@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
-from gradflow.checks import flag
+from gradflow.checks import check_backend, check_not_legacy, flag
 from gradflow.probe import capture
 from gradflow.probe.capture import leaf_layers
 from gradflow.probe.naming import layer_order
@@ -252,6 +252,8 @@ class InputSensitivity:
     """
 
     def __init__(self, model, training=False):
+        check_backend("gradflow.input_sensitivity")
+        check_not_legacy("model", model)
         self.model = capture.check_model(model)
         self.training = flag("training", training)
         self._called = None

@@ -26,7 +26,7 @@ import pandas as pd
 import tensorflow as tf
 
 from gradflow import schema
-from gradflow.checks import flag
+from gradflow.checks import check_backend, check_not_legacy, flag
 from gradflow.probe import capture, sensitivity
 from gradflow.probe.labels import label_problem
 from gradflow.probe.naming import layer_order, variable_names
@@ -319,6 +319,8 @@ class GradientProbe:
     """
 
     def __init__(self, model, loss=None, training=False, histograms=True, sensitivity=True):
+        check_backend("gradflow.snapshot")
+        check_not_legacy("model", model)
         self.model = capture.check_model(model)
         self.loss_fn = resolve_loss(model, loss)
         self.training = flag("training", training)

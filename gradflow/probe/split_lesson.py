@@ -104,7 +104,7 @@ def split_backprop_lesson(
     sizes = [int(s) for s in sizes]
     if not sizes or min(sizes) < 5:
         raise ValueError(f"`sizes` must be a non-empty list of input sizes >= 5, got {sizes}.")
-    loss_fn = keras.losses.MeanSquaredError()
+    loss_fn = keras.losses.MeanSquaredError(dtype="float32")  # whatever `floatx()` is
     parts_rows, agreement_rows, cost_rows, loss = [], [], [], float("nan")
     for index, size in enumerate(sizes):
         shape = (size, size, 1)

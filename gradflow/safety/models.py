@@ -42,7 +42,9 @@ _MAX_METADATA_BYTES = 64 << 10
 _MAX_RATIO = 100
 _HDF5_ADVICE = (
     "Legacy HDF5 model files can run code or read files on load; re-save the model as "
-    ".keras with model.save('m.keras') and upload that."
+    ".keras with model.save('m.keras') and upload that. A tf_keras (Keras 2) .h5 file you "
+    'trust converts in Keras 3: model = keras.models.load_model("m.h5", compile=False), '
+    'then model.save("m.keras").'
 )
 
 
@@ -359,6 +361,12 @@ def rehearse_load(path, *, max_bytes, max_weight_entries, timeout, memory_limit)
 
 
 def _private_copy(path, copy, max_bytes):
+    if os.path.isdir(path):
+        raise UnsafeInputError(
+            f"The model path {os.fspath(path)!r} is a folder: SavedModel folders (TensorFlow's, "
+            "or Keras 2's `model.save('folder')`) are not supported. Give a Keras 3 .keras "
+            "file: re-save the model with `model.save('m.keras')` in Keras 3."
+        )
     archives.check_file_size(path, max_bytes, "model file")
     with open(path, "rb") as source, open(copy, "wb") as target:
         # Copy at most one byte more than allowed, so a file that grows is caught.

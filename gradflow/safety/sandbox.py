@@ -190,6 +190,8 @@ def child_environment(folder):
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["TMPDIR"] = str(folder)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    # Outright: an exported KERAS_BACKEND=jax (or keras.json's) is not gradflow's.
+    env["KERAS_BACKEND"] = "tensorflow"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
     return env
 

@@ -1,0 +1,52 @@
+"""Checks of where a `GradientMonitor` or a `GradientLog` writes, made when it is created.
+
+Here, not at the first step in SQLite's or TensorFlow's words, which name
+neither the argument nor the value.
+"""
+
+import os
+
+from gradflow.diagnosis import Thresholds
+from gradflow.store.store import MAX_NAME_LENGTH, check_name, check_store_path
+
+
+def check_outputs(store, run_name, tensorboard_dir, rules):
+    """Raise a `ValueError` naming the argument unless each is usable.
+
+    Args:
+        store: A `gradflow.RunStore`, the path of one, or None.
+        run_name: A string or None, at most `MAX_NAME_LENGTH` characters.
+        tensorboard_dir: A folder's path or None (a file is refused).
+        rules: A `gradflow.diagnosis.Thresholds` or None.
+    """
+    if store is not None and not (
+        isinstance(store, (str, os.PathLike)) or hasattr(store, "writer")
+    ):
+        raise ValueError(
+            "`store` must be a gradflow.RunStore, the path of one, or None, got "
+            f"{type(store).__name__} {store!r}."
+        )
+    for name, value in (("run_name", run_name), ("tensorboard_dir", tensorboard_dir)):
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise ValueError(
+                f"`{name}` must be a string or None, got {type(value).__name__} {value!r}."
+            )
+    if run_name is not None and len(str(run_name)) > MAX_NAME_LENGTH:
+        raise ValueError(
+            f"`run_name` must be at most {MAX_NAME_LENGTH} characters, got {len(str(run_name)):,}."
+        )
+    if run_name is not None:
+        # A control character broke every image export of the run (plotly.js).
+        check_name(str(run_name), "run_name")
+    if isinstance(store, (str, os.PathLike)):
+        check_store_path(store, "store")
+    if tensorboard_dir is not None and os.path.isfile(tensorboard_dir):
+        raise ValueError(
+            "`tensorboard_dir` must be a folder (TensorBoard's --logdir), got the file "
+            f"{os.fspath(tensorboard_dir)!r}."
+        )
+    if rules is not None and not isinstance(rules, Thresholds):
+        raise ValueError(
+            "`rules` must be a gradflow.diagnosis.Thresholds or None, got "
+            f"{type(rules).__name__} {rules!r}: e.g. `rules=Thresholds(vanishing_norm=1e-6)`."
+        )
