@@ -24,6 +24,7 @@ _EXPORTS = {
     "input_sensitivity": "gradflow.probe.sensitivity",
     "chain_gradients": "gradflow.probe.chain",
     "GradientMonitor": "gradflow.monitor.callback",
+    "GradientLog": "gradflow.monitor.loop",
     "RunConfig": "gradflow.lab.config",
     "train": "gradflow.lab.training",
     "Run": "gradflow.lab.training",

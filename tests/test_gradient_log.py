@@ -1,0 +1,456 @@
+"""GradientLog: a hand-written training loop's own gradients, against numpy.
+
+Each test trains with its own `tf.GradientTape` loop (the loop a user
+writes), keeps the gradients and the weights it saw, and computes every
+statistic with numpy: the log's rows must match them step by step.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gradflow
+from gradflow import schema
+from gradflow.store import RunStore
+from tests.test_monitor import numpy_stats
+
+N, BATCH = 24, 8
+
+
+def make_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(5, activation="tanh", name="d0"),
+            keras.layers.Dense(4, activation="relu", name="d1"),
+            keras.layers.Dense(1, name="d2"),
+        ],
+        name="mlp",
+    )
+
+
+def make_data(seed=1):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(N, 3)).astype("float32"), rng.normal(size=(N, 1)).astype("float32")
+
+
+def loop_step(model, optimizer, loss_fn=None):
+    loss_fn = loss_fn or keras.losses.MeanSquaredError()
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(gradients, model.trainable_variables)
+        return loss, gradients
+
+    return train_step
+
+
+def train_and_log(log, model, optimizer, steps, step_numbers=None):
+    """The user's loop; returns what the reference needs: per step, grads, weights before/after, loss."""
+    x, y = make_data()
+    train_step = loop_step(model, optimizer)
+    seen = []
+    for i in range(steps):
+        start = (i * BATCH) % N
+        before = [v.numpy().copy() for v in model.trainable_variables]
+        loss, gradients = train_step(x[start : start + BATCH], y[start : start + BATCH])
+        after = [v.numpy().copy() for v in model.trainable_variables]
+        step = None if step_numbers is None else step_numbers[i]
+        log.record(gradients, loss=loss, step=step)
+        seen.append(([g.numpy() for g in gradients], before, after, float(loss)))
+    return seen
+
+
+def assert_rows_match(log, seen, steps, update_ratio=True, first_ratio=True):
+    history = log.history.set_index(["step", "variable"])
+    paths = [v.path for v in log.variables]
+    for step in steps:
+        grads, before, after, loss = seen[step - 1]
+        for path, g, w0, w1 in zip(paths, grads, before, after, strict=True):
+            row = history.loc[(step, path)]
+            for column, expected in numpy_stats(g).items():
+                np.testing.assert_allclose(row[column], expected, rtol=2e-5, atol=1e-7)
+            np.testing.assert_allclose(row["weight_norm"], np.linalg.norm(w1), rtol=2e-5)
+            # Undefined from zero weights (a bias before its first update), as in the monitor.
+            w0_norm = np.linalg.norm(w0)
+            ratio = np.linalg.norm(w1 - w0) / w0_norm if w0_norm > 0 else np.nan
+            if update_ratio and (first_ratio or step > 1):
+                np.testing.assert_allclose(row["update_ratio"], ratio, rtol=1e-3, atol=1e-9)
+            else:
+                assert np.isnan(row["update_ratio"])
+        metrics = log.metrics[log.metrics["step"] == step].set_index("name")["value"]
+        np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
+        global_norm = np.sqrt(sum(np.sum(np.square(g.astype(np.float64))) for g in grads))
+        np.testing.assert_allclose(metrics["global_norm"], global_norm, rtol=2e-5)
+
+
+@pytest.mark.parametrize("optimizer_class", [keras.optimizers.SGD, keras.optimizers.Adam])
+def test_a_loops_gradients_equal_numpys_statistics_step_by_step(optimizer_class):
+    model = make_model()
+    optimizer = optimizer_class(0.05)
+    log = gradflow.GradientLog(model, optimizer=optimizer, update_ratio=True)
+    seen = train_and_log(log, model, optimizer, steps=6)
+    assert sorted(log.history["step"].unique()) == [1, 2, 3, 4, 5, 6]
+    assert_rows_match(log, seen, range(1, 7))
+    rates = log.metrics[log.metrics["name"] == "learning_rate"]["value"]
+    np.testing.assert_allclose(rates, 0.05)
+    # Named as `snapshot` names them: the same model's rows line up.
+    shot = gradflow.snapshot(model, *make_data(), loss="mse")
+    first = log.history[log.history["step"] == 1]
+    assert first[["layer", "layer_index", "tensor", "variable"]].values.tolist() == (
+        shot.weights[["layer", "layer_index", "tensor", "variable"]].values.tolist()
+    )
+
+
+def test_every_records_multiples_with_the_update_of_that_step_alone():
+    model = make_model()
+    optimizer = keras.optimizers.SGD(0.1)
+    log = gradflow.GradientLog(model, optimizer=optimizer, every=3, update_ratio=True)
+    seen = train_and_log(log, model, optimizer, steps=9)
+    assert sorted(log.history["step"].unique()) == [3, 6, 9]
+    assert_rows_match(log, seen, [3, 6, 9])
+
+
+def test_a_step_skipped_by_the_loop_has_no_update_ratio():
+    """The weights kept are those after step 3: a ratio at step 5 would add two updates."""
+    model = make_model()
+    optimizer = keras.optimizers.SGD(0.1)
+    log = gradflow.GradientLog(model, optimizer=optimizer, update_ratio=True)
+    seen = train_and_log(log, model, optimizer, steps=4, step_numbers=[1, 2, 3, 5])
+    history = log.history
+    assert history[history["step"] == 3]["update_ratio"].notna().all()
+    assert history[history["step"] == 5]["update_ratio"].isna().all()
+    assert_rows_match(log, seen[:3], [1, 2, 3])
+
+
+def test_without_update_ratio_nothing_of_the_weights_is_kept():
+    model = make_model()
+    optimizer = keras.optimizers.SGD(0.1)
+    log = gradflow.GradientLog(model, optimizer=optimizer)
+    seen = train_and_log(log, model, optimizer, steps=2)
+    assert log._before is None
+    assert_rows_match(log, seen, [1, 2], update_ratio=False)
+
+
+def test_a_learning_rate_schedule_is_recorded_as_it_changes():
+    model = make_model()
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
+    optimizer = keras.optimizers.SGD(schedule)
+    log = gradflow.GradientLog(model, optimizer=optimizer)
+    train_and_log(log, model, optimizer, steps=3)
+    rates = log.metrics[log.metrics["name"] == "learning_rate"]["value"].tolist()
+    # Read after each update: the rate the next step will use.
+    np.testing.assert_allclose(rates, [0.05, 0.025, 0.0125], rtol=1e-6)
+
+
+def test_an_embeddings_sparse_gradient_counts_its_implicit_zeros_and_repeated_rows():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((4,), dtype="int32"), keras.layers.Embedding(10, 3), keras.layers.Flatten()]
+    )
+    x = np.array([[1, 1, 2, 1]], np.int32)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.square(model(x)))
+    (gradient,) = tape.gradient(loss, model.trainable_variables)
+    assert isinstance(gradient, tf.IndexedSlices)
+    log = gradflow.GradientLog(model)
+    log.record([gradient], loss=loss)
+    row = log.history.iloc[0]
+    for column, expected in numpy_stats(tf.convert_to_tensor(gradient).numpy()).items():
+        np.testing.assert_allclose(row[column], expected, rtol=2e-5, atol=1e-7)
+
+
+def make_sqrt_model():
+    """Dense -> relu -> sqrt: the sqrt's gradient at 0 is infinite, so `below` breaks first."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((2,))
+    hidden = keras.layers.Dense(3, activation="relu", name="below")(inputs)
+    rooted = keras.layers.Lambda(tf.sqrt, name="root")(hidden)
+    outputs = keras.layers.Dense(1, name="above")(rooted)
+    model = keras.Model(inputs, outputs)
+    below = model.get_layer("below")
+    below.kernel.assign(np.zeros((2, 3), np.float32))  # relu(0) = 0 at every step
+    return model
+
+
+def test_the_first_nonfinite_gradient_is_told_at_its_layer_and_stops_the_loop(store_path):
+    model = make_sqrt_model()
+    optimizer = keras.optimizers.SGD(0.01)
+    train_step = loop_step(model, optimizer)
+    log = gradflow.GradientLog(model, store=store_path, stop_on_nonfinite=True, run_name="sqrt")
+    x, y = np.ones((4, 2), np.float32), np.ones((4, 1), np.float32)
+    with pytest.raises(FloatingPointError, match="layer 'below'") as raised, log:
+        for _ in range(5):
+            loss, gradients = train_step(x, y)
+            log.record(gradients, loss=loss)
+    assert np.isfinite(float(loss))
+    assert "First non-finite gradient at step 1" in str(raised.value)
+    events = log.events
+    assert events[["step", "layer", "kind"]].values.tolist() == [[1, "below", "nonfinite"]]
+    history = log.history
+    assert history[history["layer"] == "above"]["nonfinite"].eq(0).all()
+    store = RunStore(store_path)
+    info = store.run_info(log.run_id)
+    assert info["status"] == "diverged"
+    assert store.events(log.run_id)["kind"].tolist() == ["nonfinite"]
+    assert len(store.layer_stats(log.run_id)) == len(history)
+
+
+def test_a_loss_that_overflows_alone_is_told_and_a_missing_loss_is_not_one():
+    model = make_model()
+    gradients = [tf.zeros_like(v) for v in model.trainable_variables]
+    log = gradflow.GradientLog(model)
+    log.record(gradients)  # no loss given: nothing to tell
+    log.record(gradients, loss=float("inf"))
+    assert log.events[["step", "kind"]].values.tolist() == [[2, "nonfinite"]]
+    assert "loss was infinite at step 2" in log.events["message"][0]
+    assert log.metrics[log.metrics["step"] == 1]["name"].tolist() == ["global_norm"]
+
+
+def test_a_variable_no_gradient_reaches_is_left_out_and_told_once():
+    model = make_model()
+    gradients = [tf.ones_like(v) for v in model.trainable_variables]
+    gradients[2] = gradients[3] = None  # d1's kernel and bias
+    log = gradflow.GradientLog(model)
+    log.record(gradients)
+    log.record(gradients)
+    assert "d1" not in set(log.history["layer"])
+    assert log.events[["step", "layer", "kind"]].values.tolist() == [[1, "d1", "no_gradient"]]
+
+
+def test_the_run_store_gets_every_row_and_the_extra_metrics(store_path, tmp_path):
+    model = make_model()
+    optimizer = keras.optimizers.Adam(0.01)
+    x, y = make_data()
+    train_step = loop_step(model, optimizer)
+    with gradflow.GradientLog(
+        model,
+        optimizer=optimizer,
+        store=store_path,
+        run_name="my loop",
+        total_steps=4,
+        histograms=True,
+        tensorboard_dir=tmp_path / "tb",
+    ) as log:
+        for _ in range(4):
+            loss, gradients = train_step(x[:BATCH], y[:BATCH])
+            log.record(gradients, loss=loss, accuracy=0.25)
+    store = RunStore(store_path)
+    info = store.run_info(log.run_id)
+    assert (info["name"], info["status"], info["source"]) == ("my loop", "completed", "monitor")
+    assert info["config"]["recorded_by"] == "GradientLog"
+    keys = ["step", "layer", "tensor"]
+    stored = store.layer_stats(log.run_id).astype({"layer": str, "tensor": str})
+    both = log.history.merge(stored, on=keys, suffixes=("", "_stored"), validate="1:1")
+    assert len(both) == len(log.history) == 4 * 6
+    np.testing.assert_allclose(both["l2_norm_stored"], both["l2_norm"], rtol=1e-6)
+    np.testing.assert_allclose(both["update_ratio_stored"], both["update_ratio"], rtol=1e-6)
+    metrics = store.metrics(log.run_id)
+    assert set(metrics["name"]) == {"loss", "learning_rate", "global_norm", "accuracy"}
+    assert len(store.histograms(log.run_id)) == 4 * 6
+    tags = set()
+    for path in (tmp_path / "tb").iterdir():
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            tags |= {value.tag for value in event.summary.value}
+    assert {"gradients/d0/kernel/l2_norm", "gradflow/loss", "gradflow/accuracy"} <= tags
+
+
+@pytest.mark.parametrize(
+    "error,status", [(KeyboardInterrupt, "interrupted"), (ValueError("my bug"), "failed")]
+)
+def test_an_error_in_the_loop_closes_the_run_with_its_steps(store_path, error, status):
+    model = make_model()
+    gradients = [tf.ones_like(v) for v in model.trainable_variables]
+    with pytest.raises(type(error) if isinstance(error, Exception) else error):
+        with gradflow.GradientLog(model, store=store_path) as log:
+            log.record(gradients, loss=1.0)
+            raise error
+    store = RunStore(store_path)
+    assert store.run_info(log.run_id)["status"] == status
+    assert store.layer_stats(log.run_id)["step"].unique().tolist() == [1]
+
+
+SCRIPT = """
+import numpy as np, keras, tensorflow as tf, gradflow
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+log = gradflow.GradientLog(model, store={db!r})
+log.record([tf.ones_like(v) for v in model.trainable_variables], loss=1.0)
+{end}
+"""
+
+
+@pytest.mark.parametrize(
+    "end,status",
+    [("", "completed"), ("raise SystemExit('bad data')", "completed"), ("1 / 0", "failed")],
+)
+def test_a_script_that_ends_without_close_leaves_no_run_running(store_path, end, status):
+    """A real interpreter's exit: the run was left "running" without `close()`."""
+    script = textwrap.dedent(SCRIPT.format(db=str(store_path), end=end))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", script], env=env, timeout=120, capture_output=True)
+    store = RunStore(store_path)
+    (run_id,) = store.runs()["run_id"]
+    assert store.run_info(run_id)["status"] == status
+    assert store.layer_stats(run_id)["step"].tolist() == [1, 1]
+
+
+def bad_calls(model):
+    variables = model.trainable_variables
+    ones = [tf.ones_like(v) for v in variables]
+    return [
+        (dict(gradients=ones[:-1]), "holds 5 gradients, but there are 6 variables"),
+        (dict(gradients=ones[::-1]), r"gradients\[0\]` has shape \(1,\), but its variable"),
+        (dict(gradients=tf.ones([3])), "must be a list of gradients"),
+        (dict(gradients=[None] * 6), "holds no gradient at step 1"),
+        (dict(gradients=ones, loss=tf.ones([8])), r"`loss` must be one number.*shape \(8,\)"),
+        (dict(gradients=ones, loss="big"), "`loss` must be one number"),
+        (dict(gradients=ones, step=0), "must be greater than the last step recorded"),
+        (dict(gradients=ones, step=2.5), "`step` must be a whole number"),
+        (dict(gradients=ones, accuracy=[1, 2]), "`accuracy` must be one number"),
+        (dict(gradients=[tf.ones_like(v, tf.int32) for v in variables]), "must hold floats"),
+    ]
+
+
+def test_bad_calls_name_the_argument_and_record_nothing():
+    model = make_model()
+    log = gradflow.GradientLog(model)
+    for kwargs, message in bad_calls(model):
+        gradients = kwargs.pop("gradients")
+        with pytest.raises(ValueError, match=message):
+            log.record(gradients, **kwargs)
+    assert log.history.empty and log.metrics.empty
+    log.record([tf.ones_like(v) for v in model.trainable_variables])
+    assert log.history["step"].unique().tolist() == [1]
+
+
+def test_record_inside_a_tf_function_says_to_return_the_gradients():
+    model = make_model()
+    log = gradflow.GradientLog(model)
+
+    @tf.function
+    def step():
+        log.record([tf.ones_like(v) for v in model.trainable_variables])
+
+    with pytest.raises(RuntimeError, match="Return the gradients from your train step"):
+        step()
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(model="mlp"), "`model` must be a Keras 3 model or layer"),
+        (dict(variables=[np.ones(3)]), r"`variables\[0\]` must be a Keras 3 variable"),
+        (dict(optimizer="adam"), "`optimizer` must be a Keras optimizer"),
+        (dict(every=0), "every"),
+        (dict(total_steps=0), "total_steps"),
+        (dict(histograms="yes"), "histograms"),
+        (dict(store=123), "`store` must be a gradflow.RunStore"),
+        (dict(run_name="slides\x07"), "`run_name` must not contain control characters"),
+    ],
+)
+def test_bad_arguments_are_refused_when_the_log_is_made(kwargs, message):
+    arguments = {"model": make_model(), **kwargs}
+    with pytest.raises(ValueError, match=message):
+        gradflow.GradientLog(**arguments)
+
+
+def test_a_closed_log_refuses_more_steps_and_a_second_close_does_nothing(store_path):
+    model = make_model()
+    log = gradflow.GradientLog(model, store=store_path)
+    log.record([tf.ones_like(v) for v in model.trainable_variables])
+    log.close("stopped", "enough")
+    log.close()
+    assert RunStore(store_path).run_info(log.run_id)["status"] == "stopped"
+    with pytest.raises(RuntimeError, match="closed \\(stopped\\)"):
+        log.record([tf.ones_like(v) for v in model.trainable_variables])
+
+
+def test_the_rules_run_at_close_and_their_alerts_are_stored(store_path):
+    model = make_model()
+    rules = gradflow.Thresholds(exploding_norm=1e-12)
+    with gradflow.GradientLog(model, store=store_path, rules=rules) as log:
+        log.record([tf.ones_like(v) for v in model.trainable_variables], loss=1.0)
+    assert set(log.events["kind"]) == {"exploding"}
+    assert set(RunStore(store_path).events(log.run_id)["kind"]) == {"exploding"}
+
+
+def test_a_gans_two_networks_log_one_run_each_from_one_combined_model():
+    """`variables=` picks the generator's: named by their paths in the combined model."""
+    keras.utils.set_random_seed(0)
+    generator = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3, name="g")], name="gen")
+    critic = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="c")], name="critic")
+    gan = keras.Sequential([generator, critic], name="gan")
+    log = gradflow.GradientLog(gan, variables=generator.trainable_variables)
+    z = np.ones((4, 2), np.float32)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(gan(z))
+    log.record(tape.gradient(loss, generator.trainable_variables), loss=loss)
+    assert log.history[["layer", "tensor"]].values.tolist() == [
+        ["gen/g", "kernel"],
+        ["gen/g", "bias"],
+    ]
+    assert schema.LAYER_STATS_COLUMNS == tuple(log.history.columns)
+
+
+def test_the_live_page_shows_a_loops_run(page_environment):
+    """A loop's run has no activation rows, clipping or lab settings: the page draws it all the same."""
+    from gradflow.ui.live import _VIEWS
+    from tests.test_pages import live_chart_updates, live_view
+
+    model = make_model()
+    optimizer = keras.optimizers.SGD(0.05)
+    with gradflow.GradientLog(
+        model, optimizer=optimizer, store=page_environment, run_name="hand loop", total_steps=3
+    ) as log:
+        train_and_log(log, model, optimizer, steps=3)
+    views = {view: live_view(log.run_id, view) for view in _VIEWS}
+    infos = [info.value for info in views["Histograms"].info]
+    assert any("`GradientLog(histograms=True)`" in info for info in infos), infos
+    # The loss the loop gave is drawn; the run did not diverge.
+    assert not [e.value for e in views["Loss"].error if "NaN" in e.value]
+    assert views["Heatmaps"].get("plotly_chart") or live_chart_updates(views["Heatmaps"])
+
+
+def test_statistics_made_inside_the_step_equal_those_record_makes():
+    """`summarize` in the user's tf.function: the same rows, without the update ratio."""
+    model = make_model()
+    optimizer = keras.optimizers.Adam(0.05)
+    loss_fn = keras.losses.MeanSquaredError()
+    in_step = gradflow.GradientLog(model, histograms=True)
+    outside = gradflow.GradientLog(model, histograms=True)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(gradients, model.trainable_variables)
+        return loss, gradients, in_step.summarize(gradients)
+
+    x, y = make_data()
+    for i in range(3):
+        loss, gradients, summary = train_step(
+            x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
+        )
+        in_step.record(summary, loss=loss)
+        outside.record(gradients, loss=loss)
+    columns = list(schema.STATISTICS) + ["weight_norm"]
+    np.testing.assert_allclose(
+        in_step.history[columns].to_numpy(float),
+        outside.history[columns].to_numpy(float),
+        rtol=1e-6,
+    )
+    assert in_step.history["update_ratio"].isna().all()
+    assert in_step.metrics.equals(outside.metrics)
+    counts = np.stack(in_step.histogram_rows["counts"])
+    np.testing.assert_array_equal(counts, np.stack(outside.histogram_rows["counts"]))
