@@ -12,6 +12,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from tests.test_pages import run_page
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SECTION = "What the diagnosis rules found"
 
@@ -49,17 +51,6 @@ def lesson_pair(page_environment):
         train(sigmoid, store=page_environment, name="deep sigmoid").run_id,
         train(relu, store=page_environment, name="relu he").run_id,
     )
-
-
-def run_page(name, /, **query):
-    from streamlit.testing.v1 import AppTest
-
-    app = AppTest.from_file(str(REPO / "pages" / name), default_timeout=120)
-    for key, value in query.items():
-        app.query_params[key] = value
-    app.run()
-    assert not app.exception, [e.value for e in app.exception]
-    return app
 
 
 def compare(*run_ids):

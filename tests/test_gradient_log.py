@@ -41,8 +41,9 @@ def make_data(seed=1):
     return rng.normal(size=(N, 3)).astype("float32"), rng.normal(size=(N, 1)).astype("float32")
 
 
-def loop_step(model, optimizer, loss_fn=None):
-    loss_fn = loss_fn or keras.losses.MeanSquaredError()
+def loop_step(model, optimizer, summarize_with=None):
+    """The user's `tf.function` step; with `summarize_with` (a log) it also returns its summary."""
+    loss_fn = keras.losses.MeanSquaredError()
 
     @tf.function
     def train_step(x, y):
@@ -50,6 +51,8 @@ def loop_step(model, optimizer, loss_fn=None):
             loss = loss_fn(y, model(x, training=True))
         gradients = tape.gradient(loss, model.trainable_variables)
         optimizer.apply(gradients, model.trainable_variables)
+        if summarize_with is not None:
+            return loss, gradients, summarize_with.summarize(gradients)
         return loss, gradients
 
     return train_step
@@ -425,17 +428,9 @@ def test_statistics_made_inside_the_step_equal_those_record_makes():
     """`summarize` in the user's tf.function: the same rows, without the update ratio."""
     model = make_model()
     optimizer = keras.optimizers.Adam(0.05)
-    loss_fn = keras.losses.MeanSquaredError()
     in_step = gradflow.GradientLog(model, histograms=True)
     outside = gradflow.GradientLog(model, histograms=True)
-
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        gradients = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply(gradients, model.trainable_variables)
-        return loss, gradients, in_step.summarize(gradients)
+    train_step = loop_step(model, optimizer, summarize_with=in_step)
 
     x, y = make_data()
     for i in range(3):

@@ -20,6 +20,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from tests.test_pages import run_page
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # Markdown a hostile name or message holds: an image that would load from
 # another host, links (one bare, as GitHub's markdown links it), HTML, a
@@ -39,17 +41,6 @@ def without_run_board(monkeypatch):
     from gradflow.ui import resources
 
     monkeypatch.setattr(resources, "run_board", lambda: None)
-
-
-def run_page(name, /, **query):
-    from streamlit.testing.v1 import AppTest
-
-    app = AppTest.from_file(str(REPO / "pages" / name), default_timeout=120)
-    for key, value in query.items():
-        app.query_params[key] = value
-    app.run()
-    assert not app.exception, [e.value for e in app.exception]
-    return app
 
 
 def shown(body):
