@@ -39,11 +39,12 @@ st.set_page_config(page_title=f"{navigation.title} · gradflow")
 # inherit it): a KERAS_BACKEND=jax exported for the user's own scripts, or
 # "backend": "jax" in ~/.keras/keras.json, is not the dashboard's. Keras
 # reads the choice once, when first imported: nothing above imports it.
-os.environ["KERAS_BACKEND"] = "tensorflow"
-# Imported before this line with another backend (another script in this process).
+# Imported before this line with another backend (another script in this process):
+# asked before the variable is set, so that the words name what chose it.
 wrong_keras = "keras" in sys.modules and backend_problem(
     "The gradflow dashboard", command="streamlit run app.py"
 )
+os.environ["KERAS_BACKEND"] = "tensorflow"
 try:
     if wrong_keras:
         st.error(f":material/error: {wrong_keras}")

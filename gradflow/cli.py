@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 
+from gradflow.checks import backend_problem
 from gradflow.lab.config import RunConfig, field_table, rename_settings, run_name
 from gradflow.lab.presets import PRESETS, get_preset
 from gradflow.store import NewerStoreError, StoreGoneError, default_path, trouble
@@ -68,10 +69,19 @@ def main(argv=None):
     """
     parser = _build_parser()
     args = None
+    # gradflow's own commands (and `serve`'s dashboard, which inherits it) run Keras on
+    # TensorFlow: a KERAS_BACKEND=jax exported for the user's scripts is not theirs.
+    # Put back at the end, for `main()` called from Python.
+    exported = os.environ.get("KERAS_BACKEND")
     try:
         args = parser.parse_args(argv)
-        # gradflow's own commands (and `serve`'s dashboard, which inherits it) run Keras on
-        # TensorFlow: a KERAS_BACKEND=jax exported for the user's scripts is not theirs.
+        if getattr(args, "command", None) == "train" and "keras" in sys.modules:
+            # Keras was imported already (`main()` called from Python): its
+            # backend is chosen, in words naming what chose it.
+            problem = backend_problem("gradflow train", command="gradflow train ...")
+            if problem is not None:
+                _say_error(f"gradflow: {problem}")
+                return EXIT_FAILED
         os.environ["KERAS_BACKEND"] = "tensorflow"
         if not getattr(args, "command", None):
             raise UsageError(
@@ -107,6 +117,11 @@ def main(argv=None):
         # A `--out` that is a file, a folder that cannot be made, a full disk.
         _say_error(f"gradflow: {error.strerror or error}: {error.filename or ''}".rstrip(": "))
         return EXIT_FAILED
+    finally:
+        if exported is None:
+            os.environ.pop("KERAS_BACKEND", None)
+        else:
+            os.environ["KERAS_BACKEND"] = exported
 
 
 def _check_db(path, argument="--db"):
@@ -285,16 +300,6 @@ def _unused_flags(given, config):
 def _train(args):
     config = _config_from(args)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    if "keras" in sys.modules:
-        # `main()` called from Python after Keras was imported on another backend
-        # (else `main` has just chosen TensorFlow for the import to come).
-        from gradflow.checks import check_backend
-
-        try:
-            check_backend("gradflow train")
-        except RuntimeError as error:
-            _say_error(f"gradflow: {error}")
-            return EXIT_FAILED
     from gradflow.lab.worker import execute
     from gradflow.store import RunStore
 

@@ -137,3 +137,9 @@ def histogram_bin_centers():
         edge += HISTOGRAM_BIN_WIDTH
     centers.append(HISTOGRAM_HIGH + HISTOGRAM_BIN_WIDTH / 2)
     return centers
+
+
+# C0 and C1 control characters (tab, newline, ESC, BEL, DEL, ...): refused in
+# run names (`store.check_name`), replaced in figure labels and printed as
+# escapes by the CLI. One BEL in a run name broke every image export of it.
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")

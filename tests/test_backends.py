@@ -196,10 +196,27 @@ def test_the_dashboard_says_in_words_that_its_keras_runs_on_another_backend(jax_
     assert not app.exception, [e.value for e in app.exception]
     assert [e.value for e in app.error] == [
         f"The gradflow dashboard {NEEDS_TENSORFLOW}; this process uses 'jax' "
-        "(chosen when Keras was first imported; $KERAS_BACKEND=tensorflow came too late to "
-        "change it). Set KERAS_BACKEND=tensorflow before Keras is imported (e.g. "
-        "`KERAS_BACKEND=tensorflow streamlit run app.py`)."
+        "(set by $KERAS_BACKEND=jax). Set KERAS_BACKEND=tensorflow before Keras is imported "
+        "(e.g. `KERAS_BACKEND=tensorflow streamlit run app.py`)."
     ]
+
+
+def test_the_cli_names_the_users_backend_and_puts_their_variable_back(
+    jax_backend, tmp_path, capsys
+):
+    """It blamed "$KERAS_BACKEND=tensorflow", which `main()` had set itself, and kept it set."""
+    from gradflow import cli
+    from gradflow.store import RunStore
+
+    RunStore(tmp_path / "runs.db")
+    assert cli.main(["runs", "--db", str(tmp_path / "runs.db")]) == 0
+    assert os.environ["KERAS_BACKEND"] == "jax"
+    code = cli.main(["train", "--steps", "1", "--db", str(tmp_path / "runs.db")])
+    assert code == cli.EXIT_FAILED
+    assert os.environ["KERAS_BACKEND"] == "jax"
+    said = capsys.readouterr().err
+    assert "uses 'jax' (set by $KERAS_BACKEND=jax)" in said
+    assert "`KERAS_BACKEND=tensorflow gradflow train ...`" in said
 
 
 # --- tf_keras (Keras 2) ----------------------------------------------------
@@ -297,15 +314,23 @@ def test_lab_models_are_float32_and_channels_last_whatever_the_global_config(opt
     data = load_dataset(config)
     plain = build_model(config, data)
     floatx, image_format = keras.config.floatx(), keras.config.image_data_format()
+    policy = keras.config.dtype_policy()
     keras.config.set_floatx("float16")
     keras.config.set_image_data_format("channels_first")
+    keras.config.set_dtype_policy("mixed_float16")
     try:
         odd = build_model(config, data)
-        assert keras.config.floatx() == "float16"  # put back after the build
+        # Put back after the build.
+        assert keras.config.floatx() == "float16"
+        assert keras.config.dtype_policy().name == "mixed_float16"
     finally:
         keras.config.set_floatx(floatx)
         keras.config.set_image_data_format(image_format)
+        keras.config.set_dtype_policy(policy)
     assert _layout(odd) == _layout(plain)
+    # Not the mixed policy's: the model took it, and `compile` a LossScaleOptimizer.
+    assert odd.dtype_policy.name == "float32"
+    assert not isinstance(odd.optimizer, keras.optimizers.LossScaleOptimizer)
     assert {policy for _, _, policy in _layout(odd)} == {"float32"}
     assert {v.dtype for v in odd.weights + odd.optimizer.variables} <= {"float32", "int64"}
     assert odd.loss.dtype == "float32"

@@ -294,7 +294,13 @@ log.record([tf.ones_like(v) for v in model.trainable_variables], loss=1.0)
 
 @pytest.mark.parametrize(
     "end,status",
-    [("", "completed"), ("raise SystemExit('bad data')", "completed"), ("1 / 0", "failed")],
+    [
+        ("", "completed"),
+        # An exit hook cannot tell `sys.exit(1)` from a clean end (the docstring says so).
+        ("raise SystemExit('bad data')", "completed"),
+        ("1 / 0", "failed"),
+        ("raise KeyboardInterrupt", "interrupted"),
+    ],
 )
 def test_a_script_that_ends_without_close_leaves_no_run_running(store_path, end, status):
     """A real interpreter's exit: the run was left "running" without `close()`."""
@@ -321,6 +327,8 @@ def bad_calls(model):
         (dict(gradients=ones, step=2.5), "`step` must be a whole number"),
         (dict(gradients=ones, accuracy=[1, 2]), "`accuracy` must be one number"),
         (dict(gradients=[tf.ones_like(v, tf.int32) for v in variables]), "must hold floats"),
+        # Its own metrics: one of two rows with the same name was dropped in the store.
+        (dict(gradients=ones, learning_rate=0.5), "`learning_rate` is a metric GradientLog"),
     ]
 
 
@@ -359,6 +367,8 @@ def test_record_inside_a_tf_function_says_to_return_the_gradients():
         (dict(histograms="yes"), "histograms"),
         (dict(store=123), "`store` must be a gradflow.RunStore"),
         (dict(run_name="slides\x07"), "`run_name` must not contain control characters"),
+        # All its rows read as the model's own (two kernels under one name).
+        (dict(variables=make_model(seed=1).trainable_variables), r"`variables\[0\]` \('mlp/d0"),
     ],
 )
 def test_bad_arguments_are_refused_when_the_log_is_made(kwargs, message):
@@ -449,3 +459,28 @@ def test_statistics_made_inside_the_step_equal_those_record_makes():
     assert in_step.metrics.equals(outside.metrics)
     counts = np.stack(in_step.histogram_rows["counts"])
     np.testing.assert_array_equal(counts, np.stack(outside.histogram_rows["counts"]))
+
+
+def test_a_store_it_cannot_open_is_named_and_the_step_is_not_recorded(tmp_path):
+    """A builtin FileExistsError came out of `record`, with the step already in `history`."""
+    model = make_model()
+    log = gradflow.GradientLog(model, store=tmp_path / "gone" / "runs.db")
+    (tmp_path / "gone").write_text("the folder is a file now")
+    gradients = [tf.ones_like(v) for v in model.trainable_variables]
+    with pytest.raises(RuntimeError, match="GradientLog could not write to its `store`"):
+        log.record(gradients, loss=1.0)
+    assert log.history.empty and log.metrics.empty
+    with pytest.raises(RuntimeError, match="could not write"):
+        log.record(gradients, loss=1.0, step=1)  # the same step again: nothing was counted
+
+
+def test_the_optimizers_step_count_may_number_the_steps():
+    model = make_model()
+    optimizer = keras.optimizers.SGD(0.1)
+    log = gradflow.GradientLog(model, optimizer=optimizer)
+    train_step = loop_step(model, optimizer)
+    x, y = make_data()
+    for _ in range(2):
+        loss, gradients = train_step(x[:BATCH], y[:BATCH])
+        log.record(gradients, loss=loss, step=optimizer.iterations)
+    assert log.history["step"].unique().tolist() == [1, 2]

@@ -78,6 +78,13 @@ def test_the_escapers_leave_nothing_live():
     said = "Layer dense_1: gradient norm 1.0e-09 at step 1 (NaN/Inf) is below 1e-07 — vanishing."
     assert plain_message(said) == said
     assert plain_message("- one\n2. two") == "\\- one\n2\\. two"  # no list
+    # Code spans show their text as typed, backslashes too: they are left as they are,
+    # the text around them escaped, paired as CommonMark pairs backtick strings.
+    error = "`gradients[0]` has shape (1,): run `pip install x@1`; see [docs](https://evil.example)"
+    body = plain_message(error)
+    assert body.startswith("`gradients[0]` has shape (1,): run `pip install x@1`; see \\[docs\\]")
+    assert_inert(body.split("`; see ")[1], "")
+    assert plain_message("``a`b`` [x](y) `c") == "``a`b`` \\[x\\](y) `c"
 
 
 def test_a_crafted_link_is_refused_without_its_markdown():

@@ -7,7 +7,6 @@ colour-blind-safe colours (Okabe-Ito for lines, viridis for heatmaps).
 """
 
 import html
-import re
 import textwrap
 
 import numpy as np
@@ -15,7 +14,7 @@ import plotly.colors
 import plotly.graph_objects as go
 import plotly.io
 
-from gradflow import checks
+from gradflow import checks, schema
 
 # Okabe & Ito (2008), "Color Universal Design": distinguishable under the
 # common forms of colour blindness. Black is left out: it marks NaN/Inf.
@@ -112,15 +111,12 @@ def escape_label(text):
     Returns:
         The escaped string.
     """
-    text = _CONTROL_CHARACTERS.sub(_visible, str(text))
+    text = schema.CONTROL_CHARACTERS.sub(_visible, str(text))
     return html.escape(text, quote=False)
 
 
-# C0 and C1 control characters and DEL (Unicode's Cc).
-_CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
 def _visible(match):
+    # A control character (`schema.CONTROL_CHARACTERS`) a label can show.
     return " " if match[0] in "\t\n\r" else "\ufffd"
 
 

@@ -90,6 +90,13 @@ def build_model(config, dataset):
     Raises:
         ValueError: If the loss does not suit the data set's task.
     """
+    # The Input, the model, its metrics and the optimizer's learning rate take
+    # their dtype from the global settings when they are made: all of it here.
+    with _float32_default():
+        return _build_model(config, dataset)
+
+
+def _build_model(config, dataset):
     keras.utils.set_random_seed(config.seed)
     inputs = keras.Input(dataset.input_shape, name="input", dtype="float32")
     hidden = inputs
@@ -106,30 +113,33 @@ def build_model(config, dataset):
     model = keras.Model(
         inputs, outputs, name=f"{config.architecture}_{config.depth}x{config.width}"
     )
-    # The metrics ("accuracy") and the optimizer's learning rate take their
-    # dtype from `floatx()` when they are made, here.
-    with _float32_default():
-        model.compile(
-            optimizer=build_optimizer(config),
-            loss=build_loss(config, dataset),
-            metrics=["accuracy"] if dataset.task == "classification" else None,
-        )
-        _build_for_training(model, dataset)
+    model.compile(
+        optimizer=build_optimizer(config),
+        loss=build_loss(config, dataset),
+        metrics=["accuracy"] if dataset.task == "classification" else None,
+    )
+    _build_for_training(model, dataset)
     return model
 
 
 @contextlib.contextmanager
 def _float32_default():
-    """`keras.config.floatx()` is float32 inside (it is put back after)."""
-    before = keras.config.floatx()
-    if before == "float32":
+    """`keras.config.floatx()` and the global dtype policy are float32 inside (put back after).
+
+    The policy too: under `mixed_float16`, `compile` wrapped the optimizer in a
+    `LossScaleOptimizer` and the model itself took the mixed policy.
+    """
+    before, policy = keras.config.floatx(), keras.config.dtype_policy()
+    if before == "float32" and policy.name == "float32":
         yield
         return
     keras.config.set_floatx("float32")
+    keras.config.set_dtype_policy("float32")
     try:
         yield
     finally:
         keras.config.set_floatx(before)
+        keras.config.set_dtype_policy(policy)
 
 
 def _build_for_training(model, dataset):

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import sqlite3
 import sys
 
 import keras
@@ -31,7 +32,7 @@ from gradflow.checks import (
     whole_number,
 )
 from gradflow.diagnosis import diagnose, no_gradient_message
-from gradflow.monitor.buffer import ROW_COLUMNS
+from gradflow.monitor.buffer import ROW_COLUMNS, STEP_METRICS
 from gradflow.monitor.outputs import check_outputs
 from gradflow.monitor.records import (
     RowLayout,
@@ -93,6 +94,11 @@ class GradientLog:
     print(log.history)
     ```
 
+    `with log:` closes the run at the block's end: completed, interrupted
+    after a Ctrl-C, failed with the error. A log left open is closed when
+    the script ends, the same way, except that an exit hook cannot tell
+    `sys.exit(1)` from a clean end (it reads completed).
+
     A GAN's two networks take two logs (two runs, which the dashboard's
     Compare page shows side by side), or one log of the combined model with
     `variables=` the ones differentiated.
@@ -126,9 +132,10 @@ class GradientLog:
         total_steps: The number of steps the loop will take, if known: the
             dashboard shows how far along it is.
         stop_on_nonfinite: Raise `FloatingPointError` from `record` at the
-            first step with a NaN/Inf gradient or loss, after storing that
-            step and closing the run as diverged (a loop cannot be stopped
-            from outside as `fit` can).
+            first recorded step with a NaN/Inf gradient or loss (with
+            `every > 1`, the steps it skips are not looked at), after storing
+            that step and closing the run as diverged (a loop cannot be
+            stopped from outside as `fit` can).
         tensorboard_dir: Also write the statistics as TensorBoard summaries there.
         rules: A `gradflow.diagnosis.Thresholds` for the rules run at `close()`.
     """
@@ -161,7 +168,7 @@ class GradientLog:
                 f"{type(optimizer).__name__} {optimizer!r}."
             )
         self.model = model
-        self.variables = None if variables is None else _checked_variables(variables)
+        self.variables = None if variables is None else _checked_variables(variables, model)
         self.optimizer = optimizer
         self.every = positive_int("every", every)
         self.histograms = flag("histograms", histograms)
@@ -236,6 +243,12 @@ class GradientLog:
         recorded = step % self.every == 0
         # Everything checked before anything changes: a call that raises records nothing.
         extra = {name: _number(name, value) for name, value in metrics.items()}
+        taken = sorted(set(extra) & set(STEP_METRICS))
+        if taken:
+            raise ValueError(
+                f"`{taken[0]}` is a metric GradientLog records itself, got it as a keyword of "
+                f"`record`: name yours otherwise (e.g. `my_{taken[0]}=...`)."
+            )
         if recorded and summary is not None:
             present = tuple(int(i) for i in summary[_PRESENT].numpy())
             tensors = summary
@@ -250,6 +263,8 @@ class GradientLog:
                 )
             tensors = [_gradient_tensor(gradients[i], variables[i], i) for i in present]
             loss_value = _number("loss", loss)
+        if self._store is not None and self._writer is None:
+            self._open_store()  # before anything changes: a store it cannot open records nothing
         previous, self._step = self._step, step
         before = None
         if recorded and self.update_ratio and self._before is not None:
@@ -340,6 +355,10 @@ class GradientLog:
     def _step_of(self, step):
         if step is None:
             return self._step + 1
+        if hasattr(step, "numpy") and not isinstance(step, bool):
+            step = step.numpy()  # `optimizer.iterations`, a tensor
+        if isinstance(step, np.ndarray) and step.shape == () and step.dtype.kind in "iu":
+            step = step.item()
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
             raise ValueError(
                 f"`step` must be a whole number or None, got {type(step).__name__} {step!r}."
@@ -425,8 +444,6 @@ class GradientLog:
 
     def _publish(self, block):
         steps, stats, values, histograms, layout, kept = block
-        if self._store is not None and self._writer is None:
-            self._open_store()
         histogram_rows = []
         if histograms is not None:
             histogram_rows = [
@@ -457,11 +474,23 @@ class GradientLog:
             )
 
     def _open_store(self):
+        try:
+            self._create_run()
+        except (sqlite3.Error, OSError) as error:
+            # SQLite's or the file system's words name neither the argument nor the file.
+            raise RuntimeError(
+                f"GradientLog could not write to its `store`: "
+                f"{trouble.explain(error, self._store_path())} (or leave `store` out to "
+                "keep the statistics in `.history` only)."
+            ) from error
+
+    def _create_run(self):
         store = self._store
         if isinstance(store, (str, os.PathLike)):
             from gradflow.store import RunStore
 
-            store = self._store = RunStore(store)
+            store = RunStore(store)
+            self._store = store
         config = {
             "model": self.model.name,
             "optimizer": None if self.optimizer is None else type(self.optimizer).__name__,
@@ -507,8 +536,6 @@ class GradientLog:
     def _add_metrics(self, step, values):
         self._metric_rows.extend((step, name, value) for name, value in values.items())
         self._frames = None
-        if self._store is not None and self._writer is None:
-            self._open_store()
         if self._writer is not None:
             with self._store_trouble():
                 self._writer.add_metrics(step, values)
@@ -682,6 +709,8 @@ def _close_logs_left_open():
         with contextlib.suppress(Exception):  # exiting must not fail here
             if error is None:
                 log.close()
+            elif isinstance(error, KeyboardInterrupt):
+                log.close("interrupted", "Stopped with Ctrl-C (KeyboardInterrupt).")
             else:
                 log.close("failed", f"The script ended with {type(error).__name__}: {error}"[:2000])
 
@@ -758,7 +787,7 @@ def _is_summary(value):
     return isinstance(value, dict) and _ROWS in value and _PRESENT in value
 
 
-def _checked_variables(variables):
+def _checked_variables(variables, model):
     if isinstance(variables, (str, bytes)) or not hasattr(variables, "__iter__"):
         raise ValueError(
             f"`variables` must be a list of Keras variables, got {type(variables).__name__}."
@@ -772,6 +801,15 @@ def _checked_variables(variables):
             )
     if not variables:
         raise ValueError("`variables` must hold at least one variable, got an empty list.")
+    # Named by the model's layers: another model's would all read as this one's own.
+    own = {id(v) for v in model.weights}
+    for i, variable in enumerate(variables):
+        if id(variable) not in own:
+            raise ValueError(
+                f"`variables[{i}]` ({variable.path!r}) is not a variable of model "
+                f"{model.name!r}: give GradientLog the model that holds them (for several "
+                "models, one that holds them all, or one log each)."
+            )
     return variables
 
 

@@ -866,7 +866,6 @@ MAX_NAME_LENGTH = 200
 # C0 and C1 control characters and DEL (Unicode's Cc): an ESC in a run name
 # acted on the terminal of whoever ran `gradflow runs`, and a BEL made every
 # SVG of the run invalid XML and its PNG and PDF fail.
-_CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def check_name(name, argument="name"):
@@ -882,7 +881,7 @@ def check_name(name, argument="name"):
     Raises:
         ValueError: If it holds one; the message shows the name with `!r`.
     """
-    if _CONTROL_CHARACTERS.search(name):
+    if schema.CONTROL_CHARACTERS.search(name):
         raise ValueError(
             f"`{argument}` must not contain control characters (tabs, line breaks, "
             f"escape codes), got {name!r}."

@@ -59,6 +59,22 @@ def plain_message(text):
     stops bare URLs becoming links. Shown, it reads as typed (text between
     backticks as code).
     """
+    # Markdown shows a code span's text as typed, backslashes too: escaped there,
+    # `gradients[0]` read `gradients\[0\]`. Split as CommonMark pairs backtick
+    # strings (equal lengths, neither next to another backtick); the rest is escaped.
+    parts, start = [], 0
+    text = str(text)
+    for span in _CODE_SPAN.finditer(text):
+        parts += [_escaped_message(text[start : span.start()]), span.group(0)]
+        start = span.end()
+    parts.append(_escaped_message(text[start:]))
+    return "".join(parts)
+
+
+_CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`).+?(?<!`)\1(?!`)", re.DOTALL)
+
+
+def _escaped_message(text):
     text = _MESSAGE_SPECIALS.sub(r"\\\1", _unlinked(text))
     return _LINE_STARTS.sub(r"\1\\\2", text)
 
