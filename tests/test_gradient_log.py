@@ -152,8 +152,8 @@ def test_a_learning_rate_schedule_is_recorded_as_it_changes():
     log = gradflow.GradientLog(model, optimizer=optimizer)
     train_and_log(log, model, optimizer, steps=3)
     rates = log.metrics[log.metrics["name"] == "learning_rate"]["value"].tolist()
-    # Read after each update: the rate the next step will use.
-    np.testing.assert_allclose(rates, [0.05, 0.025, 0.0125], rtol=1e-6)
+    # The rate each update used (it read the next one's: a warm-up shifted by a step).
+    np.testing.assert_allclose(rates, [0.1, 0.05, 0.025], rtol=1e-6)
 
 
 def test_an_embeddings_sparse_gradient_counts_its_implicit_zeros_and_repeated_rows():
@@ -317,7 +317,7 @@ def bad_calls(model):
     variables = model.trainable_variables
     ones = [tf.ones_like(v) for v in variables]
     return [
-        (dict(gradients=ones[:-1]), "holds 5 gradients, but there are 6 variables"),
+        (dict(gradients=ones[:-1]), "holds 5 gradients, but there are 6 trainable variables"),
         (dict(gradients=ones[::-1]), r"gradients\[0\]` has shape \(1,\), but its variable"),
         (dict(gradients=tf.ones([3])), "must be a list of gradients"),
         (dict(gradients=[None] * 6), "holds no gradient at step 1"),
@@ -484,3 +484,78 @@ def test_the_optimizers_step_count_may_number_the_steps():
         loss, gradients = train_step(x[:BATCH], y[:BATCH])
         log.record(gradients, loss=loss, step=optimizer.iterations)
     assert log.history["step"].unique().tolist() == [1, 2]
+
+
+def test_mixed_precision_gradients_are_recorded_unscaled_and_overflow_steps_skipped():
+    """Scaled gradients were recorded (l2 23195 for 0.7) and "exploding"; an overflow the
+    LossScaleOptimizer skipped, as it should, was stored as the run's divergence."""
+    keras.utils.set_random_seed(0)
+    model = make_model()
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2**15)
+    loss_fn = keras.losses.MeanSquaredError()
+    log = gradflow.GradientLog(model, optimizer=optimizer, stop_on_nonfinite=True)
+    x, y = make_data()
+    seen = []
+    for poison in (False, True, False):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y[:BATCH], model(x[:BATCH]))
+            scaled = optimizer.scale_loss(loss) * (np.inf if poison else 1.0)
+        gradients = tape.gradient(scaled, model.trainable_variables)
+        scale = float(optimizer.dynamic_scale.numpy()) if optimizer.built else 2.0**15
+        optimizer.apply(gradients, model.trainable_variables)
+        seen.append((gradients, scale))
+        log.record(gradients, loss=loss)
+    assert log.history["step"].unique().tolist() == [1, 3]
+    for step in (1, 3):
+        gradients, scale = seen[step - 1]
+        rows = log.history[log.history["step"] == step]
+        for g, (_, row) in zip(gradients, rows.iterrows(), strict=True):
+            expected = numpy_stats(g.numpy() / scale)
+            for column in ("max_abs", "l2_norm", "mean_abs", "std", "zero_fraction"):
+                np.testing.assert_allclose(row[column], expected[column], rtol=2e-5, atol=1e-9)
+    assert seen[2][1] == seen[0][1] / 2  # the overflow halved the scale step 3 used
+    events = log.events
+    assert events["kind"].tolist() == ["info"] and "Step 2 was skipped" in events["message"][0]
+    rates = log.metrics[log.metrics["name"] == "learning_rate"]["value"]
+    np.testing.assert_allclose(rates, 0.01, rtol=1e-6)
+
+
+class HeadFirst(keras.Model):
+    """Layers made head first, called stem first: `__init__`'s order is not the data's."""
+
+    def __init__(self):
+        super().__init__(name="head_first")
+        self.head = keras.layers.Dense(1, name="head")
+        self.body = keras.layers.Dense(4, activation="relu", name="body")
+        self.stem = keras.layers.Dense(4, activation="relu", name="stem")
+
+    def call(self, x):
+        return self.head(self.body(self.stem(x)))
+
+
+def test_a_subclassed_models_layers_are_numbered_as_its_pass_calls_them():
+    """Numbered as `__init__` made them, the NaN origin named the input layer."""
+    model = HeadFirst()
+    x, y = make_data()
+    model(x[:2])
+    log = gradflow.GradientLog(model, stop_on_nonfinite=True)
+    shot = gradflow.snapshot(model, x, y, loss="mse")
+    gradients = [tf.fill(v.shape, np.nan) for v in model.trainable_variables]
+    with pytest.raises(FloatingPointError, match="from layer 'head' down"):
+        log.record(gradients, loss=float("nan"))
+    order = log.history.drop_duplicates("layer").set_index("layer")["layer_index"].to_dict()
+    assert order == {"stem": 0, "body": 1, "head": 2}
+    assert (
+        shot.weights.drop_duplicates("layer").set_index("layer")["layer_index"].to_dict() == order
+    )
+
+
+def test_a_layer_frozen_between_steps_is_followed():
+    """It said "holds 6 gradients, but there are 8 variables": the list of the first step."""
+    model = make_model()
+    log = gradflow.GradientLog(model)
+    log.record([tf.ones_like(v) for v in model.trainable_variables])
+    model.get_layer("d1").trainable = False
+    log.record([tf.ones_like(v) for v in model.trainable_variables])
+    layers = log.history.groupby("step")["layer"].unique().map(sorted).to_dict()
+    assert layers == {1: ["d0", "d1", "d2"], 2: ["d0", "d2"]}

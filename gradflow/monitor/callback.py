@@ -3,7 +3,6 @@
 import atexit
 import contextlib
 import dataclasses
-import itertools
 import math
 import os
 import sqlite3
@@ -34,7 +33,9 @@ from gradflow.monitor.buffer import STEP_METRICS
 from gradflow.monitor.outputs import check_outputs
 from gradflow.monitor.records import (
     RowLayout,
+    layer_history,
     layer_stats_frame,
+    layout_runs,
     loss_alone_message,
     metrics_frame,
     nonfinite_message,
@@ -1237,7 +1238,7 @@ class GradientMonitor(keras.callbacks.Callback):
         if self._frames is None:
             first = None if self.keep_steps is None else self._first_kept_step()
             blocks = self._kept_blocks(first)
-            history = _layer_history(blocks)
+            history = layer_history(blocks)
             if self._plan is not None and self._plan.activation_inputs:
                 # `gradflow.diagnose(monitor.history)` then compares the layers the monitor does.
                 history.attrs["layer_inputs"] = dict(self._plan.activation_inputs)
@@ -1248,7 +1249,7 @@ class GradientMonitor(keras.callbacks.Callback):
                     STEP_METRICS,
                     self._metric_names(),
                 )
-                for run in _layout_runs(blocks)
+                for run in layout_runs(blocks)
             ]
             if metric_frames:
                 step_metrics = pd.concat(metric_frames, ignore_index=True)
@@ -1447,7 +1448,7 @@ class GradientMonitor(keras.callbacks.Callback):
                 if keep.any():
                     context.append((steps[keep], stats[keep], None, None, layout))
         # else: no step before this fit's: its steps are read on their own.
-        history = _layer_history(context + new)
+        history = layer_history(context + new)
         if history.empty:
             return
         found = diagnose(history, self.rules, self._plan.activation_inputs or None)
@@ -1469,15 +1470,6 @@ def _steps_of(block, keep):
     return tuple(part if part is None else part[keep] for part in block[:4]) + block[4:]
 
 
-def _layout_runs(blocks):
-    """`(steps, stats, metrics, histograms, layout)` blocks in runs that share a layout.
-
-    Usually one run; a later `fit` of the same monitor may have other rows
-    (a layer frozen in between).
-    """
-    return [list(run) for _, run in itertools.groupby(blocks, key=lambda b: id(b[4]))]
-
-
 def _weight_layers(layout):
     """The layers with weight rows in `layout`, in row order."""
     rows = zip(layout.layers, layout.tensors, strict=True)
@@ -1493,20 +1485,6 @@ def _some(names, most=8):
     """`names` joined, at most `most` of them and how many more."""
     shown = ", ".join(names[:most])
     return shown if len(names) <= most else f"{shown} and {len(names) - most} more"
-
-
-def _layer_history(blocks):
-    """Tidy layer statistics (`schema.LAYER_STATS_COLUMNS`) of `_layout_runs`'s blocks."""
-    frames = [
-        layer_stats_frame(
-            np.concatenate([b[0] for b in run]), np.concatenate([b[1] for b in run]), run[0][4]
-        )
-        for run in _layout_runs(blocks)
-    ]
-    if not frames:
-        # Integer steps, as a table with rows and `.events` have them.
-        return pd.DataFrame(columns=list(schema.LAYER_STATS_COLUMNS)).astype({"step": "int64"})
-    return pd.concat(frames, ignore_index=True)
 
 
 # Tidy rows the diagnosis rules read at once at a `fit`'s end (about 60 MB of table).

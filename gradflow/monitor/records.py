@@ -8,6 +8,7 @@ a memory copy per read, not for pandas.
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import numpy as np
@@ -236,3 +237,26 @@ def loss_alone_message(step, loss):
         "or a huge output). The steps before show how the weights and gradients grew; a "
         "smaller learning rate, or inputs and targets scaled to about 1, usually mend it."
     )
+
+
+def layout_runs(blocks):
+    """`(steps, stats, metrics, histograms, layout)` blocks in runs that share a layout.
+
+    Usually one run; a later `fit` of the same monitor may have other rows
+    (a layer frozen in between).
+    """
+    return [list(run) for _, run in itertools.groupby(blocks, key=lambda b: id(b[4]))]
+
+
+def layer_history(blocks):
+    """Tidy layer statistics (`schema.LAYER_STATS_COLUMNS`) of `layout_runs`'s blocks."""
+    frames = [
+        layer_stats_frame(
+            np.concatenate([b[0] for b in run]), np.concatenate([b[1] for b in run]), run[0][4]
+        )
+        for run in layout_runs(blocks)
+    ]
+    if not frames:
+        # Integer steps, as a table with rows and `.events` have them.
+        return pd.DataFrame(columns=list(schema.LAYER_STATS_COLUMNS)).astype({"step": "int64"})
+    return pd.concat(frames, ignore_index=True)

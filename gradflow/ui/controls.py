@@ -199,7 +199,7 @@ def load_config_into_widgets(config, prefix="cfg"):
 
 
 def lab_config_of(info):
-    """The `RunConfig` a stored run was trained with, or None (a `GradientMonitor` run)."""
+    """The `RunConfig` a stored run was trained with, or None (a script's `GradientMonitor` or `GradientLog` run)."""
     if info is None or info.get("source") == "monitor":
         return None
     try:
@@ -355,9 +355,9 @@ def training_form(prefix="cfg", container=None, sync_url=True):
     opened = st.query_params.get("run")
     if sync_url and opened and st.session_state.get("_form_note") == opened:
         container.caption(
-            ":material/info: This run was recorded from a model of your own "
-            "(GradientMonitor). The settings below are not its settings: they are for a new "
-            "lab run."
+            ":material/info: This run was recorded from a model of your own (a script's "
+            "GradientMonitor or GradientLog). The settings below are not its settings: they "
+            "are for a new lab run."
         )
     # Above the settings, where the eye is when Start turns grey.
     problem = container.empty()
