@@ -559,3 +559,104 @@ def test_a_layer_frozen_between_steps_is_followed():
     log.record([tf.ones_like(v) for v in model.trainable_variables])
     layers = log.history.groupby("step")["layer"].unique().map(sorted).to_dict()
     assert layers == {1: ["d0", "d1", "d2"], 2: ["d0", "d2"]}
+
+
+def lso_loop(log_of, optimizer, poison_at, record_first=False, step_of=None):
+    """A mixed-precision loop: SGD under a LossScaleOptimizer, an overflow at `poison_at`.
+
+    Returns per step the gradients and the scale they were made with.
+    """
+    model = log_of.model
+    loss_fn = keras.losses.MeanSquaredError()
+    x, y = make_data()
+    seen = []
+    for step in range(1, 6):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y[:BATCH], model(x[:BATCH]))
+            scaled = optimizer.scale_loss(loss) * (np.inf if step == poison_at else 1.0)
+        gradients = tape.gradient(scaled, model.trainable_variables)
+        scale = float(optimizer.dynamic_scale.numpy()) if optimizer.built else 2.0**15
+        seen.append((gradients, scale))
+        number = None if step_of is None else step_of(optimizer)
+        if record_first:
+            log_of.record(gradients, loss=loss, step=number)
+        optimizer.apply(gradients, model.trainable_variables)
+        if not record_first:
+            number = None if step_of is None else step_of(optimizer)
+            log_of.record(gradients, loss=loss, step=number)
+    return seen
+
+
+def assert_unscaled(log, seen, steps):
+    for number, step in steps:
+        gradients, scale = seen[step - 1]
+        rows = log.history[log.history["step"] == number]
+        for g, (_, row) in zip(gradients, rows.iterrows(), strict=True):
+            np.testing.assert_allclose(row["l2_norm"], np.linalg.norm(g.numpy() / scale), rtol=2e-5)
+
+
+@pytest.mark.parametrize("record_first", [False, True], ids=["after apply", "before apply"])
+def test_mixed_precision_steps_numbered_by_the_optimizer_or_recorded_before_the_update(
+    record_first,
+):
+    """`step=optimizer.iterations` raised at the overflow (the count stays), and the next
+    good step read "skipped"; recorded before the update, the overflow was a divergence."""
+    model = make_model()
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01), initial_scale=2**15, dynamic_growth_steps=2
+    )
+    log = gradflow.GradientLog(model, optimizer=optimizer, stop_on_nonfinite=True)
+    if record_first:
+        seen = lso_loop(log, optimizer, poison_at=3, record_first=True)
+        recorded = [(1, 1), (2, 2), (4, 4), (5, 5)]
+    else:
+        seen = lso_loop(log, optimizer, poison_at=3, step_of=lambda o: int(o.iterations.numpy()))
+        recorded = [(1, 1), (2, 2), (3, 4), (4, 5)]  # numbered by the updates made
+    assert log.history["step"].unique().tolist() == [n for n, _ in recorded]
+    assert_unscaled(log, seen, recorded)
+    assert log.events["kind"].tolist() == ["info"]  # one skip, no divergence
+    assert seen[1][1] * 2 == seen[2][1]  # the scale grew after two good steps...
+    assert seen[3][1] == seen[2][1] / 2  # ...and the overflow halved it
+
+
+def test_updates_record_did_not_see_are_told_once():
+    model = make_model()
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2**15)
+    log = gradflow.GradientLog(model, optimizer=optimizer)
+    gradients = [tf.ones_like(v) for v in model.trainable_variables]
+    optimizer.apply(gradients, model.trainable_variables)
+    log.record(gradients)
+    for _ in range(2):
+        optimizer.apply(gradients, model.trainable_variables)
+    with pytest.warns(UserWarning, match="made 2 updates between two `record` calls"):
+        log.record(gradients)
+
+
+def test_a_learning_rate_set_by_hand_is_the_one_each_step_used():
+    """A warm-up that set the rate before each step read one step late."""
+    model = make_model()
+    optimizer = keras.optimizers.SGD(0.0)
+    log = gradflow.GradientLog(model, optimizer=optimizer)
+    train_step = loop_step(model, optimizer)
+    x, y = make_data()
+    for k in range(1, 4):
+        optimizer.learning_rate = 0.1 * k
+        loss, gradients = train_step(x[:BATCH], y[:BATCH])
+        log.record(gradients, loss=loss)
+    rates = log.metrics[log.metrics["name"] == "learning_rate"]["value"]
+    np.testing.assert_allclose(rates, [0.1, 0.2, 0.3], rtol=1e-6)
+
+
+def test_one_layer_frozen_and_another_of_its_shapes_unfrozen_is_followed():
+    """Same count, same shapes: the gradients went under the wrong layers."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(3, name="a"), keras.layers.Dense(3, name="b")]
+    )
+    model.get_layer("b").trainable = False
+    log = gradflow.GradientLog(model)
+    log.record([tf.ones_like(v) for v in model.trainable_variables])
+    model.get_layer("a").trainable, model.get_layer("b").trainable = False, True
+    log.record([tf.fill(v.shape, 2.0) for v in model.trainable_variables])
+    rows = log.history.groupby("step")["layer"].unique().map(list).to_dict()
+    assert rows == {1: ["a"], 2: ["b"]}

@@ -84,7 +84,19 @@ def test_the_escapers_leave_nothing_live():
     body = plain_message(error)
     assert body.startswith("`gradients[0]` has shape (1,): run `pip install x@1`; see \\[docs\\]")
     assert_inert(body.split("`; see ")[1], "")
-    assert plain_message("``a`b`` [x](y) `c") == "``a`b`` \\[x\\](y) `c"
+    assert plain_message("``a`b`` [x](y) `c") == "``a`b`` \\[x\\](y) \\`c"
+    # A span across lines never forms (markdown reads the blocks first): what it
+    # held was read as markdown, links and images live on the Live page.
+    for crafted in (
+        "`a\n\n[x](https://evil.example/a) ![i](https://evil.example/i.png)`",
+        "`a\r\r# [h](https://evil.example/h)`",
+        "`a\n> [q](https://evil.example/q)\n- [l](https://evil.example/l)`",
+        "`a\n===\n[s](https://evil.example/s)`",
+    ):
+        assert_inert(plain_message(crafted), "")
+    # The backtick left alone is escaped, so markdown pairs the others as this does: code.
+    crafted = "`a\n`[x](https://evil.example/u)`"
+    assert plain_message(crafted) == "\\`a\n`[x](https://evil.example/u)`"
 
 
 def test_a_crafted_link_is_refused_without_its_markdown():

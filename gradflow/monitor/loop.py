@@ -60,9 +60,10 @@ _SIZE_COLUMNS = 4
 assert ROW_COLUMNS[:_SIZE_COLUMNS] == ("max_abs", "l2_norm", "mean_abs", "std")
 
 
-class _Uses(typing.NamedTuple):
+class _Optimizer(typing.NamedTuple):
     learning_rate: float
     scale: float  # or None: no loss scaling
+    iterations: int
 
 
 _INSIDE_A_FUNCTION = (
@@ -214,9 +215,11 @@ class GradientLog:
         self._statistics = _Statistics(self.histograms)
         self._nonfinite_step = None
         self._status = None  # set when closed
-        # (learning rate, loss scale) the optimizer's next step will use: read
-        # after each step, as `record` is called after the update, for the next.
-        self._next_step_uses = self._optimizer_state()
+        # The optimizer as the last `record` (or this constructor) read it: the
+        # step after it is numbered, scaled and rated from it (`_used`).
+        self._optimizer_seen = self._read_optimizer()
+        self._told_unseen_updates = False
+        self._overflow_told = False  # a skip told from the gradients, before the update
         self._skipped = 0  # steps a LossScaleOptimizer skipped for overflow
         variables = self.variables or list(model.trainable_variables)
         if self.update_ratio and self.every == 1 and variables:
@@ -238,7 +241,10 @@ class GradientLog:
                 what `summarize` made of them inside the step (cheaper).
             loss: The step's loss (the batch mean), if any.
             step: The step's number; defaults to one more than the last.
-                Numbers must increase.
+                Numbers must increase (`optimizer.iterations` may be given:
+                a step a `LossScaleOptimizer` skips repeats it, and is not
+                recorded). Call `record` after every update, also those
+                `every` does not record: the optimizer is read at each call.
             **metrics: Other numbers of the step to keep with it
                 (`accuracy=...`, `d_loss=...`).
 
@@ -255,6 +261,24 @@ class GradientLog:
             raise RuntimeError(
                 f"This GradientLog was closed ({self._status}); make a new one to record more."
             )
+        now = self._read_optimizer()
+        last = self._optimizer_seen
+        lowered = (
+            now.scale is not None and now.iterations == last.iterations and now.scale < last.scale
+        )
+        if lowered and self._overflow_told:
+            # The overflow `record` saw before the update (its gradients): told then.
+            lowered = self._overflow_told = False
+        if lowered:
+            # A LossScaleOptimizer lowers its scale only when the gradients
+            # overflowed, and then skips the update (its step count stays):
+            # the loop trained nothing. Before `step` is checked: a loop that
+            # numbers by `optimizer.iterations` gives the same number again.
+            self._optimizer_seen, self._before = now, None
+            if step is None:
+                self._step += 1
+            self._note_skipped(self._step if step is None else step, last.scale)
+            return False
         step = self._step_of(step)
         summary = gradients if _is_summary(gradients) else None
         if summary is not None:
@@ -288,14 +312,8 @@ class GradientLog:
             loss_value = _number("loss", loss)
         if self._store is not None and self._writer is None:
             self._open_store()  # before anything changes: a store it cannot open records nothing
-        used, self._next_step_uses = self._next_step_uses, self._optimizer_state()
-        if used.scale is not None and self._next_step_uses.scale < used.scale:
-            # A LossScaleOptimizer lowers its scale only when the gradients
-            # overflowed, and then skips the update: the loop trained nothing.
-            self._step = step
-            self._before = None
-            self._note_skipped(step, used.scale)
-            return False
+        used = self._used(last, now, step)
+        self._optimizer_seen = now
         previous, self._step = self._step, step
         before = None
         if recorded and self.update_ratio and self._before is not None:
@@ -313,11 +331,11 @@ class GradientLog:
         self._record(step, present, tensors, variables, loss_value, loss is not None, before, used)
         return True
 
-    def _optimizer_state(self):
-        """The learning rate and loss scale (or None) the optimizer's next update will use."""
+    def _read_optimizer(self):
+        """What the optimizer holds now: its learning rate, loss scale and step count."""
         optimizer = self.optimizer
         if optimizer is None:
-            return _Uses(_NAN, None)
+            return _Optimizer(_NAN, None, 0)
         try:
             rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
         except (TypeError, ValueError):
@@ -329,7 +347,46 @@ class GradientLog:
                 scale = optimizer.dynamic_scale.numpy()
         elif getattr(optimizer, "loss_scale_factor", None):
             scale = optimizer.loss_scale_factor
-        return _Uses(rate, None if scale is None else float(scale))
+        iterations = int(keras.ops.convert_to_numpy(optimizer.iterations))
+        return _Optimizer(rate, None if scale is None else float(scale), iterations)
+
+    def _used(self, last, now, step):
+        """The learning rate and loss scale of this step's update, from the optimizer
+        as the last `record` and this one read it.
+
+        `record` follows the update: the step count went up by one since the
+        last `record`, the scale this step's gradients were multiplied by is
+        the one read then (the update may have doubled it since), and a
+        schedule's rate is its value at the count before the update. When
+        the count did not move (`record` called before the update), both
+        are those read now. When it moved by more (updates `record` did not
+        see), the scale read now is the best guess, and the user is told once.
+        """
+        moved = now.iterations - last.iterations
+        rate = now.learning_rate
+        schedule = self._schedule()
+        if schedule is not None:
+            at = now.iterations - 1 if moved > 0 else now.iterations
+            rate = float(keras.ops.convert_to_numpy(schedule(max(at, 0))))
+        scale = now.scale
+        if scale is not None and moved == 1:
+            scale = last.scale
+        elif scale is not None and moved > 1 and not self._told_unseen_updates:
+            self._told_unseen_updates = True
+            warn_user(
+                f"GradientLog: the optimizer made {moved} updates between two `record` calls "
+                f"(at step {step}): the gradients are unscaled by its loss scale as it is now, "
+                "which may be twice or half the one they were made with. Call `record` after "
+                "every update (with `every=` to record only some of them)."
+            )
+        return _Optimizer(rate, scale, now.iterations)
+
+    def _schedule(self):
+        optimizer = self.optimizer
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            optimizer = optimizer.inner_optimizer
+        rate = getattr(optimizer, "_learning_rate", None)
+        return rate if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) else None
 
     def _note_skipped(self, step, scale):
         self._skipped += 1
@@ -405,6 +462,15 @@ class GradientLog:
             rows, histograms, global_norm = self._statistics(
                 present, tensors, variables, before, scale
             )
+        if (
+            isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+            and scale > 1
+            and rows[:, _NONFINITE].any()
+        ):
+            # Recorded before the update: the LossScaleOptimizer will skip it.
+            self._note_skipped(step, scale)
+            self._overflow_told = True
+            return
         layout = self._layout(present, variables, step)
         stats = np.full([1, len(layout), len(ROW_COLUMNS)], _NAN, np.float32)
         stats[0, :, : rows.shape[1]] = rows
@@ -454,12 +520,21 @@ class GradientLog:
                     f"Model {self.model.name!r} has no trainable variables yet: build it (call "
                     "it on a batch) before the first `record`, or pass `variables=`."
                 )
-        if len(gradients) != len(self.variables) and not self._variables_given:
-            now = list(self.model.trainable_variables)
-            if len(now) == len(gradients):
+        if not self._variables_given:
+            now = self.model.trainable_variables
+            if len(now) != len(self.variables) or any(
+                a is not b for a, b in zip(now, self.variables, strict=True)
+            ):
                 # A layer frozen or unfrozen between two steps: the log follows
-                # `model.trainable_variables` as the loop's tape does.
-                self.variables, self._names, self._layouts, self._before = now, None, {}, None
+                # `model.trainable_variables` as the loop's tape does (by
+                # identity: one frozen and one of the same shapes unfrozen
+                # kept the count and put the gradients under the wrong layers).
+                self.variables, self._names, self._layouts, self._before = (
+                    list(now),
+                    None,
+                    {},
+                    None,
+                )
         if len(gradients) != len(self.variables):
             given = "`variables`" if self._variables_given else "trainable variables"
             raise ValueError(
@@ -863,20 +938,27 @@ def _call_order(model):
     which may be head first: numbered so, the non-finite origin (the layer
     nearest the loss) named the input layer, and heatmaps drew the head at
     the bottom. A `GradientLog` sees no batch, so the pass is traced (not
-    run) on the input shape the model was built with. Functional and
+    run) on the input shape the model was built with, once every layer is
+    built (so that the trace makes no variable). Functional and
     Sequential models already track their layers in call order; a model
     built on several inputs, or whose trace fails, keeps its tracking order.
     """
     from keras.src.models.functional import Functional
 
-    from gradflow.probe.capture import record_layer_outputs
+    from gradflow.probe.capture import leaf_layers, record_layer_outputs
 
     shapes = getattr(model, "_build_shapes_dict", None)
     if isinstance(model, (Functional, keras.Sequential)) or not shapes or len(shapes) != 1:
         return ()
     shape = next(iter(shapes.values()))
+    if not isinstance(shape, (tuple, list)) or not all(
+        layer.built for _, layer in leaf_layers(model)
+    ):
+        # A dict of inputs; or a layer the trace would build, making its variables there.
+        return ()
     try:
-        spec = tf.TensorSpec([None, *list(shape)[1:]], tf.float32)
+        # The build shape as it is: a stateful RNN needs its batch size.
+        spec = tf.TensorSpec(shape, tf.float32)
 
         def forward(x):
             return model(x, training=False)

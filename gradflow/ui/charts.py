@@ -71,11 +71,15 @@ def plain_message(text):
     return "".join(parts)
 
 
-_CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`).+?(?<!`)\1(?!`)", re.DOTALL)
+# On one line only: markdown reads the blocks (paragraphs, headings, quotes,
+# lists) before the spans, so a span across lines may never form, and what
+# it held would be read as markdown.
+_CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)[^\r\n]+?(?<!`)\1(?!`)")
 
 
 def _escaped_message(text):
-    text = _MESSAGE_SPECIALS.sub(r"\\\1", _unlinked(text))
+    # Backticks outside the spans too: markdown must not pair them otherwise.
+    text = _MESSAGE_SPECIALS.sub(r"\\\1", _unlinked(text)).replace("`", "\\`")
     return _LINE_STARTS.sub(r"\1\\\2", text)
 
 
