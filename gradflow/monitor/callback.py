@@ -2,7 +2,6 @@
 
 import atexit
 import contextlib
-import dataclasses
 import math
 import os
 import sqlite3
@@ -30,7 +29,7 @@ from gradflow.checks import (
 from gradflow.diagnosis import context_start, diagnose, look_back, no_gradient_message
 from gradflow.monitor import through_time, trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS
-from gradflow.monitor.outputs import check_outputs
+from gradflow.monitor.outputs import check_outputs, run_config
 from gradflow.monitor.records import (
     RowLayout,
     layer_history,
@@ -1284,19 +1283,17 @@ class GradientMonitor(keras.callbacks.Callback):
             self._store = store
         ended_as = None
         if self.run_id is None:
-            model = self.model
-            config = {
-                "model": model.name,
-                "optimizer": type(model.optimizer).__name__,
-                "every": self.every,
-                "activations": self.activations,
-                "histograms": self.histograms,
-                "through_time": self.through_time,
-            }
-            if self.rules is not None:
-                # The dashboard and the exports run the rules again on the
-                # stored statistics: with the thresholds this monitor used.
-                config["alert_rules"] = dataclasses.asdict(self.rules)
+            # The dashboard and the exports run the rules again on the stored
+            # statistics: with the thresholds this monitor used (`alert_rules`).
+            config = run_config(
+                self.model,
+                self.model.optimizer,
+                self.every,
+                self.histograms,
+                self.rules,
+                activations=self.activations,
+                through_time=self.through_time,
+            )
             # The step the run ends at: a model trained before starts past 0.
             self.run_id = store.create_run(
                 config,

@@ -11,7 +11,6 @@ second forward or backward pass.
 
 import atexit
 import contextlib
-import dataclasses
 import math
 import os
 import sqlite3
@@ -34,7 +33,7 @@ from gradflow.checks import (
 )
 from gradflow.diagnosis import diagnose, no_gradient_message
 from gradflow.monitor.buffer import ROW_COLUMNS, STEP_METRICS
-from gradflow.monitor.outputs import check_outputs
+from gradflow.monitor.outputs import check_outputs, run_config
 from gradflow.monitor.records import (
     RowLayout,
     layer_history,
@@ -60,10 +59,18 @@ _SIZE_COLUMNS = 4
 assert ROW_COLUMNS[:_SIZE_COLUMNS] == ("max_abs", "l2_norm", "mean_abs", "std")
 
 
-class _Optimizer(typing.NamedTuple):
-    learning_rate: float
-    scale: float  # or None: no loss scaling
+class _Seen(typing.NamedTuple):
+    """What a `record` read of the optimizer: its loss scale (None: none) and step count."""
+
+    scale: float
     iterations: int
+
+
+class _Uses(typing.NamedTuple):
+    """The learning rate and loss scale (None: none) of one step's update."""
+
+    learning_rate: float
+    scale: float
 
 
 _INSIDE_A_FUNCTION = (
@@ -312,7 +319,6 @@ class GradientLog:
             loss_value = _number("loss", loss)
         if self._store is not None and self._writer is None:
             self._open_store()  # before anything changes: a store it cannot open records nothing
-        used = self._used(last, now, step)
         self._optimizer_seen = now
         previous, self._step = self._step, step
         before = None
@@ -328,18 +334,15 @@ class GradientLog:
             self._add_metrics(step, extra)
         if not recorded:
             return False
+        used = self._used(last, now, step)  # the rate only for steps recorded
         self._record(step, present, tensors, variables, loss_value, loss is not None, before, used)
         return True
 
     def _read_optimizer(self):
-        """What the optimizer holds now: its learning rate, loss scale and step count."""
+        """What the optimizer holds now: its loss scale and step count (at every call)."""
         optimizer = self.optimizer
         if optimizer is None:
-            return _Optimizer(_NAN, None, 0)
-        try:
-            rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
-        except (TypeError, ValueError):
-            rate = _NAN
+            return _Seen(None, 0)
         scale = None
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             scale = optimizer.initial_scale
@@ -348,7 +351,7 @@ class GradientLog:
         elif getattr(optimizer, "loss_scale_factor", None):
             scale = optimizer.loss_scale_factor
         iterations = int(keras.ops.convert_to_numpy(optimizer.iterations))
-        return _Optimizer(rate, None if scale is None else float(scale), iterations)
+        return _Seen(None if scale is None else float(scale), iterations)
 
     def _used(self, last, now, step):
         """The learning rate and loss scale of this step's update, from the optimizer
@@ -363,11 +366,18 @@ class GradientLog:
         see), the scale read now is the best guess, and the user is told once.
         """
         moved = now.iterations - last.iterations
-        rate = now.learning_rate
         schedule = self._schedule()
         if schedule is not None:
             at = now.iterations - 1 if moved > 0 else now.iterations
             rate = float(keras.ops.convert_to_numpy(schedule(max(at, 0))))
+        elif self.optimizer is None:
+            rate = _NAN
+        else:
+            # A plain rate (set by hand, perhaps, before this step): as it is now.
+            try:
+                rate = float(keras.ops.convert_to_numpy(self.optimizer.learning_rate))
+            except (TypeError, ValueError):
+                rate = _NAN
         scale = now.scale
         if scale is not None and moved == 1:
             scale = last.scale
@@ -379,7 +389,7 @@ class GradientLog:
                 "which may be twice or half the one they were made with. Call `record` after "
                 "every update (with `every=` to record only some of them)."
             )
-        return _Optimizer(rate, scale, now.iterations)
+        return _Uses(rate, scale)
 
     def _schedule(self):
         optimizer = self.optimizer
@@ -637,17 +647,14 @@ class GradientLog:
 
             store = RunStore(store)
             self._store = store
-        config = {
-            "model": self.model.name,
-            "optimizer": None if self.optimizer is None else type(self.optimizer).__name__,
-            "every": self.every,
-            "activations": False,
-            "histograms": self.histograms,
-            "through_time": False,
-            "recorded_by": "GradientLog",
-        }
-        if self.rules is not None:
-            config["alert_rules"] = dataclasses.asdict(self.rules)
+        config = run_config(
+            self.model,
+            self.optimizer,
+            self.every,
+            self.histograms,
+            self.rules,
+            recorded_by="GradientLog",
+        )
         self.run_id = store.create_run(
             config, name=self.run_name, source="monitor", total_steps=self.total_steps
         )

@@ -4,6 +4,7 @@ Here, not at the first step in SQLite's or TensorFlow's words, which name
 neither the argument nor the value.
 """
 
+import dataclasses
 import os
 
 from gradflow.diagnosis import Thresholds
@@ -50,3 +51,41 @@ def check_outputs(store, run_name, tensorboard_dir, rules):
             "`rules` must be a gradflow.diagnosis.Thresholds or None, got "
             f"{type(rules).__name__} {rules!r}: e.g. `rules=Thresholds(vanishing_norm=1e-6)`."
         )
+
+
+def run_config(
+    model,
+    optimizer,
+    every,
+    histograms,
+    rules,
+    activations=False,
+    through_time=False,
+    recorded_by=None,
+):
+    """The settings stored with a script's run (`RunStore.create_run`'s `config`).
+
+    The dashboard and the exports read them: `alert_rules` runs the rules
+    again with the thresholds the run used, `histograms` chooses a page's
+    hint, `recorded_by` (`"GradientLog"`) names the class in it.
+
+    Args:
+        model: The Keras model recorded.
+        optimizer: Its optimizer, or None.
+        every, histograms, activations, through_time: The recorder's options.
+        rules: A `gradflow.diagnosis.Thresholds`, or None for the defaults.
+        recorded_by: The recording class's name, if not `GradientMonitor`.
+    """
+    config = {
+        "model": model.name,
+        "optimizer": None if optimizer is None else type(optimizer).__name__,
+        "every": every,
+        "activations": activations,
+        "histograms": histograms,
+        "through_time": through_time,
+    }
+    if recorded_by is not None:
+        config["recorded_by"] = recorded_by
+    if rules is not None:
+        config["alert_rules"] = dataclasses.asdict(rules)
+    return config
