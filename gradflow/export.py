@@ -335,13 +335,16 @@ def _json_safe(value):
     return str(value)
 
 
-def lesson_pack(charts, config=None, title="gradflow lesson pack", alerts=None, run_info=None):
+def lesson_pack(
+    charts, config=None, title="gradflow lesson pack", alerts=None, run_info=None, metrics=None
+):
     """A zip for a lesson: figures (PNG + HTML), data CSVs, config and README.
 
     Layout: `README.txt`, `config.json`, `figures/<name>.png`,
-    `figures/<name>.html`, `data/<name>.csv`, and with `alerts`
+    `figures/<name>.html`, `data/<name>.csv`, with `alerts`
     `data/alerts.csv`, whose first messages the README quotes (what the
-    dashboard's Alerts view said: a handout says what went wrong too).
+    dashboard's Alerts view said: a handout says what went wrong too), and
+    with `metrics` `data/all_metrics.csv`.
 
     Example:
 
@@ -361,6 +364,9 @@ def lesson_pack(charts, config=None, title="gradflow lesson pack", alerts=None, 
             the README then says how the run ended (completed, stopped or
             diverged, at which step of how many) and how often it recorded,
             so a pack of a stopped run does not read as a finished one.
+        metrics: every metric value of the run (`every_metric`: `run, step,
+            name, value, block`), or None (default) to leave it out: a
+            chart draws some metrics, decimated on a long run.
 
     Returns:
         The zip file as bytes.
@@ -403,6 +409,9 @@ def lesson_pack(charts, config=None, title="gradflow lesson pack", alerts=None, 
             alerts = alerts_in_order(alerts)
             archive.writestr("data/alerts.csv", to_csv(alerts))
             readme += _alerts_readme(alerts)
+        if metrics is not None:
+            archive.writestr("data/all_metrics.csv", to_csv(metrics))
+            readme += [_ALL_METRICS_README, ""]
         readme += [
             "config.json: the settings of the run.",
             "The HTML files are interactive (zoom, hover) and work offline.",
@@ -573,7 +582,7 @@ def merge_alerts(stored, found):
     return pd.concat(parts, ignore_index=True)
 
 
-def run_charts(layer_stats, metrics, presentation=False, run=None, histograms=None):
+def run_charts(layer_stats, metrics, presentation=False, run=None, histograms=None, per_step=False):
     """The standard figures of one run, keyed by file-friendly name.
 
     Heatmaps of `max_abs` and `l2_norm` (kernels, or all weights when the
@@ -593,6 +602,9 @@ def run_charts(layer_stats, metrics, presentation=False, run=None, histograms=No
             or None (default). With some, the kernel histograms of the
             layers nearest the input and the output are added: side by side
             they show gradients shrinking (or growing) with depth.
+        per_step: True for a training loop's run (`loop_run`): its metrics
+            are drawn as the loop passed them, the loss and its own
+            (`figures.metrics_chart(per_step=True)`). Default False.
 
     Returns:
         A dict name -> `Chart`, possibly empty.
@@ -642,13 +654,65 @@ def run_charts(layer_stats, metrics, presentation=False, run=None, histograms=No
             layer_stats, tensor=schema.TIME_STEP, presentation=presentation
         )
     if len(metrics):
-        chart = figures.metrics_chart(metrics, presentation=presentation)
+        chart = figures.metrics_chart(metrics, per_step=per_step, presentation=presentation)
         if len(chart.data):
             charts["metrics"] = chart
     charts.update(_histogram_charts(histograms, presentation))
     if run is not None:
         charts = {name: chart.for_run(run) for name, chart in charts.items()}
     return charts
+
+
+def loop_run(info):
+    """Whether a run (`RunStore.run_info`) was recorded by a training loop's `GradientLog`.
+
+    Its metrics are each recorded step's own numbers, as the loop passed
+    them, with names of its own (a GAN's `d_loss`, `g_loss`); a `model.fit`
+    run's compiled metrics are Keras's running means over an epoch.
+    """
+    config = (info or {}).get("config")
+    return (
+        (info or {}).get("source") == "monitor"
+        and isinstance(config, dict)
+        and config.get("recorded_by") == "GradientLog"
+    )
+
+
+_ALL_METRICS_README = (
+    "data/all_metrics.csv: every metric the run recorded, at every recorded step "
+    "(data/metrics.csv holds what its chart draws)."
+)
+
+
+def every_metric(metrics, chart=None, run=None):
+    """Every metric value of a run, long, in the columns of the metrics chart's CSV.
+
+    A run's metrics chart draws some of them (the loss and accuracy, or a
+    loop's loss and first few), each block's lowest and highest on a long
+    run: its CSV alone lost the rest (the learning rate, a GAN's third
+    metric, most of a long run's steps).
+
+    Args:
+        metrics: the run's long metrics (`step, name, value`).
+        chart: the run's metrics `Chart`, or None. Given, and its CSV already
+            holds every value, None is returned (nothing more to write).
+        run: the run's name for a leading `run` column, or None (default).
+
+    Returns:
+        A DataFrame `[run,] step, name, value, block` (`block` 1: each row
+        is one recorded value), or None.
+    """
+    if metrics is None or not len(metrics):
+        return None
+    every = metrics.loc[:, list(schema.METRICS_COLUMNS)].reset_index(drop=True)
+    if chart is not None and len(chart.data):
+        drawn = chart.data
+        if set(every["name"]) <= set(drawn["name"]) and (drawn["block"] == 1).all():
+            return None
+    every["block"] = 1
+    if run is not None:
+        every.insert(0, "run", str(run))
+    return every
 
 
 def recorded(layer_stats, column):
@@ -709,6 +773,10 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
     Returns:
         A list of the `pathlib.Path`s written, named
         `<run name>_<run id>_<figure>.<fmt>` (or `<run name>_<run id>_lesson.zip`).
+        CSV adds `<run name>_<run id>_all_metrics.csv`, and a lesson pack
+        `data/all_metrics.csv`, when the metrics chart's CSV is not every
+        metric value recorded (`every_metric`): a loop's own metrics beyond
+        the chart's panels, the learning rate, a long run's every step.
 
     Raises:
         ValueError: if `fmt` is not an export format, or `store` is a path
@@ -721,12 +789,14 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
     store = _store_of(store)
     info = store.run_info(run_id) or {}
     layer_stats = store.layer_stats(run_id)
+    metrics = store.metrics(run_id)
     charts = run_charts(
         layer_stats,
-        store.metrics(run_id),
+        metrics,
         presentation=presentation,
         run=info.get("name") or run_id,
         histograms=store.histograms(run_id),
+        per_step=loop_run(info),
     )
     if not charts:
         still = " yet" if info.get("status") in ("queued", "running", "paused") else ""
@@ -740,6 +810,8 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
     # The run's id after its name: two runs of one name (a repeat with another
     # seed) exported to one folder overwrote each other's files.
     base = file_stem(run_id, info.get("name") or "run")
+    # What the metrics chart's CSV does not hold: every metric, every step.
+    all_metrics = every_metric(metrics, charts.get("metrics"), info.get("name") or run_id)
 
     if fmt == "zip":
         title = f"gradflow lesson pack: {info.get('name') or run_id}"
@@ -758,6 +830,7 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
                         run_layer_inputs(info.get("config")),
                     ),
                     run_info=info,
+                    metrics=all_metrics,
                 ),
             )
         ]
@@ -767,7 +840,10 @@ def export_run(store, run_id, fmt, out_dir, *, presentation=True):
         payloads = [to_html(chart) for chart in charts.values()]
     else:
         payloads = [to_csv(chart) for chart in charts.values()]
-    return [
+    written = [
         _write(out_dir, f"{base}_{name}.{fmt}", payload)
         for name, payload in zip(charts, payloads, strict=True)
     ]
+    if fmt == "csv" and all_metrics is not None:
+        written.append(_write(out_dir, f"{base}_all_metrics.csv", to_csv(all_metrics)))
+    return written

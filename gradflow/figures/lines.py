@@ -260,11 +260,48 @@ def block_means(steps, values, block):
 
 _LOSS_AND_ACCURACY = ("loss", "accuracy")
 
+# The most panels a loop's metrics get side by side (the loss and three of its own):
+# beyond four, each panel of a half-width chart was too narrow to read.
+MOST_LOOP_PANELS = 4
+
+
+def loop_metric_names(metrics):
+    """The panels of a training loop's own metrics: the loss first, then the loop's, in order.
+
+    A `GradientLog` run keeps, at each recorded step, the loss and any
+    keyword the loop gave `record` (a GAN's `d_loss`, `g_loss`; a reward).
+    The numbers gradflow records itself (learning rate, global norm) are
+    left out; a `val_<name>` goes in the panel of `<name>`. Ordered by the
+    step each first appears at (so panels do not move as a run grows).
+
+    Args:
+        metrics: long DataFrame with columns `step, name, value`.
+
+    Returns:
+        A list of panel names; empty when the run recorded none.
+    """
+    check_metrics(metrics)
+    first = metrics.sort_values("step", kind="stable").drop_duplicates("name")["name"]
+    gradflows = _PER_STEP - {"loss"}
+    panels = []
+    for name in first:
+        if not isinstance(name, str):
+            continue
+        # `val_d_loss` is drawn dashed in the panel of `d_loss` (`metrics_chart`).
+        base = name[len("val_") :] if name.startswith("val_") and len(name) > 4 else name
+        if base not in panels and base not in gradflows:
+            panels.append(base)
+    if "loss" in panels:
+        panels.remove("loss")
+        panels.insert(0, "loss")
+    return panels
+
 
 def metrics_chart(
     metrics,
     names=_LOSS_AND_ACCURACY,
     *,
+    per_step=False,
     log_loss=False,
     max_points=decimate.DEFAULT_MAX_COLUMNS,
     title=None,
@@ -281,11 +318,21 @@ def metrics_chart(
     ```python
     chart = metrics_chart(run.metrics)                  # loss | accuracy
     chart = metrics_chart(run.metrics, ["global_norm"])
+    chart = metrics_chart(log.metrics, per_step=True)   # loss | d_loss | g_loss
     ```
 
     Args:
         metrics: long DataFrame with columns `step, name, value`.
-        names: metric names, one panel each. Default `("loss", "accuracy")`.
+        names: metric names, one panel each. Default `("loss", "accuracy")`;
+            with `per_step`, the default is the loss and the loop's own
+            metrics (`loop_metric_names`), `MOST_LOOP_PANELS` panels at most
+            (the description names those left out).
+        per_step: True for a run whose metrics are each step's own numbers,
+            as a training loop passed them (`GradientLog.record(loss=...,
+            d_loss=...)`), not Keras's running mean over an epoch: their
+            panels are titled by name alone, and the description says so.
+            Default False (a `model.fit` run: compiled metrics are running
+            means).
         log_loss: log y axis for `loss` panels. Default False.
         max_points: about this many points per line at most. Default 1000.
         title: figure title, or None (default).
@@ -299,7 +346,12 @@ def metrics_chart(
     """
     check_metrics(metrics)
     log_loss = checks.flag("log_loss", log_loss)
+    per_step = checks.flag("per_step", per_step)
     asked = names is not _LOSS_AND_ACCURACY  # the defaults draw what there is
+    left_out = []
+    if per_step and not asked:
+        names = loop_metric_names(metrics) or ["loss"]
+        names, left_out = names[:MOST_LOOP_PANELS], names[MOST_LOOP_PANELS:]
     names = (names,) if isinstance(names, str) else names
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
         raise ValueError(f"`names` must be a metric's name or a list of them, got {names!r}.")
@@ -311,16 +363,31 @@ def metrics_chart(
             f"`names` must be metrics the run recorded, got {unknown!r}; it recorded "
             f"{sorted(recorded)}."
         )
-    plain_title = title or " and ".join(panels or list(names)) + " over training"
-    description = (
-        "Training (solid) and validation (dashed) "
-        + ", ".join(panels or list(names))
-        + " per step (on a long run, each block of steps as its lowest and highest value; "
-        "the CSV's `block` column numbers the blocks). Training metrics other than the loss "
-        "are Keras's running mean over "
-        "the epoch so far (they jump at each new epoch); validation is measured after each "
-        "epoch."
-    )
+    shown = panels or list(names)
+    if per_step:
+        plain_title = title or _listed(shown) + " over training"
+        description = (
+            _listed(shown)
+            + " per recorded step, as your loop passed it (validation dashed, where given; on "
+            "a long run, each block of steps as its lowest and highest value; the CSV's "
+            "`block` column numbers the blocks)."
+        )
+        if left_out:
+            description += (
+                f" Not drawn ({MOST_LOOP_PANELS} panels at most): {', '.join(left_out)}; "
+                "`gradflow export --format csv` writes every metric."
+            )
+    else:
+        plain_title = title or " and ".join(shown) + " over training"
+        description = (
+            "Training (solid) and validation (dashed) "
+            + ", ".join(shown)
+            + " per step (on a long run, each block of steps as its lowest and highest value; "
+            "the CSV's `block` column numbers the blocks). Training metrics other than the loss "
+            "are Keras's running mean over "
+            "the epoch so far (they jump at each new epoch); validation is measured after each "
+            "epoch."
+        )
     pieces = []
     if not panels:
         empty = pd.DataFrame(
@@ -337,7 +404,7 @@ def metrics_chart(
         figure=style.new_figure(),
         rows=1,
         cols=len(panels),
-        subplot_titles=[style.escape_label(_panel_title(p)) for p in panels],
+        subplot_titles=[style.escape_label(p if per_step else _panel_title(p)) for p in panels],
     )
     for col, panel in enumerate(panels, start=1):
         for name, dash, color in (
@@ -425,3 +492,9 @@ def _panel_title(name):
     jump: only the page's caption said why.
     """
     return name if name in _PER_STEP else f"{name} (running mean over each epoch)"
+
+
+def _listed(names):
+    """`"a"`, `"a and b"`, `"a, b and c"`."""
+    names = list(names)
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
