@@ -41,6 +41,7 @@ from gradflow.monitor.records import (
     nonfinite_origin,
     unrecorded_time_steps,
 )
+from gradflow.monitor.remote import DashboardRequests, stopped_message
 from gradflow.monitor.step import (
     StepPlan,
     clipping_optimizer,
@@ -279,6 +280,8 @@ class GradientMonitor(keras.callbacks.Callback):
         self.rules = rules
         self._store = store
         self._writer = None
+        # The dashboard's Pause/Stop for a run this monitor made (`_open_store`).
+        self._requests = None
         # (writer, status, message) of a run whose end the store could not
         # take (a full disk): `flush()` tries again.
         self._unwritten = []
@@ -317,6 +320,7 @@ class GradientMonitor(keras.callbacks.Callback):
         state = dict(self.__dict__)
         state["_last_optimizer"] = None
         state["_unwritten"] = []  # a writer's connection and thread stay with this monitor
+        state["_requests"] = None
         return state
 
     # Results -----------------------------------------------------------------
@@ -683,6 +687,8 @@ class GradientMonitor(keras.callbacks.Callback):
             or (self.stop_on_nonfinite and not _is_finite(logs.get("loss", 0.0)))
         ):
             self._collect()
+        if self._requests is not None and self._requests.check() == "stop":
+            self.model.stop_training = True
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._first_epoch is None:
@@ -769,8 +775,11 @@ class GradientMonitor(keras.callbacks.Callback):
                 ),
                 None,
             )
+        elif self._requests is not None and self._requests.stopped:
+            status, message = "stopped", stopped_message(self._current_step())
         else:
             message = self._ended_early()
+        self._requests = None
         if self._writer is not None:
             # With `every=50` a 60-step run's last recorded step is 50: it read
             # "Completed · step 50 / 60", as if 10 steps had been lost.
@@ -1309,6 +1318,14 @@ class GradientMonitor(keras.callbacks.Callback):
             store.set_status(self.run_id, "running", pid=os.getpid())
             store.set_total_steps(self.run_id, self._final_numbered_step())
         self._writer = store.writer(self.run_id)
+        # The Live page's Pause, Step once and Stop reach a run this monitor
+        # made: it trains here, in the user's process. (A run given by
+        # `run_id` has an owner that takes them: the lab's `RunControl`.)
+        self._requests = (
+            DashboardRequests(store, self.run_id, on_pause=self.flush)
+            if self._created_run and self.close_run
+            else None
+        )
         if ended_as in _ENDED_AS:
             # Else the run read "completed" at the end, as if nothing had happened.
             step = self._current_step()

@@ -43,6 +43,7 @@ from gradflow.monitor.records import (
     nonfinite_message,
     nonfinite_origin,
 )
+from gradflow.monitor.remote import DashboardRequests, stopped_message
 from gradflow.monitor.step import WeightSegments
 from gradflow.monitor.tensorboard import SummaryWriter
 from gradflow.probe.naming import layer_order, variable_names
@@ -117,6 +118,21 @@ class GradientLog:
     after a Ctrl-C, failed with the error. A log left open is closed when
     the script ends, the same way, except that an exit hook cannot tell
     `sys.exit(1)` from a clean end (it reads completed).
+
+    With a `store`, the dashboard's Live page can pause the loop (held inside
+    `record`, between two steps), step it once and stop it, after its
+    **Take control**. A loop cannot be stopped from outside as `fit` can:
+    Stop sets `log.stop_training`, which the loop reads to end (as `fit`
+    reads `model.stop_training`), and the run then closes as stopped.
+
+    ```python
+    with log:
+        for x, y in dataset:
+            loss, gradients = train_step(x, y)
+            log.record(gradients, loss=loss)
+            if log.stop_training:  # Stop, pressed on the dashboard
+                break
+    ```
 
     A GAN's two networks take two logs (two runs, which the dashboard's
     Compare page shows side by side), or one log of the combined model with
@@ -235,6 +251,10 @@ class GradientLog:
             self._before = (0, [tf.convert_to_tensor(v) for v in variables])
         self._message = None
         self._frames = None
+        self._requests = None  # the dashboard's Pause/Stop, once the run is in a store
+        self.stop_training = False
+        self._stopped_at = None  # the step after which the dashboard's Stop came
+        self._told_stop = False
 
     # -- recording ---------------------------------------------------------
 
@@ -262,6 +282,28 @@ class GradientLog:
             FloatingPointError: with `stop_on_nonfinite`, at the first step
                 whose gradients or loss hold NaN/Inf.
         """
+        recorded = self._record_step(gradients, loss, step, metrics)
+        if self._requests is None:
+            return recorded
+        if self._stopped_at is not None and not self._told_stop:
+            # A loop that reads the flag only now and then (at an epoch's
+            # end) trains on a while: the page says why the run still runs.
+            self._told_stop = True
+            self._add_event(
+                self._step,
+                None,
+                "info",
+                "Stop was pressed on the dashboard: the loop trains on until it reads "
+                "`log.stop_training`.",
+            )
+        elif self._stopped_at is None and self._requests.check() == "stop":
+            # Pause (held in `check`, between two steps), Step once and Stop
+            # from the dashboard's Live page.
+            self.stop_training = True
+            self._stopped_at = self._step
+        return recorded
+
+    def _record_step(self, gradients, loss, step, metrics):
         if tf.inside_function():
             raise RuntimeError(_INSIDE_A_FUNCTION)
         if self._status is not None:
@@ -659,6 +701,7 @@ class GradientLog:
             config, name=self.run_name, source="monitor", total_steps=self.total_steps
         )
         self._writer = store.writer(self.run_id)
+        self._requests = DashboardRequests(store, self.run_id, on_pause=self._writer.flush)
         _OPEN.add(self)
 
     @contextlib.contextmanager
@@ -724,8 +767,13 @@ class GradientLog:
                 again once the store is mended.
         """
         if self._status is None:
-            if status is None:
-                status = "diverged" if self._nonfinite_step is not None else "completed"
+            if status is None and self._nonfinite_step is not None:
+                status = "diverged"
+            elif status is None and self._stopped_at is not None:
+                status = "stopped"
+                message = message or stopped_message(self._stopped_at)
+            elif status is None:
+                status = "completed"
             if status not in _STATUSES:
                 raise ValueError(f"`status` must be one of {_STATUSES}, got {status!r}.")
             self._status = status

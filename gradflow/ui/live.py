@@ -180,8 +180,9 @@ def _live(config):
             st.session_state.pop(_CURRENT, None)
             st.query_params.pop("run", None)
     status = info["status"] if info else None
-    control_buttons(config, run_id, status)
-    _follow_speed_limit(config, run_id, status)
+    script = _recorded_by(info) if info else None
+    control_buttons(config, run_id, status, script)
+    _follow_speed_limit(config, run_id, status, script)
     paces = [_trainer_readiness(status)]
     if run_id is not None and info is None:
         st.warning("That run no longer exists (or the link is wrong).")
@@ -192,8 +193,17 @@ def _live(config):
     tick_after(min(paces) if paces else None)
 
 
-def control_buttons(config, run_id, status):
-    """Start training / Pause / Stop / Step once for this session's run."""
+def control_buttons(config, run_id, status, script=None):
+    """Start training / Pause / Stop / Step once for this session's run.
+
+    Args:
+        config: The form's `RunConfig`, or None while it is invalid.
+        run_id: The open run, or None.
+        status: Its status, or None.
+        script: `"GradientMonitor"` or `"GradientLog"` for a run a script
+            records (it obeys the buttons in the script's own process, after
+            **Take control**), else None.
+    """
     store = resources.run_store()
     start, pause, stop, step = st.columns([2, 1, 1, 1])
     # A callback runs before the script: the click costs one run, not two.
@@ -229,8 +239,10 @@ def control_buttons(config, run_id, status):
     if watched:
         note, take = st.columns([4, 1])
         note.caption(
-            "This run was started in another tab or by someone else: watching it here does "
-            "not pause or stop it."
+            _SCRIPT_WATCHED.format(script=script)
+            if script
+            else "This run was started in another tab or by someone else: watching it here "
+            "does not pause or stop it."
         )
         take.button(
             "Take control",
@@ -239,6 +251,8 @@ def control_buttons(config, run_id, status):
             # Before the fragment runs again, so that the buttons above are on in that run.
             on_click=lambda: st.session_state.setdefault(_STARTED, set()).add(run_id),
         )
+    elif script == "GradientLog" and status in ACTIVE:
+        st.caption(_LOG_STOP)
     if config is None and controls.form_problem():
         # Also here, beside the grey button: the sidebar's message may be far
         # above the box that caused it, out of view.
@@ -248,12 +262,25 @@ def control_buttons(config, run_id, status):
         )
 
 
+# A script's run is the user's own more often than a classmate's: say what
+# taking control does to it.
+_SCRIPT_WATCHED = (
+    "This run trains in a script (`{script}`). **Take control** to pause, step or stop it from "
+    "here: the script waits while it is paused."
+)
+# Stop cannot end a hand-written loop from outside, as it ends `fit`.
+_LOG_STOP = (
+    "Stop sets `log.stop_training` in the script: its loop ends when it reads it "
+    "(`if log.stop_training: break`)."
+)
+
+
 def _started_here(run_id):
     """Whether this browser session started the run, or took control of it."""
     return run_id in st.session_state.get(_STARTED, ())
 
 
-def _follow_speed_limit(config, run_id, status):
+def _follow_speed_limit(config, run_id, status, script=None):
     """Send a Speed limit moved during the page's own run to that run.
 
     A teacher slows a run down in the middle of a demo to talk over a
@@ -265,8 +292,8 @@ def _follow_speed_limit(config, run_id, status):
     st.session_state[_PACE_SHOWN] = config.pace
     if config.pace == before or status not in ACTIVE:
         return
-    if not _started_here(run_id):
-        st.toast("The new **Speed limit** is for the runs you start: this one is watched here.")
+    if not _started_here(run_id) or script:
+        st.toast("The new **Speed limit** is for the runs you start here: this one is not.")
         return
     resources.run_store().request_pace(run_id, config.pace)
     speed = "full speed" if config.pace is None else f"at most {config.pace:g} steps a second"
@@ -645,8 +672,15 @@ def _charts(info, cache, key):
         if cache.metrics.empty:
             st.caption("No metrics recorded yet.")
         else:
+            # A loop's run (GradientLog): its own metrics too (a GAN's d_loss,
+            # g_loss), each step's number as the loop passed it, not Keras's
+            # running mean; the chart's caption names any left out.
             show_live_chart(
-                figures.metrics_chart(cache.metrics, presentation=presentation),
+                figures.metrics_chart(
+                    cache.metrics,
+                    per_step=_recorded_by(info) == "GradientLog",
+                    presentation=presentation,
+                ),
                 f"{key}.metrics",
                 run=run,
             )
@@ -737,6 +771,8 @@ def lesson_pack_of(info, cache):
         presentation=True,
         run=info["name"],
         histograms=cache.histograms,
+        # A hand-written loop's own metrics (a GAN's d_loss), as the Loss view draws them.
+        per_step=_recorded_by(info) == "GradientLog",
     )
     # What the Alerts view shows, so the handout says what went wrong too.
     try:
@@ -751,6 +787,7 @@ def lesson_pack_of(info, cache):
         title=f"gradflow: {info['name']}",
         alerts=[] if alerts is None else alerts,
         run_info=info,
+        metrics=export.every_metric(cache.metrics, charts.get("metrics"), info["name"]),
     )
 
 

@@ -1,0 +1,133 @@
+"""`DashboardRequests`: Pause, Resume, Step once and Stop from the dashboard, for a script's run.
+
+The lab's runs obey the Live page's buttons through `gradflow.lab.control.
+RunControl`, in the worker that trains them. A run a script records into a
+store (`GradientMonitor(store=...)`, `GradientLog(store=...)`) trains in the
+user's own process: the page's buttons put the same requests in the store,
+and this class, called by the monitor after each batch and by the log at
+each `record`, takes them there. Looking at the store costs a read at most
+every `poll_interval` seconds, nothing measurable per step.
+"""
+
+import sqlite3
+import time
+
+from gradflow.store import tables
+
+# Seconds between looks at the store while training, and while paused.
+POLL_SECONDS = 0.25
+PAUSED_POLL_SECONDS = 0.1
+# A paused run whose store fails this long resumes: no Resume could reach it.
+GIVE_UP_SECONDS = 30.0
+# Old requests dropped when a run starts taking them (a click or two each).
+_MOST_LEFT_OVER = 100
+
+
+class DashboardRequests:
+    """Takes the dashboard's requests for one run, in the process that trains it.
+
+    `check()` after each step: it returns at once, or after a pause
+    (held inside the call, so training waits between two steps) that the
+    dashboard ended with Resume, Step once (one more step, then paused
+    again) or Stop. A Stop returns `"stop"`: the caller ends training its
+    own way (`model.stop_training` for `fit`; the loop's own check for a
+    `GradientLog`).
+
+    Example:
+
+    ```python
+    requests = DashboardRequests(store, run_id, on_pause=monitor.flush)
+    if requests.check() == "stop":
+        model.stop_training = True
+    ```
+
+    Args:
+        store: the `RunStore` holding the run.
+        run_id: the run whose requests to take.
+        on_pause: called with no arguments before the run pauses, to write
+            the steps still held, so the paused charts show the last one.
+        poll_interval: seconds between looks at the store while training.
+    """
+
+    def __init__(self, store, run_id, on_pause=None, poll_interval=POLL_SECONDS):
+        self.store = store
+        self.run_id = run_id
+        self.on_pause = on_pause
+        self.poll_interval = poll_interval
+        self.stopped = False  # whether a Stop came
+        self._next_poll = 0.0
+        self._stepping = False
+        self._failing_since = None  # when the store began to fail, while it fails
+        # Requests left from before this fit (a Stop pressed as the last one
+        # ended, for a monitor given to `fit` again) would stop this one.
+        for _ in range(_MOST_LEFT_OVER):
+            if self._take() is None:
+                break
+
+    def check(self):
+        """Take the requests that came since the last look; returns `"stop"` or None."""
+        if self.stopped:
+            return "stop"
+        if self._stepping:
+            # Step once: that step is done; paused again.
+            return self._pause()
+        now = time.monotonic()
+        if now < self._next_poll:
+            return None
+        self._next_poll = now + self.poll_interval
+        action = self._take()
+        if action == "stop":
+            return self._stop()
+        if action in ("pause", "step"):
+            # While running, Step once means: this step, then pause.
+            return self._pause()
+        return None  # none, a Resume of a run already running, or a Speed limit (lab runs only)
+
+    def _take(self):
+        try:
+            action = self.store.pending_request(self.run_id)
+        except sqlite3.Error:
+            # A store busy or broken now: training goes on, asked again later.
+            self._failing_since = self._failing_since or time.monotonic()
+            return None
+        except ValueError:
+            # The run was deleted from the dashboard: no one can press Resume
+            # now, and a paused script would wait for ever.
+            return "resume"
+        self._failing_since = None
+        return None if tables.requested_pace(action)[0] else action
+
+    def _stop(self):
+        self.stopped = True
+        return "stop"
+
+    def _pause(self):
+        """Hold training until Resume, Step once or Stop; returns `"stop"` or None."""
+        self._stepping = False
+        if self.on_pause is not None:
+            self.on_pause()
+        self._set_status("paused", ("running",))
+        while True:
+            action = self._take()
+            if action == "resume":
+                self._set_status("running", ("paused",))
+                return None
+            if action == "stop":
+                return self._stop()
+            if action == "step":
+                self._stepping = True
+                return None
+            if self._failing_since and time.monotonic() - self._failing_since > GIVE_UP_SECONDS:
+                return None  # a store that stays broken can bring no Resume: train on
+            time.sleep(PAUSED_POLL_SECONDS)
+
+    def _set_status(self, status, only_from):
+        try:
+            self.store.set_status(self.run_id, status, only_from=only_from)
+        except (sqlite3.Error, ValueError):
+            pass  # the page shows the old status (or the run is gone); the run still pauses or goes on
+
+
+def stopped_message(step):
+    """The run's message after the dashboard's Stop, at `step`."""
+    return f"Stopped from the dashboard after step {step}."

@@ -1,0 +1,319 @@
+"""The Live page's Pause, Step once and Stop reach a run a script records.
+
+The page puts the same requests in the store for every run; a lab run's
+worker obeys them (`tests/test_control.py`). A run a user's script records
+(`GradientMonitor(store=...)`, `GradientLog(store=...)`) trains in that
+script's process: there `gradflow.monitor.remote.DashboardRequests` takes
+them. The scripts here are real processes, driven through a real SQLite
+store exactly as the page drives it (`RunStore.request`).
+"""
+
+import pathlib
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gradflow
+from gradflow.monitor import remote
+from gradflow.store import RunStore
+from tests.test_pages import run_page
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+_MODEL = """
+import sys, time
+import numpy as np, keras, tensorflow as tf
+import gradflow
+
+keras.utils.set_random_seed(0)
+model = keras.Sequential(
+    [keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
+)
+x = np.random.rand(64, 4).astype("float32")
+y = x.sum(1, keepdims=True)
+"""
+
+# `fit` of 8 steps an epoch for 100 epochs, slowed to about 30 steps a
+# second so that the test can act between steps.
+FIT_SCRIPT = (
+    _MODEL
+    + """
+model.compile("sgd", "mse")
+
+class Slow(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(0.03)
+
+monitor = gradflow.GradientMonitor(store=sys.argv[1], run_name="my script")
+history = model.fit(x, y, batch_size=8, epochs=100, callbacks=[monitor, Slow()], verbose=0)
+print("EPOCHS", len(history.history["loss"]), "STEPS", int(model.optimizer.iterations.numpy()))
+"""
+)
+
+LOOP_SCRIPT = (
+    _MODEL
+    + """
+optimizer = keras.optimizers.SGD(0.01)
+
+@tf.function
+def train_step(x, y):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x) - y) ** 2)
+    gradients = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply(gradients, model.trainable_variables)
+    return loss, gradients
+
+steps = 0
+with gradflow.GradientLog(model, optimizer=optimizer, store=sys.argv[1], run_name="my loop") as log:
+    for _ in range(100_000):
+        loss, gradients = train_step(x[:8], y[:8])
+        log.record(gradients, loss=loss)
+        steps += 1
+        time.sleep(0.03)
+        if log.stop_training:
+            break
+print("STEPS", steps, "OPTIMIZER", int(optimizer.iterations.numpy()))
+"""
+)
+
+
+def wait_for(condition, what, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def start_script(tmp_path, text):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(text))
+    db = tmp_path / "runs.db"
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(db)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    # The script makes the run at its first step.
+    wait_for(lambda: db.exists() and len(RunStore(db).runs()), "the script's run")
+    store = RunStore(db)
+    return process, store, store.runs()["run_id"].iloc[0]
+
+
+def pause_step_resume_stop(process, store, run_id):
+    """Drive the run as the Live page's buttons do; returns the script's output."""
+
+    def info():
+        return store.run_info(run_id)
+
+    try:
+        wait_for(lambda: info()["progress_step"] >= 3, "a few steps")
+        store.request(run_id, "pause")
+        wait_for(lambda: info()["status"] == "paused", "Pause")
+        held = info()["progress_step"]
+        time.sleep(1.0)  # 30 steps, at the script's pace, had it gone on
+        assert (info()["status"], info()["progress_step"]) == ("paused", held)
+
+        store.request(run_id, "step")
+        wait_for(lambda: info()["progress_step"] == held + 1, "Step once")
+        time.sleep(1.0)
+        assert (info()["status"], info()["progress_step"]) == ("paused", held + 1)
+
+        store.request(run_id, "resume")
+        wait_for(lambda: info()["status"] == "running", "Resume")
+        wait_for(lambda: info()["progress_step"] > held + 5, "training again")
+
+        store.request(run_id, "stop")
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, err[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_the_dashboards_buttons_pause_step_and_stop_a_scripts_fit(tmp_path):
+    process, store, run_id = start_script(tmp_path, FIT_SCRIPT)
+    out = pause_step_resume_stop(process, store, run_id)
+    words = out.split()
+    epochs, steps = int(words[words.index("EPOCHS") + 1]), int(words[words.index("STEPS") + 1])
+    assert epochs < 100  # `fit` ended early, and returned: the script's next line ran
+    info = store.run_info(run_id)
+    assert info["status"] == "stopped"
+    assert info["message"] == f"Stopped from the dashboard after step {steps}."
+    # Every step trained is in the store, up to the last.
+    assert store.layer_stats(run_id)["step"].max() == steps
+    assert store.pending_request(run_id, consume=False) is None
+
+
+@pytest.mark.slow
+def test_the_dashboards_buttons_pause_step_and_stop_a_hand_written_loop(tmp_path):
+    process, store, run_id = start_script(tmp_path, LOOP_SCRIPT)
+    out = pause_step_resume_stop(process, store, run_id)
+    words = out.split()
+    steps, updates = int(words[words.index("STEPS") + 1]), int(words[words.index("OPTIMIZER") + 1])
+    assert steps == updates < 100_000
+    info = store.run_info(run_id)
+    assert info["status"] == "stopped"
+    assert info["message"] == f"Stopped from the dashboard after step {steps}."
+    assert store.layer_stats(run_id)["step"].max() == steps
+    # A loop that ends at once needs no word on the page about reading the flag.
+    assert "stop_training" not in " ".join(store.events(run_id)["message"])
+
+
+def small_model():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)])
+
+
+def one_step(model, optimizer, x, y):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x) - y) ** 2)
+    gradients = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply(gradients, model.trainable_variables)
+    return loss, gradients
+
+
+def test_a_loop_that_reads_the_flag_late_is_told_on_the_page_and_closes_stopped(tmp_path):
+    """A loop that reads `log.stop_training` at an epoch's end trains on a while."""
+    model, optimizer = small_model(), keras.optimizers.SGD(0.1)
+    x, y = np.ones((4, 3), "float32"), np.zeros((4, 1), "float32")
+    store = RunStore(tmp_path / "runs.db")
+    with gradflow.GradientLog(model, optimizer=optimizer, store=store) as log:
+        log.record(one_step(model, optimizer, x, y)[1])
+        store.request(log.run_id, "stop")
+        time.sleep(remote.POLL_SECONDS + 0.05)
+        log.record(one_step(model, optimizer, x, y)[1])
+        assert log.stop_training
+        for _ in range(3):  # the rest of its epoch
+            log.record(one_step(model, optimizer, x, y)[1])
+    info = store.run_info(log.run_id)
+    assert info["status"] == "stopped"
+    assert info["message"] == "Stopped from the dashboard after step 2."
+    events = store.events(log.run_id)
+    told = events[events["message"].str.contains("log.stop_training")]
+    assert told["step"].tolist() == [3]  # once, at the first step after the Stop
+    assert store.layer_stats(log.run_id)["step"].max() == 5  # nothing recorded was dropped
+
+
+def test_a_loop_that_sets_the_flag_itself_completes(tmp_path):
+    model, optimizer = small_model(), keras.optimizers.SGD(0.1)
+    x, y = np.ones((4, 3), "float32"), np.zeros((4, 1), "float32")
+    store = RunStore(tmp_path / "runs.db")
+    with gradflow.GradientLog(model, optimizer=optimizer, store=store) as log:
+        log.record(one_step(model, optimizer, x, y)[1])
+        log.stop_training = True  # the loop's own early stop
+    assert store.run_info(log.run_id)["status"] == "completed"
+
+
+def test_a_log_without_a_store_has_no_requests_to_take():
+    model, optimizer = small_model(), keras.optimizers.SGD(0.1)
+    x, y = np.ones((4, 3), "float32"), np.zeros((4, 1), "float32")
+    with gradflow.GradientLog(model, optimizer=optimizer) as log:
+        assert log.record(one_step(model, optimizer, x, y)[1])
+        assert not log.stop_training
+
+
+def test_a_lab_runs_requests_are_left_to_its_worker(tmp_path):
+    """The worker's monitor writes a run it was given; `RunControl` takes its requests."""
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run({}, name="lab run")
+    store.request(run_id, "pause")
+    model = small_model()
+    model.compile("sgd", "mse")
+    monitor = gradflow.GradientMonitor(store=store, run_id=run_id, close_run=False)
+    x, y = np.ones((8, 3), "float32"), np.zeros((8, 1), "float32")
+    model.fit(x, y, batch_size=2, epochs=1, callbacks=[monitor], verbose=0)
+    assert store.pending_request(run_id, consume=False) == "pause"
+    assert store.run_info(run_id)["status"] == "running"  # the worker's to end
+
+
+def test_a_stop_left_from_the_last_fit_does_not_stop_the_next(tmp_path):
+    """A Stop pressed as a fit ended waited in the store for the same monitor's next fit."""
+    store = RunStore(tmp_path / "runs.db")
+    model = small_model()
+    model.compile("sgd", "mse")
+    monitor = gradflow.GradientMonitor(store=store)
+    x, y = np.ones((8, 3), "float32"), np.zeros((8, 1), "float32")
+    model.fit(x, y, batch_size=2, epochs=1, callbacks=[monitor], verbose=0)
+    store.request(monitor.run_id, "stop")
+    history = model.fit(x, y, batch_size=2, epochs=3, callbacks=[monitor], verbose=0)
+    assert len(history.history["loss"]) == 3
+    assert store.run_info(monitor.run_id)["status"] == "completed"
+
+
+def paused_in_a_thread(requests):
+    """`requests.check()` run in a thread (it holds while paused); returns (thread, result)."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(requests.check()), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_a_paused_script_whose_run_is_deleted_trains_on(tmp_path):
+    """No one can press Resume on a deleted run: the script must not wait for ever."""
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run({}, name="mine", source="monitor")
+    requests = remote.DashboardRequests(store, run_id)
+    store.request(run_id, "pause")
+    thread, result = paused_in_a_thread(requests)
+    wait_for(lambda: store.status(run_id) == "paused", "the pause")
+    assert thread.is_alive()
+    store.delete(run_id)
+    thread.join(timeout=10)
+    assert not thread.is_alive() and result == [None]
+
+
+def test_a_paused_script_whose_store_breaks_trains_on(tmp_path, monkeypatch):
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run({}, name="mine", source="monitor")
+    requests = remote.DashboardRequests(store, run_id)
+    store.request(run_id, "pause")
+    monkeypatch.setattr(remote, "GIVE_UP_SECONDS", 0.5)
+    taken = store.pending_request
+
+    def breaks_after_the_pause(run, consume=True):
+        if store.status(run) == "paused":
+            raise sqlite3.OperationalError("disk I/O error")
+        return taken(run, consume)
+
+    monkeypatch.setattr(store, "pending_request", breaks_after_the_pause)
+    thread, result = paused_in_a_thread(requests)
+    thread.join(timeout=10)
+    assert not thread.is_alive() and result == [None]
+    assert store.status(run_id) == "paused"  # as it was left: the page says so
+
+
+def test_the_live_page_offers_a_scripts_run_its_buttons_after_take_control(page_environment):
+    store = RunStore(page_environment)
+    run_id = store.create_run(
+        {"model": "mine", "recorded_by": "GradientLog"}, name="my loop", source="monitor"
+    )
+    app = run_page("live_training.py", run=run_id)
+    buttons = {b.label: b for b in app.button}
+    assert buttons["Pause"].disabled and buttons["Stop"].disabled
+    assert any(
+        "trains in a script (`GradientLog`)" in c.value and "**Take control**" in c.value
+        for c in app.caption
+    )
+    buttons["Take control"].click().run()
+    buttons = {b.label: b for b in app.button}
+    assert not buttons["Pause"].disabled
+    # A hand-written loop ends on Stop only when it reads the flag: the page says so.
+    assert any("log.stop_training" in c.value for c in app.caption)
+    buttons["Pause"].click().run()
+    assert store.pending_request(run_id) == "pause"
