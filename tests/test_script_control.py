@@ -295,7 +295,8 @@ def test_a_paused_script_whose_store_breaks_trains_on(tmp_path, monkeypatch):
     thread, result = paused_in_a_thread(requests)
     thread.join(timeout=10)
     assert not thread.is_alive() and result == [None]
-    assert store.status(run_id) == "paused"  # as it was left: the page says so
+    monkeypatch.setattr(store, "pending_request", taken)
+    assert store.status(run_id) == "running"  # said, if the store takes it
 
 
 def test_the_live_page_offers_a_scripts_run_its_buttons_after_take_control(page_environment):
@@ -317,3 +318,19 @@ def test_the_live_page_offers_a_scripts_run_its_buttons_after_take_control(page_
     assert any("log.stop_training" in c.value for c in app.caption)
     buttons["Pause"].click().run()
     assert store.pending_request(run_id) == "pause"
+
+
+def test_a_paused_script_tells_the_store_it_is_alive(tmp_path, monkeypatch):
+    """A dashboard on another host calls a run silent for a minute interrupted."""
+    monkeypatch.setattr(remote, "HEARTBEAT_SECONDS", 0.2)
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run({}, name="mine", source="monitor")
+    requests = remote.DashboardRequests(store, run_id)
+    store.request(run_id, "pause")
+    thread, result = paused_in_a_thread(requests)
+    wait_for(lambda: store.status(run_id) == "paused", "the pause")
+    first = store.run_info(run_id)["heartbeat_at"]
+    wait_for(lambda: store.run_info(run_id)["heartbeat_at"] > first, "a heartbeat", timeout=10)
+    store.request(run_id, "resume")
+    thread.join(timeout=10)
+    assert result == [None] and store.status(run_id) == "running"

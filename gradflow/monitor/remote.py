@@ -17,6 +17,8 @@ from gradflow.store import tables
 # Seconds between looks at the store while training, and while paused.
 POLL_SECONDS = 0.25
 PAUSED_POLL_SECONDS = 0.1
+# A paused run tells the store it is alive this often.
+HEARTBEAT_SECONDS = 5.0
 # A paused run whose store fails this long resumes: no Resume could reach it.
 GIVE_UP_SECONDS = 30.0
 # Old requests dropped when a run starts taking them (a click or two each).
@@ -107,6 +109,7 @@ class DashboardRequests:
         if self.on_pause is not None:
             self.on_pause()
         self._set_status("paused", ("running",))
+        beat = time.monotonic()
         while True:
             action = self._take()
             if action == "resume":
@@ -118,8 +121,21 @@ class DashboardRequests:
                 self._stepping = True
                 return None
             if self._failing_since and time.monotonic() - self._failing_since > GIVE_UP_SECONDS:
-                return None  # a store that stays broken can bring no Resume: train on
+                # A store that stays broken can bring no Resume: train on.
+                self._set_status("running", ("paused",))
+                return None
+            if time.monotonic() - beat >= HEARTBEAT_SECONDS:
+                # A dashboard on another host reads a run that sends nothing
+                # for a minute as interrupted (`RunStore.recover`).
+                beat = time.monotonic()
+                self._beat()
             time.sleep(PAUSED_POLL_SECONDS)
+
+    def _beat(self):
+        try:
+            self.store.heartbeat(self.run_id)
+        except (sqlite3.Error, ValueError):
+            pass
 
     def _set_status(self, status, only_from):
         try:
