@@ -298,17 +298,46 @@ def _draw_charts(run_ids, was_active):
             run=" vs ".join(ready),
         )
     with right:
-        ready_metrics = {
-            name: frame for name, frame in metrics.items() if (frame["name"] == "loss").any()
-        }
-        if ready_metrics:
-            show_live_chart(
-                figures.compare_metrics(ready_metrics, "loss", presentation=presentation),
-                "compare.loss",
-                run=" vs ".join(ready_metrics),
-            )
+        _metric_chart(metrics, presentation)
     _diagnosis(store, infos, names, held, presentation)
     return active
+
+
+def _metric_chart(metrics, presentation):
+    """The runs' loss overlaid, or another metric they recorded, picked under the profiles.
+
+    The loss alone was drawn: "which reached the higher accuracy?" and a
+    GAN's `d_loss` could not be compared here.
+    """
+    choices = metric_choices(metrics.values())
+    if not choices:
+        return
+    metric = choices[0]
+    if len(choices) > 1:
+        metric = st.selectbox(
+            "Metric",
+            choices,
+            key="compare.metric",
+            help="Drawn for each run that recorded it; validation dashed.",
+        )
+    drawn = [metric, f"val_{metric}"]
+    ready = {name: frame for name, frame in metrics.items() if frame["name"].isin(drawn).any()}
+    show_live_chart(
+        figures.compare_metrics(ready, metric, presentation=presentation),
+        "compare.loss",
+        run=" vs ".join(ready),
+    )
+
+
+def metric_choices(frames):
+    """The metrics any of the runs recorded (their `val_` twins drawn with them): the loss
+    first, then as first met."""
+    seen = {}
+    for frame in frames:
+        for name in frame["name"].unique() if len(frame) else ():
+            name = str(name)
+            seen.setdefault(name.removeprefix("val_"), None)
+    return sorted(seen, key=lambda name: name != "loss")
 
 
 def _charted(layer_stats):
