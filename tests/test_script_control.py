@@ -145,13 +145,13 @@ def pause_step_resume_stop(process, store, run_id):
     return out
 
 
-@pytest.mark.slow
-def test_the_dashboards_buttons_pause_step_and_stop_a_scripts_fit(tmp_path):
-    process, store, run_id = start_script(tmp_path, FIT_SCRIPT)
-    out = pause_step_resume_stop(process, store, run_id)
+def printed(out, word):
+    """The number the script printed after `word`."""
     words = out.split()
-    epochs, steps = int(words[words.index("EPOCHS") + 1]), int(words[words.index("STEPS") + 1])
-    assert epochs < 100  # `fit` ended early, and returned: the script's next line ran
+    return int(words[words.index(word) + 1])
+
+
+def assert_stopped_after(store, run_id, steps):
     info = store.run_info(run_id)
     assert info["status"] == "stopped"
     assert info["message"] == f"Stopped from the dashboard after step {steps}."
@@ -161,16 +161,20 @@ def test_the_dashboards_buttons_pause_step_and_stop_a_scripts_fit(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_dashboards_buttons_pause_step_and_stop_a_scripts_fit(tmp_path):
+    process, store, run_id = start_script(tmp_path, FIT_SCRIPT)
+    out = pause_step_resume_stop(process, store, run_id)
+    assert printed(out, "EPOCHS") < 100  # `fit` ended early, and returned: the next line ran
+    assert_stopped_after(store, run_id, printed(out, "STEPS"))
+
+
+@pytest.mark.slow
 def test_the_dashboards_buttons_pause_step_and_stop_a_hand_written_loop(tmp_path):
     process, store, run_id = start_script(tmp_path, LOOP_SCRIPT)
     out = pause_step_resume_stop(process, store, run_id)
-    words = out.split()
-    steps, updates = int(words[words.index("STEPS") + 1]), int(words[words.index("OPTIMIZER") + 1])
-    assert steps == updates < 100_000
-    info = store.run_info(run_id)
-    assert info["status"] == "stopped"
-    assert info["message"] == f"Stopped from the dashboard after step {steps}."
-    assert store.layer_stats(run_id)["step"].max() == steps
+    steps = printed(out, "STEPS")
+    assert steps == printed(out, "OPTIMIZER") < 100_000
+    assert_stopped_after(store, run_id, steps)
     # A loop that ends at once needs no word on the page about reading the flag.
     assert "stop_training" not in " ".join(store.events(run_id)["message"])
 
@@ -180,27 +184,33 @@ def small_model():
     return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)])
 
 
-def one_step(model, optimizer, x, y):
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean((model(x) - y) ** 2)
-    gradients = tape.gradient(loss, model.trainable_variables)
-    optimizer.apply(gradients, model.trainable_variables)
-    return loss, gradients
+def a_loop():
+    """`(model, optimizer, step)`: `step()` trains one step and returns its gradients."""
+    model, optimizer = small_model(), keras.optimizers.SGD(0.1)
+    x, y = np.ones((4, 3), "float32"), np.zeros((4, 1), "float32")
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(gradients, model.trainable_variables)
+        return gradients
+
+    return model, optimizer, step
 
 
 def test_a_loop_that_reads_the_flag_late_is_told_on_the_page_and_closes_stopped(tmp_path):
     """A loop that reads `log.stop_training` at an epoch's end trains on a while."""
-    model, optimizer = small_model(), keras.optimizers.SGD(0.1)
-    x, y = np.ones((4, 3), "float32"), np.zeros((4, 1), "float32")
+    model, optimizer, step = a_loop()
     store = RunStore(tmp_path / "runs.db")
     with gradflow.GradientLog(model, optimizer=optimizer, store=store) as log:
-        log.record(one_step(model, optimizer, x, y)[1])
+        log.record(step())
         store.request(log.run_id, "stop")
         time.sleep(remote.POLL_SECONDS + 0.05)
-        log.record(one_step(model, optimizer, x, y)[1])
+        log.record(step())
         assert log.stop_training
         for _ in range(3):  # the rest of its epoch
-            log.record(one_step(model, optimizer, x, y)[1])
+            log.record(step())
     info = store.run_info(log.run_id)
     assert info["status"] == "stopped"
     assert info["message"] == "Stopped from the dashboard after step 2."
@@ -211,20 +221,18 @@ def test_a_loop_that_reads_the_flag_late_is_told_on_the_page_and_closes_stopped(
 
 
 def test_a_loop_that_sets_the_flag_itself_completes(tmp_path):
-    model, optimizer = small_model(), keras.optimizers.SGD(0.1)
-    x, y = np.ones((4, 3), "float32"), np.zeros((4, 1), "float32")
+    model, optimizer, step = a_loop()
     store = RunStore(tmp_path / "runs.db")
     with gradflow.GradientLog(model, optimizer=optimizer, store=store) as log:
-        log.record(one_step(model, optimizer, x, y)[1])
+        log.record(step())
         log.stop_training = True  # the loop's own early stop
     assert store.run_info(log.run_id)["status"] == "completed"
 
 
 def test_a_log_without_a_store_has_no_requests_to_take():
-    model, optimizer = small_model(), keras.optimizers.SGD(0.1)
-    x, y = np.ones((4, 3), "float32"), np.zeros((4, 1), "float32")
+    model, optimizer, step = a_loop()
     with gradflow.GradientLog(model, optimizer=optimizer) as log:
-        assert log.record(one_step(model, optimizer, x, y)[1])
+        assert log.record(step())
         assert not log.stop_training
 
 
@@ -256,6 +264,15 @@ def test_a_stop_left_from_the_last_fit_does_not_stop_the_next(tmp_path):
     assert store.run_info(monitor.run_id)["status"] == "completed"
 
 
+def a_paused_scripts_run(tmp_path):
+    """`(store, run_id, requests)`: a script's run whose Pause waits in the store."""
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run({}, name="mine", source="monitor")
+    requests = remote.DashboardRequests(store, run_id)
+    store.request(run_id, "pause")
+    return store, run_id, requests
+
+
 def paused_in_a_thread(requests):
     """`requests.check()` run in a thread (it holds while paused); returns (thread, result)."""
     result = []
@@ -266,10 +283,7 @@ def paused_in_a_thread(requests):
 
 def test_a_paused_script_whose_run_is_deleted_trains_on(tmp_path):
     """No one can press Resume on a deleted run: the script must not wait for ever."""
-    store = RunStore(tmp_path / "runs.db")
-    run_id = store.create_run({}, name="mine", source="monitor")
-    requests = remote.DashboardRequests(store, run_id)
-    store.request(run_id, "pause")
+    store, run_id, requests = a_paused_scripts_run(tmp_path)
     thread, result = paused_in_a_thread(requests)
     wait_for(lambda: store.status(run_id) == "paused", "the pause")
     assert thread.is_alive()
@@ -279,10 +293,7 @@ def test_a_paused_script_whose_run_is_deleted_trains_on(tmp_path):
 
 
 def test_a_paused_script_whose_store_breaks_trains_on(tmp_path, monkeypatch):
-    store = RunStore(tmp_path / "runs.db")
-    run_id = store.create_run({}, name="mine", source="monitor")
-    requests = remote.DashboardRequests(store, run_id)
-    store.request(run_id, "pause")
+    store, run_id, requests = a_paused_scripts_run(tmp_path)
     monkeypatch.setattr(remote, "GIVE_UP_SECONDS", 0.5)
     taken = store.pending_request
 
@@ -323,10 +334,7 @@ def test_the_live_page_offers_a_scripts_run_its_buttons_after_take_control(page_
 def test_a_paused_script_tells_the_store_it_is_alive(tmp_path, monkeypatch):
     """A dashboard on another host calls a run silent for a minute interrupted."""
     monkeypatch.setattr(remote, "HEARTBEAT_SECONDS", 0.2)
-    store = RunStore(tmp_path / "runs.db")
-    run_id = store.create_run({}, name="mine", source="monitor")
-    requests = remote.DashboardRequests(store, run_id)
-    store.request(run_id, "pause")
+    store, run_id, requests = a_paused_scripts_run(tmp_path)
     thread, result = paused_in_a_thread(requests)
     wait_for(lambda: store.status(run_id) == "paused", "the pause")
     first = store.run_info(run_id)["heartbeat_at"]
