@@ -9,6 +9,7 @@ store exactly as the page drives it (`RunStore.request`).
 """
 
 import pathlib
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -213,7 +214,10 @@ def test_a_loop_that_reads_the_flag_late_is_told_on_the_page_and_closes_stopped(
             log.record(step())
     info = store.run_info(log.run_id)
     assert info["status"] == "stopped"
-    assert info["message"] == "Stopped from the dashboard after step 2."
+    # Not "after step 2" alone: the page shows step 5.
+    assert info["message"] == (
+        "Stop was pressed on the dashboard after step 2; the loop trained on to step 5."
+    )
     events = store.events(log.run_id)
     told = events[events["message"].str.contains("log.stop_training")]
     assert told["step"].tolist() == [3]  # once, at the first step after the Stop
@@ -342,3 +346,135 @@ def test_a_paused_script_tells_the_store_it_is_alive(tmp_path, monkeypatch):
     store.request(run_id, "resume")
     thread.join(timeout=10)
     assert result == [None] and store.status(run_id) == "running"
+
+
+def while_fit_trains(store, actions):
+    """Run `actions(run_id)` in a thread once a run is in `store` (it drives a `fit` in this one)."""
+    errors = []
+
+    def drive():
+        try:
+            wait_for(lambda: len(store.runs()), "the run")
+            actions(store.runs()["run_id"].iloc[0])
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            errors.append(error)
+
+    thread = threading.Thread(target=drive, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+def a_fit(steps_per_execution=1):
+    model = small_model()
+    model.compile("sgd", "mse", steps_per_execution=steps_per_execution)
+    x, y = np.ones((80, 3), "float32"), np.zeros((80, 1), "float32")
+    return model, x, y
+
+
+class Slow(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(0.01)
+
+
+def paused_step(store, run_id):
+    """Pause the run; returns the step it shows once paused."""
+    store.request(run_id, "pause")
+    wait_for(lambda: store.status(run_id) == "paused", "Pause")
+    return store.run_info(run_id)["progress_step"]
+
+
+def test_a_fit_of_several_steps_per_call_says_what_step_once_trains(tmp_path):
+    store = RunStore(tmp_path / "runs.db")
+    model, x, y = a_fit(steps_per_execution=4)
+    seen = {}
+
+    def actions(run_id):
+        seen["paused at"] = paused_step(store, run_id)
+        seen["iterations"] = int(model.optimizer.iterations.numpy())
+        store.request(run_id, "step")
+        wait_for(lambda: store.run_info(run_id)["progress_step"] > seen["paused at"], "a step")
+        seen["stepped to"] = store.run_info(run_id)["progress_step"]
+        store.request(run_id, "stop")
+
+    monitor = gradflow.GradientMonitor(store=store)
+    thread, errors = while_fit_trains(store, actions)
+    model.fit(x, y, batch_size=2, epochs=50, callbacks=[monitor, Slow()], verbose=0)
+    thread.join(timeout=30)
+    assert not errors, errors
+    assert seen["paused at"] == seen["iterations"] and seen["stepped to"] == seen["paused at"] + 4
+    told = store.events(monitor.run_id)["message"]
+    assert told.str.contains("Step once trains one call, 4 steps").sum() == 1
+
+
+def test_paused_with_every_5_the_page_shows_the_step_it_waits_after(tmp_path):
+    """Paused after step 17, the badge read "step 15": the last recorded step."""
+    store = RunStore(tmp_path / "runs.db")
+    model, x, y = a_fit()
+    seen = {}
+
+    def actions(run_id):
+        store.request(run_id, "pause")
+        wait_for(lambda: store.status(run_id) == "paused", "Pause")
+        seen["shown"] = store.run_info(run_id)["progress_step"]
+        seen["trained"] = int(model.optimizer.iterations.numpy())
+        store.request(run_id, "stop")
+
+    monitor = gradflow.GradientMonitor(store=store, every=5, close_run=False)
+    thread, errors = while_fit_trains(store, actions)
+    model.fit(x, y, batch_size=2, epochs=50, callbacks=[monitor, Slow()], verbose=0)
+    thread.join(timeout=30)
+    assert not errors, errors
+    assert seen["shown"] == seen["trained"]
+    # `close_run=False` leaves the run's end to its owner, and still takes the page's buttons.
+    assert int(model.optimizer.iterations.numpy()) < 50 * 40
+
+
+def test_stop_pressed_while_paused_says_running_until_the_loop_ends(tmp_path):
+    store, run_id, requests = a_paused_scripts_run(tmp_path)
+    thread, result = paused_in_a_thread(requests)
+    wait_for(lambda: store.status(run_id) == "paused", "the pause")
+    store.request(run_id, "stop")
+    thread.join(timeout=10)
+    assert result == ["stop"] and store.status(run_id) == "running"
+
+
+def test_close_stopped_after_the_dashboards_stop_keeps_its_message(tmp_path):
+    model, optimizer, step = a_loop()
+    store = RunStore(tmp_path / "runs.db")
+    log = gradflow.GradientLog(model, optimizer=optimizer, store=store)
+    log.record(step())
+    store.request(log.run_id, "stop")
+    time.sleep(remote.POLL_SECONDS + 0.05)
+    log.record(step())
+    assert log.stop_training
+    log.close(status="stopped")
+    assert store.run_info(log.run_id)["message"] == "Stopped from the dashboard after step 2."
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_paused_ends_the_run_interrupted_at_once(tmp_path):
+    """The script caught the KeyboardInterrupt to clean up: the run read "paused", then
+    "failed: `fit` ended with an error outside the train step"."""
+    caught = FIT_SCRIPT.replace(
+        "history = model.fit(",
+        "try:\n    history = model.fit(",
+    ).replace(
+        'print("EPOCHS"',
+        'except KeyboardInterrupt:\n    print("CAUGHT", flush=True)\n    time.sleep(30)\n'
+        'print("EPOCHS"',
+    )
+    process, store, run_id = start_script(tmp_path, caught)
+    try:
+        wait_for(lambda: store.run_info(run_id)["progress_step"] >= 3, "a few steps")
+        paused_step(store, run_id)
+        process.send_signal(signal.SIGINT)
+        wait_for(lambda: store.status(run_id) != "paused", "the end of the pause", timeout=20)
+        info = store.run_info(run_id)
+        assert process.poll() is None  # still cleaning up
+        assert (info["status"], info["message"]) == (
+            "interrupted",
+            "Training was interrupted (KeyboardInterrupt).",
+        )
+    finally:
+        process.kill()
+        process.communicate()

@@ -282,6 +282,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self._writer = None
         # The dashboard's Pause/Stop for a run this monitor made (`_open_store`).
         self._requests = None
+        self._told_execution_steps = False
         # (writer, status, message) of a run whose end the store could not
         # take (a full disk): `flush()` tries again.
         self._unwritten = []
@@ -687,7 +688,20 @@ class GradientMonitor(keras.callbacks.Callback):
             or (self.stop_on_nonfinite and not _is_finite(logs.get("loss", 0.0)))
         ):
             self._collect()
-        if self._requests is not None and self._requests.check() == "stop":
+        if self._requests is not None:
+            self._take_requests()
+
+    def _take_requests(self):
+        """The Live page's Pause, Step once and Stop, for a run this monitor made."""
+        try:
+            stop = self._requests.check() == "stop"
+        except BaseException as error:
+            # A Ctrl-C lands here while paused, outside the guarded train
+            # function: the run read "paused" until the script ended, then
+            # "failed" (an error outside the train step).
+            self._abandon(error)
+            raise
+        if stop:
             self.model.stop_training = True
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -1322,8 +1336,8 @@ class GradientMonitor(keras.callbacks.Callback):
         # made: it trains here, in the user's process. (A run given by
         # `run_id` has an owner that takes them: the lab's `RunControl`.)
         self._requests = (
-            DashboardRequests(store, self.run_id, on_pause=self.flush)
-            if self._created_run and self.close_run
+            DashboardRequests(store, self.run_id, on_pause=self._show_pause)
+            if self._created_run
             else None
         )
         if ended_as in _ENDED_AS:
@@ -1334,6 +1348,24 @@ class GradientMonitor(keras.callbacks.Callback):
                 None,
                 "info",
                 f"Training went on after step {step}, where the run {_ENDED_AS[ended_as]}.",
+            )
+
+    def _show_pause(self):
+        """Before a pause: every step so far on the page, and the step it waits after."""
+        self.flush()
+        if self._writer is not None:
+            # With `every=5`, paused after step 17 read "step 15".
+            self._writer.progress(self._current_step())
+            self._writer.flush()
+        if self._steps_per_execution > 1 and not self._told_execution_steps:
+            self._told_execution_steps = True
+            self._add_event(
+                self._current_step(),
+                None,
+                "info",
+                f"This fit runs {self._steps_per_execution} steps per call "
+                "(`steps_per_execution`): it pauses between calls, and Step once trains one "
+                f"call, {self._steps_per_execution} steps.",
             )
 
     def _diagnose_safely(self):

@@ -701,8 +701,14 @@ class GradientLog:
             config, name=self.run_name, source="monitor", total_steps=self.total_steps
         )
         self._writer = store.writer(self.run_id)
-        self._requests = DashboardRequests(store, self.run_id, on_pause=self._writer.flush)
+        self._requests = DashboardRequests(store, self.run_id, on_pause=self._show_pause)
         _OPEN.add(self)
+
+    def _show_pause(self):
+        """Before a pause: the step it waits after (`every` may have skipped it), all written."""
+        with self._store_trouble():
+            self._writer.progress(self._step)
+            self._writer.flush()
 
     @contextlib.contextmanager
     def _store_trouble(self):
@@ -771,9 +777,10 @@ class GradientLog:
                 status = "diverged"
             elif status is None and self._stopped_at is not None:
                 status = "stopped"
-                message = message or stopped_message(self._stopped_at)
             elif status is None:
                 status = "completed"
+            if status == "stopped" and message is None and self._stopped_at is not None:
+                message = stopped_message(self._stopped_at, self._step)
             if status not in _STATUSES:
                 raise ValueError(f"`status` must be one of {_STATUSES}, got {status!r}.")
             self._status = status

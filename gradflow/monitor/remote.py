@@ -101,6 +101,9 @@ class DashboardRequests:
 
     def _stop(self):
         self.stopped = True
+        # Stopped while paused: the script now trains to its end (a loop
+        # until it reads the flag, `fit` through validation and its callbacks).
+        self._set_status("running", ("paused",))
         return "stop"
 
     def _pause(self):
@@ -144,6 +147,8 @@ class DashboardRequests:
             pass  # the page shows the old status (or the run is gone); the run still pauses or goes on
 
 
-def stopped_message(step):
-    """The run's message after the dashboard's Stop, at `step`."""
+def stopped_message(step, last=None):
+    """The run's message after the dashboard's Stop at `step`; `last`: the loop's last step."""
+    if last is not None and last > step:
+        return f"Stop was pressed on the dashboard after step {step}; the loop trained on to step {last}."
     return f"Stopped from the dashboard after step {step}."

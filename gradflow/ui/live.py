@@ -233,7 +233,7 @@ def control_buttons(config, run_id, status, script=None):
         "Step once",
         disabled=not paused or watched,
         width="stretch",
-        help="While paused: train exactly one more step.",
+        help=_STEP_ONCE_SCRIPT if script == "GradientMonitor" else _STEP_ONCE,
     ):
         store.request(run_id, "step")
     if watched:
@@ -267,6 +267,12 @@ def control_buttons(config, run_id, status, script=None):
 _SCRIPT_WATCHED = (
     "This run trains in a script (`{script}`). **Take control** to pause, step or stop it from "
     "here: the script waits while it is paused."
+)
+_STEP_ONCE = "While paused: train exactly one more step."
+# `fit` calls the monitor once per call of its train function.
+_STEP_ONCE_SCRIPT = (
+    "While paused: train one more step (one call of several steps, for a `fit` with "
+    "`steps_per_execution` above 1)."
 )
 # Stop cannot end a hand-written loop from outside, as it ends `fit`.
 _LOG_STOP = (
