@@ -85,5 +85,6 @@ def test_metric_choices_put_the_loss_first_and_fold_validation_in():
         pd.DataFrame({"step": [1, 1], "name": ["val_accuracy", "accuracy"], "value": [0, 0]}),
         pd.DataFrame({"step": [1, 1], "name": ["d_loss", "loss"], "value": [0, 0]}),
         pd.DataFrame({"step": [], "name": [], "value": []}),
+        pd.DataFrame({"step": [1], "name": ["val_"], "value": [0]}),  # a loop's own name
     ]
-    assert metric_choices(frames) == ["loss", "accuracy", "d_loss"]
+    assert metric_choices(frames) == ["loss", "accuracy", "d_loss", "val_"]

@@ -355,7 +355,9 @@ def while_fit_trains(store, actions):
     def drive():
         try:
             wait_for(lambda: len(store.runs()), "the run")
-            actions(store.runs()["run_id"].iloc[0])
+            run_id = store.runs()["run_id"].iloc[0]
+            wait_for(lambda: store.run_info(run_id)["progress_step"] >= 1, "a first step")
+            actions(run_id)
         except BaseException as error:  # noqa: BLE001 - reported by the test
             errors.append(error)
 
@@ -399,7 +401,7 @@ def test_a_fit_of_several_steps_per_call_says_what_step_once_trains(tmp_path):
     monitor = gradflow.GradientMonitor(store=store)
     thread, errors = while_fit_trains(store, actions)
     model.fit(x, y, batch_size=2, epochs=50, callbacks=[monitor, Slow()], verbose=0)
-    thread.join(timeout=30)
+    thread.join(timeout=120)  # past `wait_for`'s own limit: its error says what was awaited
     assert not errors, errors
     assert seen["paused at"] == seen["iterations"] and seen["stepped to"] == seen["paused at"] + 4
     told = store.events(monitor.run_id)["message"]
@@ -422,7 +424,7 @@ def test_paused_with_every_5_the_page_shows_the_step_it_waits_after(tmp_path):
     monitor = gradflow.GradientMonitor(store=store, every=5, close_run=False)
     thread, errors = while_fit_trains(store, actions)
     model.fit(x, y, batch_size=2, epochs=50, callbacks=[monitor, Slow()], verbose=0)
-    thread.join(timeout=30)
+    thread.join(timeout=120)  # past `wait_for`'s own limit: its error says what was awaited
     assert not errors, errors
     assert seen["shown"] == seen["trained"]
     # `close_run=False` leaves the run's end to its owner, and still takes the page's buttons.
@@ -478,3 +480,83 @@ def test_ctrl_c_while_paused_ends_the_run_interrupted_at_once(tmp_path):
     finally:
         process.kill()
         process.communicate()
+
+
+def test_a_request_sent_as_the_run_appears_is_obeyed(tmp_path):
+    """Requests were dropped when a run began taking them: a Pause sent at once was lost."""
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run({}, name="mine", source="monitor")
+    store.request(run_id, "stop")
+    assert remote.DashboardRequests(store, run_id).check() == "stop"
+
+
+def test_left_over_requests_are_dropped_past_a_speed_limit(tmp_path):
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run({}, name="mine", source="monitor", status="completed")
+    store.request_pace(run_id, 2.0)
+    store.request(run_id, "stop")
+    remote.drop_left_over(store, run_id)
+    assert store.pending_request(run_id) is None
+
+
+def test_a_run_no_longer_running_is_not_held_paused(tmp_path):
+    """A run marked interrupted has no Resume on the page: a pause would last for ever."""
+    store, run_id, requests = a_paused_scripts_run(tmp_path)
+    store.set_status(run_id, "interrupted", "no heartbeat")
+    thread, result = paused_in_a_thread(requests)
+    thread.join(timeout=10)
+    assert not thread.is_alive() and result == [None]
+    assert store.status(run_id) == "interrupted"
+
+
+def test_a_busy_store_at_a_pause_warns_and_fit_goes_on(tmp_path, monkeypatch):
+    """`fit` ended with "database is locked" from the writer's flush before the pause."""
+    from gradflow.store import writer as writers
+
+    store = RunStore(tmp_path / "runs.db")
+    model, x, y = a_fit()
+
+    def locked(self):
+        raise sqlite3.OperationalError("database is locked")
+
+    def actions(run_id):
+        monkeypatch.setattr(writers.RunWriter, "flush", locked)
+        store.request(run_id, "pause")
+        wait_for(lambda: store.status(run_id) == "paused", "Pause")
+        monkeypatch.undo()
+        store.request(run_id, "stop")
+
+    monitor = gradflow.GradientMonitor(store=store)
+    thread, errors = while_fit_trains(store, actions)
+    with pytest.warns(UserWarning, match="could not write run .* before pausing"):
+        model.fit(x, y, batch_size=2, epochs=50, callbacks=[monitor, Slow()], verbose=0)
+    thread.join(timeout=120)
+    assert not errors, errors
+    assert store.run_info(monitor.run_id)["status"] == "stopped"
+
+
+def test_start_training_leaves_a_scripts_run_taken_control_of_training(
+    page_environment, monkeypatch
+):
+    """Take control made the script's run "started here", and Start training stopped it."""
+    import types
+
+    from gradflow.ui import resources
+
+    store = RunStore(page_environment)
+    script = store.create_run({"model": "mine"}, name="my fit", source="monitor")
+
+    def start(config, name=None):
+        return store.create_run(config, name=name, status="completed")
+
+    manager = types.SimpleNamespace(
+        prewarm=False, start=start, queued=lambda: [], running=lambda: {}
+    )
+    monkeypatch.setattr(resources, "run_manager", lambda: manager)
+    app = run_page("live_training.py", run=script)
+    next(b for b in app.button if b.label == "Take control").click().run()
+    next(b for b in app.button if b.label == "Start training").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert store.pending_request(script) is None
+    assert store.status(script) == "running"
+    assert not any("to start the new run" in t.value for t in app.toast)

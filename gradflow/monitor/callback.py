@@ -41,7 +41,7 @@ from gradflow.monitor.records import (
     nonfinite_origin,
     unrecorded_time_steps,
 )
-from gradflow.monitor.remote import DashboardRequests, stopped_message
+from gradflow.monitor.remote import DashboardRequests, drop_left_over, stopped_message
 from gradflow.monitor.step import (
     StepPlan,
     clipping_optimizer,
@@ -282,7 +282,8 @@ class GradientMonitor(keras.callbacks.Callback):
         self._writer = None
         # The dashboard's Pause/Stop for a run this monitor made (`_open_store`).
         self._requests = None
-        self._told_execution_steps = False
+        # The `steps_per_execution` the page was told Step once trains.
+        self._told_execution_steps = None
         # (writer, status, message) of a run whose end the store could not
         # take (a full disk): `flush()` tries again.
         self._unwritten = []
@@ -1329,6 +1330,8 @@ class GradientMonitor(keras.callbacks.Callback):
             # The same monitor given to another `fit`: its run trains on, further.
             # (A run given by `run_id` is its owner's to keep: the lab's worker.)
             ended_as = store.status(self.run_id)
+            # Before it reads "running" again, when the page can send no new ones.
+            drop_left_over(store, self.run_id)
             store.set_status(self.run_id, "running", pid=os.getpid())
             store.set_total_steps(self.run_id, self._final_numbered_step())
         self._writer = store.writer(self.run_id)
@@ -1352,13 +1355,24 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def _show_pause(self):
         """Before a pause: every step so far on the page, and the step it waits after."""
-        self.flush()
-        if self._writer is not None:
-            # With `every=5`, paused after step 17 read "step 15".
-            self._writer.progress(self._current_step())
-            self._writer.flush()
-        if self._steps_per_execution > 1 and not self._told_execution_steps:
-            self._told_execution_steps = True
+        try:
+            self.flush()
+            if self._writer is not None:
+                # With `every=5`, paused after step 17 read "step 15".
+                self._writer.progress(self._current_step())
+                self._writer.flush()
+        except sqlite3.Error as error:
+            # A busy store must not end `fit`: the rows wait in the writer.
+            warn_user(
+                f"GradientMonitor could not write run {self.run_id}'s last steps before pausing: "
+                f"{trouble.explain(error, self._store_path())}. The page may show an older "
+                "step while paused."
+            )
+        if (
+            self._steps_per_execution > 1
+            and self._told_execution_steps != self._steps_per_execution
+        ):
+            self._told_execution_steps = self._steps_per_execution
             self._add_event(
                 self._current_step(),
                 None,

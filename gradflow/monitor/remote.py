@@ -60,11 +60,6 @@ class DashboardRequests:
         self._next_poll = 0.0
         self._stepping = False
         self._failing_since = None  # when the store began to fail, while it fails
-        # Requests left from before this fit (a Stop pressed as the last one
-        # ended, for a monitor given to `fit` again) would stop this one.
-        for _ in range(_MOST_LEFT_OVER):
-            if self._take() is None:
-                break
 
     def check(self):
         """Take the requests that came since the last look; returns `"stop"` or None."""
@@ -111,7 +106,10 @@ class DashboardRequests:
         self._stepping = False
         if self.on_pause is not None:
             self.on_pause()
-        self._set_status("paused", ("running",))
+        if not self._set_status("paused", ("running", "paused")):
+            # No longer running (marked interrupted, or deleted): the page
+            # offers no Resume, so waiting would be for ever.
+            return None
         beat = time.monotonic()
         while True:
             action = self._take()
@@ -141,10 +139,24 @@ class DashboardRequests:
             pass
 
     def _set_status(self, status, only_from):
+        """Whether the status was set (or the store failed: the run is held all the same)."""
         try:
-            self.store.set_status(self.run_id, status, only_from=only_from)
-        except (sqlite3.Error, ValueError):
-            pass  # the page shows the old status (or the run is gone); the run still pauses or goes on
+            return self.store.set_status(self.run_id, status, only_from=only_from)
+        except sqlite3.Error:
+            return True  # the page shows the old status; the give-up timer ends a long wait
+        except ValueError:
+            return False  # the run is gone
+
+
+def drop_left_over(store, run_id):
+    """Drop the requests a run holds from before (call it while the run is not active).
+
+    A Stop pressed as a monitor's last `fit` ended waited in the store, and
+    stopped the same monitor's next `fit` at once.
+    """
+    for _ in range(_MOST_LEFT_OVER):
+        if store.pending_request(run_id) is None:
+            return
 
 
 def stopped_message(step, last=None):

@@ -336,7 +336,8 @@ def metric_choices(frames):
     for frame in frames:
         for name in frame["name"].unique() if len(frame) else ():
             name = str(name)
-            seen.setdefault(name.removeprefix("val_"), None)
+            # `val_x` is drawn dashed in x's panel (a metric named "val_" is its own).
+            seen.setdefault(name[4:] if name.startswith("val_") and name != "val_" else name, None)
     return sorted(seen, key=lambda name: name != "loss")
 
 

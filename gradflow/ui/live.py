@@ -332,7 +332,9 @@ def _stop_the_run_this_page_started():
         info = store.run_info(previous)
     except ValueError:  # deleted meanwhile
         return
-    if info["status"] not in ACTIVE:
+    if info["status"] not in ACTIVE or _recorded_by(info):
+        # A script's run, taken control of, is the user's own training: a
+        # new lab run beside it must not stop it.
         return
     message = "Stopped: a new run was started from its page."
     if not store.set_status(previous, "stopped", message, only_from=("queued",)):
@@ -684,7 +686,7 @@ def _charts(info, cache, key):
             show_live_chart(
                 figures.metrics_chart(
                     cache.metrics,
-                    per_step=_recorded_by(info) == "GradientLog",
+                    per_step=export.loop_run(info),
                     presentation=presentation,
                 ),
                 f"{key}.metrics",
@@ -778,7 +780,7 @@ def lesson_pack_of(info, cache):
         run=info["name"],
         histograms=cache.histograms,
         # A hand-written loop's own metrics (a GAN's d_loss), as the Loss view draws them.
-        per_step=_recorded_by(info) == "GradientLog",
+        per_step=export.loop_run(info),
     )
     # What the Alerts view shows, so the handout says what went wrong too.
     try:
@@ -985,9 +987,7 @@ def _recorded_by(info):
     """`"GradientMonitor"` or `"GradientLog"` for a script's run, None for the lab's."""
     if info.get("source") != "monitor":
         return None
-    config = info.get("config")
-    recorded_by = config.get("recorded_by") if isinstance(config, dict) else None
-    return "GradientLog" if recorded_by == "GradientLog" else "GradientMonitor"
+    return "GradientLog" if export.loop_run(info) else "GradientMonitor"
 
 
 def _histograms(histograms, stats, tensor, key, presentation, run, recorded_by=None):
