@@ -96,6 +96,14 @@ def wait_for(condition, what, timeout=60.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def has_a_run(db):
+    """Whether the store at `db` holds a run yet (it may be half made)."""
+    try:
+        return db.exists() and len(RunStore(db).runs()) > 0
+    except (sqlite3.Error, ValueError):
+        return False
+
+
 def start_script(tmp_path, text):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(text))
@@ -108,7 +116,7 @@ def start_script(tmp_path, text):
         text=True,
     )
     # The script makes the run at its first step.
-    wait_for(lambda: db.exists() and len(RunStore(db).runs()), "the script's run")
+    wait_for(lambda: has_a_run(db), "the script's run")
     store = RunStore(db)
     return process, store, store.runs()["run_id"].iloc[0]
 
@@ -353,6 +361,7 @@ def while_fit_trains(store, actions):
     errors = []
 
     def drive():
+        run_id = None
         try:
             wait_for(lambda: len(store.runs()), "the run")
             run_id = store.runs()["run_id"].iloc[0]
@@ -360,6 +369,8 @@ def while_fit_trains(store, actions):
             actions(run_id)
         except BaseException as error:  # noqa: BLE001 - reported by the test
             errors.append(error)
+            if run_id is not None:
+                store.request(run_id, "stop")  # a fit left paused would hold the test
 
     thread = threading.Thread(target=drive, daemon=True)
     thread.start()
@@ -509,6 +520,100 @@ def test_a_run_no_longer_running_is_not_held_paused(tmp_path):
     assert store.status(run_id) == "interrupted"
 
 
+def test_a_pause_the_store_could_not_show_is_tried_again(tmp_path, monkeypatch):
+    """The page read "running" (offering Pause, not Resume) while the script was held."""
+    store, run_id, requests = a_paused_scripts_run(tmp_path)
+    shown = store.set_status
+    failures = [sqlite3.OperationalError("database is locked")] * 3
+
+    def busy_at_first(*args, **kwargs):
+        if failures and args[1] == "paused":
+            raise failures.pop()
+        return shown(*args, **kwargs)
+
+    monkeypatch.setattr(store, "set_status", busy_at_first)
+    thread, result = paused_in_a_thread(requests)
+    wait_for(lambda: store.status(run_id) == "paused", "the pause, once the store takes it")
+    assert thread.is_alive()
+    store.request(run_id, "resume")
+    thread.join(timeout=10)
+    assert result == [None] and store.status(run_id) == "running"
+
+
+def test_a_pause_the_store_never_shows_ends(tmp_path, monkeypatch):
+    store, run_id, requests = a_paused_scripts_run(tmp_path)
+    monkeypatch.setattr(remote, "GIVE_UP_SECONDS", 0.5)
+    shown = store.set_status
+
+    def never_paused(*args, **kwargs):
+        if args[1] == "paused":
+            raise sqlite3.OperationalError("database is locked")
+        return shown(*args, **kwargs)
+
+    monkeypatch.setattr(store, "set_status", never_paused)
+    thread, result = paused_in_a_thread(requests)
+    thread.join(timeout=10)
+    assert not thread.is_alive() and result == [None]
+
+
+def test_a_ctrl_c_while_a_loop_is_paused_leaves_no_pause_to_resume(tmp_path):
+    """A log used without `with`: the script caught the Ctrl-C and went on; the page
+    offered Resume and Step once to a script that was doing something else."""
+    model, optimizer, step = a_loop()
+    store = RunStore(tmp_path / "runs.db")
+    log = gradflow.GradientLog(model, optimizer=optimizer, store=store)
+    log.record(step())
+    store.request(log.run_id, "pause")
+    time.sleep(remote.POLL_SECONDS + 0.05)
+    # What a Ctrl-C does while `record` is held: a KeyboardInterrupt from the wait.
+    original = time.sleep
+
+    def interrupted(seconds):
+        # Python delivers a Ctrl-C to the main thread alone (not the store's writer).
+        if threading.current_thread() is threading.main_thread():
+            if store.status(log.run_id) == "paused":
+                raise KeyboardInterrupt
+        original(seconds)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(remote.time, "sleep", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            log.record(step())
+    assert store.status(log.run_id) == "running"
+    log.close("interrupted")
+
+
+def test_a_pause_pressed_between_two_fits_of_a_monitor_that_leaves_its_run_open(tmp_path):
+    """With `close_run=False` the run reads "running" between fits: a Stop pressed then
+    was dropped by the next fit."""
+    store = RunStore(tmp_path / "runs.db")
+    model = small_model()
+    model.compile("sgd", "mse")
+    monitor = gradflow.GradientMonitor(store=store, close_run=False)
+    x, y = np.ones((8, 3), "float32"), np.zeros((8, 1), "float32")
+    model.fit(x, y, batch_size=2, epochs=1, callbacks=[monitor], verbose=0)
+    store.request(monitor.run_id, "stop")
+    history = model.fit(x, y, batch_size=2, epochs=3, callbacks=[monitor], verbose=0)
+    assert len(history.history["loss"]) == 1
+
+
+def test_a_run_deleted_between_two_fits_is_made_again(tmp_path):
+    """The second `fit` ended in `UnknownRunError` before its first step."""
+    store = RunStore(tmp_path / "runs.db")
+    model = small_model()
+    model.compile("sgd", "mse")
+    monitor = gradflow.GradientMonitor(store=store, run_name="mine")
+    x, y = np.ones((8, 3), "float32"), np.zeros((8, 1), "float32")
+    model.fit(x, y, batch_size=2, epochs=1, callbacks=[monitor], verbose=0)
+    first = monitor.run_id
+    store.delete(first)
+    with pytest.warns(UserWarning, match="was deleted from its store: this fit records into a new"):
+        model.fit(x, y, batch_size=2, epochs=1, callbacks=[monitor], verbose=0)
+    assert monitor.run_id != first
+    assert store.run_info(monitor.run_id)["status"] == "completed"
+    assert store.layer_stats(monitor.run_id)["step"].tolist()
+
+
 def test_a_busy_store_at_a_pause_warns_and_fit_goes_on(tmp_path, monkeypatch):
     """`fit` ended with "database is locked" from the writer's flush before the pause."""
     from gradflow.store import writer as writers
@@ -560,3 +665,27 @@ def test_start_training_leaves_a_scripts_run_taken_control_of_training(
     assert store.pending_request(script) is None
     assert store.status(script) == "running"
     assert not any("to start the new run" in t.value for t in app.toast)
+
+
+def test_start_training_resumes_a_scripts_run_it_had_paused(page_environment, monkeypatch):
+    """Else the script waited for ever, out of sight, while the page showed the new run."""
+    import types
+
+    from gradflow.ui import resources
+
+    store = RunStore(page_environment)
+    script = store.create_run({"model": "mine"}, name="my fit", source="monitor", status="paused")
+
+    def start(config, name=None):
+        return store.create_run(config, name=name, status="completed")
+
+    manager = types.SimpleNamespace(
+        prewarm=False, start=start, queued=lambda: [], running=lambda: {}
+    )
+    monkeypatch.setattr(resources, "run_manager", lambda: manager)
+    app = run_page("live_training.py", run=script)
+    next(b for b in app.button if b.label == "Take control").click().run()
+    next(b for b in app.button if b.label == "Start training").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert store.pending_request(script) == "resume"
+    assert any("Resumed **my fit** (your script)" in t.value for t in app.toast)

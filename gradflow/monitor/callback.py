@@ -51,7 +51,7 @@ from gradflow.monitor.step import (
 )
 from gradflow.monitor.tensorboard import SummaryWriter
 from gradflow.probe.snapshot import resolve_loss
-from gradflow.store import trouble
+from gradflow.store import tables, trouble
 from gradflow.store.store import UnknownRunError
 
 # The ring holds this many executions of the train function, so the callback
@@ -1306,6 +1306,17 @@ class GradientMonitor(keras.callbacks.Callback):
             store = RunStore(store)
             self._store = store
         ended_as = None
+        if self._created_run and self.run_id is not None:
+            try:
+                ended_as = store.status(self.run_id)
+            except UnknownRunError:
+                # Deleted on the Runs page between two fits: the second `fit`
+                # ended in the store's error before its first step.
+                warn_user(
+                    f"GradientMonitor's run {self.run_id} was deleted from its store: this fit "
+                    "records into a new run."
+                )
+                self.run_id, self._created_run = None, False
         if self.run_id is None:
             # The dashboard and the exports run the rules again on the stored
             # statistics: with the thresholds this monitor used (`alert_rules`).
@@ -1329,9 +1340,11 @@ class GradientMonitor(keras.callbacks.Callback):
         elif self._created_run:
             # The same monitor given to another `fit`: its run trains on, further.
             # (A run given by `run_id` is its owner's to keep: the lab's worker.)
-            ended_as = store.status(self.run_id)
-            # Before it reads "running" again, when the page can send no new ones.
-            drop_left_over(store, self.run_id)
+            if ended_as in tables.FINAL_STATUSES:
+                # Before it reads "running" again: the page sent none since it
+                # ended. (With `close_run=False` it still reads "running", and a
+                # Pause pressed between the fits is for this one.)
+                drop_left_over(store, self.run_id)
             store.set_status(self.run_id, "running", pid=os.getpid())
             store.set_total_steps(self.run_id, self._final_numbered_step())
         self._writer = store.writer(self.run_id)
@@ -1355,12 +1368,12 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def _show_pause(self):
         """Before a pause: every step so far on the page, and the step it waits after."""
+        if self._writer is not None:
+            # With `every=5`, paused after step 17 read "step 15". First: a
+            # flush that fails keeps it, for the writer's next try.
+            self._writer.progress(self._current_step())
         try:
             self.flush()
-            if self._writer is not None:
-                # With `every=5`, paused after step 17 read "step 15".
-                self._writer.progress(self._current_step())
-                self._writer.flush()
         except sqlite3.Error as error:
             # A busy store must not end `fit`: the rows wait in the writer.
             warn_user(

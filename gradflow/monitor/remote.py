@@ -106,11 +106,22 @@ class DashboardRequests:
         self._stepping = False
         if self.on_pause is not None:
             self.on_pause()
-        if not self._set_status("paused", ("running", "paused")):
+        shown = self._set_status("paused", ("running", "paused"))
+        if shown is False:
             # No longer running (marked interrupted, or deleted): the page
             # offers no Resume, so waiting would be for ever.
             return None
-        beat = time.monotonic()
+        try:
+            return self._wait(shown)
+        except BaseException:
+            # A Ctrl-C while held: the script goes on with other work (or
+            # cleans up), which is not a pause the page may Resume.
+            self._set_status("running", ("paused",))
+            raise
+
+    def _wait(self, shown):
+        """The pause itself; `shown`: whether the store took the status `paused`."""
+        beat = since = time.monotonic()
         while True:
             action = self._take()
             if action == "resume":
@@ -121,7 +132,13 @@ class DashboardRequests:
             if action == "step":
                 self._stepping = True
                 return None
-            if self._failing_since and time.monotonic() - self._failing_since > GIVE_UP_SECONDS:
+            if not shown:
+                # The page reads "running" and offers Pause, not Resume: try again.
+                shown = self._set_status("paused", ("running", "paused"))
+                if shown is False:
+                    return None
+            failing = self._failing_since or (None if shown else since)
+            if failing and time.monotonic() - failing > GIVE_UP_SECONDS:
                 # A store that stays broken can bring no Resume: train on.
                 self._set_status("running", ("paused",))
                 return None
@@ -139,11 +156,12 @@ class DashboardRequests:
             pass
 
     def _set_status(self, status, only_from):
-        """Whether the status was set (or the store failed: the run is held all the same)."""
+        """True when set, False when the run is not in `only_from` (or gone), None when the
+        store failed."""
         try:
             return self.store.set_status(self.run_id, status, only_from=only_from)
         except sqlite3.Error:
-            return True  # the page shows the old status; the give-up timer ends a long wait
+            return None
         except ValueError:
             return False  # the run is gone
 

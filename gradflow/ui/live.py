@@ -332,9 +332,17 @@ def _stop_the_run_this_page_started():
         info = store.run_info(previous)
     except ValueError:  # deleted meanwhile
         return
-    if info["status"] not in ACTIVE or _recorded_by(info):
-        # A script's run, taken control of, is the user's own training: a
-        # new lab run beside it must not stop it.
+    if info["status"] not in ACTIVE:
+        return
+    if _recorded_by(info):
+        # A script's run, taken control of, is the user's own training: a new
+        # lab run beside it must not stop it, nor leave it paused out of sight.
+        if info["status"] == "paused":
+            store.request(previous, "resume")
+            st.toast(
+                f"Resumed **{plain_markdown(info['name'])}** (your script) to start the new "
+                "run; it trains on, on the Runs page."
+            )
         return
     message = "Stopped: a new run was started from its page."
     if not store.set_status(previous, "stopped", message, only_from=("queued",)):
