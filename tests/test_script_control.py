@@ -451,13 +451,20 @@ def test_stop_pressed_while_paused_says_running_until_the_loop_ends(tmp_path):
     assert result == ["stop"] and store.status(run_id) == "running"
 
 
-def test_close_stopped_after_the_dashboards_stop_keeps_its_message(tmp_path):
+def a_logged_step(tmp_path, action):
+    """`(store, log, step)`: a log's first step recorded, then `action` pressed on the page,
+    seen at the next `record`."""
     model, optimizer, step = a_loop()
     store = RunStore(tmp_path / "runs.db")
     log = gradflow.GradientLog(model, optimizer=optimizer, store=store)
     log.record(step())
-    store.request(log.run_id, "stop")
-    time.sleep(remote.POLL_SECONDS + 0.05)
+    store.request(log.run_id, action)
+    time.sleep(remote.POLL_SECONDS + 0.05)  # the log looks again at its next `record`
+    return store, log, step
+
+
+def test_close_stopped_after_the_dashboards_stop_keeps_its_message(tmp_path):
+    store, log, step = a_logged_step(tmp_path, "stop")
     log.record(step())
     assert log.stop_training
     log.close(status="stopped")
@@ -559,12 +566,7 @@ def test_a_pause_the_store_never_shows_ends(tmp_path, monkeypatch):
 def test_a_ctrl_c_while_a_loop_is_paused_leaves_no_pause_to_resume(tmp_path):
     """A log used without `with`: the script caught the Ctrl-C and went on; the page
     offered Resume and Step once to a script that was doing something else."""
-    model, optimizer, step = a_loop()
-    store = RunStore(tmp_path / "runs.db")
-    log = gradflow.GradientLog(model, optimizer=optimizer, store=store)
-    log.record(step())
-    store.request(log.run_id, "pause")
-    time.sleep(remote.POLL_SECONDS + 0.05)
+    store, log, step = a_logged_step(tmp_path, "pause")
     # What a Ctrl-C does while `record` is held: a KeyboardInterrupt from the wait.
     original = time.sleep
 
@@ -640,16 +642,18 @@ def test_a_busy_store_at_a_pause_warns_and_fit_goes_on(tmp_path, monkeypatch):
     assert store.run_info(monitor.run_id)["status"] == "stopped"
 
 
+@pytest.mark.parametrize("status", ["running", "paused"])
 def test_start_training_leaves_a_scripts_run_taken_control_of_training(
-    page_environment, monkeypatch
+    page_environment, monkeypatch, status
 ):
-    """Take control made the script's run "started here", and Start training stopped it."""
+    """Take control made the script's run "started here", and Start training stopped it;
+    a paused one, left alone, waited for ever out of sight: it is resumed."""
     import types
 
     from gradflow.ui import resources
 
     store = RunStore(page_environment)
-    script = store.create_run({"model": "mine"}, name="my fit", source="monitor")
+    script = store.create_run({"model": "mine"}, name="my fit", source="monitor", status=status)
 
     def start(config, name=None):
         return store.create_run(config, name=name, status="completed")
@@ -662,30 +666,8 @@ def test_start_training_leaves_a_scripts_run_taken_control_of_training(
     next(b for b in app.button if b.label == "Take control").click().run()
     next(b for b in app.button if b.label == "Start training").click().run()
     assert not app.exception, [e.value for e in app.exception]
-    assert store.pending_request(script) is None
-    assert store.status(script) == "running"
-    assert not any("to start the new run" in t.value for t in app.toast)
-
-
-def test_start_training_resumes_a_scripts_run_it_had_paused(page_environment, monkeypatch):
-    """Else the script waited for ever, out of sight, while the page showed the new run."""
-    import types
-
-    from gradflow.ui import resources
-
-    store = RunStore(page_environment)
-    script = store.create_run({"model": "mine"}, name="my fit", source="monitor", status="paused")
-
-    def start(config, name=None):
-        return store.create_run(config, name=name, status="completed")
-
-    manager = types.SimpleNamespace(
-        prewarm=False, start=start, queued=lambda: [], running=lambda: {}
-    )
-    monkeypatch.setattr(resources, "run_manager", lambda: manager)
-    app = run_page("live_training.py", run=script)
-    next(b for b in app.button if b.label == "Take control").click().run()
-    next(b for b in app.button if b.label == "Start training").click().run()
-    assert not app.exception, [e.value for e in app.exception]
-    assert store.pending_request(script) == "resume"
-    assert any("Resumed **my fit** (your script)" in t.value for t in app.toast)
+    assert store.status(script) == status
+    assert not any(t.value.startswith("Stopped") for t in app.toast)
+    resumed = any("Resumed **my fit** (your script)" in t.value for t in app.toast)
+    assert store.pending_request(script) == ("resume" if status == "paused" else None)
+    assert resumed == (status == "paused")
