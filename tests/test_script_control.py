@@ -475,13 +475,21 @@ def test_close_stopped_after_the_dashboards_stop_keeps_its_message(tmp_path):
 def test_ctrl_c_while_paused_ends_the_run_interrupted_at_once(tmp_path):
     """The script caught the KeyboardInterrupt to clean up: the run read "paused", then
     "failed: `fit` ended with an error outside the train step"."""
-    caught = FIT_SCRIPT.replace(
-        "history = model.fit(",
-        "try:\n    history = model.fit(",
-    ).replace(
-        'print("EPOCHS"',
-        'except KeyboardInterrupt:\n    print("CAUGHT", flush=True)\n    time.sleep(30)\n'
-        'print("EPOCHS"',
+    # A script started from a terminal takes Ctrl-C as KeyboardInterrupt; one
+    # started under a shell's `&` (as CI may run the suite) ignores SIGINT, and so
+    # would this script, inheriting that.
+    interruptible = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    caught = (
+        (interruptible + FIT_SCRIPT)
+        .replace(
+            "history = model.fit(",
+            "try:\n    history = model.fit(",
+        )
+        .replace(
+            'print("EPOCHS"',
+            'except KeyboardInterrupt:\n    print("CAUGHT", flush=True)\n    time.sleep(30)\n'
+            'print("EPOCHS"',
+        )
     )
     process, store, run_id = start_script(tmp_path, caught)
     try:

@@ -156,7 +156,10 @@ class GradientMonitor(keras.callbacks.Callback):
             share rows (`"t=001–003"`). It costs one more backward pass per
             recorded step (`every`). Defaults to `False`.
         store: A `gradflow.RunStore`, or a path to one, to write every
-            recorded step to (live, for the dashboard). Defaults to `None`.
+            recorded step to (live, for the dashboard). The Live page's
+            Pause, Step once and Stop, after its **Take control**, then act
+            on this `fit` (a run the monitor made; `run_id` runs are their
+            owner's). Defaults to `None`.
         keep_steps: How many of the last recorded steps `history`,
             `metrics` and `histogram_rows` keep in memory: for a long run
             written to a `store` (or TensorBoard), which has every step. `0`

@@ -275,6 +275,10 @@ class GradientLog:
             **metrics: Other numbers of the step to keep with it
                 (`accuracy=...`, `d_loss=...`).
 
+        With a `store`, a Pause pressed on the dashboard's Live page holds
+        this call until Resume, Step once or Stop (which sets
+        `stop_training`).
+
         Returns:
             True when this step was recorded, False when `every` skipped it.
 

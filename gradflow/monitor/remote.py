@@ -21,7 +21,8 @@ PAUSED_POLL_SECONDS = 0.1
 HEARTBEAT_SECONDS = 5.0
 # A paused run whose store fails this long resumes: no Resume could reach it.
 GIVE_UP_SECONDS = 30.0
-# Old requests dropped when a run starts taking them (a click or two each).
+# At most this many left-over requests dropped when an ended run trains again
+# (`drop_left_over`; a click or two each).
 _MOST_LEFT_OVER = 100
 
 
