@@ -474,12 +474,17 @@ def test_a_store_it_cannot_open_is_named_and_the_step_is_not_recorded(tmp_path):
         log.record(gradients, loss=1.0, step=1)  # the same step again: nothing was counted
 
 
-def test_the_optimizers_step_count_may_number_the_steps():
+def sgd_loop(rate):
+    """`(model, optimizer, log, train_step, x, y)`: an SGD loop with a log of its optimizer."""
     model = make_model()
-    optimizer = keras.optimizers.SGD(0.1)
+    optimizer = keras.optimizers.SGD(rate)
     log = gradflow.GradientLog(model, optimizer=optimizer)
-    train_step = loop_step(model, optimizer)
     x, y = make_data()
+    return model, optimizer, log, loop_step(model, optimizer), x, y
+
+
+def test_the_optimizers_step_count_may_number_the_steps():
+    model, optimizer, log, train_step, x, y = sgd_loop(0.1)
     for _ in range(2):
         loss, gradients = train_step(x[:BATCH], y[:BATCH])
         log.record(gradients, loss=loss, step=optimizer.iterations)
@@ -634,11 +639,7 @@ def test_updates_record_did_not_see_are_told_once():
 
 def test_a_learning_rate_set_by_hand_is_the_one_each_step_used():
     """A warm-up that set the rate before each step read one step late."""
-    model = make_model()
-    optimizer = keras.optimizers.SGD(0.0)
-    log = gradflow.GradientLog(model, optimizer=optimizer)
-    train_step = loop_step(model, optimizer)
-    x, y = make_data()
+    model, optimizer, log, train_step, x, y = sgd_loop(0.0)
     for k in range(1, 4):
         optimizer.learning_rate = 0.1 * k
         loss, gradients = train_step(x[:BATCH], y[:BATCH])

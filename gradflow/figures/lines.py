@@ -283,18 +283,26 @@ def loop_metric_names(metrics):
     check_metrics(metrics)
     first = metrics.sort_values("step", kind="stable").drop_duplicates("name")["name"]
     gradflows = _PER_STEP - {"loss"}
-    panels = []
-    for name in first:
-        if not isinstance(name, str):
-            continue
-        # `val_d_loss` is drawn dashed in the panel of `d_loss` (`metrics_chart`).
-        base = name[len("val_") :] if name.startswith("val_") and len(name) > 4 else name
-        if base not in panels and base not in gradflows:
-            panels.append(base)
-    if "loss" in panels:
-        panels.remove("loss")
-        panels.insert(0, "loss")
-    return panels
+    panels = metric_panels(name for name in first if isinstance(name, str))
+    return [panel for panel in panels if panel not in gradflows]
+
+
+def metric_panels(names):
+    """The panels of these metric names, in order, the loss first.
+
+    `val_<name>` is drawn dashed in the panel of `<name>` (`metrics_chart`,
+    `compare_metrics`); a metric a loop named `val_` alone is its own.
+
+    Args:
+        names: metric names, in the order to keep (after the loss).
+
+    Returns:
+        A list of panel names, each once.
+    """
+    panels = {}
+    for name in names:
+        panels.setdefault(name[4:] if name.startswith("val_") and name != "val_" else name, None)
+    return sorted(panels, key=lambda panel: panel != "loss")
 
 
 def metrics_chart(

@@ -1371,10 +1371,11 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def _show_pause(self):
         """Before a pause: every step so far on the page, and the step it waits after."""
+        step = self._current_step()
         if self._writer is not None:
             # With `every=5`, paused after step 17 read "step 15". First: a
             # flush that fails keeps it, for the writer's next try.
-            self._writer.progress(self._current_step())
+            self._writer.progress(step)
         try:
             self.flush()
         except sqlite3.Error as error:
@@ -1390,7 +1391,7 @@ class GradientMonitor(keras.callbacks.Callback):
         ):
             self._told_execution_steps = self._steps_per_execution
             self._add_event(
-                self._current_step(),
+                step,
                 None,
                 "info",
                 f"This fit runs {self._steps_per_execution} steps per call "

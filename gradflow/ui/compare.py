@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from gradflow import figures, schema
+from gradflow.figures.lines import metric_panels
 from gradflow.store import UnknownRunError
 from gradflow.ui import resources, run_rows
 from gradflow.ui.charts import plain_markdown, plain_message
@@ -332,13 +333,9 @@ def _metric_chart(metrics, presentation):
 def metric_choices(frames):
     """The metrics any of the runs recorded (their `val_` twins drawn with them): the loss
     first, then as first met."""
-    seen = {}
-    for frame in frames:
-        for name in frame["name"].unique() if len(frame) else ():
-            name = str(name)
-            # `val_x` is drawn dashed in x's panel (a metric named "val_" is its own).
-            seen.setdefault(name[4:] if name.startswith("val_") and name != "val_" else name, None)
-    return sorted(seen, key=lambda name: name != "loss")
+    return metric_panels(
+        str(name) for frame in frames if len(frame) for name in frame["name"].unique()
+    )
 
 
 def _charted(layer_stats):
