@@ -1244,6 +1244,27 @@ def test_given_to_evaluate_or_predict_it_says_it_records_only_fit():
     assert monitor.history["step"].max() > 0
 
 
+def test_once_it_recorded_a_fit_evaluate_and_predict_say_nothing():
+    """SciKeras gives `predict` and `score` the callbacks of `fit`: each call warned that
+    the monitor should be given to `fit`, which the user had done."""
+    x, y = data()
+    model = classifier(seed=0)
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    unused = GradientMonitor()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model.predict(x, verbose=0, callbacks=[unused])
+    assert len([w for w in caught if "records training steps only" in str(w.message)]) == 1
+    monitor = GradientMonitor()
+    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.predict(x, verbose=0, callbacks=[monitor])
+        model.evaluate(x, y, verbose=0, callbacks=[monitor])
+    assert not [w for w in caught if "records training steps only" in str(w.message)]
+
+
 def test_a_run_continued_after_it_failed_says_so(tmp_path):
     """It read "completed" at the end, with nothing saying it had failed once."""
     x, y = data()

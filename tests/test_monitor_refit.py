@@ -321,22 +321,147 @@ def test_a_plain_call_after_a_callback_broke_a_monitored_fit_runs_keras_step(tmp
     assert len(monitor.history) > 0  # the step recorded before the error is kept
 
 
-def test_a_monitor_given_to_a_second_model_says_it_needs_one_of_its_own(tmp_path):
-    """The second model's steps went on from the first's, in its stored run, and layers
-    of one name shared their curves; the only note blamed a new optimizer."""
+def matches_sgd_reference(monitor, reference, x, y, epochs=1):
+    """`monitor` recorded what SGD(0.05) on `reference`'s weights applies, from step 1."""
+    rows, metrics = reference_run(reference, keras.optimizers.SGD(0.05), x, y, epochs=epochs)
+    if not monitor.activations:
+        rows = {key: row for key, row in rows.items() if key[2] != "activation"}
+    assert_matches_reference(monitor, rows, metrics, rtol=1e-5)
+
+
+def test_a_monitor_given_to_a_second_model_says_it_needs_one_of_its_own():
+    """The second model's steps went on from the first's, and layers of one name shared
+    their curves; the only note blamed a new optimizer. Without a store, the first
+    model's steps are in `history` only: the monitor keeps them and refuses."""
     x, y = make_data()
     first, second = make_model(), make_model()
     for model in (first, second):
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-    monitor = GradientMonitor(store=tmp_path / "runs.db")
-    first.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+    monitor = GradientMonitor()
+    first.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
     recorded = len(monitor.history)
     with pytest.raises(ValueError, match=f"recorded model '{first.name}'.*of its own"):
-        second.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+        second.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
     assert len(monitor.history) == recorded
     assert int(second.optimizer.iterations) == 0  # it did not train
-    first.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])  # its own model: fine
+    first.fit(
+        x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor]
+    )  # its own model: fine
     assert len(monitor.history) == 2 * recorded
+
+
+def test_a_monitor_with_a_store_records_a_second_model_into_a_new_run(tmp_path):
+    """SciKeras gives one estimator's monitor to each of its `fit`s, with a new model
+    each time: the second `fit` failed. The first model's steps are safe in its closed
+    run, so the second goes into a run of its own, with a word of it."""
+    from gradflow.store import RunStore
+
+    x, y = make_data()
+    first, second = make_model(), make_model()
+    reference = copy_of(second)
+    for model in (first, second):
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    store = RunStore(tmp_path / "runs.db")
+    monitor = GradientMonitor(store=store, run_name="estimator")
+    first.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    first_run, first_rows = monitor.run_id, store.layer_stats(monitor.run_id)
+    with pytest.warns(UserWarning, match=f"into run {first_run}.*goes into a new run"):
+        second.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[monitor])
+    assert monitor.run_id != first_run
+    # The first run is as it was; the monitor now holds the second model's steps only,
+    # numbered from 1, and they are its own.
+    pd.testing.assert_frame_equal(store.layer_stats(first_run), first_rows)
+    assert store.run_info(monitor.run_id)["status"] == "completed"
+    assert store.run_info(monitor.run_id)["name"] == "estimator"
+    matches_sgd_reference(monitor, reference, x, y, epochs=2)
+
+
+def test_a_stored_run_says_which_optimizer_settings_and_model_size_it_had(tmp_path):
+    """A KerasTuner search stored runs named alike whose config said `"optimizer": "SGD"`
+    only: which trial's learning rate each was could not be told."""
+    from gradflow.store import RunStore
+
+    x, y = make_data()
+    for rate, schedule in ((0.05, False), (0.01, True)):
+        model = make_model()
+        learning_rate = (
+            keras.optimizers.schedules.ExponentialDecay(rate, 10, 0.5) if schedule else rate
+        )
+        model.compile(optimizer=keras.optimizers.SGD(learning_rate, momentum=0.9), loss="mse")
+        monitor = GradientMonitor(store=tmp_path / "runs.db", run_name="trial")
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+        config = RunStore(tmp_path / "runs.db").run_info(monitor.run_id)["config"]
+        settings = config["optimizer_settings"]
+        assert settings["momentum"] == 0.9 and settings["nesterov"] is False
+        assert settings["learning_rate"] == ("ExponentialDecay" if schedule else rate)
+        assert "clipnorm" not in settings  # off: left out
+        assert config["parameters"] == model.count_params()
+
+
+def test_a_monitor_given_a_run_id_still_refuses_a_second_model(tmp_path):
+    """A run the user named by id is theirs: a second model would join its curves."""
+    from gradflow.store import RunStore
+
+    x, y = make_data()
+    first, second = make_model(), make_model()
+    for model in (first, second):
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run({}, name="mine")
+    monitor = GradientMonitor(store=store, run_id=run_id)
+    first.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    with pytest.raises(ValueError, match="of its own"):
+        second.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+
+
+def test_two_copies_of_one_monitor_record_apart(tmp_path):
+    """`copy.copy` shared the monitor's lists: each copy's `history` held both models'
+    rows, and the second copy's run was numbered on from the first's steps."""
+    import copy
+
+    from gradflow.store import RunStore
+
+    x, y = make_data()
+    template = GradientMonitor(store=tmp_path / "runs.db")
+    assert template.history.empty  # a monitor that never ran: an empty table, not an error
+    copies = [copy.copy(template), copy.copy(template)]
+    references = []
+    for monitor in copies:
+        model = make_model()
+        references.append(copy_of(model))
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    store = RunStore(tmp_path / "runs.db")
+    for monitor, reference in zip(copies, references, strict=True):
+        matches_sgd_reference(monitor, reference, x, y)
+        stored = store.layer_stats(monitor.run_id)
+        assert sorted(stored["step"].unique()) == sorted(monitor.history["step"].unique())
+        assert monitor.events.empty
+    assert copies[0].run_id != copies[1].run_id
+    assert template.history.empty and template.run_id is None
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_used_monitor_records_a_new_model_afresh(tmp_path, how):
+    """KerasTuner copies the callbacks for each trial, `sklearn.clone` for each fold, each
+    with a new model: a copy of a monitor that had recorded a `fit` refused them all."""
+    import copy
+    import pickle
+
+    x, y = make_data()
+    first = make_model()
+    first.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    monitor = GradientMonitor(store=tmp_path / "runs.db", run_name="trial")
+    first.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    before = monitor.history.copy()
+    copied = copy.deepcopy(monitor) if how == "deepcopy" else pickle.loads(pickle.dumps(monitor))
+    second = make_model()
+    reference = copy_of(second)
+    second.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    second.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[copied])
+    matches_sgd_reference(copied, reference, x, y)
+    assert copied.run_id != monitor.run_id
+    pd.testing.assert_frame_equal(monitor.history, before)  # the original keeps its own
 
 
 def test_one_monitor_given_to_several_fits_keeps_its_stored_run_current(tmp_path):

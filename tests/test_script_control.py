@@ -151,6 +151,14 @@ def pause_step_resume_stop(process, store, run_id):
             process.kill()
             process.wait()
     assert process.returncode == 0, err[-3000:]
+    # The script's terminal says why it stopped printing, once (not again
+    # after Step once), and when it goes on.
+    said = [line for line in err.splitlines() if line.startswith(f"gradflow: run {run_id}")]
+    assert said == [
+        f"gradflow: run {run_id} paused from the dashboard. Training waits for Resume, "
+        "Step once or Stop there (Ctrl-C here interrupts it).",
+        f"gradflow: run {run_id} trains again.",
+    ]
     return out
 
 

@@ -307,6 +307,13 @@ class GradientMonitor(keras.callbacks.Callback):
         self._nonfinite_step = None
         self._halt_step = None
         self._plan = None
+        # Whether the last `fit` clipped (set at its start; `history` before any fit reads it).
+        self._clipping = False
+        # Whether this monitor is a copy (`copy`, `pickle`, `sklearn.clone`): it
+        # starts afresh on a model other than the one it recorded.
+        self._copied = False
+        # The methods (`evaluate`, `predict`) said to record nothing: once each.
+        self._told_only_fit = set()
         # The row layout of the last `fit` that recorded a step: a later
         # `fit` that trains other layers says so (`_note_trained_layers`).
         self._last_layout = None
@@ -326,7 +333,44 @@ class GradientMonitor(keras.callbacks.Callback):
         state["_last_optimizer"] = None
         state["_unwritten"] = []  # a writer's connection and thread stay with this monitor
         state["_requests"] = None
+        # `copy.copy` shares what the state holds: two copies on two models
+        # each recorded into the same lists, and read both models' rows.
+        for name in ("_blocks", "_metric_rows", "_events"):
+            state[name] = list(state[name])
+        state["_told_store"] = set(state["_told_store"])
+        state["_told_only_fit"] = set(state["_told_only_fit"])
+        state["_frames"] = None
+        state["_copied"] = True
         return state
+
+    def _start_afresh(self):
+        """Forget the model a copied monitor recorded: it records its new one from scratch.
+
+        KerasTuner copies the callbacks for each trial, scikit-learn's `clone`
+        (SciKeras, `cross_val_score`, `GridSearchCV`) for each fit, each
+        with a new model; a copy of a monitor that had recorded a `fit`
+        refused them all. The original keeps what it recorded.
+        """
+        fresh = type(self)(
+            every=self.every,
+            activations=self.activations,
+            histograms=self.histograms,
+            store=self._store,
+            run_id=None if self._created_run else self.run_id,
+            run_name=self.run_name,
+            close_run=self.close_run,
+            stop_on_nonfinite=self.stop_on_nonfinite,
+            tensorboard_dir=self.tensorboard_dir,
+            probe_every=self.probe_every,
+            rules=self.rules,
+            probe_loss=self.probe_loss,
+            through_time=self.through_time,
+            keep_steps=self.keep_steps,
+        )
+        # What `fit` gave this copy (its model, `params`) stays.
+        kept = {name: self.__dict__[name] for name in ("_model", "params") if name in self.__dict__}
+        self.__dict__.update(fresh.__dict__)
+        self.__dict__.update(kept)
 
     # Results -----------------------------------------------------------------
 
@@ -448,13 +492,41 @@ class GradientMonitor(keras.callbacks.Callback):
         steps_per_execution = _steps_per_execution(model)
         # The plan of this monitor's last `fit` holds the model it recorded.
         first = self._plan.model if self._plan is not None else None
+        if first is not None and first is not model and self._copied:
+            self._start_afresh()
+            first = None
+        elif (
+            first is not None
+            and first is not model
+            and self._created_run
+            and self.close_run
+            and self._writer is None
+            and not self._unwritten
+        ):
+            # The last model's steps are safe in its closed run: SciKeras gives
+            # the same monitor to each `fit` of an estimator, with a new model
+            # each time, and the second `fit` failed.
+            ended = self.run_id
+            self._start_afresh()
+            warn_user(
+                f"GradientMonitor recorded model {first.name!r} into run {ended} of its store; "
+                f"this fit's model ({model.name!r}, another model object) goes into a new run, "
+                "and `history` now holds the new model's steps only."
+            )
+            first = None
         if first is not None and first is not model:
             # Its steps would go on from the first model's and layers of one
             # name would join its curves, in one history and one stored run.
+            other = (
+                f"another model object named {model.name!r} (a model built again, "
+                "e.g. after `keras.backend.clear_session()`)"
+                if first.name == model.name
+                else f"model {model.name!r}"
+            )
             raise ValueError(
-                f"This GradientMonitor recorded model {first.name!r}; model {model.name!r} "
-                "needs a GradientMonitor of its own (make one for each model, e.g. inside "
-                "the loop over models)."
+                f"This GradientMonitor recorded model {first.name!r}; {other} needs a "
+                "GradientMonitor of its own (make one for each model, e.g. inside the loop "
+                "over models; a copy, `copy.deepcopy(monitor)`, records a new model afresh)."
             )
         # Every callback of one `fit` gets the same `params` dict. Each
         # monitor rebuilds the train step, so a second one would silently
@@ -751,6 +823,11 @@ class GradientMonitor(keras.callbacks.Callback):
         self._records_only_fit("predict")
 
     def _records_only_fit(self, method):
+        if method in self._told_only_fit or self._plan is not None:
+            # Once; and not at all to a monitor that recorded a `fit`: SciKeras
+            # gives `predict` and `score` the `fit`'s callbacks, and every call warned.
+            return
+        self._told_only_fit.add(method)
         warn_user(
             f"GradientMonitor records training steps only: `{method}` computes no gradients, "
             f"so it records nothing. Give it to `fit` (or use `gradflow.snapshot` for the "

@@ -5,6 +5,7 @@ neither the argument nor the value.
 """
 
 import dataclasses
+import math
 import os
 
 from gradflow.diagnosis import Thresholds
@@ -79,6 +80,10 @@ def run_config(
     config = {
         "model": model.name,
         "optimizer": None if optimizer is None else type(optimizer).__name__,
+        # A KerasTuner search or a grid search makes runs that differ in
+        # these only: stored, a run says which trial it was.
+        "optimizer_settings": _optimizer_settings(optimizer),
+        "parameters": model.count_params() if model.built else None,
         "every": every,
         "activations": activations,
         "histograms": histograms,
@@ -89,3 +94,25 @@ def run_config(
     if rules is not None:
         config["alert_rules"] = dataclasses.asdict(rules)
     return config
+
+
+def _optimizer_settings(optimizer):
+    """The optimizer's own settings that are plain numbers, names or switches (a dict)."""
+    if optimizer is None:
+        return {}
+    try:
+        settings = optimizer.get_config()
+    except Exception:  # noqa: BLE001 - a user's optimizer may not implement it; the run goes on
+        return {}
+    kept = {}
+    for name, value in settings.items():
+        if isinstance(value, dict) and "class_name" in value:
+            value = value["class_name"]  # a learning-rate schedule: its name
+        if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+            value = value.item()  # a NumPy number
+        if isinstance(value, float):
+            # The stored config is JSON; a float32 0.001 read 0.0010000000474974513.
+            value = float(f"{value:.7g}") if math.isfinite(value) else str(value)
+        if isinstance(value, (bool, int, float, str)):
+            kept[name] = value  # `None`s (a switch left off) say nothing
+    return kept

@@ -10,6 +10,7 @@ every `poll_interval` seconds, nothing measurable per step.
 """
 
 import sqlite3
+import sys
 import time
 
 from gradflow.store import tables
@@ -68,7 +69,7 @@ class DashboardRequests:
             return "stop"
         if self._stepping:
             # Step once: that step is done; paused again.
-            return self._pause()
+            return self._pause(quietly=True)
         now = time.monotonic()
         if now < self._next_poll:
             return None
@@ -102,8 +103,12 @@ class DashboardRequests:
         self._set_status("running", ("paused",))
         return "stop"
 
-    def _pause(self):
-        """Hold training until Resume, Step once or Stop; returns `"stop"` or None."""
+    def _pause(self, quietly=False):
+        """Hold training until Resume, Step once or Stop; returns `"stop"` or None.
+
+        Unless `quietly` (paused again after Step once), the script's
+        terminal says so: a `fit` that stops printing at 2 a.m. looks hung.
+        """
         self._stepping = False
         if self.on_pause is not None:
             self.on_pause()
@@ -112,13 +117,24 @@ class DashboardRequests:
             # No longer running (marked interrupted, or deleted): the page
             # offers no Resume, so waiting would be for ever.
             return None
+        if not quietly:
+            _say(
+                f"gradflow: run {self.run_id} paused from the dashboard. Training waits for "
+                "Resume, Step once or Stop there (Ctrl-C here interrupts it)."
+            )
         try:
-            return self._wait(shown)
+            action = self._wait(shown)
         except BaseException:
             # A Ctrl-C while held: the script goes on with other work (or
             # cleans up), which is not a pause the page may Resume.
             self._set_status("running", ("paused",))
             raise
+        if not self._stepping:
+            _say(
+                f"gradflow: run {self.run_id} "
+                + ("stopped from the dashboard." if action == "stop" else "trains again.")
+            )
+        return action
 
     def _wait(self, shown):
         """The pause itself; `shown`: whether the store took the status `paused`."""
@@ -165,6 +181,11 @@ class DashboardRequests:
             return None
         except ValueError:
             return False  # the run is gone
+
+
+def _say(line):
+    """One line on the script's stderr, beside Keras's progress bar (which is on stdout)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def drop_left_over(store, run_id):

@@ -227,6 +227,9 @@ def control_buttons(config, run_id, status, script=None):
         width="stretch",
     ):
         store.request(run_id, "resume" if paused else "pause")
+        if script and not paused:
+            # Resumed once this tab is gone, rather than left waiting for ever.
+            session_ownership().paused_script(run_id)
     if stop.button("Stop", disabled=status not in ACTIVE or watched, width="stretch"):
         store.request(run_id, "stop")
     if step.button(
@@ -236,6 +239,8 @@ def control_buttons(config, run_id, status, script=None):
         help=_STEP_ONCE_SCRIPT if script == "GradientMonitor" else _STEP_ONCE,
     ):
         store.request(run_id, "step")
+        if script:
+            session_ownership().paused_script(run_id)
     if watched:
         note, take = st.columns([4, 1])
         note.caption(

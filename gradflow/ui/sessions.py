@@ -7,6 +7,11 @@ runs whose owners have all been gone for `GRACE_SECONDS`. A page reload keeps
 the run: the run id is in the URL, and the new session claims it. A student
 who opens the teacher's shared link and closes it again leaves the teacher's
 run training: the teacher's own session still owns it.
+
+A run a user's script records is never stopped so: it is theirs. But one
+paused from a tab that then went away waited for ever, in a script no one
+was watching; it is resumed instead, once the sessions that paused it have
+been gone as long.
 """
 
 import os
@@ -44,6 +49,8 @@ class SessionOwnership:
         self.trains_here = trains_here
         self._owners = {}  # run_id -> ids of the sessions that started or opened it
         self._gone_since = {}  # run_id -> monotonic time its last owner was first missed
+        self._pausers = {}  # a script's run_id -> ids of the sessions that paused or stepped it
+        self._pausers_gone_since = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(
             target=self._loop, name="gradflow-session-reaper", daemon=True
@@ -58,6 +65,15 @@ class SessionOwnership:
         with self._lock:
             self._owners.setdefault(run_id, set()).add(ctx.session_id)
             self._gone_since.pop(run_id, None)
+
+    def paused_script(self, run_id):
+        """Note that the current browser session paused (or stepped) a script's run."""
+        ctx = get_script_run_ctx()
+        if ctx is None:
+            return
+        with self._lock:
+            self._pausers.setdefault(run_id, set()).add(ctx.session_id)
+            self._pausers_gone_since.pop(run_id, None)
 
     def reap(self, now=None):
         """Stop active runs whose sessions have all been gone longer than the grace period.
@@ -86,7 +102,25 @@ class SessionOwnership:
                     stopped.append(run_id)
                 del self._owners[run_id]
                 self._gone_since.pop(run_id, None)
+            self._resume_left_scripts(session_manager, now)
         return stopped
+
+    def _resume_left_scripts(self, session_manager, now):
+        """Resume the scripts' runs whose pausers have all been gone for the grace period."""
+        for run_id, sessions in list(self._pausers.items()):
+            if any(session_manager.is_active_session(s) for s in sessions):
+                self._pausers_gone_since.pop(run_id, None)
+                continue
+            first_missed = self._pausers_gone_since.setdefault(run_id, now)
+            if now - first_missed < self.grace_seconds:
+                continue
+            try:
+                if self.store.status(run_id) == "paused":
+                    self.store.request(run_id, "resume")
+            except ValueError:
+                pass  # deleted meanwhile: the script resumes itself (`DashboardRequests`)
+            del self._pausers[run_id]
+            self._pausers_gone_since.pop(run_id, None)
 
     def _loop(self):
         recovered = time.monotonic()
