@@ -264,3 +264,21 @@ def test_cross_entropy_on_regression_file_data_is_rejected():
     data = load_dataset(RunConfig(dataset="regression", n_samples=20))
     with pytest.raises(ValueError, match="is for classification, but the data set is a regression"):
         build_model(config, data)
+
+
+@pytest.mark.parametrize("architecture", ["mlp", "cnn", "residual_mlp"])
+def test_a_layer_before_batch_norm_has_no_bias_to_show_as_vanished(architecture):
+    """BatchNorm subtracts the batch mean, and a bias added before it with it: its gradient
+    was float32 round-off, 1e-8, a row that read as vanished in a normalization lesson."""
+    for normalization, biased in (("batch", False), ("layer", True), ("none", True)):
+        config, _, model = _build(
+            architecture=architecture, depth=2, width=4, normalization=normalization
+        )
+        hidden = [layer for layer in model.layers if layer.name.startswith(("dense_", "conv_"))]
+        assert len(hidden) == 2
+        assert all(layer.use_bias == biased for layer in hidden), normalization
+    # Batch norm's own beta is the bias, and it learns.
+    assert any(
+        w.path.endswith("beta")
+        for w in _build(architecture=architecture, normalization="batch")[2].trainable_weights
+    )

@@ -185,8 +185,10 @@ class RunConfig:
         max_norm: If set, a `keras.constraints.MaxNorm` on every kernel.
             Defaults to None.
         loss: `"auto"` (sparse categorical cross-entropy with a softmax output
-            for classification, mean squared error for regression) or a Keras
-            loss identifier. Defaults to `"auto"`.
+            for classification, mean squared error for regression) or one of
+            Keras's loss identifiers `"sparse_categorical_crossentropy"`,
+            `"categorical_crossentropy"`, `"mse"`, `"mae"`,
+            `"binary_crossentropy"`, `"huber"`. Defaults to `"auto"`.
         dataset: A built-in data set or `"file"` (with `data_path`). Defaults
             to `"digits"`, bundled with scikit-learn (no download).
         data_path: An `.npz` or `.csv` file for `dataset="file"`.

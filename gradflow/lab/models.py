@@ -214,6 +214,11 @@ def _hidden_block(config, inputs, index):
     """One hidden layer with its normalization, activation, dropout and skip."""
     last = index == config.depth
     normalized = config.normalization != "none"
+    # BatchNorm subtracts the batch mean, and with it any bias added before it:
+    # that bias's gradient is float32 round-off (1e-8), a row that looked
+    # vanished on the heatmaps of a lesson about normalization. Its beta is
+    # the bias. (LayerNorm keeps a bias that differs between features.)
+    bias = config.normalization != "batch"
     if config.architecture == "rnn":
         layer = _RNN_LAYERS[config.rnn_cell](
             config.width,
@@ -229,6 +234,7 @@ def _hidden_block(config, inputs, index):
             3,
             padding="same",
             activation=None if normalized else config.activation,
+            use_bias=bias,
             name=f"conv_{index}",
             **_kernel_arguments(config, filters=True),
             **_IMAGE,
@@ -238,6 +244,7 @@ def _hidden_block(config, inputs, index):
         layer = keras.layers.Dense(
             config.width,
             activation=None if normalized else config.activation,
+            use_bias=bias,
             name=f"dense_{index}",
             **_kernel_arguments(config),
             **_LAYER,

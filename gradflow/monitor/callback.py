@@ -175,7 +175,8 @@ class GradientMonitor(keras.callbacks.Callback):
             one. Defaults to `None`.
         run_name: Name of the run the monitor creates. Defaults to `None`.
         close_run: Whether to set the run's final status at the end of `fit`
-            (`"completed"` or `"diverged"`). The lab runner passes `False`
+            (`"completed"`, `"diverged"`, or `"stopped"` after the
+            dashboard's Stop). The lab runner passes `False`
             and sets it itself. Defaults to `True`.
         stop_on_nonfinite: Stop training at the first step whose gradient
             holds a NaN or Inf. That step's update is skipped, like
