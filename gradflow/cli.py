@@ -1,10 +1,12 @@
-"""The `gradflow` command line: train, list runs, export figures, serve the dashboard.
+"""The `gradflow` command line: train, list runs, export figures or runs, import runs, serve.
 
 ```
 gradflow train --depth 10 --activation sigmoid --steps 300 --db runs.db
 gradflow train --preset dead_relu
 gradflow runs --db runs.db
 gradflow export 3f2a9c1b7e4d --format png --out slides/ --db runs.db
+gradflow export 3f2a9c1b7e4d --format store --out relu-run.db    # a run to send
+gradflow import alice.db --db class.db                             # runs brought in
 gradflow serve --port 8501
 ```
 
@@ -85,7 +87,7 @@ def main(argv=None):
         os.environ["KERAS_BACKEND"] = "tensorflow"
         if not getattr(args, "command", None):
             raise UsageError(
-                "gradflow: choose a command: train, runs, export or serve (see --help)"
+                "gradflow: choose a command: train, runs, export, import or serve (see --help)"
             )
         if getattr(args, "db", None):
             _check_db(args.db)
@@ -177,14 +179,47 @@ def _build_parser():
     )
     runs.set_defaults(handler=_runs)
 
-    from_export = commands.add_parser("export", help="export a run's figures or data")
+    from_export = commands.add_parser(
+        "export",
+        help="export a run's figures or data, or the run itself to send",
+        description="Write a run's figures (png, svg, pdf, html), their data (csv), a lesson "
+        "pack (zip), or the run itself as a one-run store file (store) that another "
+        "gradflow brings in with `gradflow import FILE`.",
+    )
     from_export.add_argument("run", help="the run id (see `gradflow runs`)")
     from_export.add_argument(
-        "--format", required=True, dest="fmt", help="png, svg, pdf, html, csv or zip"
+        "--format",
+        required=True,
+        dest="fmt",
+        help="png, svg, pdf, html, csv, zip (a lesson pack) or store (the whole run, to import)",
     )
-    from_export.add_argument("--out", required=True, help="folder to write into")
+    from_export.add_argument(
+        "--out",
+        required=True,
+        help="folder to write into; with --format store also a new FILE.db",
+    )
     _add_db_flag(from_export)
     from_export.set_defaults(handler=_export)
+
+    bring = commands.add_parser(
+        "import",
+        help="copy runs from another run store into this one",
+        description="Copy whole runs (statistics, metrics, alerts, histograms) from another "
+        "run store file, such as a classmate's store or one made by `gradflow export RUN "
+        "--format store`, into the store of --db. SOURCE is only read (a read-only disk "
+        "will do). Run ids are kept; a run the store has already is skipped, so importing "
+        "the same file twice copies nothing twice. A run still training in SOURCE arrives "
+        "as interrupted.",
+    )
+    bring.add_argument("source", metavar="SOURCE", help="the run store file to copy from")
+    bring.add_argument(
+        "runs",
+        metavar="RUN_ID",
+        nargs="*",
+        help="the runs to copy (see `gradflow runs --db SOURCE`), default all",
+    )
+    _add_db_flag(bring, "run store to copy into (made if needed)")
+    bring.set_defaults(handler=_import_runs)
 
     serve = commands.add_parser("serve", help="start the dashboard (streamlit run app.py)")
     serve.add_argument("--port", type=int, default=8501, help="port, default 8501")
@@ -206,10 +241,8 @@ def _build_parser():
     return parser
 
 
-def _add_db_flag(parser):
-    parser.add_argument(
-        "--db", help="run store file, default $GRADFLOW_DB or ./gradflow-data/runs.db"
-    )
+def _add_db_flag(parser, what="run store file"):
+    parser.add_argument("--db", help=f"{what}, default $GRADFLOW_DB or ./gradflow-data/runs.db")
 
 
 def _add_field_flag(group, name, default, meta):
@@ -589,12 +622,14 @@ def _export(args):
     from gradflow.export import EXPORT_FORMATS, ExportError, export_run
     from gradflow.store import RunStore
 
-    if args.fmt not in EXPORT_FORMATS:
+    if args.fmt not in (*EXPORT_FORMATS, "store"):
         raise UsageError(
-            f"gradflow export: --format must be one of {', '.join(EXPORT_FORMATS)}, "
+            f"gradflow export: --format must be one of {', '.join(EXPORT_FORMATS)} or store, "
             f"got {args.fmt!r}"
         )
     _named_store_exists(args.db, "export", f"so no run {args.run!r} to export")
+    if args.fmt == "store":
+        return _export_store(args)
     store = RunStore(args.db)
     try:
         paths = export_run(store, args.run, args.fmt, args.out)
@@ -605,6 +640,73 @@ def _export(args):
         raise UsageError(f"gradflow export: {error}") from None
     for path in paths:
         print(path)
+    return EXIT_OK
+
+
+def _export_store(args):
+    """`gradflow export RUN --format store`: the run in a new one-run store file."""
+    from gradflow.export import file_stem
+    from gradflow.store import RunStore
+    from gradflow.store.transfer import export_runs
+
+    source = RunStore(args.db).path  # made if new: then the run is unknown, said below
+    out = pathlib.Path(args.out)
+    if out.suffix.lower() in _STORE_SUFFIXES and not out.is_dir():
+        target = out
+    else:
+        try:
+            name = RunStore(source).run_info(args.run)["name"]
+        except ValueError as error:  # An unknown or malformed run id.
+            raise UsageError(f"gradflow export: {error}") from None
+        target = out / f"{file_stem(args.run, name or 'run')}.db"
+    try:
+        export_runs(source, target, [args.run])
+    except FileExistsError as error:
+        _say_error(f"gradflow export: {error}")
+        return EXIT_FAILED
+    except ValueError as error:
+        raise UsageError(f"gradflow export: {error}") from None
+    print(target)
+    return EXIT_OK
+
+
+# An `--out` with one of these names the store file itself, not a folder.
+_STORE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
+
+
+def _import_runs(args):
+    """`gradflow import SOURCE [RUN_ID ...]`: copy runs into the store of --db."""
+    from gradflow.store.transfer import SourceStoreError, copy_runs
+
+    source = pathlib.Path(args.source)
+    if not source.exists():
+        raise UsageError(f"gradflow import: no run store at {args.source!r}: check the path")
+    destination = args.db or os.environ.get("GRADFLOW_DB") or default_path()
+    try:
+        copies = copy_runs(source, destination, args.runs or None)
+    except NotARunStoreError as error:
+        raise UsageError(f"gradflow import: {error}") from None
+    except SourceStoreError as error:
+        _say_error(f"gradflow import: {error}")
+        return EXIT_FAILED
+    except (ValueError, FileNotFoundError) as error:
+        # An unknown or malformed run id, a run id taken by another run, one store twice.
+        raise UsageError(f"gradflow import: {error}") from None
+    if not copies:
+        print(f"No runs in {args.source}.")
+        return EXIT_OK
+    for copy in copies:
+        said = f" {copy.note}" if copy.note else ""
+        print(
+            f"{'copied ' if copy.copied else 'skipped'} {copy.run_id}  {printable(copy.name)}  "
+            f"({copy.status}, step {copy.progress_step}){printable(said)}"
+        )
+    copied = sum(copy.copied for copy in copies)
+    print(
+        f"gradflow: {copied} run{'s' * (copied != 1)} copied into {destination}"
+        + (f", {len(copies) - copied} already there" if copied < len(copies) else ""),
+        file=sys.stderr,
+    )
     return EXIT_OK
 
 

@@ -521,3 +521,94 @@ def test_a_listing_piped_into_head_ends_quietly(tmp_path):
     lister.stdout.close()  # what `head -1` does
     assert lister.wait(60) == 0
     assert lister.stderr.read() == b""
+
+
+def _student_store(path, names=("alice relu", "alice sigmoid")):
+    """A store of finished runs with a few rows each, made without training."""
+    from tests.test_store import tidy_rows
+
+    store = RunStore(path)
+    ids = []
+    for name in names:
+        run_id = store.create_run({}, name=name, status="completed")
+        with store.writer(run_id) as writer:
+            writer.add_layer_stats(tidy_rows([1, 2]))
+            writer.add_metrics(2, {"loss": 0.25})
+        ids.append(run_id)
+    return store, ids
+
+
+def test_import_copies_runs_once_and_runs_lists_them(tmp_path, capsys):
+    _, ids = _student_store(tmp_path / "alice.db")
+    dest = tmp_path / "class.db"
+    assert cli.main(["import", str(tmp_path / "alice.db"), "--db", str(dest)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [
+        f"copied  {ids[0]}  alice relu  (completed, step 2)",
+        f"copied  {ids[1]}  alice sigmoid  (completed, step 2)",
+    ]
+    assert f"2 runs copied into {dest}" in captured.err
+    assert cli.main(["import", str(tmp_path / "alice.db"), ids[1], "--db", str(dest)]) == 0
+    captured = capsys.readouterr()
+    assert (
+        captured.out.startswith(f"skipped {ids[1]}  alice sigmoid") and "already in" in captured.out
+    )
+    assert len(captured.out.splitlines()) == 1
+    assert cli.main(["runs", "--db", str(dest)]) == 0
+    listed = capsys.readouterr().out.splitlines()[1:]
+    assert [line.split()[0] for line in listed] == ids[::-1]  # newest first, once each
+
+
+def test_export_store_then_import_round_trips(trained, tmp_path, capsys):
+    _, store, run_id = trained
+    out = tmp_path / "to-send"
+    argv = ["export", run_id, "--format", "store", "--out", str(out), "--db", str(store.path)]
+    assert cli.main(argv) == 0
+    (written,) = capsys.readouterr().out.split()
+    assert pathlib.Path(written) == out / f"cli_demo_{run_id}.db"
+    assert [p.name for p in out.iterdir()] == [f"cli_demo_{run_id}.db"]
+    assert cli.main(argv) == 1  # not written over
+    assert "exists already" in capsys.readouterr().err
+    laptop = tmp_path / "laptop.db"
+    assert cli.main(["import", written, "--db", str(laptop)]) == 0
+    assert capsys.readouterr().out.startswith(f"copied  {run_id}  cli demo  (completed, step 4)")
+    copied = RunStore(laptop)
+    for read in ("layer_stats", "metrics", "events", "histograms"):
+        expected, got = getattr(store, read)(run_id), getattr(copied, read)(run_id)
+        assert got.equals(expected), read
+    # A FILE.db as --out names the file itself.
+    named = tmp_path / "relu.db"
+    argv[argv.index(str(out))] = str(named)
+    assert cli.main(argv) == 0 and capsys.readouterr().out.strip() == str(named)
+
+
+@pytest.mark.parametrize(
+    ("make", "extra", "said", "code"),
+    [
+        ("missing", [], "no run store at", 2),
+        ("junk", [], "is not a gradflow run store", 2),
+        ("folder", [], "got the folder", 2),
+        ("store", ["0123456789ab"], "'0123456789ab' is not in the run store", 2),
+        ("store", ["not an id"], "must be run id strings", 2),
+        ("newer", [], "newer gradflow", 2),
+    ],
+)
+def test_import_of_bad_input_is_one_line(tmp_path, capsys, make, extra, said, code):
+    import sqlite3
+
+    source = tmp_path / "source.db"
+    if make == "junk":
+        source.write_bytes(b"a spreadsheet, maybe" * 20)
+    elif make == "folder":
+        source = tmp_path
+    elif make in ("store", "newer"):
+        _student_store(source, names=("one",))
+        if make == "newer":
+            with sqlite3.connect(source) as conn:
+                conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    dest = tmp_path / "dest" / "class.db"
+    assert cli.main(["import", str(source), *extra, "--db", str(dest)]) == code
+    captured = capsys.readouterr()
+    assert said in captured.err and captured.out == "", captured.err
+    assert len(captured.err.splitlines()) == 1 and "Traceback" not in captured.err
+    assert not dest.exists() or RunStore(dest).runs().empty

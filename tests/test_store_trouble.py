@@ -286,3 +286,51 @@ def test_an_earlier_fits_unwritten_end_neither_stops_nor_overrides_a_later_fit(t
     info = store.run_info(monitor.run_id)
     assert (info["status"], info["message"]) == ("completed", after_second["message"])
     assert sorted(store.layer_stats(monitor.run_id)["step"].unique()) == list(range(1, 121))
+
+
+def test_a_copy_made_without_its_log_is_refused_and_left_as_it_was(tmp_path, capsys):
+    """`cp runs.db` while the runs were still in `runs.db-wal` gave "No runs yet", and
+    made empty tables in the copy, which the '-wal' brought after could not mend."""
+    source = tmp_path / "runs.db"
+    store = RunStore(source)
+    run_id = store.create_run({"depth": 2}, name="still training")
+    writer = store.writer(run_id)
+    writer.add_metrics(1, {"loss": 0.5})
+    writer.flush()  # in the '-wal' file: nothing has moved it into runs.db yet
+    copy = tmp_path / "copy" / "runs.db"
+    copy.parent.mkdir()
+    shutil.copy(source, copy)
+    before = copy.read_bytes()
+    with pytest.raises(sqlite3.DatabaseError, match=r"copy made without its '-wal' file"):
+        RunStore(copy)
+    assert main(["runs", "--db", str(copy)]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "runs.db-wal" in said[0], said
+    assert copy.read_bytes() == before  # nothing written to it
+    # With its '-wal' beside it, the copy holds the run.
+    shutil.copy(source.with_name("runs.db-wal"), copy.with_name("runs.db-wal"))
+    assert list(RunStore(copy).runs()["run_id"]) == [run_id]
+    writer.close()
+    # A new store, and an empty file, are still made into stores.
+    (tmp_path / "empty.db").touch()
+    assert RunStore(tmp_path / "empty.db").runs().empty
+    assert RunStore(tmp_path / "new.db").runs().empty
+
+
+def test_a_copy_made_once_the_run_ended_reads_its_final_status(tmp_path):
+    """With a reader holding the store open (the dashboard), a lab run's final status
+    stayed in the '-wal' file: a copy of runs.db made after the run read `interrupted`."""
+    source = tmp_path / "runs.db"
+    store = RunStore(source)
+    reader = RunStore(source)
+    reader.runs()
+    run_id = store.create_run({"depth": 2}, name="finished")
+    with store.writer(run_id) as writer:
+        writer.add_metrics(1, {"loss": 0.5})
+    store.set_status(run_id, "completed", "Done.")  # after its writer closed, as the lab does
+    store.rename(run_id, "finished, renamed")
+    copy = tmp_path / "copy.db"
+    shutil.copy(source, copy)  # the main file alone
+    info = RunStore(copy).run_info(run_id)
+    assert (info["status"], info["name"]) == ("completed", "finished, renamed")
+    reader.close()

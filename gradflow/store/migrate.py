@@ -8,24 +8,38 @@ the old format in place, to be upgraded by the next open.
 import numpy as np
 
 from gradflow.store import blocks, tables
-from gradflow.store.trouble import NewerStoreError
+from gradflow.store.trouble import CopyWithoutLogError, NewerStoreError
 
 
-def upgrade(conn, path):
+def upgrade(conn, path, held_something=False):
     """Bring the store's tables to `tables.SCHEMA_VERSION`, creating them in a new file.
 
     Args:
         conn: a `sqlite3.Connection` from `tables.connect` (autocommit).
         path: the store's file, for messages.
+        held_something: whether the file had bytes before `conn` opened it.
 
     Raises:
         RuntimeError: if the file was written by a newer gradflow, or an
             upgrade failed (the file is then left as it was).
+        CopyWithoutLogError: if the file had bytes but no tables: a copy of
+            a store made without its '-wal' file. Nothing is written to it.
     """
     version = stored_version(conn)
     if version == tables.SCHEMA_VERSION:
         return  # The common case: no schema statements, no write lock.
     _refuse_newer(version, path)
+    if version is None and held_something and not _any_table(conn):
+        # Tables made in it would hide the loss ("No runs yet"), and a '-wal'
+        # brought over afterwards could no longer be read with it.
+        raise CopyWithoutLogError(
+            f"The run store {str(path)!r} holds no tables though the file is not empty: it "
+            f"looks like a copy made without its '-wal' file ({path.name}-wal), which holds "
+            "the runs not yet moved into the main file. Copy the store again with that file "
+            "beside it (all gradflow processes using it stopped), or copy it safely while it "
+            f"is in use with `gradflow import` (see `gradflow import --help`). If it is an "
+            "empty store no run was ever written to, delete the file."
+        )
     try:
         with tables.write_transaction(conn):
             # Read again under the write lock: another process may have just done it.
@@ -61,6 +75,10 @@ def stored_version(conn):
         return None
     row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
     return None if row is None else int(row[0])
+
+
+def _any_table(conn):
+    return conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone() is not None
 
 
 def _columns(conn, table):

@@ -1,5 +1,6 @@
 """The run store: runs, their statistics and their control requests in SQLite."""
 
+import contextlib
 import json
 import os
 import pathlib
@@ -90,7 +91,13 @@ class RunStore:
         self._local = threading.local()
         self._series_cache = {}  # run key -> _SeriesTable
         self._made = False  # the file exists: later connections must not make a new one
-        migrate.upgrade(self._conn(), self.path)
+        # Measured before SQLite opens it: opening a new file writes its first page.
+        held_something = self.path.is_file() and self.path.stat().st_size > 0
+        try:
+            migrate.upgrade(self._conn(), self.path, held_something=held_something)
+        except BaseException:
+            self.close()  # a '-wal' then put beside the file must meet no open connection
+            raise
         self._made = True
 
     def __repr__(self):
@@ -220,7 +227,20 @@ class RunStore:
                 _check_status(value)
             sql += f" AND status IN ({', '.join('?' * len(only_from))})"
             params.extend(only_from)
-        return self._conn().execute(sql, params).rowcount > 0
+        changed = self._conn().execute(sql, params).rowcount > 0
+        if changed and status in tables.FINAL_STATUSES:
+            self._into_main_file()
+        return changed
+
+    def _into_main_file(self):
+        """Move what the '-wal' file holds into the store's main file, if no reader is in the way.
+
+        A run's writer does it as it closes, but the lab sets the final status
+        after: a copy of `runs.db` made once the run had ended (the usual way
+        to hand a store over) read `interrupted`. Renames and deletions too.
+        """
+        with contextlib.suppress(sqlite3.Error):
+            self._conn().execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     def heartbeat(self, run_id, step=None):
         """Records that the run's process is alive (and its progress).
@@ -293,6 +313,7 @@ class RunStore:
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"`name` must be a non-empty string, got {name!r}.")
         self._update(run_id, "name", _check_name(name.strip()))
+        self._into_main_file()
 
     def update_config(self, run_id, entries):
         """Adds `entries` (a dict) to the run's stored config, replacing those of the same name.
@@ -358,6 +379,7 @@ class RunStore:
         # until `compact`). `executescript` steps the pragma to its end: one
         # `execute` frees a single page.
         conn.executescript("PRAGMA incremental_vacuum;")
+        self._into_main_file()
 
     def compact(self):
         """Gives the file's unused space back to the disk.

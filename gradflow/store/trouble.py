@@ -30,6 +30,10 @@ class NotARunStoreError(sqlite3.DatabaseError, ValueError):
     """A path given as a run store is a folder or a file of another kind."""
 
 
+class CopyWithoutLogError(NotARunStoreError):
+    """A file with bytes but no tables: a store copied without its '-wal' file."""
+
+
 # SQLite's result codes (Python 3.11's `sqlite_errorname`), else its words.
 _CAUSES = (
     (("SQLITE_FULL",), ("disk is full",), "full"),
@@ -81,8 +85,9 @@ def explain(error, path):
         if path.exists() and not os.access(path.parent or ".", os.W_OK):
             return (
                 f"the folder {folder} cannot be written, and SQLite needs to make its "
-                f"'-wal' and '-shm' files beside {where} even to read it: copy the store "
-                "to a folder you can write, or give another store path (--db or $GRADFLOW_DB)"
+                f"'-wal' and '-shm' files beside {where} even to read it: bring its runs "
+                f"into a store of yours with `gradflow import {shlex.quote(str(path))}` (it "
+                "only reads the file), or give another store path (--db or $GRADFLOW_DB)"
             )
         if kind == "read-only":
             return (

@@ -1,0 +1,309 @@
+"""Copying runs between run stores (`gradflow.store.transfer`): whole runs, once, read-only sources."""
+
+import hashlib
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from gradflow import schema
+from gradflow.store import NewerStoreError, RunStore, UnknownRunError, tables, transfer
+from gradflow.store.transfer import RunIdConflictError, copy_runs, export_runs
+from tests.test_store import tidy_rows
+from tests.test_store_format import V1_ROWS, write_v1_store
+
+
+def fill(store, name="relu", status="completed", step_scale=1.0):
+    """A run with every kind of row: two flushes of overlapping statistics, NaN and inf too."""
+    run_id = store.create_run({"depth": 2, "activation": name}, name=name, tags=["class"])
+    first = tidy_rows([1, 2])
+    first.loc[1, "max_abs"] = np.nan
+    first.loc[2, "l2_norm"] = np.inf
+    second = tidy_rows([2, 3]) * 1  # step 2 again: the later block must win
+    second["max_abs"] = second["max_abs"] * step_scale + 100.0
+    counts = np.arange(schema.HISTOGRAM_BINS, dtype=np.int64)
+    with store.writer(run_id, background_flush=False) as w:
+        w.add_layer_stats(first)
+        w.add_metrics(1, {"loss": 0.7, "accuracy": 0.5})
+        w.add_event(1, "dense", "vanishing", "first")
+        w.add_event(1, "dense_1", "info", "second, same step")
+        w.add_histograms(1, [("dense", 0, "kernel", counts), ("dense_1", 1, "kernel", counts * 2)])
+        w.flush()
+        w.add_layer_stats(second)
+        w.add_metrics(3, {"loss": float("nan")})
+        w.progress(3)
+    store.set_status(run_id, status)
+    return run_id
+
+
+def frames(store, run_id):
+    return {
+        "layer_stats": store.layer_stats(run_id),
+        "metrics": store.metrics(run_id),
+        "events": store.events(run_id),
+        "histograms": store.histograms(run_id),
+    }
+
+
+def assert_same_run(source, destination, run_id):
+    for name, expected in frames(source, run_id).items():
+        pd.testing.assert_frame_equal(frames(destination, run_id)[name], expected, obj=name)
+    mine, theirs = source.run_info(run_id), destination.run_info(run_id)
+    assert mine == theirs
+
+
+def digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def source(tmp_path):
+    store = RunStore(tmp_path / "alice.db")
+    store.ids = [fill(store, "relu"), fill(store, "sigmoid", step_scale=2.0)]
+    return store
+
+
+def test_runs_arrive_whole_with_their_ids_and_other_keys(source, tmp_path):
+    destination = RunStore(tmp_path / "class.db")
+    mine = fill(destination, "teacher")  # the destination's keys are taken: renumbered
+    copies = copy_runs(source.path, destination.path)
+    assert [(c.run_id, c.copied, c.status) for c in copies] == [
+        (run_id, True, "completed") for run_id in source.ids
+    ]
+    for run_id in source.ids:
+        assert_same_run(source, destination, run_id)
+    later = destination.layer_stats(source.ids[0]).query("step == 2")
+    assert (later["max_abs"] >= 100).all()  # the later block of step 2, as in the source
+    assert set(destination.runs()["run_id"]) == {mine, *source.ids}
+    assert len(frames(destination, mine)["layer_stats"]) == 12  # its own rows untouched
+
+
+def test_only_the_runs_named_and_an_unknown_one_copies_nothing(source, tmp_path):
+    target = tmp_path / "class.db"
+    copies = copy_runs(source.path, target, [source.ids[1]])
+    assert [c.run_id for c in copies] == [source.ids[1]]
+    assert list(RunStore(target).runs()["run_id"]) == [source.ids[1]]
+    with pytest.raises(UnknownRunError, match="0123456789ab.*alice.db"):
+        copy_runs(source.path, target, [source.ids[0], "0123456789ab"])
+    assert list(RunStore(target).runs()["run_id"]) == [source.ids[1]]
+    with pytest.raises(ValueError, match="run id strings"):
+        copy_runs(source.path, target, ["no spaces"])
+
+
+def test_a_second_import_skips_what_the_first_copied(source, tmp_path):
+    target = tmp_path / "class.db"
+    copy_runs(source.path, target)
+    again = copy_runs(source.path, target)
+    assert [(c.run_id, c.copied) for c in again] == [(run_id, False) for run_id in source.ids]
+    assert all("already in" in c.note for c in again)
+    destination = RunStore(target)
+    assert len(destination.runs()) == 2
+    for run_id in source.ids:
+        assert_same_run(source, destination, run_id)  # nothing doubled
+
+
+def test_an_id_taken_by_another_run_is_refused_and_nothing_copied(source, tmp_path):
+    destination = RunStore(tmp_path / "class.db")
+    other = destination.create_run({}, name="bob's run")
+    conn = sqlite3.connect(destination.path)
+    with conn:  # the same id, another run: another creation time
+        conn.execute(
+            "UPDATE runs SET run_id = ?, created_at = created_at - 3600 WHERE run_id = ?",
+            (source.ids[1], other),
+        )
+    conn.close()
+    with pytest.raises(RunIdConflictError, match=rf"{source.ids[1]}.*'sigmoid'.*bob's run"):
+        copy_runs(source.path, destination.path)
+    runs = destination.runs()
+    assert list(runs["run_id"]) == [source.ids[1]] and list(runs["name"]) == ["bob's run"]
+    assert destination.layer_stats(source.ids[1]).empty  # bob's run got none of them
+
+
+@pytest.mark.parametrize("status", ["running", "paused", "queued"])
+def test_an_active_run_arrives_interrupted_and_says_so(source, tmp_path, status):
+    run_id = source.ids[0]
+    source.set_status(run_id, status)
+    source.request(run_id, "stop")
+    copies = copy_runs(source.path, tmp_path / "laptop.db", [run_id])
+    assert (copies[0].status, copies[0].progress_step) == ("interrupted", 3)
+    destination = RunStore(tmp_path / "laptop.db")
+    info = destination.run_info(run_id)
+    assert info["status"] == "interrupted"
+    assert info["message"] == f"Copied while {status} at step 3: it does not train in this store."
+    assert destination.pending_request(run_id) is None  # the source's Stop is not copied
+    assert source.status(run_id) == status and source.pending_request(run_id) == "stop"
+    assert destination.recover() == []
+
+
+def test_a_read_only_source_is_copied_and_left_as_it_was(source, tmp_path):
+    folder = source.path.parent
+    source.close()
+    before = digest(source.path)
+    os.chmod(source.path, 0o444)
+    os.chmod(folder, 0o555)
+    try:
+        copy_runs(source.path, tmp_path.parent / f"{tmp_path.name}-dest.db")
+    finally:
+        os.chmod(folder, 0o755)
+        os.chmod(source.path, 0o644)
+    assert digest(source.path) == before
+    destination = RunStore(tmp_path.parent / f"{tmp_path.name}-dest.db")
+    assert set(destination.runs()["run_id"]) == set(source.ids)
+
+
+def _mode_ro_fails(monkeypatch):
+    """SQLite as on a read-only disk: a WAL store cannot be opened with `mode=ro` (no -shm)."""
+    opened = []
+    real = transfer._connect
+
+    def connect(path, parameter):
+        opened.append(parameter)
+        if parameter == "mode=ro" and "gradflow-import-" not in str(path):
+            raise sqlite3.OperationalError("unable to open database file")
+        return real(path, parameter)
+
+    monkeypatch.setattr(transfer, "_connect", connect)
+    return opened
+
+
+def test_where_mode_ro_cannot_open_it_the_store_is_read_immutable(source, tmp_path, monkeypatch):
+    source.close()
+    opened = _mode_ro_fails(monkeypatch)
+    conn, how, temporary = transfer.open_read_only(source.path)
+    conn.close()
+    assert (how, temporary, opened) == ("immutable", None, ["mode=ro", "immutable=1"])
+    copy_runs(source.path, tmp_path / "class.db")
+    assert_same_run(source, RunStore(tmp_path / "class.db"), source.ids[1])
+
+
+def test_a_wal_that_immutable_would_miss_is_read_from_a_copy(tmp_path, monkeypatch):
+    """A store left with rows only in its -wal (its writer still open, or killed)."""
+    held = RunStore(tmp_path / "held.db")
+    held.ids = [fill(held)]  # its writer checkpoints at its close; nothing after it does
+    run_id = held.create_run({"depth": 3}, name="only in the wal", status="completed")
+    wal = held.path.with_name("held.db-wal")
+    # What a read-only disk holds: the file and its -wal, no -shm.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    for path in (held.path, wal):
+        shutil.copyfile(path, disk / path.name)
+    before = [digest(disk / name) for name in ("held.db", "held.db-wal")]
+    blind = sqlite3.connect(f"{(disk / 'held.db').as_uri()}?immutable=1", uri=True)
+    assert blind.execute("SELECT COUNT(*) FROM runs").fetchone() == (1,)  # what it would miss
+    blind.close()
+    opened = _mode_ro_fails(monkeypatch)
+    conn, how, temporary = transfer.open_read_only(disk / "held.db")
+    conn.close()
+    shutil.rmtree(temporary)
+    assert how == "copy" and opened == ["mode=ro", "mode=ro"]
+    copies = copy_runs(disk / "held.db", tmp_path / "class.db")
+    assert [c.run_id for c in copies] == [*held.ids, run_id]
+    for copied in (*held.ids, run_id):
+        assert_same_run(held, RunStore(tmp_path / "class.db"), copied)
+    assert [digest(disk / name) for name in ("held.db", "held.db-wal")] == before
+
+
+def test_a_store_on_a_read_only_mount_is_copied(source, tmp_path):
+    """The real thing where this machine lets us mount: SQLite's `mode=ro` fails there."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to mount a folder read-only")
+    source.close()
+    mount = tmp_path / "mount"
+    mount.mkdir()
+    script = (
+        "import sys; from gradflow.store import transfer; "
+        "c, how, _ = transfer.open_read_only(sys.argv[1]); c.close(); print(how); "
+        "print(len(transfer.copy_runs(sys.argv[1], sys.argv[2])))"
+    )
+    result = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            'mount --bind "$0" "$1" && mount -o remount,bind,ro "$1" && '
+            '"$2" -c "$3" "$1/alice.db" "$4"',
+            str(source.path.parent),
+            str(mount),
+            sys.executable,
+            script,
+            str(tmp_path.parent / f"{tmp_path.name}-mounted.db"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        timeout=120,
+    )
+    if result.returncode != 0 and "mount" in result.stderr:
+        pytest.skip(f"cannot mount here: {result.stderr.strip()[:200]}")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["immutable", "2"]
+    copied = RunStore(tmp_path.parent / f"{tmp_path.name}-mounted.db")
+    assert_same_run(source, copied, source.ids[0])
+
+
+def test_a_newer_store_is_refused_and_nothing_is_made(source, tmp_path):
+    conn = sqlite3.connect(source.path)
+    with conn:
+        conn.execute(
+            "UPDATE meta SET value = ? WHERE key = 'schema_version'",
+            (str(tables.SCHEMA_VERSION + 1),),
+        )
+    conn.close()
+    target = tmp_path / "class.db"
+    with pytest.raises(NewerStoreError, match="alice.db.*newer gradflow.*Upgrade gradflow"):
+        copy_runs(source.path, target)
+    assert not target.exists()
+
+
+def test_an_older_store_is_upgraded_in_a_copy_and_left_as_it_was(tmp_path):
+    old = tmp_path / "old.db"
+    write_v1_store(old, V1_ROWS)
+    before = digest(old)
+    copy_runs(old, tmp_path / "class.db")
+    assert digest(old) == before
+    upgraded = tmp_path / "upgraded.db"
+    shutil.copyfile(old, upgraded)
+    assert_same_run(RunStore(upgraded), RunStore(tmp_path / "class.db"), "aaaaaaaaaaaa")
+
+
+def test_not_a_store_a_folder_and_the_same_store_are_refused(source, tmp_path):
+    junk = tmp_path / "notes.db"
+    junk.write_bytes(b"not SQLite at all" * 10)
+    with pytest.raises(ValueError, match="not a gradflow run store") as caught:
+        copy_runs(junk, tmp_path / "class.db")
+    assert "Give a new file name" not in str(caught.value)
+    with pytest.raises(ValueError, match="got the folder"):
+        copy_runs(tmp_path, tmp_path / "class.db")
+    with pytest.raises(FileNotFoundError, match="missing.db"):
+        copy_runs(tmp_path / "missing.db", tmp_path / "class.db")
+    with pytest.raises(ValueError, match="is the store to copy into"):
+        copy_runs(source.path, source.path)
+    live = sqlite3.connect(tmp_path / "live.db")  # its table only in the -wal
+    live.execute("PRAGMA journal_mode = WAL")
+    live.execute("CREATE TABLE runs (x)")
+    live.commit()
+    shutil.copyfile(tmp_path / "live.db", tmp_path / "cp-of-live.db")  # as `cp` would, no -wal
+    live.close()
+    with pytest.raises(ValueError, match="copy of a store made without its '-wal'"):
+        copy_runs(tmp_path / "cp-of-live.db", tmp_path / "class.db")
+    empty = tmp_path / "empty.db"
+    sqlite3.connect(empty).execute("CREATE TABLE t (x)").connection.close()
+    with pytest.raises(ValueError, match="not a gradflow run store"):
+        copy_runs(empty, tmp_path / "class.db")
+
+
+def test_export_writes_one_file_that_imports_as_the_run(source, tmp_path):
+    sent = tmp_path / "mail" / "relu.db"
+    export_runs(source.path, sent, [source.ids[0]])
+    assert sorted(p.name for p in sent.parent.iterdir()) == ["relu.db"]  # no -wal, no leftovers
+    assert sent.read_bytes()[18:20] == b"\x01\x01"  # rollback journal: one file, readable anywhere
+    with pytest.raises(FileExistsError, match="relu.db"):
+        export_runs(source.path, sent, [source.ids[1]])
+    assert [c.run_id for c in copy_runs(sent, tmp_path / "bob.db")] == [source.ids[0]]
+    assert_same_run(source, RunStore(tmp_path / "bob.db"), source.ids[0])
