@@ -571,6 +571,9 @@ def _runs(args):
         return EXIT_OK
     table = runs[["run_id", "name", "status", "source", "progress_step", "total_steps"]].copy()
     table.insert(3, "created", runs["created_at"].dt.strftime("%Y-%m-%d %H:%M:%S"))
+    if runs["host"].nunique() > 1:
+        # Runs brought in from several machines (`gradflow import`): whose is whose.
+        table["machine"] = runs["host"].map(printable)
     table = table.rename(columns={"progress_step": "step", "total_steps": "of"})
     # Names are anyone's: an ESC in one cleared the reader's screen or set its title.
     table["name"] = table["name"].map(printable)

@@ -120,6 +120,26 @@ def test_runs_narrows_a_terms_list_by_status_name_and_count(tmp_path, capsys):
     assert capsys.readouterr().out == "No runs match.\n"
 
 
+def test_runs_name_the_machine_once_runs_come_from_several(tmp_path, capsys):
+    """Runs imported from the class's stores all read "relu · depth 4 · sgd lr=0.05"."""
+    import sqlite3
+
+    from gradflow.store import RunStore
+
+    path = tmp_path / "class.db"
+    store = RunStore(path)
+    store.create_run({}, name="mine", status="completed")
+    assert cli.main(["runs", "--db", str(path)]) == 0
+    assert "machine" not in capsys.readouterr().out  # one machine: nothing to tell apart
+    theirs = store.create_run({}, name="theirs", status="completed")
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE runs SET host = 'alice-laptop' WHERE run_id = ?", (theirs,))
+    assert cli.main(["runs", "--db", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-1] == "machine"
+    assert next(line for line in lines if theirs in line).split()[-1] == "alice-laptop"
+
+
 def test_export_csv_writes_files(trained, tmp_path, capsys):
     _, store, run_id = trained
     assert (

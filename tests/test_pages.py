@@ -196,6 +196,23 @@ def test_runs_page_lists_runs_from_the_store(page_environment):
     assert run_id in app.dataframe[0].value["run_id"].tolist()
 
 
+def test_runs_brought_from_other_machines_say_whose_they_are(page_environment):
+    """A teacher imports the class's stores: every run read "run 1" from "cli"."""
+    import sqlite3
+
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    mine = store.create_run({}, name="run 1")
+    assert "host" not in run_page("runs.py").dataframe[0].value.columns  # one machine: no column
+    theirs = store.create_run({}, name="run 1")
+    with sqlite3.connect(page_environment) as conn:
+        conn.execute("UPDATE runs SET host = 'alice-laptop' WHERE run_id = ?", (theirs,))
+    table = run_page("runs.py").dataframe[0].value.set_index("run_id")
+    assert table.loc[theirs, "host"] == "alice-laptop"
+    assert table.loc[mine, "host"] not in ("alice-laptop", None)
+
+
 def test_the_runs_page_deletes_a_finished_run_and_stops_a_training_one(page_environment):
     """ "Yes, delete" called a `RunManager.stop` that does not exist: every delete failed."""
     from gradflow.store import RunStore

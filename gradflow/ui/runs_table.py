@@ -30,6 +30,9 @@ COLUMNS = {
     "created_at": st.column_config.DatetimeColumn("Started (UTC)", format="YYYY-MM-DD HH:mm:ss"),
     "run_id": "Run id",
 }
+# Shown once the store holds runs of several machines (`gradflow import`):
+# whose laptop, or which server, a run trained on.
+HOST_COLUMN = {"host": "Machine"}
 
 
 def runs_table(store, runs):
@@ -55,7 +58,10 @@ def _table(store, drawn):
     if runs.empty:
         st.info("No runs yet. Start one on the **Live training** page.")
     else:
-        st.dataframe(runs[list(COLUMNS)], hide_index=True, width="stretch", column_config=COLUMNS)
+        columns = dict(COLUMNS)
+        if runs["host"].nunique() > 1:
+            columns.update(HOST_COLUMN)
+        st.dataframe(runs[list(columns)], hide_index=True, width="stretch", column_config=columns)
     active = runs["status"].isin(ACTIVE_STATUSES).any()
     tick_after(ACTIVE_POLL_SECONDS if active else IDLE_POLL_SECONDS, key="runs.ticker")
 
