@@ -528,6 +528,15 @@ def test_a_lesson_packs_readme_says_how_its_run_ended(monkeypatch):
     )
     readme = zipfile.ZipFile(io.BytesIO(running)).read("README.txt").decode().splitlines()
     assert readme[3] == "Still training when this pack was made, at step 9."
+    script = {"model": "tuned", "optimizer": "Adam", "optimizer_settings": {"learning_rate": 0.1}}
+    blob = export.lesson_pack(
+        charts,
+        script,
+        "pack",
+        run_info={"status": "completed", "progress_step": 9, "source": "monitor", "config": script},
+    )
+    readme = zipfile.ZipFile(io.BytesIO(blob)).read("README.txt").decode().splitlines()
+    assert readme[4] == "Recorded from a script: model tuned · Adam: learning_rate 0.1."
 
 
 def test_exporting_an_ended_run_with_nothing_recorded_does_not_say_yet(tmp_path):
@@ -560,3 +569,34 @@ def test_an_alert_through_time_names_no_layer_in_the_lesson_pack():
     layers = alerts.assign(layer=["dense_1", "t=001–003x"], kind=["vanishing", "vanishing"])
     assert ", layer dense_1 [vanishing]" in export._alerts_readme(layers)[1]
     assert ", layer t=001–003x [vanishing]" in export._alerts_readme(layers)[2]
+
+
+def test_a_scripts_run_says_what_it_trained_in_one_line():
+    """A KerasTuner search stored runs named alike: the page and the pack now tell them apart."""
+    config = {
+        "model": "tuned",
+        "optimizer": "SGD",
+        "optimizer_settings": {
+            "learning_rate": 0.01,
+            "momentum": 0.0,  # no momentum: nothing to say
+            "clipnorm": 1.0,  # clipping at 1 is a setting
+            "nesterov": False,
+            "gradient_accumulation_steps": 1,
+        },
+        "parameters": 1234,
+        "every": 1,
+    }
+    info = {"source": "monitor", "config": config}
+    assert export.script_settings(info) == (
+        "model `tuned`, 1,234 parameters · SGD: learning_rate 0.01, clipnorm 1 · every step"
+    )
+    config["optimizer_settings"] = {"learning_rate": "ExponentialDecay"}
+    config["every"] = 5
+    assert export.script_settings(info).endswith(
+        "SGD: learning_rate ExponentialDecay · every 5 steps"
+    )
+    # A run stored before these settings were: what there is.
+    assert export.script_settings(
+        {"source": "monitor", "config": {"model": "m", "optimizer": "Adam"}}
+    ) == ("model `m` · Adam")
+    assert export.script_settings({"source": "lab", "config": {"model": "m"}}) == ""

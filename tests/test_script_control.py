@@ -351,6 +351,26 @@ def test_the_live_page_offers_a_scripts_run_its_buttons_after_take_control(page_
     assert store.pending_request(run_id) == "pause"
 
 
+def test_the_live_page_says_what_a_scripts_run_trained(page_environment):
+    """KerasTuner's trials arrived as runs of one name, told apart by nothing on the page."""
+    from gradflow.monitor.outputs import run_config
+
+    model = small_model()
+    optimizer = keras.optimizers.Adam(0.003)
+    store = RunStore(page_environment)
+    run_id = store.create_run(
+        run_config(model, optimizer, every=2, histograms=False, rules=None),
+        name="trial",
+        source="monitor",
+    )
+    app = run_page("live_training.py", run=run_id)
+    said = [c.value for c in app.caption if "parameters" in c.value]
+    assert said == [
+        f"model `{model.name}`, {model.count_params()} parameters · Adam: learning_rate 0.003 "
+        "· every 2 steps"
+    ]
+
+
 def test_a_paused_script_tells_the_store_it_is_alive(tmp_path, monkeypatch):
     """A dashboard on another host calls a run silent for a minute interrupted."""
     monkeypatch.setattr(remote, "HEARTBEAT_SECONDS", 0.2)

@@ -899,6 +899,9 @@ def _status_line(info, cache, status, watched=False, announce=False):
         )
     else:
         st.markdown(line)
+    if export.script_settings(info):
+        # KerasTuner's trials and a grid search's folds have runs named alike.
+        st.caption(plain_message(export.script_settings(info)))
     if total:
         st.progress(min(step / total, 1.0))
     if status == "queued":
