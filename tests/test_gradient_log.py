@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import keras
 import numpy as np
@@ -622,6 +623,36 @@ def test_mixed_precision_steps_numbered_by_the_optimizer_or_recorded_before_the_
     assert log.events["kind"].tolist() == ["info"]  # one skip, no divergence
     assert seen[1][1] * 2 == seen[2][1]  # the scale grew after two good steps...
     assert seen[3][1] == seen[2][1] / 2  # ...and the overflow halved it
+
+
+@pytest.mark.parametrize("numbered", ["by the log", "by optimizer.iterations"])
+def test_a_skipped_step_keeps_the_update_ratio_and_its_number(tmp_path, numbered):
+    """Given `step=optimizer.iterations` (the variable, as the README shows), the skip's
+    event read "Step <Variable path=sgd/iteration ...>", never reached the store, and the
+    rules failed at `close()`; and the step after a skip had a NaN update ratio, though the
+    skipped update left the weights as they were."""
+    model = make_model()
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01), initial_scale=2**15, dynamic_growth_steps=2
+    )
+    store = RunStore(tmp_path / "runs.db")
+    log = gradflow.GradientLog(model, optimizer=optimizer, update_ratio=True, store=store)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # "the diagnosis rules failed"
+        with log:
+            lso_loop(
+                log,
+                optimizer,
+                poison_at=3,
+                step_of=None if numbered == "by the log" else (lambda o: o.iterations),
+            )
+    skips = log.events[log.events["kind"] == "info"]
+    assert len(skips) == 1 and "Variable" not in skips["message"].iloc[0]
+    assert isinstance(skips["step"].iloc[0], (int, np.integer))
+    assert store.events(log.run_id)["message"].tolist() == skips["message"].tolist()
+    after_skip = 4 if numbered == "by the log" else 3
+    ratios = log.history.query(f"step == {after_skip}")["update_ratio"]
+    assert len(ratios) and np.isfinite(ratios).all() and (ratios > 0).all()
 
 
 def test_updates_record_did_not_see_are_told_once():

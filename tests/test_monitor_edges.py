@@ -745,6 +745,28 @@ def test_loss_scale_overflows_are_skipped_batches_not_nans(mixed_precision):
     assert counted == skipped
 
 
+@pytest.mark.parametrize("scale", [2.0**15, 2.0**16])
+def test_activation_gradients_under_a_loss_scale_past_float16s_range(mixed_precision, scale):
+    """A float16 layer output's gradient was unscaled in float16: 65536 is Inf there, so
+    every activation row read 0 ("dead ReLUs") once the scale had doubled from 32768,
+    after about 2,000 finite steps of a mixed-precision `fit`."""
+    x, _ = data()
+    y = x.sum(axis=1, keepdims=True)[:BATCH]
+    model, optimizer = loss_scaled_regressor(initial_scale=scale)
+    optimizer.inner_optimizer.learning_rate.assign(0.0)  # the weights the reference sees
+    monitor = GradientMonitor(activations=True)
+    model.fit(x[:BATCH], y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+    with tf.GradientTape() as tape:
+        hidden = model.get_layer("hidden")(tf.constant(x[:BATCH]))
+        tape.watch(hidden)
+        loss = keras.losses.MeanSquaredError()(y, model.get_layer("out")(hidden))
+    expected = tf.cast(tape.gradient(loss, hidden), tf.float32).numpy()
+    row = monitor.history.query("tensor == 'activation' and layer == 'hidden'").iloc[0]
+    np.testing.assert_allclose(row["max_abs"], np.abs(expected).max(), rtol=2e-3)
+    np.testing.assert_allclose(row["l2_norm"], np.linalg.norm(expected), rtol=2e-3)
+    assert "dead_relu" not in set(monitor.events["kind"])
+
+
 def test_a_nan_under_loss_scaling_still_halts_at_its_step(mixed_precision):
     x, _ = data()
     y = x.sum(axis=1, keepdims=True)

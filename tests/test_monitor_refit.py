@@ -414,6 +414,69 @@ def test_a_monitor_given_a_run_id_still_refuses_a_second_model(tmp_path):
         second.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
 
 
+def test_a_copy_of_a_monitor_given_a_run_id_does_not_join_that_run(tmp_path):
+    """Every KerasTuner trial wrote its model into the user's one run."""
+    import copy
+
+    from gradflow.store import RunStore
+
+    x, y = make_data()
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run({}, name="mine")
+    monitor = GradientMonitor(store=store, run_id=run_id)
+    first = make_model()
+    first.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    first.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+    rows = len(store.layer_stats(run_id))
+    second = make_model()
+    second.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    with pytest.raises(ValueError, match=f"copy of one that recorded into run {run_id}"):
+        second.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[copy.deepcopy(monitor)])
+    assert len(store.layer_stats(run_id)) == rows
+
+
+class Tagged(GradientMonitor):
+    """A user's own monitor, whose `__init__` takes other arguments."""
+
+    def __init__(self, tag, **options):
+        super().__init__(**options)
+        self.tag = tag
+
+
+def test_a_copy_records_a_custom_model_a_subclass_and_into_its_own_tensorboard_folder(tmp_path):
+    """The refusal's advice, `copy.deepcopy(monitor)`, failed for a model with a custom
+    layer (the copy copied the model through Keras's serialization); a subclass's fresh
+    start called its `__init__` without its arguments; two models' TensorBoard steps
+    went into one folder, drawn as one run."""
+    import copy
+
+    class Doubled(keras.layers.Layer):  # not registered: Keras cannot rebuild it
+        def call(self, inputs):
+            return 2.0 * inputs
+
+    x, y = make_data()
+
+    def model():
+        inputs = keras.Input((x.shape[1],))
+        outputs = keras.layers.Dense(1)(Doubled()(keras.layers.Dense(4)(inputs)))
+        built = keras.Model(inputs, outputs)
+        built.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        return built
+
+    logs = tmp_path / "logs"
+    monitor = Tagged("mine", store=tmp_path / "runs.db", tensorboard_dir=str(logs))
+    model().fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+    copied = copy.deepcopy(monitor)
+    assert copied.tag == "mine"
+    model().fit(x, y, batch_size=BATCH, verbose=0, callbacks=[copied])
+    assert copied.run_id != monitor.run_id and copied.tag == "mine"
+    assert sorted(copied.history["step"].unique()) == sorted(monitor.history["step"].unique())
+    # The copy's events are in a folder of their own inside the monitor's.
+    inner = [path for path in logs.iterdir() if path.is_dir()]
+    assert len(inner) == 1 and list(inner[0].glob("events.out.tfevents.*"))
+    assert list(logs.glob("events.out.tfevents.*"))  # the first model's, where they were
+
+
 def test_two_copies_of_one_monitor_record_apart(tmp_path):
     """`copy.copy` shared the monitor's lists: each copy's `history` held both models'
     rows, and the second copy's run was numbered on from the first's steps."""

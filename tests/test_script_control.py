@@ -707,3 +707,13 @@ def test_start_training_leaves_a_scripts_run_taken_control_of_training(
     resumed = any("Resumed **my fit** (your script)" in t.value for t in app.toast)
     assert store.pending_request(script) == ("resume" if status == "paused" else None)
     assert resumed == (status == "paused")
+
+
+def test_a_pause_in_a_script_whose_stderr_is_closed_still_pauses(monkeypatch):
+    """The line a pause prints ended `fit` with "I/O operation on closed file"."""
+    import io
+
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stderr", closed)
+    remote._say("gradflow: run x paused from the dashboard.")  # says nothing, raises nothing

@@ -334,3 +334,43 @@ def test_a_copy_made_once_the_run_ended_reads_its_final_status(tmp_path):
     info = RunStore(copy).run_info(run_id)
     assert (info["status"], info["name"]) == ("completed", "finished, renamed")
     reader.close()
+
+
+_OPEN_AT = """
+import sys, time
+from gradflow.store import RunStore
+start = float(sys.argv[1])
+for path in sys.argv[2:]:
+    while time.time() < start:
+        pass
+    start += 0.3
+    try:
+        RunStore(path)
+        print("ok")
+    except Exception as error:
+        print(type(error).__name__, error)
+"""
+
+
+def test_processes_opening_a_new_store_at_once_all_get_it(tmp_path):
+    """The first process's switch to WAL wrote the file's first page before its tables:
+    the others, opening the file in that moment, took it for a copy that lost its '-wal'
+    (15 of 60 opens failed in the review's bursts of four)."""
+    import subprocess
+    import sys
+    import time
+
+    paths = [str(tmp_path / f"new-{i}.db") for i in range(8)]
+    start = time.time() + 3.0  # after every process has imported gradflow.store
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", _OPEN_AT, str(start), *paths],
+            cwd=pathlib.Path(__file__).resolve().parent.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    said = [process.communicate(timeout=120)[0].split("\n")[:-1] for process in processes]
+    assert said == [["ok"] * len(paths)] * 4

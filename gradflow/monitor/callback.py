@@ -8,6 +8,7 @@ import sqlite3
 import sys
 import threading
 import time
+import uuid
 import weakref
 
 import keras
@@ -310,8 +311,8 @@ class GradientMonitor(keras.callbacks.Callback):
         self._plan = None
         # Whether the last `fit` clipped (set at its start; `history` before any fit reads it).
         self._clipping = False
-        # Whether this monitor is a copy (`copy`, `pickle`, `sklearn.clone`): it
-        # starts afresh on a model other than the one it recorded.
+        # Whether this monitor is a copy (`copy`, `pickle`, `sklearn.clone`) of
+        # one that had recorded a `fit`: it records its first `fit` afresh.
         self._copied = False
         # The methods (`evaluate`, `predict`) said to record nothing: once each.
         self._told_only_fit = set()
@@ -341,10 +342,15 @@ class GradientMonitor(keras.callbacks.Callback):
         state["_told_store"] = set(state["_told_store"])
         state["_told_only_fit"] = set(state["_told_only_fit"])
         state["_frames"] = None
-        state["_copied"] = True
+        # Not the model it recorded: a copy would copy it too, through Keras's
+        # serialization, which fails for a custom layer that is not registered.
+        # A copy records a model of its own (`_start_afresh`).
+        state["_copied"] = self._plan is not None or self._copied
+        for name in ("_plan", "_model", "_saved_train_step", "_held_log"):
+            state[name] = None
         return state
 
-    def _start_afresh(self):
+    def _start_afresh(self, model_name):
         """Forget the model a copied monitor recorded: it records its new one from scratch.
 
         KerasTuner copies the callbacks for each trial, scikit-learn's `clone`
@@ -352,7 +358,10 @@ class GradientMonitor(keras.callbacks.Callback):
         with a new model; a copy of a monitor that had recorded a `fit`
         refused them all. The original keeps what it recorded.
         """
-        fresh = type(self)(
+        # Not `type(self)(...)`: a subclass's `__init__` may take other arguments.
+        fresh = object.__new__(type(self))
+        GradientMonitor.__init__(
+            fresh,
             every=self.every,
             activations=self.activations,
             histograms=self.histograms,
@@ -361,7 +370,10 @@ class GradientMonitor(keras.callbacks.Callback):
             run_name=self.run_name,
             close_run=self.close_run,
             stop_on_nonfinite=self.stop_on_nonfinite,
-            tensorboard_dir=self.tensorboard_dir,
+            # Its own folder: TensorBoard drew two models' steps as one run.
+            tensorboard_dir=None
+            if self.tensorboard_dir is None
+            else os.path.join(self.tensorboard_dir, f"{model_name}-{uuid.uuid4().hex[:8]}"),
             probe_every=self.probe_every,
             rules=self.rules,
             probe_loss=self.probe_loss,
@@ -493,8 +505,16 @@ class GradientMonitor(keras.callbacks.Callback):
         steps_per_execution = _steps_per_execution(model)
         # The plan of this monitor's last `fit` holds the model it recorded.
         first = self._plan.model if self._plan is not None else None
-        if first is not None and first is not model and self._copied:
-            self._start_afresh()
+        if self._copied:
+            if self.run_id is not None and not self._created_run:
+                # A run the user named by id is theirs: a copy's new model would
+                # join its curves, as a second model would (below).
+                raise ValueError(
+                    f"This GradientMonitor is a copy of one that recorded into run "
+                    f"{self.run_id} (given as `run_id`); the copy's model must not join that "
+                    "run: make the copy without `run_id`, or a GradientMonitor for each model."
+                )
+            self._start_afresh(model.name)
             first = None
         elif (
             first is not None
@@ -508,7 +528,7 @@ class GradientMonitor(keras.callbacks.Callback):
             # the same monitor to each `fit` of an estimator, with a new model
             # each time, and the second `fit` failed.
             ended = self.run_id
-            self._start_afresh()
+            self._start_afresh(model.name)
             warn_user(
                 f"GradientMonitor recorded model {first.name!r} into run {ended} of its store; "
                 f"this fit's model ({model.name!r}, another model object) goes into a new run, "

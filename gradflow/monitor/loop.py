@@ -327,10 +327,16 @@ class GradientLog:
             # overflowed, and then skips the update (its step count stays):
             # the loop trained nothing. Before `step` is checked: a loop that
             # numbers by `optimizer.iterations` gives the same number again.
-            self._optimizer_seen, self._before = now, None
+            self._optimizer_seen = now
             if step is None:
                 self._step += 1
-            self._note_skipped(self._step if step is None else step, last.scale)
+                if self._before is not None and self._before[0] == self._step - 1:
+                    # The skipped update left the weights as they were: still the
+                    # "before" of the next step (its update ratio read NaN).
+                    self._before = (self._step, self._before[1])
+            # `optimizer.iterations` as given: its value now, not the variable
+            # (the rules failed at `close()` on it, and the event read its repr).
+            self._note_skipped(self._step if step is None else _whole_step(step), last.scale)
             return False
         step = self._step_of(step)
         summary = gradients if _is_summary(gradients) else None
@@ -546,14 +552,7 @@ class GradientLog:
     def _step_of(self, step):
         if step is None:
             return self._step + 1
-        if hasattr(step, "numpy") and not isinstance(step, bool):
-            step = step.numpy()  # `optimizer.iterations`, a tensor
-        if isinstance(step, np.ndarray) and step.shape == () and step.dtype.kind in "iu":
-            step = step.item()
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-            raise ValueError(
-                f"`step` must be a whole number or None, got {type(step).__name__} {step!r}."
-            )
+        step = _whole_step(step)
         if step <= self._step:
             raise ValueError(
                 f"`step` must be greater than the last step recorded or skipped ({self._step}), "
@@ -1123,3 +1122,16 @@ def _kept_values(values, kept):
         for name, value in zip(_STEP_METRICS, values, strict=True)
         if name in kept
     }
+
+
+def _whole_step(step):
+    """`record`'s `step` as an int: a number, or `optimizer.iterations` (a variable)."""
+    if hasattr(step, "numpy") and not isinstance(step, bool):
+        step = step.numpy()  # `optimizer.iterations`, a tensor
+    if isinstance(step, np.ndarray) and step.shape == () and step.dtype.kind in "iu":
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise ValueError(
+            f"`step` must be a whole number or None, got {type(step).__name__} {step!r}."
+        )
+    return int(step)

@@ -9,6 +9,7 @@ each `record`, takes them there. Looking at the store costs a read at most
 every `poll_interval` seconds, nothing measurable per step.
 """
 
+import contextlib
 import sqlite3
 import sys
 import time
@@ -185,7 +186,9 @@ class DashboardRequests:
 
 def _say(line):
     """One line on the script's stderr, beside Keras's progress bar (which is on stdout)."""
-    print(line, file=sys.stderr, flush=True)
+    # A script whose stderr is closed (a daemon, a notebook's odd kernel) must not end at a Pause.
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
 
 
 def drop_left_over(store, run_id):

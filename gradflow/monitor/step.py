@@ -1073,10 +1073,15 @@ def _unscaled(gradients, scale):
     if scale is None:
         return list(gradients)
 
+    # In float32: a float16 layer output's gradient divided by a scale of
+    # 65536 cast to float16 (Inf) read 0 everywhere, and "dead ReLUs" once the
+    # scale had doubled past 32768 (after about 2,000 finite steps).
+    scale = tf.cast(scale, tf.float32)
+
     def unscaled(g):
         if isinstance(g, tf.IndexedSlices):
-            return tf.IndexedSlices(g.values / tf.cast(scale, g.dtype), g.indices, g.dense_shape)
-        return None if g is None else g / tf.cast(scale, g.dtype)
+            return tf.IndexedSlices(tf.cast(g.values, tf.float32) / scale, g.indices, g.dense_shape)
+        return None if g is None else tf.cast(g, tf.float32) / scale
 
     return [unscaled(g) for g in gradients]
 

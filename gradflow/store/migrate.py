@@ -5,6 +5,8 @@ or the new one, never half of each, and a process killed in the middle leaves
 the old format in place, to be upgraded by the next open.
 """
 
+import time
+
 import numpy as np
 
 from gradflow.store import blocks, tables
@@ -29,7 +31,7 @@ def upgrade(conn, path, held_something=False):
     if version == tables.SCHEMA_VERSION:
         return  # The common case: no schema statements, no write lock.
     _refuse_newer(version, path)
-    if version is None and held_something and not _any_table(conn):
+    if version is None and held_something and not _tables_soon(conn):
         # Tables made in it would hide the loss ("No runs yet"), and a '-wal'
         # brought over afterwards could no longer be read with it.
         raise CopyWithoutLogError(
@@ -79,6 +81,26 @@ def stored_version(conn):
 
 def _any_table(conn):
     return conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone() is not None
+
+
+# How long a new file without tables may wait for another process to make them.
+_TABLES_WAIT_SECONDS = 2.0
+
+
+def _tables_soon(conn):
+    """Whether the store has tables, or another process makes them within a moment.
+
+    Processes opening a new store at once: the first one's switch to WAL
+    writes the file's first page before its transaction makes the tables,
+    and the others found a file with bytes and no tables (the review: 15 of
+    60 opens in a burst of four processes failed).
+    """
+    deadline = time.monotonic() + _TABLES_WAIT_SECONDS
+    while not _any_table(conn):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _columns(conn, table):
