@@ -669,6 +669,13 @@ def _export_store(args):
         return EXIT_FAILED
     except ValueError as error:
         raise UsageError(f"gradflow export: {error}") from None
+    except sqlite3.Error as error:
+        # The new file's trouble (a folder it cannot write): the store read is not to blame.
+        _say_error(
+            f"gradflow export: could not write the new store {str(target)!r} ({error}): check "
+            "that its folder exists, can be written and has room, or give another --out."
+        )
+        return EXIT_FAILED
     print(target)
     return EXIT_OK
 

@@ -143,3 +143,8 @@ def histogram_bin_centers():
 # run names (`store.check_name`), replaced in figure labels and printed as
 # escapes by the CLI. One BEL in a run name broke every image export of it.
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# Bidirectional embeddings, overrides and isolates (U+202A-U+202E,
+# U+2066-U+2069): one in a run name reversed the rest of a caption that listed
+# other runs' names, or of a figure's title. Refused in run names too, and
+# replaced where shown.
+BIDI_CONTROLS = re.compile("[\u202a-\u202e\u2066-\u2069]")

@@ -632,3 +632,17 @@ def test_import_of_bad_input_is_one_line(tmp_path, capsys, make, extra, said, co
     assert said in captured.err and captured.out == "", captured.err
     assert len(captured.err.splitlines()) == 1 and "Traceback" not in captured.err
     assert not dest.exists() or RunStore(dest).runs().empty
+
+
+def test_export_as_a_store_into_a_folder_it_cannot_write_names_that_file(trained, capsys):
+    """It blamed the store it read ("'runs.db' cannot be opened")."""
+    _, store, run_id = trained
+    out = "/proc/gradflow-cannot-write-here.db"
+    assert (
+        cli.main(["export", run_id, "--format", "store", "--out", out, "--db", str(store.path)])
+        == 1
+    )
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith(
+        f"gradflow export: could not write the new store '{out}'"
+    )

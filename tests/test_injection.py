@@ -179,7 +179,15 @@ def test_the_store_refuses_control_characters_in_names(store_path):
     from gradflow.store import RunStore
 
     store = RunStore(store_path)
-    for name in ("slides\x07", "title\x1b]0;x\x07", "two\nlines", "tab\there", "c1\x9b2J"):
+    for name in (
+        "slides\x07",
+        "title\x1b]0;x\x07",
+        "two\nlines",
+        "tab\there",
+        "c1\x9b2J",
+        "relu\u202egnp.exe",  # turned the rest of a caption listing runs around
+        "isolate\u2066",
+    ):
         with pytest.raises(
             ValueError, match="`name` must not contain control characters"
         ) as caught:
@@ -314,3 +322,19 @@ def test_compare_shows_no_link_or_image_in_chromium(chromium, page_environment, 
     assert HOSTILE in text and "x@evil.example www.evil.example/y" in text, text
     assert not [h for h in hrefs if "evil" in (h or "") or "8799" in (h or "")], hrefs
     assert images == 0 and asked == [], asked
+
+
+def test_right_to_left_overrides_are_shown_inert_on_pages_and_in_figures():
+    """An uploaded model's layer named with U+202E reversed the rest of a figure's title,
+    and a run's name the rest of the Compare caption listing the other runs."""
+    from gradflow.figures.style import escape_label
+    from gradflow.ui.charts import plain_markdown, plain_message
+
+    for shown in (
+        escape_label("dense\u202e_1"),
+        plain_markdown("dense\u202e_1"),
+        plain_message("Layer `dense\u202e_1`: first NaN"),
+        plain_message("Layer dense\u2067_1: first NaN"),
+    ):
+        assert not re.search("[\u202a-\u202e\u2066-\u2069]", shown)
+        assert "\ufffd" in shown

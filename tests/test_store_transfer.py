@@ -307,3 +307,61 @@ def test_export_writes_one_file_that_imports_as_the_run(source, tmp_path):
         export_runs(source.path, sent, [source.ids[1]])
     assert [c.run_id for c in copy_runs(sent, tmp_path / "bob.db")] == [source.ids[0]]
     assert_same_run(source, RunStore(tmp_path / "bob.db"), source.ids[0])
+
+
+# A stranger's store, made by hand from a good one: each edit is something
+# gradflow never writes, and each broke the class store it was imported into
+# (every page, a run nothing could delete, rows labelled wrong, a disk filled).
+HOSTILE = {
+    "tags that are not JSON": "UPDATE runs SET tags = 'not json'",
+    "a run id gradflow does not make": "UPDATE runs SET run_id = '../x y' WHERE id = 1",
+    "a name with an escape": "UPDATE runs SET name = 'a' || char(27) || '[2J' WHERE id = 1",
+    "a name that reverses the line": "UPDATE runs SET name = 'a' || char(8238) || 'b' WHERE id = 1",
+    "a 10 MB name": "UPDATE runs SET name = printf('%.10000000c', 'x') WHERE id = 1",
+    "a status of its own": "UPDATE runs SET status = 'hacked<b>'",
+    "a time that is text": "UPDATE runs SET created_at = 'yesterday'",
+    "a pid that is a blob": "UPDATE runs SET pid = x'0102030405060708'",
+    "a config nested deep": "UPDATE runs SET config = printf('%.50000c', '[')",
+    "a config that is a list": "UPDATE runs SET config = '[1, 2]'",
+    "a short statistics blob": "UPDATE layer_stats SET max_abs = x'00'",
+    "steps past the block's last": "UPDATE layer_stats SET last_step = last_step - 1",
+    "series the run does not have": "UPDATE series SET series = series + 1000",
+    "short histogram counts": "UPDATE histograms SET counts = x'00'",
+    "histogram counts that are floats": lambda conn: conn.execute(
+        "UPDATE histograms SET counts = ?", (np.ones(schema.HISTOGRAM_BINS).tobytes(),)
+    ),
+    "an event of a kind of its own": "UPDATE events SET kind = 'evil'",
+    "a view for a table": "DROP TABLE metrics; CREATE VIEW metrics AS "
+    "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) "
+    "SELECT 1 AS run, i AS step, 'loss' AS name, 0.0 AS value FROM n",
+    "a trigger": "CREATE TRIGGER t AFTER INSERT ON runs BEGIN DELETE FROM runs; END",
+    "a table without its columns": "DROP TABLE events; CREATE TABLE events (id INTEGER)",
+}
+
+
+@pytest.mark.parametrize("edit", list(HOSTILE), ids=list(HOSTILE))
+def test_a_store_holding_what_gradflow_never_writes_is_refused_whole(source, tmp_path, edit):
+    source.close()
+    conn = sqlite3.connect(source.path)
+    if callable(HOSTILE[edit]):
+        HOSTILE[edit](conn)
+    else:
+        conn.executescript(HOSTILE[edit])
+    conn.commit()
+    conn.close()
+    destination = RunStore(tmp_path / "class.db")
+    mine = fill(destination, "teacher")
+    with pytest.raises(transfer.UntrustedStoreError, match="holds what gradflow does not write"):
+        copy_runs(source.path, destination.path)
+    assert destination.runs()["run_id"].tolist() == [mine]  # nothing copied, the store works
+
+
+def test_the_command_line_refuses_a_strangers_store_in_one_line(source, tmp_path, capsys):
+    from gradflow import cli
+
+    source.close()
+    with sqlite3.connect(source.path) as conn:
+        conn.execute(HOSTILE["tags that are not JSON"])
+    assert cli.main(["import", str(source.path), "--db", str(tmp_path / "class.db")]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "alice.db" in said[0] and "nothing was copied" in said[0], said

@@ -112,6 +112,7 @@ def escape_label(text):
         The escaped string.
     """
     text = schema.CONTROL_CHARACTERS.sub(_visible, str(text))
+    text = schema.BIDI_CONTROLS.sub("\ufffd", text)  # an uploaded model's layer names too
     return html.escape(text, quote=False)
 
 

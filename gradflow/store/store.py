@@ -903,10 +903,10 @@ def check_name(name, argument="name"):
     Raises:
         ValueError: If it holds one; the message shows the name with `!r`.
     """
-    if schema.CONTROL_CHARACTERS.search(name):
+    if schema.CONTROL_CHARACTERS.search(name) or schema.BIDI_CONTROLS.search(name):
         raise ValueError(
             f"`{argument}` must not contain control characters (tabs, line breaks, "
-            f"escape codes), got {name!r}."
+            f"escape codes, right-to-left overrides), got {name!r}."
         )
     return name
 

@@ -30,9 +30,20 @@ import sqlite3
 import tempfile
 import time
 
-from gradflow.store import migrate, tables, trouble
+from gradflow.store import migrate, source_checks, tables, trouble
+from gradflow.store.source_checks import UntrustedStoreError
 from gradflow.store.store import _RUN_ID, RunStore, UnknownRunError, check_store_path
 from gradflow.store.trouble import NewerStoreError, NotARunStoreError
+
+__all__ = [
+    "RunCopy",
+    "RunIdConflictError",
+    "SourceStoreError",
+    "UntrustedStoreError",
+    "copy_runs",
+    "export_runs",
+    "open_read_only",
+]
 
 # The tables of a run's rows, with the columns copied (the `run` key apart),
 # in the order they are read. Tables with an `id` are read in its order and
@@ -352,12 +363,17 @@ def _read_source(path):
             try:
                 conn.execute("BEGIN")  # one snapshot for every read below
                 version = _version(conn, path)
+                # Before an upgrade writes to a copy of it: gradflow makes no views
+                # (which compute anything, for ever) and no triggers.
+                source_checks.check_no_views_or_triggers(conn, path)
                 if version < tables.SCHEMA_VERSION:
                     # Upgraded in a copy: the source may be read-only, or someone else's.
                     conn.close()
                     conn, temporary = _upgraded_copy(path)
                     temporaries.append(temporary)
                     conn.execute("BEGIN")
+                # Views named like the tables computed anything, for ever.
+                source_checks.check_schema(conn, path)
             except NotARunStoreError:
                 raise
             except sqlite3.Error as error:
@@ -383,7 +399,10 @@ def _version(conn, path):
         raise NotARunStoreError(
             f"`source`={str(path)!r} holds no runs: it is an empty file, not a gradflow run store."
         )
-    version = migrate.stored_version(conn)
+    try:
+        version = migrate.stored_version(conn)
+    except ValueError:
+        source_checks._refuse(path, "its schema version is not a number")
     if version is None:  # Version 1 made its tables before it recorded its version.
         columns = {row[1] for row in conn.execute("PRAGMA table_info(layer_stats)")}
         version = 1 if "step" in columns else tables.SCHEMA_VERSION
@@ -397,23 +416,34 @@ def _version(conn, path):
 
 
 def _upgraded_copy(path):
-    """The store at `path` copied (SQLite's backup) to a temporary folder and upgraded there."""
+    """The store at `path` copied to a temporary folder and upgraded there.
+
+    Copied with `VACUUM INTO`, which writes the pages in use only: SQLite's
+    backup copied a sparse file of 2 GB (52 KB on disk) page by page.
+    """
     temporary = pathlib.Path(tempfile.mkdtemp(prefix="gradflow-import-"))
     try:
         copy = temporary / "upgraded.db"
         original, _, inner = open_read_only(path)
         try:
-            target = sqlite3.connect(str(copy))
-            try:
-                original.backup(target)
-            finally:
-                target.close()
+            original.execute("VACUUM INTO ?", (str(copy),))
         finally:
             original.close()
             if inner is not None:
                 shutil.rmtree(inner, ignore_errors=True)
         conn = tables.connect(copy, create=False)
-        migrate.upgrade(conn, path)
+        try:
+            migrate.upgrade(conn, path)
+        except (RuntimeError, sqlite3.Error) as error:
+            # Its advice ("use another store path (--db ...)") is for one's own store.
+            conn.close()
+            # The upgrade's own words are for one's own store ("use another --db").
+            cause = error.__cause__ if isinstance(error.__cause__, Exception) else error
+            raise SourceStoreError(
+                f"Could not read the run store {str(path)!r}, of an older gradflow: its "
+                f"upgrade (in a temporary copy) failed ({cause}). It may be damaged: ask its "
+                "sender for a new copy (`gradflow export RUN_ID --format store`)."
+            ) from error
         return conn, temporary
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -421,7 +451,24 @@ def _upgraded_copy(path):
 
 
 def _copy(reader, conn, chosen, destination):
-    """Copy the `chosen` runs (dicts of their `runs` rows) inside the caller's write transaction."""
+    """Copy the `chosen` runs (dicts of their `runs` rows) inside the caller's write transaction.
+
+    Every row is checked as it is read (`source_checks`): the source may be a
+    stranger's file, and one row gradflow would not write refuses it whole.
+    """
+    for row in chosen:
+        source_checks.check_run(row, reader.path)
+    ids = [row["run_id"] for row in chosen]
+    if len(set(ids)) != len(ids):
+        source_checks._refuse(reader.path, "two runs have one run id")
+    try:
+        return _copy_checked(reader, conn, chosen, destination)
+    except sqlite3.IntegrityError as error:
+        # Two rows where gradflow writes one (a metric twice at a step): the source's doing.
+        source_checks._refuse(reader.path, f"rows that repeat ({error})")
+
+
+def _copy_checked(reader, conn, chosen, destination):
     there = {}
     for row in chosen:
         found = conn.execute(
@@ -476,11 +523,23 @@ def _copy(reader, conn, chosen, destination):
             [values[column] for column in RUN_COLUMNS],
         )
         key = cursor.lastrowid
+        series_ids = set()
         for table, columns, order in RUN_TABLES:
             rows = reader.rows(
                 f"SELECT {', '.join(columns)} FROM {table} WHERE run = ? ORDER BY {order}",
                 (row["id"],),
             )
+            where = (reader.path, row["run_id"])
+            if table == "series":
+                series_ids, rows = source_checks.check_series(list(rows), *where)
+            elif table == "layer_stats":
+                rows = source_checks.checked_blocks(rows, *where, series_ids)
+            elif table == "metrics":
+                rows = source_checks.checked_metrics(rows, *where)
+            elif table == "events":
+                rows = source_checks.checked_events(rows, *where)
+            else:
+                rows = source_checks.checked_histograms(rows, *where, series_ids)
             insert = (
                 f"INSERT INTO {table} (run, {', '.join(columns)}) "
                 f"VALUES (?, {', '.join('?' * len(columns))})"

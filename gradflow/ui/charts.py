@@ -9,7 +9,7 @@ import re
 
 import streamlit as st
 
-from gradflow import export, figures
+from gradflow import export, figures, schema
 from gradflow.ui.controls import keep_across_pages
 
 _MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>$~:&])")
@@ -35,7 +35,8 @@ _WORD_JOINER = "\u2060"
 
 
 def _unlinked(text):
-    return _AUTOLINKS.sub(_WORD_JOINER, str(text))
+    # A right-to-left override in a name reversed the rest of the line it was in.
+    return _AUTOLINKS.sub(_WORD_JOINER, schema.BIDI_CONTROLS.sub("\ufffd", str(text)))
 
 
 def plain_markdown(text):
@@ -63,7 +64,7 @@ def plain_message(text):
     # `gradients[0]` read `gradients\[0\]`. Split as CommonMark pairs backtick
     # strings (equal lengths, neither next to another backtick); the rest is escaped.
     parts, start = [], 0
-    text = str(text)
+    text = schema.BIDI_CONTROLS.sub("\ufffd", str(text))  # in code spans too
     for span in _CODE_SPAN.finditer(text):
         parts += [_escaped_message(text[start : span.start()]), span.group(0)]
         start = span.end()
