@@ -32,7 +32,13 @@ import time
 
 from gradflow.store import migrate, source_checks, tables, trouble
 from gradflow.store.source_checks import UntrustedStoreError
-from gradflow.store.store import _RUN_ID, RunStore, UnknownRunError, check_store_path
+from gradflow.store.store import (
+    _RUN_ID,
+    _RUNS_COLUMNS,
+    RunStore,
+    UnknownRunError,
+    check_store_path,
+)
 from gradflow.store.trouble import NewerStoreError, NotARunStoreError
 
 __all__ = [
@@ -58,23 +64,9 @@ RUN_TABLES = (
     ("histograms", ("step", "series", "counts"), "step, series"),
 )
 
-# The `runs` columns copied as they are (its `id` is the destination's).
-RUN_COLUMNS = (
-    "run_id",
-    "name",
-    "status",
-    "source",
-    "created_at",
-    "updated_at",
-    "heartbeat_at",
-    "progress_step",
-    "total_steps",
-    "tags",
-    "message",
-    "config",
-    "pid",
-    "host",
-)
+# The `runs` columns copied as they are (its `id` is the destination's): what
+# `RunStore.runs()` reads, and the config.
+RUN_COLUMNS = (*_RUNS_COLUMNS, "config")
 
 _CHUNK = 256  # rows fetched and inserted at a time (a layer_stats row is a block of 4096)
 
