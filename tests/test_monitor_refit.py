@@ -475,6 +475,12 @@ def test_a_copy_records_a_custom_model_a_subclass_and_into_its_own_tensorboard_f
     inner = [path for path in logs.iterdir() if path.is_dir()]
     assert len(inner) == 1 and list(inner[0].glob("events.out.tfevents.*"))
     assert list(logs.glob("events.out.tfevents.*"))  # the first model's, where they were
+    # A third model: a folder beside the second's, not inside it (a notebook's loop
+    # over models nested a folder deeper at every one).
+    with pytest.warns(UserWarning, match="goes into a new run"):
+        model().fit(x, y, batch_size=BATCH, verbose=0, callbacks=[copied])
+    inner = sorted(path for path in logs.iterdir() if path.is_dir())
+    assert len(inner) == 2 and all(not any(p.is_dir() for p in path.iterdir()) for path in inner)
 
 
 def test_two_copies_of_one_monitor_record_apart(tmp_path):

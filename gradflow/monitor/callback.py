@@ -358,6 +358,7 @@ class GradientMonitor(keras.callbacks.Callback):
         with a new model; a copy of a monitor that had recorded a `fit`
         refused them all. The original keeps what it recorded.
         """
+        root = self.__dict__.get("_tensorboard_root") or self.tensorboard_dir
         # Not `type(self)(...)`: a subclass's `__init__` may take other arguments.
         fresh = object.__new__(type(self))
         GradientMonitor.__init__(
@@ -370,10 +371,12 @@ class GradientMonitor(keras.callbacks.Callback):
             run_name=self.run_name,
             close_run=self.close_run,
             stop_on_nonfinite=self.stop_on_nonfinite,
-            # Its own folder: TensorBoard drew two models' steps as one run.
+            # A folder of its own in the one the user gave (not in the last fresh
+            # start's, which nested deeper at every model): TensorBoard drew two
+            # models' steps as one run.
             tensorboard_dir=None
             if self.tensorboard_dir is None
-            else os.path.join(self.tensorboard_dir, f"{model_name}-{uuid.uuid4().hex[:8]}"),
+            else os.path.join(root, f"{model_name}-{uuid.uuid4().hex[:8]}"),
             probe_every=self.probe_every,
             rules=self.rules,
             probe_loss=self.probe_loss,
@@ -384,6 +387,7 @@ class GradientMonitor(keras.callbacks.Callback):
         kept = {name: self.__dict__[name] for name in ("_model", "params") if name in self.__dict__}
         self.__dict__.update(fresh.__dict__)
         self.__dict__.update(kept)
+        self._tensorboard_root = root
 
     # Results -----------------------------------------------------------------
 

@@ -34,11 +34,10 @@ RUN_TABLES = ("runs", "series", "layer_stats", "metrics", "events", "histograms"
 
 # Caps on what a row may hold: far above what gradflow writes, far below what
 # would fill a page or a disk.
-MAX_TEXT = 10_000  # characters of a message, a layer or variable name, a host
+MAX_TEXT = 10_000  # characters of a message, a layer or variable name, a host: longer ones are cut
 MAX_METRIC_NAME = 200
-MAX_CONFIG_BYTES = 1_000_000
-MAX_TAGS = 100
-MAX_SERIES_ID = 2**31 - 1
+MAX_JSON_BYTES = 1_000_000  # of a config, or of the tags
+MAX_SERIES_ID = 2**20  # a run's series are numbered from 0: a million layers' tensors
 MAX_COUNT = 2**52  # entries of one tensor in one histogram bin
 
 
@@ -81,19 +80,23 @@ def _expected_columns():
 
 
 def check_run(row, path):
-    """A `runs` row (a dict of `transfer.RUN_COLUMNS` and `id`), checked; returns it."""
-    from gradflow.store.store import _RUN_ID, MAX_NAME_LENGTH, check_name
+    """A `runs` row (a dict of `transfer.RUN_COLUMNS` and `id`), checked; returns it.
+
+    What an older gradflow let through, or a long failure message, is
+    mended rather than refused, as the store shows it: a name of control
+    characters or bidirectional overrides (a tab, pasted right-to-left text)
+    gets U+FFFD for them, and a name or a message too long is cut.
+    """
+    from gradflow.store.store import _RUN_ID, MAX_NAME_LENGTH
 
     run_id = row["run_id"]
     if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
         _refuse(path, f"a run id {_shown(run_id)} is not one gradflow makes")
     name = row["name"]
-    if not isinstance(name, str) or not name or len(name) > MAX_NAME_LENGTH:
-        _refuse(path, f"run {run_id}'s name {_shown(name)} is not a name gradflow stores")
-    try:
-        check_name(name)
-    except ValueError:
-        _refuse(path, f"run {run_id}'s name {_shown(name)} holds control characters")
+    if not isinstance(name, str) or not name.strip():
+        _refuse(path, f"run {run_id}'s name {_shown(name)} is not a name")
+    name = schema.BIDI_CONTROLS.sub("\ufffd", schema.CONTROL_CHARACTERS.sub("\ufffd", name))
+    row["name"] = _cut(name, MAX_NAME_LENGTH)
     if row["status"] not in tables.STATUSES:
         _refuse(path, f"run {run_id}'s status {_shown(row['status'])} is not one of gradflow's")
     if row["source"] not in tables.SOURCES:
@@ -108,29 +111,30 @@ def check_run(row, path):
             _whole(row[column], path, f"run {run_id}'s {column}")
     for column in ("message", "host"):
         if row[column] is not None:
-            _text(row[column], path, f"run {run_id}'s {column}")
-    tags = _json(row["tags"], path, f"run {run_id}'s tags", MAX_TEXT)
-    if (
-        not isinstance(tags, list)
-        or len(tags) > MAX_TAGS
-        or not all(isinstance(t, str) and 0 < len(t) <= MAX_NAME_LENGTH for t in tags)
-    ):
+            row[column] = _text(row[column], path, f"run {run_id}'s {column}")
+    tags = _json(row["tags"], path, f"run {run_id}'s tags", MAX_JSON_BYTES)
+    # What `RunStore.tag` takes: a list of non-empty strings.
+    if not isinstance(tags, list) or not all(isinstance(t, str) and t for t in tags):
         _refuse(path, f"run {run_id}'s tags are not a list of names")
-    if not isinstance(_json(row["config"], path, f"run {run_id}'s config", MAX_CONFIG_BYTES), dict):
+    if not isinstance(_json(row["config"], path, f"run {run_id}'s config", MAX_JSON_BYTES), dict):
         _refuse(path, f"run {run_id}'s config is not a JSON object")
     return row
 
 
 def check_series(rows, path, run_id):
     """The run's `series` rows, checked; returns them and the set of their ids."""
-    ids = set()
+    ids, checked = set(), []
     for series, layer, layer_index, tensor, variable in rows:
+        # The readers size an array by the largest id: 2**31 asked for 16 GiB.
         _whole(series, path, f"run {run_id}'s series id", most=MAX_SERIES_ID)
         _whole(layer_index, path, f"run {run_id}'s layer_index", most=MAX_SERIES_ID)
-        for what, value in (("layer", layer), ("tensor", tensor), ("variable", variable)):
+        names = [
             _text(value, path, f"run {run_id}'s {what} name")
+            for what, value in (("layer", layer), ("tensor", tensor), ("variable", variable))
+        ]
         ids.add(series)
-    return ids, rows
+        checked.append((series, names[0], layer_index, *names[1:]))
+    return ids, checked
 
 
 def checked_blocks(rows, path, run_id, series_ids):
@@ -181,9 +185,8 @@ def checked_events(rows, path, run_id):
         _whole(step, path, f"run {run_id}'s event step")
         if kind not in schema.EVENT_KINDS:
             _refuse(path, f"run {run_id} has an event of kind {_shown(kind)}")
-        _text(layer, path, f"run {run_id}'s event layer")
-        _text(message, path, f"run {run_id}'s event message")
-        yield step, layer, kind, message
+        layer = _text(layer, path, f"run {run_id}'s event layer")
+        yield step, layer, kind, _text(message, path, f"run {run_id}'s event message")
 
 
 def checked_histograms(rows, path, run_id, series_ids):
@@ -229,8 +232,14 @@ def _time(value, path, run_id, column):
 
 
 def _text(value, path, what):
-    if not isinstance(value, str) or len(value) > MAX_TEXT:
-        _refuse(path, f"{what} is {_shown(value)}, not a text of at most {MAX_TEXT:,} characters")
+    """`value`, a string, cut to `MAX_TEXT` (a failure's whole traceback, written by a script)."""
+    if not isinstance(value, str):
+        _refuse(path, f"{what} is {_shown(value)}, not a text")
+    return _cut(value, MAX_TEXT)
+
+
+def _cut(text, most):
+    return text if len(text) <= most else text[: most - 1] + "\u2026"
 
 
 def _json(value, path, what, most):
