@@ -117,7 +117,18 @@ def _is_bool(value):
 
 # Packages between a user's line and a warning gradflow raises from a callback
 # or a traced step: a warning shown at their lines says nothing to the user.
-_LIBRARY_PACKAGES = ("gradflow", "keras", "tensorflow", "tf_keras", "absl", "optree")
+_LIBRARY_PACKAGES = (
+    "gradflow",
+    "keras",
+    "tensorflow",
+    "tf_keras",
+    "absl",
+    "optree",
+    # Tools that call `fit` for the user: a warning at `scikeras/wrappers.py:535`.
+    "scikeras",
+    "keras_tuner",
+    "sklearn",
+)
 
 
 def warn_user(message, category=UserWarning):

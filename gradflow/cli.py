@@ -218,6 +218,11 @@ def _build_parser():
         nargs="*",
         help="the runs to copy (see `gradflow runs --db SOURCE`), default all",
     )
+    bring.add_argument(
+        "--label",
+        help="put LABEL before each copied run's name (`--label Alice` makes 'Alice: relu "
+        "· depth 4 ...'), so that a class's runs of one name can be told apart",
+    )
     _add_db_flag(bring, "run store to copy into (made if needed)")
     bring.set_defaults(handler=_import_runs)
 
@@ -556,7 +561,9 @@ def _runs(args):
         before, after = store.compact()
         print(f"{store.path}: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB")
     store.recover()  # a run whose `gradflow train` was killed is not "running"
-    runs = store.runs()
+    # Newest first by when they were made: the store lists runs as they were
+    # added, and after `gradflow import` `--last 3` gave the runs imported last.
+    runs = store.runs().sort_values("created_at", ascending=False, kind="stable")
     if not len(runs):
         print("No runs yet. Start one with: gradflow train")
         return EXIT_OK
@@ -693,7 +700,7 @@ def _import_runs(args):
         raise UsageError(f"gradflow import: no run store at {args.source!r}: check the path")
     destination = args.db or os.environ.get("GRADFLOW_DB") or default_path()
     try:
-        copies = copy_runs(source, destination, args.runs or None)
+        copies = copy_runs(source, destination, args.runs or None, label=args.label)
     except NotARunStoreError as error:
         raise UsageError(f"gradflow import: {error}") from None
     except SourceStoreError as error:

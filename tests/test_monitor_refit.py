@@ -396,6 +396,14 @@ def test_a_stored_run_says_which_optimizer_settings_and_model_size_it_had(tmp_pa
         assert settings["learning_rate"] == ("ExponentialDecay" if schedule else rate)
         assert "clipnorm" not in settings  # off: left out
         assert config["parameters"] == model.count_params()
+    # A model without an `Input` (KerasTuner's tutorials) is built by its first step,
+    # after the run was made: its size is stored then.
+    unbuilt = keras.Sequential([keras.layers.Dense(3), keras.layers.Dense(1)])
+    unbuilt.compile(optimizer="sgd", loss="mse")
+    monitor = GradientMonitor(store=tmp_path / "runs.db")
+    unbuilt.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+    stored = RunStore(tmp_path / "runs.db").run_info(monitor.run_id)["config"]
+    assert stored["parameters"] == unbuilt.count_params() > 0
 
 
 def test_a_monitor_given_a_run_id_still_refuses_a_second_model(tmp_path):
@@ -430,9 +438,67 @@ def test_a_copy_of_a_monitor_given_a_run_id_does_not_join_that_run(tmp_path):
     rows = len(store.layer_stats(run_id))
     second = make_model()
     second.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-    with pytest.raises(ValueError, match=f"copy of one that recorded into run {run_id}"):
+    with pytest.raises(ValueError, match=f"copy of one given `run_id={run_id!r}`"):
         second.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[copy.deepcopy(monitor)])
     assert len(store.layer_stats(run_id)) == rows
+
+
+def test_copies_of_a_monitor_that_never_ran_record_apart(tmp_path):
+    """KerasTuner and `sklearn.clone` copy the user's unused monitor for each trial: all
+    the copies wrote into one TensorBoard folder, drawn as one run, and with `run_id`
+    into that one run, each trial over the last, without a word."""
+    import copy
+
+    from gradflow.store import RunStore
+
+    x, y = make_data()
+    logs = tmp_path / "logs"
+    template = GradientMonitor(store=tmp_path / "runs.db", tensorboard_dir=str(logs))
+    trials = [copy.deepcopy(template) for _ in range(3)]
+    for trial in trials:
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[trial])
+    assert len({trial.run_id for trial in trials}) == 3
+    assert len(RunStore(tmp_path / "runs.db").runs()) == 3
+    folders = [path for path in logs.iterdir() if path.is_dir()]
+    assert len(folders) == 3 and all(list(f.glob("events.out.tfevents.*")) for f in folders)
+    assert template.run_id is None and template.history.empty
+    store = RunStore(tmp_path / "runs.db")
+    given = GradientMonitor(store=store, run_id=store.create_run({}, name="mine"))
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    with pytest.raises(ValueError, match="Leave `run_id` out"):
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[copy.deepcopy(given)])
+
+
+def test_after_a_fit_another_callback_ended_a_new_model_gets_a_new_run(tmp_path):
+    """A notebook's fit ended by another callback's error, the model cell run again: the
+    monitor refused the new model ("needs a GradientMonitor of its own"), and the
+    first run read `running` for ever."""
+    from gradflow.store import RunStore
+
+    class Broken(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                raise RuntimeError("my callback broke")
+
+    x, y = make_data()
+    monitor = GradientMonitor(store=tmp_path / "runs.db")
+    first = make_model()
+    first.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    with pytest.raises(RuntimeError, match="my callback broke"):
+        first.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor, Broken()])
+    ended = monitor.run_id
+    second = make_model()
+    second.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    with pytest.warns(UserWarning, match="goes into a new run"):
+        second.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+    store = RunStore(tmp_path / "runs.db")
+    assert store.run_info(ended)["status"] == "failed"
+    assert store.run_info(monitor.run_id)["status"] == "completed" and monitor.run_id != ended
+    assert "train_step" not in first.__dict__  # the first model has Keras's own step back
+    first.fit(x, y, batch_size=BATCH, verbose=0)
 
 
 class Tagged(GradientMonitor):

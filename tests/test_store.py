@@ -719,6 +719,6 @@ def test_run_names_are_at_most_200_characters_as_a_run_configs(tmp_path):
     store.delete(long)
     from gradflow import GradientMonitor
 
-    with pytest.raises(ValueError, match="`run_name` must be at most 200 characters"):
-        GradientMonitor(run_name="m" * 201)
+    # A script's name made from settings too: KerasTuner's `str(hp.values)` failed every trial.
+    GradientMonitor(run_name="m" * 201)
     assert store.runs()["name"].tolist() == ["x" * 200]

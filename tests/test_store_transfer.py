@@ -401,3 +401,45 @@ def test_what_an_older_gradflow_or_a_long_failure_wrote_is_mended_not_refused(so
     pd.testing.assert_frame_equal(
         destination.layer_stats(first), RunStore(source.path).layer_stats(first)
     )
+
+
+def test_a_label_tells_a_students_runs_of_one_name_apart(source, tmp_path, capsys):
+    """Seven runs named "relu · depth 3 · width 8 · sgd lr=0.05" from seven students, and
+    nothing in the pickers, the figures or the exports named whose each was."""
+    from gradflow import cli
+
+    class_db = tmp_path / "class.db"
+    assert cli.main(["import", str(source.path), "--label", "Alice", "--db", str(class_db)]) == 0
+    names = RunStore(class_db).runs().set_index("run_id")["name"]
+    assert names[source.ids[0]] == "Alice: relu" and names[source.ids[1]] == "Alice: sigmoid"
+    with pytest.raises(ValueError, match="`label` must not contain control characters"):
+        copy_runs(source.path, tmp_path / "other.db", label="Bob\x1b[2J")
+    # Imported again, a run not yet there but updated in the source: the note names the
+    # store to delete it from and the command that brings it back.
+    source.set_status(source.ids[0], "running")
+    other = tmp_path / "second.db"
+    copy_runs(source.path, other)
+    with source.writer(source.ids[0]) as writer:
+        writer.progress(9)
+    source.set_status(source.ids[0], "completed")
+    (again,) = [c for c in copy_runs(source.path, other) if c.run_id == source.ids[0]]
+    assert not again.copied
+    assert f"delete it from {str(other)!r}" in again.note
+    assert f"gradflow import {source.path} {source.ids[0]}" in again.note
+
+
+def test_runs_lists_the_newest_made_first_whatever_order_they_came_in(source, tmp_path, capsys):
+    """After imports `--last 3` gave the runs imported last, not the newest."""
+    from gradflow import cli
+
+    class_db = tmp_path / "class.db"
+    mine = RunStore(class_db).create_run({}, name="mine, made first")
+    with sqlite3.connect(class_db) as conn:
+        conn.execute("UPDATE runs SET created_at = 1.0 WHERE run_id = ?", (mine,))
+    newest = RunStore(class_db).create_run({}, name="made last")
+    copy_runs(source.path, class_db)  # made before `newest`, added after it
+    assert cli.main(["runs", "--db", str(class_db), "--last", "1"]) == 0
+    assert newest in capsys.readouterr().out
+    assert cli.main(["runs", "--db", str(class_db)]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert mine in lines[-1]

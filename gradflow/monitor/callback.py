@@ -311,8 +311,8 @@ class GradientMonitor(keras.callbacks.Callback):
         self._plan = None
         # Whether the last `fit` clipped (set at its start; `history` before any fit reads it).
         self._clipping = False
-        # Whether this monitor is a copy (`copy`, `pickle`, `sklearn.clone`) of
-        # one that had recorded a `fit`: it records its first `fit` afresh.
+        # Whether this monitor is a copy (`copy`, `pickle`, `sklearn.clone`,
+        # KerasTuner's per trial): it records its first `fit` afresh.
         self._copied = False
         # The methods (`evaluate`, `predict`) said to record nothing: once each.
         self._told_only_fit = set()
@@ -344,8 +344,10 @@ class GradientMonitor(keras.callbacks.Callback):
         state["_frames"] = None
         # Not the model it recorded: a copy would copy it too, through Keras's
         # serialization, which fails for a custom layer that is not registered.
-        # A copy records a model of its own (`_start_afresh`).
-        state["_copied"] = self._plan is not None or self._copied
+        # A copy records a model of its own (`_start_afresh`): also a copy of a
+        # monitor that never ran, KerasTuner's per trial, whose copies all wrote
+        # into one TensorBoard folder (and one `run_id`, each over the last).
+        state["_copied"] = True
         for name in ("_plan", "_model", "_saved_train_step", "_held_log"):
             state[name] = None
         return state
@@ -509,14 +511,25 @@ class GradientMonitor(keras.callbacks.Callback):
         steps_per_execution = _steps_per_execution(model)
         # The plan of this monitor's last `fit` holds the model it recorded.
         first = self._plan.model if self._plan is not None else None
+        if (
+            first is not None
+            and first is not model
+            and self in _IN_A_FIT
+            and id(first) not in _models_in_a_fit_now()
+        ):
+            # The last model's `fit` ended in an error the script caught (another
+            # callback's): its run read `running` and this `fit` was refused.
+            # Closed now, with that model, as the next `fit` of it would.
+            self._abandon_fit_of(first)
         if self._copied:
             if self.run_id is not None and not self._created_run:
                 # A run the user named by id is theirs: a copy's new model would
                 # join its curves, as a second model would (below).
                 raise ValueError(
-                    f"This GradientMonitor is a copy of one that recorded into run "
-                    f"{self.run_id} (given as `run_id`); the copy's model must not join that "
-                    "run: make the copy without `run_id`, or a GradientMonitor for each model."
+                    f"This GradientMonitor is a copy of one given `run_id={self.run_id!r}`: "
+                    "KerasTuner and scikit-learn copy the callbacks for each trial or fold, "
+                    "and every copy would write its model into that one run, each over the "
+                    "last. Leave `run_id` out: each copy then records into a run of its own."
                 )
             self._start_afresh(model.name)
             first = None
@@ -974,6 +987,16 @@ class GradientMonitor(keras.callbacks.Callback):
 
         object.__setattr__(model, "make_train_function", make_train_function)
 
+    def _abandon_fit_of(self, model):
+        """Close the run of `model`'s `fit` that ended in an error, though `fit` now has another."""
+        current = self._model
+        self._model = model  # `_abandon` reads the ring and restores the model it recorded
+        try:
+            with contextlib.suppress(Exception):  # the new fit must not fail for it
+                self._abandon(_how_fit_ended(model))
+        finally:
+            self._model = current
+
     def _abandon(self, error):
         """Keep the steps recorded before `error`, put the model back, close the run."""
         try:
@@ -1156,9 +1179,15 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def _store_layer_inputs(self):
         """Keep which recorded layer reads which in the run's config, for the
-        dashboard's and the exports' alerts (`diagnosis.run_layer_inputs`)."""
-        if self._store is not None and self._created_run and self._plan.activation_inputs:
-            self._store_call("update_config", {"layer_inputs": dict(self._plan.activation_inputs)})
+        dashboard's and the exports' alerts (`diagnosis.run_layer_inputs`),
+        and the model's size: a model without an `Input` (KerasTuner's
+        tutorials) is built by its first step, after the run was made."""
+        if self._store is None or not self._created_run:
+            return
+        entries = {"parameters": self._plan.model.count_params()}
+        if self._plan.activation_inputs:
+            entries["layer_inputs"] = dict(self._plan.activation_inputs)
+        self._store_call("update_config", entries)
 
     def _note_unreached(self, step):
         """A `no_gradient` event per layer with weights or an output no gradient reaches.

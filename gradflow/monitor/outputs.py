@@ -9,7 +9,7 @@ import math
 import os
 
 from gradflow.diagnosis import Thresholds
-from gradflow.store.store import MAX_NAME_LENGTH, check_name, check_store_path
+from gradflow.store.store import check_name, check_store_path
 
 
 def check_outputs(store, run_name, tensorboard_dir, rules):
@@ -17,7 +17,8 @@ def check_outputs(store, run_name, tensorboard_dir, rules):
 
     Args:
         store: A `gradflow.RunStore`, the path of one, or None.
-        run_name: A string or None, at most `MAX_NAME_LENGTH` characters.
+        run_name: A string or None (the store shortens one over
+            `MAX_NAME_LENGTH` characters).
         tensorboard_dir: A folder's path or None (a file is refused).
         rules: A `gradflow.diagnosis.Thresholds` or None.
     """
@@ -33,10 +34,9 @@ def check_outputs(store, run_name, tensorboard_dir, rules):
             raise ValueError(
                 f"`{name}` must be a string or None, got {type(value).__name__} {value!r}."
             )
-    if run_name is not None and len(str(run_name)) > MAX_NAME_LENGTH:
-        raise ValueError(
-            f"`run_name` must be at most {MAX_NAME_LENGTH} characters, got {len(str(run_name)):,}."
-        )
+    # A name longer than `MAX_NAME_LENGTH` is shortened by the store, not
+    # refused: KerasTuner's `run_name=str(hp.values)` (the README's recipe)
+    # passed 200 characters with six values, and every trial failed.
     if run_name is not None:
         # A control character broke every image export of the run (plotly.js).
         check_name(str(run_name), "run_name")

@@ -35,8 +35,10 @@ from gradflow.store.source_checks import UntrustedStoreError
 from gradflow.store.store import (
     _RUN_ID,
     _RUNS_COLUMNS,
+    MAX_NAME_LENGTH,
     RunStore,
     UnknownRunError,
+    check_name,
     check_store_path,
 )
 from gradflow.store.trouble import NewerStoreError, NotARunStoreError
@@ -103,7 +105,7 @@ class RunCopy:
     note: str = ""
 
 
-def copy_runs(source, destination, run_ids=None):
+def copy_runs(source, destination, run_ids=None, label=None):
     """Copy whole runs from the run store `source` into the run store `destination`.
 
     The source is only read, through a read-only connection (`mode=ro`, or
@@ -131,6 +133,10 @@ def copy_runs(source, destination, run_ids=None):
             exist, upgraded if it is older (as `RunStore` does).
         run_ids: the ids of the runs to copy (strings), default None: every
             run in the source.
+        label: put before each copied run's name (`"Alice"` makes `"Alice:
+            relu · depth 4 ..."`, cut to the store's 200 characters), default
+            None: names as they are. A class's runs of one default name are
+            told apart so.
 
     Returns:
         A list of `RunCopy`, one per run, oldest first: `[r.run_id for r in
@@ -154,6 +160,10 @@ def copy_runs(source, destination, run_ids=None):
     source = pathlib.Path(source)
     destination = pathlib.Path(destination)
     wanted = _check_ids(run_ids)
+    if label is not None:
+        if not isinstance(label, str) or not label.strip():
+            raise ValueError(f"`label` must be a non-empty string or None, got {label!r}.")
+        check_name(label.strip(), "label")
     if not source.is_file():
         check_store_path(source, "source")  # a folder says so
         raise FileNotFoundError(f"No run store at {str(source)!r}: no such file. Check the path.")
@@ -174,7 +184,7 @@ def copy_runs(source, destination, run_ids=None):
         conn = tables.connect(store.path, create=False)
         try:
             with tables.write_transaction(conn):
-                return _copy(reader, conn, chosen, destination)
+                return _copy(reader, conn, chosen, destination, label)
         finally:
             conn.close()
 
@@ -442,7 +452,7 @@ def _upgraded_copy(path):
         raise
 
 
-def _copy(reader, conn, chosen, destination):
+def _copy(reader, conn, chosen, destination, label=None):
     """Copy the `chosen` runs (dicts of their `runs` rows) inside the caller's write transaction.
 
     Every row is checked as it is read (`source_checks`): the source may be a
@@ -450,6 +460,11 @@ def _copy(reader, conn, chosen, destination):
     """
     for row in chosen:
         source_checks.check_run(row, reader.path)
+        if label is not None:
+            name = f"{label.strip()}: {row['name']}"
+            row["name"] = (
+                name if len(name) <= MAX_NAME_LENGTH else name[: MAX_NAME_LENGTH - 1] + "…"
+            )
     ids = [row["run_id"] for row in chosen]
     if len(set(ids)) != len(ids):
         source_checks._refuse(reader.path, "two runs have one run id")
@@ -497,7 +512,8 @@ def _copy_checked(reader, conn, chosen, destination):
                 note += (
                     f" (at step {step}, {status}; the source's is at step "
                     f"{row['progress_step']}, {row['status']}): to bring the source's, delete "
-                    "it there and copy it again"
+                    f"it from {str(destination)!r} (the Runs page's Delete) and import it "
+                    f"again (`gradflow import {reader.path} {row['run_id']}`)"
                 )
             done.append(RunCopy(row["run_id"], name, status, int(step), False, note))
             continue
