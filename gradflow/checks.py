@@ -128,7 +128,13 @@ _LIBRARY_PACKAGES = (
     "scikeras",
     "keras_tuner",
     "sklearn",
+    "joblib",  # scikit-learn's folds run through it
 )
+
+
+def _in_a_library(module):
+    # A package or one of its modules: not the user's own `keras_utils.py`.
+    return any(module == name or module.startswith(name + ".") for name in _LIBRARY_PACKAGES)
 
 
 def warn_user(message, category=UserWarning):
@@ -140,7 +146,7 @@ def warn_user(message, category=UserWarning):
     outside those packages, e.g. the user's `model.fit(...)` line.
     """
     frame, level = sys._getframe(1), 2
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(_LIBRARY_PACKAGES):
+    while frame is not None and _in_a_library(frame.f_globals.get("__name__", "")):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level if frame is not None else 2)
 

@@ -1548,3 +1548,13 @@ def test_a_used_monitor_with_a_store_can_be_copied_and_pickled(tmp_path):
         pd.testing.assert_frame_equal(copied.history, monitor.history)
         # The copy's store opens its own connection and reads the same run.
         assert copied._store.run_info(monitor.run_id)["status"] == "completed"
+
+
+def test_a_warning_points_past_joblib_and_not_past_the_users_own_keras_named_module(tmp_path):
+    """Warnings raised in `cross_val_score`'s folds pointed inside joblib; and a user's own
+    module named `keras_utils.py` was skipped as if it were Keras."""
+    from gradflow import checks
+
+    assert checks._in_a_library("joblib.parallel")
+    assert checks._in_a_library("keras.src.trainers.trainer") and checks._in_a_library("keras")
+    assert not checks._in_a_library("keras_utils") and not checks._in_a_library("sklearn_demo")

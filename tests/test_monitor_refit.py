@@ -501,6 +501,39 @@ def test_after_a_fit_another_callback_ended_a_new_model_gets_a_new_run(tmp_path)
     first.fit(x, y, batch_size=BATCH, verbose=0)
 
 
+def test_a_monitor_recording_in_another_thread_is_not_closed_by_a_new_model():
+    """A `fit` of the same monitor in a background thread was closed `failed` mid-run, and
+    broken, when the main thread gave the monitor another model."""
+    import threading
+
+    x, y = make_data()
+    x, y = np.tile(x, (40, 1)), np.tile(y, (40, 1))
+    first, second = make_model(), make_model()
+    for model in (first, second):
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    monitor = GradientMonitor()
+    started, errors = threading.Event(), []
+
+    class Started(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            started.set()
+
+    def train_first():
+        try:
+            first.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, callbacks=[monitor, Started()])
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    thread = threading.Thread(target=train_first)
+    thread.start()
+    assert started.wait(60)
+    with pytest.raises(ValueError, match="of its own"):
+        second.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[monitor])
+    thread.join(120)
+    assert not errors, errors
+    assert monitor.history["step"].max() == 3 * len(x) // BATCH
+
+
 class Tagged(GradientMonitor):
     """A user's own monitor, whose `__init__` takes other arguments."""
 

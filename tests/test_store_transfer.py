@@ -333,7 +333,7 @@ HOSTILE = {
     "series the run does not have": "UPDATE series SET series = series + 1000",
     "a series id that sizes an array of 16 GiB": "UPDATE series SET series = 2147483647 "
     "WHERE series = 0",
-    "a name that is blank": "UPDATE runs SET name = '   ' WHERE id = 1",
+    "a name that is not text": "UPDATE runs SET name = x'00ff' WHERE id = 1",
     "short histogram counts": "UPDATE histograms SET counts = x'00'",
     "histogram counts that are floats": lambda conn: conn.execute(
         "UPDATE histograms SET counts = ?", (np.ones(schema.HISTOGRAM_BINS).tobytes(),)
@@ -373,6 +373,14 @@ def test_the_command_line_refuses_a_strangers_store_in_one_line(source, tmp_path
     assert cli.main(["import", str(source.path), "--db", str(tmp_path / "class.db")]) == 2
     said = capsys.readouterr().err.strip().splitlines()
     assert len(said) == 1 and "alice.db" in said[0] and "nothing was copied" in said[0], said
+
+
+def test_a_blank_name_gradflow_took_is_named_not_refused(source, tmp_path):
+    """`create_run(name=" ")` stores it, and the import refused the whole store for it."""
+    blank = source.create_run({}, name=" ")
+    destination = RunStore(tmp_path / "class.db")
+    copy_runs(source.path, destination.path)
+    assert destination.run_info(blank)["name"] == "(no name)"
 
 
 def test_what_an_older_gradflow_or_a_long_failure_wrote_is_mended_not_refused(source, tmp_path):
@@ -422,10 +430,17 @@ def test_a_label_tells_a_students_runs_of_one_name_apart(source, tmp_path, capsy
     with source.writer(source.ids[0]) as writer:
         writer.progress(9)
     source.set_status(source.ids[0], "completed")
-    (again,) = [c for c in copy_runs(source.path, other) if c.run_id == source.ids[0]]
+    (again,) = [
+        c for c in copy_runs(source.path, other, label="Ali ce") if c.run_id == source.ids[0]
+    ]
     assert not again.copied
     assert f"delete it from {str(other)!r}" in again.note
-    assert f"gradflow import {source.path} {source.ids[0]}" in again.note
+    # The command as it must be typed: into that store (not the default one), with the label.
+    assert (
+        f"gradflow import {source.path} {source.ids[0]} --label 'Ali ce' --db {other}" in again.note
+    )
+    with pytest.raises(ValueError, match="`label` must be at most 50 characters"):
+        copy_runs(source.path, tmp_path / "third.db", label="L" * 51)
 
 
 def test_runs_lists_the_newest_made_first_whatever_order_they_came_in(source, tmp_path, capsys):

@@ -514,7 +514,9 @@ class GradientMonitor(keras.callbacks.Callback):
         if (
             first is not None
             and first is not model
-            and self in _IN_A_FIT
+            # Its `fit` on this thread: one running in another thread is alive,
+            # and `_models_in_a_fit_now` sees this thread's stack only.
+            and _IN_A_FIT.get(self) == threading.get_ident()
             and id(first) not in _models_in_a_fit_now()
         ):
             # The last model's `fit` ended in an error the script caught (another

@@ -93,8 +93,10 @@ def check_run(row, path):
     if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
         _refuse(path, f"a run id {_shown(run_id)} is not one gradflow makes")
     name = row["name"]
-    if not isinstance(name, str) or not name.strip():
+    if not isinstance(name, str):
         _refuse(path, f"run {run_id}'s name {_shown(name)} is not a name")
+    if not name.strip():
+        name = "(no name)"  # `create_run(name=" ")` stores a blank one
     name = schema.BIDI_CONTROLS.sub("\ufffd", schema.CONTROL_CHARACTERS.sub("\ufffd", name))
     row["name"] = _cut(name, MAX_NAME_LENGTH)
     if row["status"] not in tables.STATUSES:

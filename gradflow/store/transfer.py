@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import os
 import pathlib
+import shlex
 import shutil
 import sqlite3
 import tempfile
@@ -69,6 +70,9 @@ RUN_TABLES = (
 # The `runs` columns copied as they are (its `id` is the destination's): what
 # `RunStore.runs()` reads, and the config.
 RUN_COLUMNS = (*_RUNS_COLUMNS, "config")
+
+# A label's most characters: the rest of a name's 200 are the run's own.
+MAX_LABEL_LENGTH = 50
 
 _CHUNK = 256  # rows fetched and inserted at a time (a layer_stats row is a block of 4096)
 
@@ -163,6 +167,12 @@ def copy_runs(source, destination, run_ids=None, label=None):
     if label is not None:
         if not isinstance(label, str) or not label.strip():
             raise ValueError(f"`label` must be a non-empty string or None, got {label!r}.")
+        if len(label.strip()) > MAX_LABEL_LENGTH:
+            # Cut to the store's 200 characters, a longer one left no run its own name.
+            raise ValueError(
+                f"`label` must be at most {MAX_LABEL_LENGTH} characters (it goes before each "
+                f"run's name), got {len(label.strip()):,}."
+            )
         check_name(label.strip(), "label")
     if not source.is_file():
         check_store_path(source, "source")  # a folder says so
@@ -469,13 +479,13 @@ def _copy(reader, conn, chosen, destination, label=None):
     if len(set(ids)) != len(ids):
         source_checks._refuse(reader.path, "two runs have one run id")
     try:
-        return _copy_checked(reader, conn, chosen, destination)
+        return _copy_checked(reader, conn, chosen, destination, label)
     except sqlite3.IntegrityError as error:
         # Two rows where gradflow writes one (a metric twice at a step): the source's doing.
         source_checks._refuse(reader.path, f"rows that repeat ({error})")
 
 
-def _copy_checked(reader, conn, chosen, destination):
+def _copy_checked(reader, conn, chosen, destination, label=None):
     there = {}
     for row in chosen:
         found = conn.execute(
@@ -513,7 +523,7 @@ def _copy_checked(reader, conn, chosen, destination):
                     f" (at step {step}, {status}; the source's is at step "
                     f"{row['progress_step']}, {row['status']}): to bring the source's, delete "
                     f"it from {str(destination)!r} (the Runs page's Delete) and import it "
-                    f"again (`gradflow import {reader.path} {row['run_id']}`)"
+                    f"again (`{_import_command(reader.path, row['run_id'], destination, label)}`)"
                 )
             done.append(RunCopy(row["run_id"], name, status, int(step), False, note))
             continue
@@ -559,6 +569,14 @@ def _copy_checked(reader, conn, chosen, destination):
             )
         )
     return done
+
+
+def _import_command(source, run_id, destination, label):
+    """The `gradflow import` that brings `run_id` again, into the same store, with the same label."""
+    words = ["gradflow", "import", str(source), run_id]
+    if label is not None:
+        words += ["--label", label.strip()]
+    return shlex.join([*words, "--db", str(destination)])
 
 
 def _when(timestamp):
