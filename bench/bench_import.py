@@ -5,7 +5,7 @@
 A teacher imports a class's stores; a practitioner exports a long run to send.
 Both copy whole runs through SQLite (`gradflow.store.transfer`), not the
 files: this measures layer-step rows copied a second for a run of `--rows`
-rows (with its metrics: 4 a step), next to the time to write those rows in
+rows (with its metrics: 3 a step), next to the time to write those rows in
 the first place (`bench_store.py`'s ingest, the same blocks) and to read them
 into pandas, measured in the same run. Each copy is checked to read back
 every row. Writes bench/results/import.json (or --out).

@@ -216,7 +216,7 @@ def _build_parser():
         "runs",
         metavar="RUN_ID",
         nargs="*",
-        help="the runs to copy (see `gradflow runs --db SOURCE`), default all",
+        help="the runs to copy (the ids its sender gave you), default all",
     )
     bring.add_argument(
         "--label",
@@ -561,9 +561,7 @@ def _runs(args):
         before, after = store.compact()
         print(f"{store.path}: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB")
     store.recover()  # a run whose `gradflow train` was killed is not "running"
-    # Newest first by when they were made: the store lists runs as they were
-    # added, and after `gradflow import` `--last 3` gave the runs imported last.
-    runs = store.runs().sort_values("created_at", ascending=False, kind="stable")
+    runs = store.runs()  # newest made first
     if not len(runs):
         print("No runs yet. Start one with: gradflow train")
         return EXIT_OK
@@ -657,7 +655,7 @@ def _export_store(args):
     """`gradflow export RUN --format store`: the run in a new one-run store file."""
     from gradflow.export import file_stem
     from gradflow.store import RunStore
-    from gradflow.store.transfer import export_runs
+    from gradflow.store.transfer import SourceStoreError, export_runs
 
     source = RunStore(args.db).path  # made if new: then the run is unknown, said below
     out = pathlib.Path(args.out)
@@ -672,6 +670,9 @@ def _export_store(args):
     try:
         export_runs(source, target, [args.run])
     except FileExistsError as error:
+        _say_error(f"gradflow export: {error}")
+        return EXIT_FAILED
+    except SourceStoreError as error:  # a damaged store, in words, not a traceback
         _say_error(f"gradflow export: {error}")
         return EXIT_FAILED
     except ValueError as error:

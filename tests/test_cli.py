@@ -646,3 +646,31 @@ def test_export_as_a_store_into_a_folder_it_cannot_write_names_that_file(trained
     assert len(said) == 1 and said[0].startswith(
         f"gradflow export: could not write the new store '{out}'"
     )
+
+
+def test_export_as_a_store_of_a_damaged_store_says_so_in_one_line(trained, tmp_path, capsys):
+    """A traceback ended in the right sentence (SourceStoreError was not caught)."""
+    import shutil
+
+    _, store, run_id = trained
+    damaged = tmp_path / "damaged.db"
+    shutil.copy(store.path, damaged)
+    size = damaged.stat().st_size
+    with open(damaged, "r+b") as file:
+        file.seek(size // 2)
+        file.write(b"\xff" * (size - size // 2))
+    code = cli.main(
+        [
+            "export",
+            run_id,
+            "--format",
+            "store",
+            "--out",
+            str(tmp_path / "x.db"),
+            "--db",
+            str(damaged),
+        ]
+    )
+    said = capsys.readouterr().err.strip().splitlines()
+    assert code in (1, 2) and len(said) == 1 and said[0].startswith("gradflow"), said
+    assert "Traceback" not in " ".join(said)

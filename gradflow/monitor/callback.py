@@ -113,7 +113,11 @@ class GradientMonitor(keras.callbacks.Callback):
     and `keep_steps` keeps only the last steps in memory, e.g. with a `store`
     that has them all: `GradientMonitor(store="runs.db", keep_steps=1000)`.
 
-    A monitor records one model (another model's `fit` with it raises). A
+    A monitor records one model: another model's `fit` with it raises,
+    unless the monitor has a `store` and made its run, which has ended: the
+    new model then goes into a new run, with a warning (SciKeras refits so).
+    A copy (`copy.deepcopy`, KerasTuner's per trial, `sklearn.clone`) records
+    its first `fit` afresh, into a run of its own. A
     layer's `trainable` changed without `compile()` again: Keras warns, and a
     plain `fit` with the step it traced before keeps training that layer;
     the monitor traces its step anew, so the layer is frozen as its flag
@@ -238,6 +242,9 @@ class GradientMonitor(keras.callbacks.Callback):
             the wrong kind, or `run_id` comes without `store`; at the start
             of `fit`, if the model is not compiled or a second
             `GradientMonitor` is given to the same `fit`.
+            Also at the start of `fit`: another model's, without a `store`
+            (or with a `run_id` given, or `close_run=False`); and a copy's
+            of a monitor given `run_id` (every copy would write into that run).
         TypeError: if `probe_loss` is neither a loss name nor callable.
     """
 
@@ -566,7 +573,12 @@ class GradientMonitor(keras.callbacks.Callback):
             raise ValueError(
                 f"This GradientMonitor recorded model {first.name!r}; {other} needs a "
                 "GradientMonitor of its own (make one for each model, e.g. inside the loop "
-                "over models; a copy, `copy.deepcopy(monitor)`, records a new model afresh)."
+                "over models"
+                + (
+                    "; a copy, `copy.deepcopy(monitor)`, records a new model afresh)."
+                    if self.run_id is None or self._created_run
+                    else ")."
+                )
             )
         # Every callback of one `fit` gets the same `params` dict. Each
         # monitor rebuilds the train step, so a second one would silently

@@ -224,8 +224,8 @@ def _shown(value):
 def _whole(value, path, what, most=None):
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         _refuse(path, f"{what} is {_shown(value)}, not a whole number")
-    if most is not None and value > most:
-        _refuse(path, f"{what} is {_shown(value)}, above {most:,}")
+    if most is not None and value >= most:
+        _refuse(path, f"{what} is {_shown(value)}, not below {most:,}")
 
 
 def _time(value, path, run_id, column):

@@ -266,7 +266,11 @@ class RunStore:
         """
         rows = (
             self._conn()
-            .execute(f"SELECT {', '.join(_RUNS_COLUMNS)} FROM runs ORDER BY id DESC")
+            # Newest made first: after `gradflow import` the runs added last came
+            # first (`gradflow runs --last 3`, the Runs page's picker).
+            .execute(
+                f"SELECT {', '.join(_RUNS_COLUMNS)} FROM runs ORDER BY created_at DESC, id DESC"
+            )
             .fetchall()
         )
         frame = pd.DataFrame(rows, columns=list(_RUNS_COLUMNS))

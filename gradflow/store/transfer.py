@@ -349,7 +349,8 @@ class _Source:
             raise UnknownRunError(
                 f"{'Runs' if len(missing) > 1 else 'Run'} {', '.join(map(repr, missing))} "
                 f"{'are' if len(missing) > 1 else 'is'} not in the run store "
-                f"{str(self.path)!r} (see `gradflow runs --db {self.path}`)."
+                f"{str(self.path)!r}: check the ids its sender gave you, or leave them out to "
+                "import every run."
             )
         return [row for row in rows if row["run_id"] in wanted]
 
@@ -447,7 +448,6 @@ def _upgraded_copy(path):
         try:
             migrate.upgrade(conn, path)
         except (RuntimeError, sqlite3.Error) as error:
-            # Its advice ("use another store path (--db ...)") is for one's own store.
             conn.close()
             # The upgrade's own words are for one's own store ("use another --db").
             cause = error.__cause__ if isinstance(error.__cause__, Exception) else error
