@@ -185,6 +185,27 @@ def write_transaction(conn):
         raise
 
 
+def _into_wal_mode(conn, seconds=30.0):
+    """`PRAGMA journal_mode = WAL`, waiting out another process that makes the file now.
+
+    On a new file it needs a lock SQLite's busy handler does not wait for:
+    processes opening a new store at once failed with "database is locked"
+    on a loaded machine (2 of 32 opens beside a test run).
+    """
+    import sqlite3
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 # Bytes a '-wal' file is cut back to after a checkpoint empties it.
 WAL_SIZE_LIMIT = 4 << 20
 
@@ -232,7 +253,7 @@ def connect(path, create=True):
     # may only read, setting it failed every connection, and every page.
     if conn.execute("PRAGMA page_count").fetchone()[0] == 0:
         conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
-    conn.execute("PRAGMA journal_mode = WAL")
+    _into_wal_mode(conn)
     conn.execute("PRAGMA synchronous = NORMAL")
     # SQLite keeps a '-wal' file at its largest size while any connection is
     # open: one outside reader left in a transaction (a database browser)
