@@ -458,8 +458,9 @@ def _ending_readme(info, config):
     every = (config or {}).get("record_every")
     if isinstance(every, int) and every > 1:
         lines.append(f"Statistics were recorded every {every} steps.")
-    if script_settings(info):
-        lines.append(f"Recorded from a script: {script_settings(info).replace('`', '')}.")
+    settings = script_settings(info)
+    if settings:
+        lines.append(f"Recorded from a script: {settings.replace('`', '')}.")
     return [*lines, ""]
 
 

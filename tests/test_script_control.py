@@ -8,6 +8,7 @@ them. The scripts here are real processes, driven through a real SQLite
 store exactly as the page drives it (`RunStore.request`).
 """
 
+import contextlib
 import pathlib
 import signal
 import sqlite3
@@ -121,13 +122,32 @@ def start_script(tmp_path, text):
     return process, store, store.runs()["run_id"].iloc[0]
 
 
+@contextlib.contextmanager
+def killed_if_left(process):
+    """The script process, killed if the test ends before it does."""
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def stop_script(process, store, run_id, timeout=60):
+    """Press Stop for the script's run; its `(stdout, stderr)` once it ended well."""
+    store.request(run_id, "stop")
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0, err[-3000:]
+    return out, err
+
+
 def pause_step_resume_stop(process, store, run_id):
     """Drive the run as the Live page's buttons do; returns the script's output."""
 
     def info():
         return store.run_info(run_id)
 
-    try:
+    with killed_if_left(process):
         wait_for(lambda: info()["progress_step"] >= 3, "a few steps")
         store.request(run_id, "pause")
         wait_for(lambda: info()["status"] == "paused", "Pause")
@@ -144,13 +164,7 @@ def pause_step_resume_stop(process, store, run_id):
         wait_for(lambda: info()["status"] == "running", "Resume")
         wait_for(lambda: info()["progress_step"] > held + 5, "training again")
 
-        store.request(run_id, "stop")
-        out, err = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    assert process.returncode == 0, err[-3000:]
+        out, err = stop_script(process, store, run_id)
     # The script's terminal says why it stopped printing, once (not again
     # after Step once), and when it goes on.
     said = [line for line in err.splitlines() if line.startswith(f"gradflow: run {run_id}")]

@@ -298,7 +298,7 @@ def test_not_a_store_a_folder_and_the_same_store_are_refused(source, tmp_path):
     live.commit()
     shutil.copyfile(tmp_path / "live.db", tmp_path / "cp-of-live.db")  # as `cp` would, no -wal
     live.close()
-    with pytest.raises(ValueError, match="copy of a store made without its '-wal'"):
+    with pytest.raises(ValueError, match="copy made without its '-wal' file"):
         copy_runs(tmp_path / "cp-of-live.db", tmp_path / "class.db")
     empty = tmp_path / "empty.db"
     sqlite3.connect(empty).execute("CREATE TABLE t (x)").connection.close()

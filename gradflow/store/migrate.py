@@ -5,6 +5,7 @@ or the new one, never half of each, and a process killed in the middle leaves
 the old format in place, to be upgraded by the next open.
 """
 
+import pathlib
 import time
 
 import numpy as np
@@ -34,21 +35,12 @@ def upgrade(conn, path, held_something=False):
     if version is None and held_something and not _tables_soon(conn):
         # Tables made in it would hide the loss ("No runs yet"), and a '-wal'
         # brought over afterwards could no longer be read with it.
-        raise CopyWithoutLogError(
-            f"The run store {str(path)!r} holds no tables though the file is not empty: it "
-            f"looks like a copy made without its '-wal' file ({path.name}-wal), which holds "
-            "the runs not yet moved into the main file. Copy the store again with that file "
-            "beside it (all gradflow processes using it stopped), or copy it safely while it "
-            f"is in use with `gradflow import` (see `gradflow import --help`). If it is an "
-            "empty store no run was ever written to, delete the file."
-        )
+        raise copy_without_log(path)
     try:
         with tables.write_transaction(conn):
             # Read again under the write lock: another process may have just done it.
-            version = stored_version(conn)
+            version = detected_version(conn)
             _refuse_newer(version, path)
-            if version is None and "step" in _columns(conn, "layer_stats"):
-                version = 1  # Version 1 made its tables before it recorded its version.
             if version is None:
                 tables.create_tables(conn)
             elif version == 1:
@@ -77,6 +69,28 @@ def stored_version(conn):
         return None
     row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
     return None if row is None else int(row[0])
+
+
+def detected_version(conn):
+    """`stored_version`, or 1 for a version-1 file, which made its tables before it
+    recorded its version; None for a new (empty) store."""
+    version = stored_version(conn)
+    if version is None and "step" in _columns(conn, "layer_stats"):
+        return 1
+    return version
+
+
+def copy_without_log(path):
+    """The `CopyWithoutLogError` for `path`: bytes, no tables (`RunStore` and `gradflow import`)."""
+    path = pathlib.Path(path)
+    return CopyWithoutLogError(
+        f"The run store {str(path)!r} holds no tables though the file is not empty: it "
+        f"looks like a copy made without its '-wal' file ({path.name}-wal), which holds "
+        "the runs not yet moved into the main file. Copy the store again with that file "
+        "beside it (all gradflow processes using it stopped), or copy it safely while it "
+        "is in use with `gradflow import` (see `gradflow import --help`). If it is an "
+        "empty store no run was ever written to, delete the file."
+    )
 
 
 def _any_table(conn):

@@ -26,6 +26,7 @@ import numpy as np
 
 from gradflow import schema
 from gradflow.store import blocks, tables
+from gradflow.store.store import _RUN_ID, MAX_NAME_LENGTH, shortened
 from gradflow.store.trouble import NotARunStoreError
 
 # The tables a run's rows are in: each must be a table (a view may compute
@@ -87,8 +88,6 @@ def check_run(row, path):
     characters or bidirectional overrides (a tab, pasted right-to-left text)
     gets U+FFFD for them, and a name or a message too long is cut.
     """
-    from gradflow.store.store import _RUN_ID, MAX_NAME_LENGTH
-
     run_id = row["run_id"]
     if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
         _refuse(path, f"a run id {_shown(run_id)} is not one gradflow makes")
@@ -241,7 +240,7 @@ def _text(value, path, what):
 
 
 def _cut(text, most):
-    return text if len(text) <= most else text[: most - 1] + "\u2026"
+    return shortened(text, most)
 
 
 def _json(value, path, what, most):

@@ -156,7 +156,7 @@ class RunStore:
         if name and len(str(name)) > MAX_NAME_LENGTH:
             # Made from settings (an A/B launch names a run after every setting
             # that differs): shortened, not refused, which would fail the launch.
-            name = str(name)[: MAX_NAME_LENGTH - 1] + "…"
+            name = shortened(str(name), MAX_NAME_LENGTH)
         run_id = uuid.uuid4().hex[:12]
         now = time.time()
         conn = self._conn()
@@ -913,6 +913,11 @@ def check_name(name, argument="name"):
             f"escape codes, right-to-left overrides), got {name!r}."
         )
     return name
+
+
+def shortened(text, most):
+    """`text` cut to `most` characters, its last one "…" when it was cut."""
+    return text if len(text) <= most else text[: most - 1] + "\u2026"
 
 
 def _check_name(name):

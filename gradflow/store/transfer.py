@@ -41,6 +41,7 @@ from gradflow.store.store import (
     UnknownRunError,
     check_name,
     check_store_path,
+    shortened,
 )
 from gradflow.store.trouble import NewerStoreError, NotARunStoreError
 
@@ -404,21 +405,15 @@ def _version(conn, path):
     names = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     if "runs" not in names:
         if not names and pathlib.Path(path).stat().st_size > 0:
-            raise NotARunStoreError(
-                f"`source`={str(path)!r} holds no tables though the file is not empty: it looks "
-                f"like a copy of a store made without its '-wal' file ({pathlib.Path(path).name}"
-                "-wal). Copy it again with that file beside it, or import from the original."
-            )
+            raise migrate.copy_without_log(pathlib.Path(path))
         raise NotARunStoreError(
             f"`source`={str(path)!r} holds no runs: it is an empty file, not a gradflow run store."
         )
     try:
-        version = migrate.stored_version(conn)
+        # A `runs` table and no version recorded: tables this gradflow made.
+        version = migrate.detected_version(conn) or tables.SCHEMA_VERSION
     except ValueError:
         source_checks._refuse(path, "its schema version is not a number")
-    if version is None:  # Version 1 made its tables before it recorded its version.
-        columns = {row[1] for row in conn.execute("PRAGMA table_info(layer_stats)")}
-        version = 1 if "step" in columns else tables.SCHEMA_VERSION
     if version > tables.SCHEMA_VERSION:
         raise NewerStoreError(
             f"The run store {str(path)!r} has schema version {version}, written by a newer "
@@ -471,10 +466,7 @@ def _copy(reader, conn, chosen, destination, label=None):
     for row in chosen:
         source_checks.check_run(row, reader.path)
         if label is not None:
-            name = f"{label.strip()}: {row['name']}"
-            row["name"] = (
-                name if len(name) <= MAX_NAME_LENGTH else name[: MAX_NAME_LENGTH - 1] + "…"
-            )
+            row["name"] = shortened(f"{label.strip()}: {row['name']}", MAX_NAME_LENGTH)
     ids = [row["run_id"] for row in chosen]
     if len(set(ids)) != len(ids):
         source_checks._refuse(reader.path, "two runs have one run id")

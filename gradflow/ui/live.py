@@ -899,9 +899,10 @@ def _status_line(info, cache, status, watched=False, announce=False):
         )
     else:
         st.markdown(line)
-    if export.script_settings(info):
+    settings = export.script_settings(info)
+    if settings:
         # KerasTuner's trials and a grid search's folds have runs named alike.
-        st.caption(plain_message(export.script_settings(info)))
+        st.caption(plain_message(settings))
     if total:
         st.progress(min(step / total, 1.0))
     if status == "queued":

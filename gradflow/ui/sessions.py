@@ -47,10 +47,8 @@ class SessionOwnership:
         self.store = store
         self.grace_seconds = grace_seconds
         self.trains_here = trains_here
-        self._owners = {}  # run_id -> ids of the sessions that started or opened it
-        self._gone_since = {}  # run_id -> monotonic time its last owner was first missed
-        self._pausers = {}  # a script's run_id -> ids of the sessions that paused or stepped it
-        self._pausers_gone_since = {}
+        self._owners = _Sessions()  # those that started or opened each run
+        self._pausers = _Sessions()  # those that paused or stepped each script's run
         self._lock = threading.Lock()
         self._thread = threading.Thread(
             target=self._loop, name="gradflow-session-reaper", daemon=True
@@ -59,24 +57,22 @@ class SessionOwnership:
 
     def claim(self, run_id):
         """Make the current browser session one of the owners of `run_id`."""
-        ctx = get_script_run_ctx()
-        if ctx is None:
-            return
-        with self._lock:
-            self._owners.setdefault(run_id, set()).add(ctx.session_id)
-            self._gone_since.pop(run_id, None)
+        self._note(self._owners, run_id)
 
     def paused_script(self, run_id):
         """Note that the current browser session paused (or stepped) a script's run."""
+        self._note(self._pausers, run_id)
+
+    def _note(self, sessions, run_id):
         ctx = get_script_run_ctx()
-        if ctx is None:
-            return
-        with self._lock:
-            self._pausers.setdefault(run_id, set()).add(ctx.session_id)
-            self._pausers_gone_since.pop(run_id, None)
+        if ctx is not None:
+            with self._lock:
+                sessions.add(run_id, ctx.session_id)
 
     def reap(self, now=None):
         """Stop active runs whose sessions have all been gone longer than the grace period.
+
+        Also resumes the scripts' runs whose pausers have been gone as long.
 
         Returns:
             The run ids asked to stop.
@@ -87,40 +83,18 @@ class SessionOwnership:
         session_manager = Runtime.instance()._session_mgr
         stopped = []
         with self._lock:
-            for run_id, sessions in list(self._owners.items()):
-                # A session that is gone is kept: one whose connection only
-                # dropped comes back with its id and claims nothing again.
-                if any(session_manager.is_active_session(s) for s in sessions):
-                    self._gone_since.pop(run_id, None)
-                    continue
-                first_missed = self._gone_since.setdefault(run_id, now)
-                if now - first_missed < self.grace_seconds:
-                    continue
+            for run_id in self._owners.left(session_manager, now, self.grace_seconds):
                 ours = self.trains_here is None or self.trains_here(run_id)
                 if ours and self.store.status(run_id) in ("queued", "running", "paused"):
                     self.store.request(run_id, "stop")
                     stopped.append(run_id)
-                del self._owners[run_id]
-                self._gone_since.pop(run_id, None)
-            self._resume_left_scripts(session_manager, now)
+            for run_id in self._pausers.left(session_manager, now, self.grace_seconds):
+                try:
+                    if self.store.status(run_id) == "paused":
+                        self.store.request(run_id, "resume")
+                except ValueError:
+                    pass  # deleted meanwhile: the script resumes itself (`DashboardRequests`)
         return stopped
-
-    def _resume_left_scripts(self, session_manager, now):
-        """Resume the scripts' runs whose pausers have all been gone for the grace period."""
-        for run_id, sessions in list(self._pausers.items()):
-            if any(session_manager.is_active_session(s) for s in sessions):
-                self._pausers_gone_since.pop(run_id, None)
-                continue
-            first_missed = self._pausers_gone_since.setdefault(run_id, now)
-            if now - first_missed < self.grace_seconds:
-                continue
-            try:
-                if self.store.status(run_id) == "paused":
-                    self.store.request(run_id, "resume")
-            except ValueError:
-                pass  # deleted meanwhile: the script resumes itself (`DashboardRequests`)
-            del self._pausers[run_id]
-            self._pausers_gone_since.pop(run_id, None)
 
     def _loop(self):
         recovered = time.monotonic()
@@ -133,6 +107,32 @@ class SessionOwnership:
                     self.store.recover(other_hosts=False)
             except Exception:  # noqa: BLE001 - a reaper must outlive a bad tick (deleted run, busy db)
                 continue
+
+
+class _Sessions:
+    """Browser sessions per run, and since when all of a run's have been gone."""
+
+    def __init__(self):
+        self._sessions = {}  # run_id -> session ids
+        self._gone_since = {}  # run_id -> monotonic time its last session was first missed
+
+    def add(self, run_id, session_id):
+        self._sessions.setdefault(run_id, set()).add(session_id)
+        self._gone_since.pop(run_id, None)
+
+    def left(self, session_manager, now, grace_seconds):
+        """The runs whose sessions have all been gone `grace_seconds`; forgotten once listed."""
+        for run_id, sessions in list(self._sessions.items()):
+            # A session that is gone is kept: one whose connection only
+            # dropped comes back with its id and claims nothing again.
+            if any(session_manager.is_active_session(s) for s in sessions):
+                self._gone_since.pop(run_id, None)
+                continue
+            if now - self._gone_since.setdefault(run_id, now) < grace_seconds:
+                continue
+            del self._sessions[run_id]
+            self._gone_since.pop(run_id, None)
+            yield run_id
 
 
 @st.cache_resource(show_spinner=False)
