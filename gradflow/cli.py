@@ -31,6 +31,7 @@ import time
 from gradflow.checks import backend_problem
 from gradflow.lab.config import RunConfig, field_table, rename_settings, run_name
 from gradflow.lab.presets import PRESETS, get_preset
+from gradflow.run_settings import run_settings
 from gradflow.store import NewerStoreError, StoreGoneError, default_path, trouble
 from gradflow.store.store import NotARunStoreError, check_name
 
@@ -561,7 +562,7 @@ def _runs(args):
         before, after = store.compact()
         print(f"{store.path}: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB")
     store.recover()  # a run whose `gradflow train` was killed is not "running"
-    runs = store.runs()  # newest made first
+    runs = store.runs(with_config=True)  # newest made first
     if not len(runs):
         print("No runs yet. Start one with: gradflow train")
         return EXIT_OK
@@ -576,6 +577,10 @@ def _runs(args):
         return EXIT_OK
     table = runs[["run_id", "name", "status", "source", "progress_step", "total_steps"]].copy()
     table.insert(3, "created", runs["created_at"].dt.strftime("%Y-%m-%d %H:%M:%S"))
+    settings = [run_settings(r.source, r.config, r.name) for r in runs.itertuples()]
+    if any(settings):
+        # KerasTuner's trials share their model's name; a renamed lab run lost its settings.
+        table["settings"] = [printable(text) for text in settings]
     if runs["host"].nunique() > 1:
         # Runs brought in from several machines (`gradflow import`): whose is whose.
         table["machine"] = runs["host"].map(printable)

@@ -35,6 +35,7 @@ from gradflow import checks, figures, schema
 from gradflow.diagnosis import diagnose, run_layer_inputs, run_thresholds
 from gradflow.figures import style
 from gradflow.image_renderer import ImageRenderer
+from gradflow.run_settings import script_settings
 
 IMAGE_FORMATS = ("png", "svg", "pdf")
 EXPORT_FORMATS = (*IMAGE_FORMATS, "html", "csv", "zip")
@@ -664,68 +665,6 @@ def run_charts(layer_stats, metrics, presentation=False, run=None, histograms=No
     if run is not None:
         charts = {name: chart.for_run(run) for name, chart in charts.items()}
     return charts
-
-
-# The optimizer settings a script's run is told apart by (a KerasTuner trial,
-# a grid search's fold), in this order, when set.
-_SETTINGS_SHOWN = (
-    "learning_rate",
-    "momentum",
-    "weight_decay",
-    "clipnorm",
-    "clipvalue",
-    "global_clipnorm",
-    "gradient_accumulation_steps",
-)
-
-
-def script_settings(info):
-    """One line on what a script's run trained: model, size, optimizer, `every`; or "".
-
-    A KerasTuner search or a grid search stores runs named alike, told apart
-    by these. The lab's runs have their own settings (`RunConfig`).
-
-    ```python
-    script_settings(store.run_info(run_id))
-    # 'model `sequential`, 1,234 parameters · Adam: learning_rate 0.001 · every step'
-    ```
-    """
-    config = (info or {}).get("config")
-    if (info or {}).get("source") != "monitor" or not isinstance(config, dict):
-        return ""
-    parts = []
-    if config.get("model"):
-        parameters = config.get("parameters")
-        parts.append(
-            f"model `{config['model']}`"
-            + (f", {parameters:,} parameters" if isinstance(parameters, int) else "")
-        )
-    if config.get("optimizer"):
-        settings = config.get("optimizer_settings")
-        settings = settings if isinstance(settings, dict) else {}
-        shown = [
-            f"{name} {settings[name]:g}"
-            if isinstance(settings[name], float)
-            else f"{name} {settings[name]}"
-            for name in _SETTINGS_SHOWN
-            if _worth_saying(name, settings.get(name))
-        ]
-        parts.append(f"{config['optimizer']}" + (f": {', '.join(shown)}" if shown else ""))
-    every = config.get("every")
-    if isinstance(every, int):
-        parts.append("every step" if every == 1 else f"every {every} steps")
-    return " · ".join(parts)
-
-
-def _worth_saying(name, value):
-    """Whether a setting changes training: momentum 0, no clipping, accumulating 1 do not."""
-    if isinstance(value, bool) or value is None:
-        return False
-    if name == "learning_rate":
-        return True  # a number, or a schedule's name
-    if name == "gradient_accumulation_steps":
-        return isinstance(value, int) and value > 1
-    return isinstance(value, (int, float)) and value != 0
 
 
 def loop_run(info):

@@ -140,6 +140,38 @@ def test_runs_name_the_machine_once_runs_come_from_several(tmp_path, capsys):
     assert next(line for line in lines if theirs in line).split()[-1] == "alice-laptop"
 
 
+def test_runs_say_what_runs_named_alike_trained(tmp_path, capsys):
+    """A KerasTuner search's trials all read "sequential": which learning rate was which?"""
+    from gradflow.store import RunStore
+
+    path = tmp_path / "search.db"
+    store = RunStore(path)
+    trials = {
+        rate: store.create_run(
+            {
+                "model": "sequential",
+                "optimizer": "Adam",
+                "optimizer_settings": {"learning_rate": rate},
+            },
+            name="sequential",
+            source="monitor",
+        )
+        for rate in (0.01, 0.001)
+    }
+    assert cli.main(["runs", "--db", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-1] == "settings"
+    for rate, run_id in trials.items():
+        line = next(line for line in lines if run_id in line)
+        assert line.endswith(f"model `sequential` · Adam: learning_rate {rate:g}")
+    # Runs whose names say what they trained need no column.
+    store.delete(trials[0.01])
+    store.delete(trials[0.001])
+    store.create_run(RunConfig(depth=3).to_dict(), name=run_name(RunConfig(depth=3)), source="cli")
+    assert cli.main(["runs", "--db", str(path)]) == 0
+    assert "settings" not in capsys.readouterr().out
+
+
 def test_export_csv_writes_files(trained, tmp_path, capsys):
     _, store, run_id = trained
     assert (

@@ -573,6 +573,8 @@ def test_an_alert_through_time_names_no_layer_in_the_lesson_pack():
 
 def test_a_scripts_run_says_what_it_trained_in_one_line():
     """A KerasTuner search stored runs named alike: the page and the pack now tell them apart."""
+    from gradflow.run_settings import script_settings
+
     config = {
         "model": "tuned",
         "optimizer": "SGD",
@@ -587,16 +589,40 @@ def test_a_scripts_run_says_what_it_trained_in_one_line():
         "every": 1,
     }
     info = {"source": "monitor", "config": config}
-    assert export.script_settings(info) == (
+    assert script_settings(info) == (
         "model `tuned`, 1,234 parameters · SGD: learning_rate 0.01, clipnorm 1 · every step"
     )
     config["optimizer_settings"] = {"learning_rate": "ExponentialDecay"}
     config["every"] = 5
-    assert export.script_settings(info).endswith(
-        "SGD: learning_rate ExponentialDecay · every 5 steps"
-    )
+    assert script_settings(info).endswith("SGD: learning_rate ExponentialDecay · every 5 steps")
     # A run stored before these settings were: what there is.
-    assert export.script_settings(
+    assert script_settings(
         {"source": "monitor", "config": {"model": "m", "optimizer": "Adam"}}
     ) == ("model `m` · Adam")
-    assert export.script_settings({"source": "lab", "config": {"model": "m"}}) == ""
+    assert script_settings({"source": "lab", "config": {"model": "m"}}) == ""
+
+
+def test_a_run_list_says_what_a_run_trained_where_its_name_does_not():
+    """The Runs page listed 30 KerasTuner trials as "sequential", and a lab run renamed
+    "Alice" with nothing of its settings."""
+    from gradflow.lab.config import RunConfig, run_name
+    from gradflow.run_settings import run_settings
+
+    trial = {
+        "model": "sequential",
+        "optimizer": "Adam",
+        "optimizer_settings": {"learning_rate": 0.01},
+    }
+    assert run_settings("monitor", trial, "sequential") == (
+        "model `sequential` · Adam: learning_rate 0.01"
+    )
+    lab = RunConfig(depth=3, activation="sigmoid")
+    assert run_settings("lab", lab.to_dict(), "Alice") == "sigmoid · depth 3 · sgd lr=0.05"
+    # A lab run that keeps its own name says its settings already.
+    assert run_settings("cli", lab.to_dict(), run_name(lab)) == ""
+    named = RunConfig(depth=3, name="Alice")  # `gradflow train --name Alice`
+    assert run_settings("cli", named.to_dict(), "Alice") == "relu · depth 3 · sgd lr=0.05"
+    # A config of another gradflow, or none: nothing to say rather than an error.
+    assert run_settings("lab", {"depth": 3, "from_the_future": 1}, "x") == ""
+    assert run_settings("lab", None, "x") == ""
+    assert run_settings("monitor", None, "x") == ""

@@ -196,6 +196,33 @@ def test_runs_page_lists_runs_from_the_store(page_environment):
     assert run_id in app.dataframe[0].value["run_id"].tolist()
 
 
+def test_the_runs_page_says_what_runs_named_alike_trained(page_environment):
+    """Thirty KerasTuner trials were thirty rows of "sequential"; a lab run renamed "Alice" said
+    nothing of its settings."""
+    from gradflow.lab.config import RunConfig, run_name
+    from gradflow.store import RunStore
+
+    store = RunStore(page_environment)
+    lab = RunConfig(depth=3)
+    store.create_run(lab.to_dict(), name=run_name(lab))
+    assert "settings" not in run_page("runs.py").dataframe[0].value.columns  # names say it all
+    trials = [
+        store.create_run(
+            {"model": "sequential", "optimizer": "SGD", "optimizer_settings": {"momentum": m}},
+            name="sequential",
+            source="monitor",
+        )
+        for m in (0.5, 0.9)
+    ]
+    alice = store.create_run(RunConfig(activation="tanh").to_dict(), name="Alice")
+    table = run_page("runs.py").dataframe[0].value
+    assert list(table.columns[:2]) == ["name", "settings"]
+    settings = table.set_index("run_id")["settings"]
+    assert settings[trials[0]] == "model `sequential` · SGD: momentum 0.5"
+    assert settings[trials[1]] == "model `sequential` · SGD: momentum 0.9"
+    assert settings[alice] == "tanh · depth 4 · sgd lr=0.05"
+
+
 def test_runs_brought_from_other_machines_say_whose_they_are(page_environment):
     """A teacher imports the class's stores: every run read "run 1" from "cli"."""
     import sqlite3

@@ -256,24 +256,30 @@ class RunStore:
             (time.time(), step, self._key(run_id)),
         )
 
-    def runs(self):
+    def runs(self, with_config=False):
         """Lists all runs, newest first.
+
+        Args:
+            with_config: Also read each run's config (a `config` column of
+                dicts, as `run_info` gives), for a list that says what each
+                run trained.
 
         Returns:
             A DataFrame with columns `run_id, name, status, source, created_at,
             updated_at, heartbeat_at, progress_step, total_steps, tags, message,
             pid, host`; times are UTC timestamps and `tags` are lists.
         """
+        columns = list(_RUNS_COLUMNS) + (["config"] if with_config else [])
         rows = (
             self._conn()
             # Newest made first: after `gradflow import` the runs added last came
             # first (`gradflow runs --last 3`, the Runs page's picker).
-            .execute(
-                f"SELECT {', '.join(_RUNS_COLUMNS)} FROM runs ORDER BY created_at DESC, id DESC"
-            )
+            .execute(f"SELECT {', '.join(columns)} FROM runs ORDER BY created_at DESC, id DESC")
             .fetchall()
         )
-        frame = pd.DataFrame(rows, columns=list(_RUNS_COLUMNS))
+        frame = pd.DataFrame(rows, columns=columns)
+        if with_config:
+            frame["config"] = [json.loads(c) for c in frame["config"]]
         for column in ("created_at", "updated_at", "heartbeat_at"):
             frame[column] = pd.to_datetime(frame[column].astype("float64"), unit="s", utc=True)
         frame["tags"] = [json.loads(t) for t in frame["tags"]]

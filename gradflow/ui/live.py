@@ -52,6 +52,7 @@ import streamlit as st
 from gradflow import diagnosis, export, figures, schema
 from gradflow.figures.style import STATISTIC_LABELS, no_data_figure
 from gradflow.lab.config import run_name
+from gradflow.run_settings import script_settings
 from gradflow.store import UnknownRunError
 from gradflow.ui import controls, resources, run_rows
 from gradflow.ui.board import watch_place, watch_warm
@@ -899,7 +900,7 @@ def _status_line(info, cache, status, watched=False, announce=False):
         )
     else:
         st.markdown(line)
-    settings = export.script_settings(info)
+    settings = script_settings(info)
     if settings:
         # KerasTuner's trials and a grid search's folds have runs named alike.
         st.caption(plain_message(settings))

@@ -14,6 +14,7 @@ import hashlib
 
 import streamlit as st
 
+from gradflow.run_settings import run_settings
 from gradflow.store import ACTIVE_STATUSES
 from gradflow.ui.fragments import isolated_fragment, tick_after
 
@@ -33,6 +34,9 @@ COLUMNS = {
 # Shown once the store holds runs of several machines (`gradflow import`):
 # whose laptop, or which server, a run trained on.
 HOST_COLUMN = {"host": "Machine"}
+# Shown once a run's name does not say what it trained: a KerasTuner search's
+# trials are all named after their model, a renamed lab run after a student.
+SETTINGS_COLUMN = {"settings": "Settings"}
 
 
 def runs_table(store, runs):
@@ -51,7 +55,7 @@ def _statuses(runs):
 
 
 def _table(store, drawn):
-    runs = store.runs()
+    runs = store.runs(with_config=True)
     if _statuses(runs) != drawn:
         # A run came, went or changed status: the picker must know.
         st.rerun(scope="app")
@@ -59,6 +63,11 @@ def _table(store, drawn):
         st.info("No runs yet. Start one on the **Live training** page.")
     else:
         columns = dict(COLUMNS)
+        runs["settings"] = [
+            run_settings(row.source, row.config, row.name) for row in runs.itertuples()
+        ]
+        if runs["settings"].astype(bool).any():
+            columns = {**dict(list(columns.items())[:1]), **SETTINGS_COLUMN, **columns}
         if runs["host"].nunique() > 1:
             columns.update(HOST_COLUMN)
         st.dataframe(runs[list(columns)], hide_index=True, width="stretch", column_config=columns)
