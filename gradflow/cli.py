@@ -209,8 +209,8 @@ def _build_parser():
         "run store file, such as a classmate's store or one made by `gradflow export RUN "
         "--format store`, into the store of --db. SOURCE is only read (a read-only disk "
         "will do). Run ids are kept; a run the store has already is skipped, so importing "
-        "the same file twice copies nothing twice. A run still training in SOURCE arrives "
-        "as interrupted.",
+        "the same file twice copies nothing twice, and so is a run deleted from the store "
+        "(unless --restore-deleted). A run still training in SOURCE arrives as interrupted.",
     )
     bring.add_argument("source", metavar="SOURCE", help="the run store file to copy from")
     bring.add_argument(
@@ -223,6 +223,12 @@ def _build_parser():
         "--label",
         help="put LABEL before each copied run's name (`--label Alice` makes 'Alice: relu "
         "· depth 4 ...'), so that a class's runs of one name can be told apart",
+    )
+    bring.add_argument(
+        "--restore-deleted",
+        action="store_true",
+        help="also copy the runs that were deleted from the store (name their RUN_IDs to "
+        "bring back only those); without it they stay deleted",
     )
     _add_db_flag(bring, "run store to copy into (made if needed)")
     bring.set_defaults(handler=_import_runs)
@@ -706,7 +712,13 @@ def _import_runs(args):
         raise UsageError(f"gradflow import: no run store at {args.source!r}: check the path")
     destination = args.db or os.environ.get("GRADFLOW_DB") or default_path()
     try:
-        copies = copy_runs(source, destination, args.runs or None, label=args.label)
+        copies = copy_runs(
+            source,
+            destination,
+            args.runs or None,
+            label=args.label,
+            restore_deleted=args.restore_deleted,
+        )
     except NotARunStoreError as error:
         raise UsageError(f"gradflow import: {error}") from None
     except SourceStoreError as error:
@@ -725,9 +737,17 @@ def _import_runs(args):
             f"({copy.status}, step {copy.progress_step}){printable(said)}"
         )
     copied = sum(copy.copied for copy in copies)
+    deleted = sum(copy.deleted_at is not None for copy in copies)
+    already = len(copies) - copied - deleted
     print(
         f"gradflow: {copied} run{'s' * (copied != 1)} copied into {destination}"
-        + (f", {len(copies) - copied} already there" if copied < len(copies) else ""),
+        + (f", {already} already there" if already else "")
+        + (
+            f", {deleted} deleted there (--restore-deleted brings "
+            f"{'them' if deleted > 1 else 'it'} back)"
+            if deleted
+            else ""
+        ),
         file=sys.stderr,
     )
     return EXIT_OK

@@ -611,6 +611,45 @@ def test_import_copies_runs_once_and_runs_lists_them(tmp_path, capsys):
     assert [line.split()[0] for line in listed] == ids[::-1]  # newest first, once each
 
 
+def test_a_run_deleted_from_the_class_store_stays_deleted_when_imported_again(tmp_path):
+    """The teacher's deleted run came back with the student's next store; the line
+    that says it stays out gives the command that brings it back, as it must be typed."""
+
+    def gradflow(*argv):
+        return subprocess.run(
+            [sys.executable, "-m", "gradflow", *argv],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            cwd=tmp_path,
+            timeout=120,
+        )
+
+    _, ids = _student_store(tmp_path / "alice.db")
+    assert gradflow("import", "alice.db", "--label", "Alice", "--db", "class.db").returncode == 0
+    RunStore(tmp_path / "class.db").delete(ids[0])
+    (new,) = _student_store(tmp_path / "alice.db", names=("alice tanh",))[1]
+    result = gradflow("import", "alice.db", "--label", "Alice", "--db", "class.db")
+    assert result.returncode == 0, result.stderr
+    skipped, already, copied = result.stdout.splitlines()
+    command = f"gradflow import alice.db {ids[0]} --label Alice --db class.db --restore-deleted"
+    assert re.fullmatch(
+        rf"skipped {ids[0]}  Alice: alice relu  \(completed, step 2\) deleted from "
+        rf"'class\.db' on \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d: to bring it back, `{command}`",
+        skipped,
+    ), skipped
+    assert already.startswith(f"skipped {ids[1]}  Alice: alice sigmoid") and "already in" in already
+    assert copied == f"copied  {new}  Alice: alice tanh  (completed, step 2)"
+    assert result.stderr.strip() == (
+        "gradflow: 1 run copied into class.db, 1 already there, 1 deleted there "
+        "(--restore-deleted brings it back)"
+    )
+    result = gradflow(*command.split()[1:])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"copied  {ids[0]}  Alice: alice relu  (completed, step 2)\n"
+    assert set(RunStore(tmp_path / "class.db").runs()["run_id"]) == {*ids, new}
+
+
 def test_export_store_then_import_round_trips(trained, tmp_path, capsys):
     _, store, run_id = trained
     out = tmp_path / "to-send"

@@ -97,6 +97,134 @@ V1_ROWS = [
 ]
 
 
+# The tables of schema version 2 as gradflow made them until it kept a record of
+# deleted runs, frozen here as V1_DDL is.
+V2_DDL = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE runs (
+    id INTEGER PRIMARY KEY, run_id TEXT NOT NULL UNIQUE, name TEXT NOT NULL,
+    status TEXT NOT NULL, source TEXT NOT NULL, created_at REAL NOT NULL,
+    updated_at REAL NOT NULL, heartbeat_at REAL, progress_step INTEGER NOT NULL DEFAULT 0,
+    total_steps INTEGER, tags TEXT NOT NULL DEFAULT '[]', message TEXT,
+    config TEXT NOT NULL DEFAULT '{}', pid INTEGER, host TEXT
+);
+CREATE TABLE series (
+    run INTEGER NOT NULL, series INTEGER NOT NULL, layer TEXT NOT NULL,
+    layer_index INTEGER NOT NULL, tensor TEXT NOT NULL, variable TEXT NOT NULL,
+    PRIMARY KEY (run, series)
+) WITHOUT ROWID;
+CREATE TABLE layer_stats (
+    id INTEGER PRIMARY KEY, run INTEGER NOT NULL, last_step INTEGER NOT NULL,
+    steps BLOB NOT NULL, series BLOB NOT NULL,
+    max_abs BLOB NOT NULL, l2_norm BLOB NOT NULL, mean_abs BLOB NOT NULL, std BLOB NOT NULL,
+    zero_fraction BLOB NOT NULL, nonfinite BLOB NOT NULL, weight_norm BLOB NOT NULL,
+    weight_norm_unconstrained BLOB NOT NULL, update_ratio BLOB NOT NULL,
+    l2_norm_clipped BLOB NOT NULL, max_abs_clipped BLOB NOT NULL
+);
+CREATE INDEX layer_stats_by_step ON layer_stats (run, last_step);
+CREATE TABLE metrics (
+    run INTEGER NOT NULL, step INTEGER NOT NULL, name TEXT NOT NULL, value REAL,
+    PRIMARY KEY (run, step, name)
+) WITHOUT ROWID;
+CREATE TABLE events (
+    id INTEGER PRIMARY KEY, run INTEGER NOT NULL, step INTEGER NOT NULL,
+    layer TEXT NOT NULL, kind TEXT NOT NULL, message TEXT NOT NULL
+);
+CREATE INDEX events_by_run ON events (run, step);
+CREATE TABLE histograms (
+    run INTEGER NOT NULL, step INTEGER NOT NULL, series INTEGER NOT NULL,
+    counts BLOB NOT NULL, PRIMARY KEY (run, step, series)
+) WITHOUT ROWID;
+CREATE TABLE requests (
+    id INTEGER PRIMARY KEY, run INTEGER NOT NULL, action TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE INDEX requests_by_run ON requests (run, id);
+INSERT INTO meta VALUES ('schema_version', '2');
+"""
+
+
+def write_v2_store(path):
+    """A version-2 file in WAL mode: run "bbbbbbbbbbbb" with one block of two rows and a loss."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.executescript(V2_DDL)
+    conn.execute(
+        "INSERT INTO runs (id, run_id, name, status, source, created_at, updated_at) "
+        "VALUES (1, 'bbbbbbbbbbbb', 'last term', 'completed', 'lab', 100.0, 100.0)"
+    )
+    conn.execute(
+        "INSERT INTO series VALUES (1, 0, 'dense', 0, 'kernel', 'seq/dense/kernel'), "
+        "(1, 1, 'dense', 0, 'bias', 'seq/dense/bias')"
+    )
+    values = np.array([1.5, 2.5]).astype("<f8").tobytes()
+    conn.execute(
+        f"INSERT INTO layer_stats (run, last_step, steps, series, {', '.join(tables.STAT_COLUMNS)})"
+        f" VALUES (1, 1, ?, ?, {', '.join('?' * len(tables.STAT_COLUMNS))})",
+        (
+            np.array([1, 1], dtype="<i8").tobytes(),
+            np.array([0, 1], dtype="<i4").tobytes(),
+            *[values] * len(tables.STAT_COLUMNS),
+        ),
+    )
+    conn.execute("INSERT INTO metrics VALUES (1, 1, 'loss', 0.5)")
+    conn.close()
+
+
+def _schema_version(path):
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def test_version_2_file_is_upgraded_on_open_and_remembers_its_deletions(store_path):
+    write_v2_store(store_path)
+    store = RunStore(store_path)
+    assert _schema_version(store_path) == str(tables.SCHEMA_VERSION) == "3"
+    stats = store.layer_stats("bbbbbbbbbbbb")
+    assert stats["tensor"].astype(str).tolist() == ["kernel", "bias"]
+    assert stats["max_abs"].tolist() == [1.5, 2.5]
+    assert store.metrics("bbbbbbbbbbbb")["value"].tolist() == [0.5]
+    store.delete("bbbbbbbbbbbb")
+    conn = sqlite3.connect(store_path)
+    assert conn.execute("SELECT run_id, name, created_at FROM deleted_runs").fetchall() == [
+        ("bbbbbbbbbbbb", "last term", 100.0)
+    ]
+    assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    conn.close()
+
+
+def test_a_version_2_file_this_process_may_only_read_is_read_as_it_is(store_path, monkeypatch):
+    """Its upgrade is a write: a dashboard serving last term's store from a read-only
+    disk would fail every page ("attempt to write a readonly database"). What writes it
+    says that it can only be read, not that its new table is missing."""
+    from gradflow.store.transfer import copy_runs
+
+    write_v2_store(store_path)
+    alice = store_path.with_name("alice.db")
+    RunStore(alice).create_run({}, name="alice's", status="completed")
+    connect = sqlite3.connect
+
+    def read_only(database, *args, uri=False, **kwargs):  # as SQLite opens a read-only file
+        if not uri and database != ":memory:":
+            database, uri = f"file:{database}?mode=ro", True
+        return connect(database, *args, uri=uri, **kwargs)
+
+    monkeypatch.setattr(sqlite3, "connect", read_only)
+    store = RunStore(store_path)
+    assert store.runs()["name"].tolist() == ["last term"]
+    assert store.layer_stats("bbbbbbbbbbbb")["max_abs"].tolist() == [1.5, 2.5]
+    for write in (lambda: store.delete("bbbbbbbbbbbb"), lambda: copy_runs(alice, store_path)):
+        with pytest.raises(sqlite3.OperationalError, match="attempt to write a readonly database"):
+            write()
+    monkeypatch.undo()
+    assert _schema_version(store_path) == "2"
+    RunStore(store_path)  # where it may be written, the next open upgrades it
+    assert _schema_version(store_path) == "3"
+
+
 def test_version_1_file_is_upgraded_on_open_with_the_same_frames(store_path):
     write_v1_store(store_path, V1_ROWS)
     store = RunStore(store_path)
@@ -156,7 +284,9 @@ def test_version_1_file_is_upgraded_on_open_with_the_same_frames(store_path):
 def test_version_1_file_that_cannot_be_upgraded_is_left_as_it_was(store_path):
     # A statistic that is not a number cannot become a float64 block.
     write_v1_store(store_path, V1_ROWS + [(3, 0, "not a number", 1.0, 0)])
-    with pytest.raises(RuntimeError, match=r"runs\.db.*version 1 to 2.*unchanged"):
+    with pytest.raises(
+        RuntimeError, match=rf"runs\.db.*version 1 to {tables.SCHEMA_VERSION}.*unchanged"
+    ):
         RunStore(store_path)
     conn = sqlite3.connect(store_path)
     assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("1",)

@@ -3,10 +3,12 @@
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import sqlite3
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pandas as pd
@@ -23,7 +25,7 @@ from gradflow.store import (
 )
 from gradflow.store.transfer import RunIdConflictError, copy_runs, export_runs
 from tests.test_store import tidy_rows
-from tests.test_store_format import V1_ROWS, write_v1_store
+from tests.test_store_format import V1_ROWS, write_v1_store, write_v2_store
 
 
 def fill(store, name="relu", status="completed", step_scale=1.0):
@@ -113,6 +115,108 @@ def test_a_second_import_skips_what_the_first_copied(source, tmp_path):
     assert len(destination.runs()) == 2
     for run_id in source.ids:
         assert_same_run(source, destination, run_id)  # nothing doubled
+
+
+def deletions(path):
+    """The `deleted_runs` rows of the store at `path`: run id, name, created_at."""
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute(
+            "SELECT run_id, name, created_at FROM deleted_runs ORDER BY run_id"
+        ).fetchall()
+    finally:
+        conn.close()
+
+
+def test_a_run_deleted_here_stays_deleted_when_its_store_comes_again(source, tmp_path):
+    """A teacher deleted a useless run from the class store; the student's store
+    imported again the next week brought it back."""
+    useless, kept = source.ids
+    destination = RunStore(tmp_path / "class.db")
+    copy_runs(source.path, destination.path)
+    created = destination.run_info(useless)["created_at"]
+    destination.delete(useless)
+    new = fill(source, "tanh")  # the next week's run
+    again = copy_runs(source.path, destination.path)
+    assert [(c.run_id, c.copied) for c in again] == [(useless, False), (kept, False), (new, True)]
+    skipped = again[0]
+    assert skipped.deleted_at is not None and again[1].deleted_at is None
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(skipped.deleted_at))
+    assert skipped.note == (
+        f"deleted from {str(destination.path)!r} on {when}: to bring it back, "
+        f"`gradflow import {source.path} {useless} --db {destination.path} --restore-deleted`"
+    )
+    assert set(destination.runs()["run_id"]) == {kept, new}
+    assert deletions(destination.path) == [(useless, "relu", created)]
+    # Brought back on purpose: the whole run, and the store forgets its deletion.
+    (back,) = copy_runs(source.path, destination.path, [useless], restore_deleted=True)
+    assert back.copied and back.deleted_at is None
+    assert_same_run(source, destination, useless)
+    assert deletions(destination.path) == []
+    # Deleted again, it stays out again.
+    destination.delete(useless)
+    (out,) = copy_runs(source.path, destination.path, [useless])
+    assert not out.copied and out.deleted_at is not None
+    with pytest.raises(ValueError, match="`restore_deleted` must be True or False, got 'yes'"):
+        copy_runs(source.path, destination.path, restore_deleted="yes")
+
+
+def test_another_run_with_a_deleted_runs_id_is_copied(source, tmp_path):
+    """Only the run deleted (the same id and creation time) stays out."""
+    destination = RunStore(tmp_path / "class.db")
+    copy_runs(source.path, destination.path, [source.ids[0]])
+    destination.delete(source.ids[0])
+    source.close()
+    with sqlite3.connect(source.path) as conn:
+        conn.execute(
+            "UPDATE runs SET created_at = created_at + 60 WHERE run_id = ?", (source.ids[0],)
+        )
+    (copy,) = copy_runs(source.path, destination.path, [source.ids[0]])
+    assert copy.copied and destination.run_info(source.ids[0])["name"] == "relu"
+    assert deletions(destination.path) == []  # the id names a run of this store again
+
+
+def test_the_sources_own_deletions_are_neither_copied_nor_read(source, tmp_path):
+    """Deletions are the store's own: a student's (or rows crafted in their place) do
+    not keep runs out of the class store, and an export carries none."""
+    destination = RunStore(tmp_path / "class.db")
+    copy_runs(source.path, destination.path, [source.ids[0]])
+    theirs = fill(source, "theirs, deleted")
+    source.delete(source.ids[0], theirs)
+    source.close()
+    with sqlite3.connect(source.path) as conn:
+        conn.execute(
+            "INSERT INTO deleted_runs VALUES (?, 'x', 'not a time', x'00')", (source.ids[1],)
+        )
+        conn.execute("INSERT INTO deleted_runs VALUES ('../x y', 'x', 0, 0)")
+    copies = copy_runs(source.path, destination.path)
+    assert [(c.run_id, c.copied) for c in copies] == [(source.ids[1], True)]
+    assert set(destination.runs()["run_id"]) == {source.ids[0], source.ids[1]}
+    assert deletions(destination.path) == []
+    # An export of a run from a store with deletions carries none of them.
+    destination.delete(source.ids[0])
+    sent = tmp_path / "sigmoid.db"
+    export_runs(destination.path, sent, [source.ids[1]])
+    assert deletions(sent) == []
+    assert [c.copied for c in copy_runs(sent, tmp_path / "bob.db")] == [True]
+
+
+def test_a_version_2_source_is_read_as_it_is(tmp_path, monkeypatch):
+    """Every student's store is of version 2 when version 3 comes: an upgraded temporary
+    copy of each would cost its size in temporary space, for a table imports do not read."""
+    old = tmp_path / "old.db"
+    write_v2_store(old)
+    before = digest(old)
+
+    def no_copy(path):
+        raise AssertionError(f"{path} was upgraded in a copy")
+
+    monkeypatch.setattr(transfer, "_upgraded_copy", no_copy)
+    (copy,) = copy_runs(old, tmp_path / "class.db")
+    assert (copy.run_id, copy.copied) == ("bbbbbbbbbbbb", True)
+    assert digest(old) == before
+    monkeypatch.undo()
+    assert_same_run(RunStore(old), RunStore(tmp_path / "class.db"), "bbbbbbbbbbbb")
 
 
 def test_an_id_taken_by_another_run_is_refused_and_nothing_copied(source, tmp_path):
@@ -436,9 +540,14 @@ def test_a_label_tells_a_students_runs_of_one_name_apart(source, tmp_path, capsy
     assert not again.copied
     assert f"delete it from {str(other)!r}" in again.note
     # The command as it must be typed: into that store (not the default one), with the label.
-    assert (
-        f"gradflow import {source.path} {source.ids[0]} --label 'Ali ce' --db {other}" in again.note
-    )
+    command = f"gradflow import {source.path} {source.ids[0]} --label 'Ali ce' --db {other}"
+    assert f"`{command} --restore-deleted`" in again.note
+    # Its advice followed: deleted there, the command brings the source's.
+    RunStore(other).delete(source.ids[0])
+    assert cli.main(shlex.split(command + " --restore-deleted")[1:]) == 0
+    said = capsys.readouterr().out.splitlines()[-1]
+    assert said.startswith(f"copied  {source.ids[0]}  Ali ce: relu  (completed, step 9)")
+    assert RunStore(other).run_info(source.ids[0])["progress_step"] == 9
     with pytest.raises(ValueError, match="`label` must be at most 50 characters"):
         copy_runs(source.path, tmp_path / "third.db", label="L" * 51)
 

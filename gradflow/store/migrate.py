@@ -10,21 +10,27 @@ import time
 
 import numpy as np
 
-from gradflow.store import blocks, tables
+from gradflow.store import blocks, tables, trouble
 from gradflow.store.trouble import CopyWithoutLogError, NewerStoreError
 
 
-def upgrade(conn, path, held_something=False):
+def upgrade(conn, path, held_something=False, read_as_is=True):
     """Bring the store's tables to `tables.SCHEMA_VERSION`, creating them in a new file.
 
     Args:
         conn: a `sqlite3.Connection` from `tables.connect` (autocommit).
         path: the store's file, for messages.
         held_something: whether the file had bytes before `conn` opened it.
+        read_as_is: leave a file of `tables.OLDEST_VERSION_READ_AS_IS` or
+            later that this process may only read as it is, to be read so
+            (default True). False for a caller about to write it: SQLite's
+            read-only error is raised instead.
 
     Raises:
         RuntimeError: if the file was written by a newer gradflow, or an
             upgrade failed (the file is then left as it was).
+        sqlite3.OperationalError: if `read_as_is` is False and the file can
+            only be read.
         CopyWithoutLogError: if the file had bytes but no tables: a copy of
             a store made without its '-wal' file. Nothing is written to it.
     """
@@ -45,11 +51,23 @@ def upgrade(conn, path, held_something=False):
                 tables.create_tables(conn)
             elif version == 1:
                 _from_version_1(conn)
+            elif version == 2:
+                _from_version_2(conn)
             conn.execute(
                 "INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)",
                 (str(tables.SCHEMA_VERSION),),
             )
     except BaseException as error:
+        if (
+            version is not None
+            and version >= tables.OLDEST_VERSION_READ_AS_IS
+            and trouble.cause(error) == "read-only"
+        ):
+            # Last term's store on a read-only disk: read as it is; the first
+            # gradflow that may write it upgrades it.
+            if read_as_is:
+                return
+            raise
         if version is None or not isinstance(error, Exception) or isinstance(error, RuntimeError):
             raise
         raise RuntimeError(
@@ -159,3 +177,8 @@ def _from_version_1(conn):
                 ),
             )
     conn.execute("DROP TABLE layer_stats_v1")
+
+
+def _from_version_2(conn):
+    """Version 2 kept no record of deleted runs: add its table, empty."""
+    tables.create_tables(conn)

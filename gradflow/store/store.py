@@ -365,6 +365,12 @@ class RunStore:
     def delete(self, run_id, *more):
         """Deletes runs and all their rows, in one transaction.
 
+        The store keeps each deleted run's id, name and creation time, and
+        when it was deleted (`deleted_runs`): importing a store that still
+        holds the run skips it, so that a teacher's deletions stay deleted
+        when a student sends the same store again (`copy_runs(...,
+        restore_deleted=True)` brings it back).
+
         Args:
             run_id: The run to delete.
             *more: Other runs to delete with it (a teacher's end-of-term
@@ -372,6 +378,7 @@ class RunStore:
         """
         keys = [self._key(run) for run in (run_id, *more)]
         conn = self._conn()
+        now = time.time()
         with tables.write_transaction(conn):
             for key in keys:
                 for table in (
@@ -383,6 +390,11 @@ class RunStore:
                     "requests",
                 ):
                     conn.execute(f"DELETE FROM {table} WHERE run = ?", (key,))
+                conn.execute(
+                    "INSERT OR REPLACE INTO deleted_runs (run_id, name, created_at, deleted_at) "
+                    "SELECT run_id, name, created_at, ? FROM runs WHERE id = ?",
+                    (now, key),
+                )
                 conn.execute("DELETE FROM runs WHERE id = ?", (key,))
         # The file gives the run's pages back (a store made with incremental
         # auto-vacuum, see `tables.connect`; in an older one this does nothing

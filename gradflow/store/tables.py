@@ -15,7 +15,14 @@ from gradflow import schema
 # `gradflow.store.migrate`).
 # 1: one layer_stats row per step x series, one REAL column per statistic.
 # 2: layer_stats in columnar blocks (see `gradflow.store.blocks`).
-SCHEMA_VERSION = 2
+# 3: deleted_runs, the runs deleted from the store (importing one again skips it).
+SCHEMA_VERSION = 3
+
+# The oldest version whose tables this gradflow reads as they are. Version 3
+# only added `deleted_runs`, which only a write uses (a delete, an import into
+# the store): a version-2 store this process may only read is read without its
+# upgrade, and a version-2 import source without an upgraded copy.
+OLDEST_VERSION_READ_AS_IS = 2
 
 STATUSES = (
     "queued",
@@ -68,6 +75,11 @@ _stat_ddl = ",\n    ".join(f"{name} BLOB NOT NULL" for name in STAT_COLUMNS)
 # they are). `id` is the write order: where two blocks hold the same step and
 # series, the later one wins, as INSERT OR REPLACE did in version 1.
 # `last_step` lets a live poll read only the blocks with newer rows.
+#
+# deleted_runs keeps one row per run deleted from this store (`RunStore.delete`),
+# its name kept so that a person can tell which run an id was: `gradflow import`
+# skips a run of the same run_id and created_at, unless told to restore it. It
+# is this store's own record: neither an import nor an export copies it.
 #
 # Each statement apart, so that a migration can run them inside its own
 # transaction (`executescript` would commit it first).
@@ -143,6 +155,12 @@ CREATE TABLE IF NOT EXISTS requests (
     created_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS requests_by_run ON requests (run, id);
+CREATE TABLE IF NOT EXISTS deleted_runs (
+    run_id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    deleted_at REAL NOT NULL
+) WITHOUT ROWID;
 """.split(";")
     if statement.strip()
 )

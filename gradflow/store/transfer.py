@@ -18,7 +18,9 @@ export_runs("runs.db", "relu-run.db", ["3f2a9c1b7d04"])   # a new one-run store,
 
 What is copied: each run's `runs` row and all its rows in `series`,
 `layer_stats`, `metrics`, `events` and `histograms`. Not its `requests` (a
-Pause or Stop meant for the process that trains it in the source store).
+Pause or Stop meant for the process that trains it in the source store), nor
+the source's `deleted_runs` (its own deletions). A run deleted from the
+destination is not copied again unless `restore_deleted` says so.
 """
 
 import contextlib
@@ -31,6 +33,7 @@ import sqlite3
 import tempfile
 import time
 
+from gradflow.checks import flag
 from gradflow.store import migrate, source_checks, tables, trouble
 from gradflow.store.source_checks import UntrustedStoreError
 from gradflow.store.store import (
@@ -94,12 +97,15 @@ class RunCopy:
         run_id: the run's id, the same in both stores.
         name: its name.
         status: its status in the destination (`interrupted` for a run that
-            was still queued, running or paused in the source).
+            was still queued, running or paused in the source), or in the
+            source for a run skipped because it was deleted from the destination.
         progress_step: its last step.
         copied: True if it was copied, False if it was skipped because the
-            destination already had it.
+            destination already had it, or had it once and it was deleted.
         note: one sentence for people: why it was skipped, or what its
             status means; "" when there is nothing to say.
+        deleted_at: when the run was deleted from the destination (unix
+            seconds), for a run skipped for it; None for the others.
     """
 
     run_id: str
@@ -108,9 +114,10 @@ class RunCopy:
     progress_step: int
     copied: bool
     note: str = ""
+    deleted_at: float | None = None
 
 
-def copy_runs(source, destination, run_ids=None, label=None):
+def copy_runs(source, destination, run_ids=None, label=None, restore_deleted=False):
     """Copy whole runs from the run store `source` into the run store `destination`.
 
     The source is only read, through a read-only connection (`mode=ro`, or
@@ -122,11 +129,14 @@ def copy_runs(source, destination, run_ids=None, label=None):
     Run ids are kept, so links and names stay the same; the stores' integer
     keys are renumbered. A run id the destination already has is skipped when
     it is the same run (the same creation time): importing the same store
-    twice copies nothing the second time. A run id the destination has for
-    another run is refused (`RunIdConflictError`, nothing copied). A run that
-    is queued, running or paused in the source arrives `interrupted`, with a
-    message saying at which step it was copied: nothing trains it in the
-    destination. Its Pause/Stop requests are not copied.
+    twice copies nothing the second time. A run deleted from the destination
+    (`RunStore.delete`) is skipped too, unless `restore_deleted`: a teacher's
+    deletions stay deleted when a student sends the same store again. A run
+    id the destination has for another run is refused (`RunIdConflictError`,
+    nothing copied). A run that is queued, running or paused in the source
+    arrives `interrupted`, with a message saying at which step it was copied:
+    nothing trains it in the destination. Its Pause/Stop requests are not
+    copied.
 
     A source written by an older gradflow is upgraded in a temporary copy
     (the source file is left as it is); one written by a newer gradflow is
@@ -142,6 +152,9 @@ def copy_runs(source, destination, run_ids=None, label=None):
             relu · depth 4 ..."`, cut to the store's 200 characters), default
             None: names as they are. A class's runs of one default name are
             told apart so.
+        restore_deleted: copy the chosen runs that were deleted from
+            `destination` too, default False: they are skipped, each with a
+            note saying when it was deleted and how to bring it back.
 
     Returns:
         A list of `RunCopy`, one per run, oldest first: `[r.run_id for r in
@@ -165,6 +178,7 @@ def copy_runs(source, destination, run_ids=None, label=None):
     source = pathlib.Path(source)
     destination = pathlib.Path(destination)
     wanted = _check_ids(run_ids)
+    restore_deleted = flag("restore_deleted", restore_deleted)
     if label is not None:
         if not isinstance(label, str) or not label.strip():
             raise ValueError(f"`label` must be a non-empty string or None, got {label!r}.")
@@ -194,8 +208,11 @@ def copy_runs(source, destination, run_ids=None, label=None):
         store.close()
         conn = tables.connect(store.path, create=False)
         try:
+            # `RunStore` reads an older store it may not write as it is: say that it
+            # can only be read, before its missing tables do.
+            migrate.upgrade(conn, store.path, read_as_is=False)
             with tables.write_transaction(conn):
-                return _copy(reader, conn, chosen, destination, label)
+                return _copy(reader, conn, chosen, destination, label, restore_deleted)
         finally:
             conn.close()
 
@@ -364,7 +381,7 @@ def _unreadable(error, path):
 
 @contextlib.contextmanager
 def _read_source(path):
-    """A `_Source` for the store at `path`, at its current schema version, in a read transaction."""
+    """A `_Source` for the store at `path`, in a read transaction, upgraded in a copy if need be."""
     temporaries = []
     try:
         try:
@@ -380,7 +397,7 @@ def _read_source(path):
                 # Before an upgrade writes to a copy of it: gradflow makes no views
                 # (which compute anything, for ever) and no triggers.
                 source_checks.check_no_views_or_triggers(conn, path)
-                if version < tables.SCHEMA_VERSION:
+                if version < tables.OLDEST_VERSION_READ_AS_IS:
                     # Upgraded in a copy: the source may be read-only, or someone else's.
                     conn.close()
                     conn, temporary = _upgraded_copy(path)
@@ -457,7 +474,7 @@ def _upgraded_copy(path):
         raise
 
 
-def _copy(reader, conn, chosen, destination, label=None):
+def _copy(reader, conn, chosen, destination, label=None, restore_deleted=False):
     """Copy the `chosen` runs (dicts of their `runs` rows) inside the caller's write transaction.
 
     Every row is checked as it is read (`source_checks`): the source may be a
@@ -471,14 +488,14 @@ def _copy(reader, conn, chosen, destination, label=None):
     if len(set(ids)) != len(ids):
         source_checks._refuse(reader.path, "two runs have one run id")
     try:
-        return _copy_checked(reader, conn, chosen, destination, label)
+        return _copy_checked(reader, conn, chosen, destination, label, restore_deleted)
     except sqlite3.IntegrityError as error:
         # Two rows where gradflow writes one (a metric twice at a step): the source's doing.
         source_checks._refuse(reader.path, f"rows that repeat ({error})")
 
 
-def _copy_checked(reader, conn, chosen, destination, label=None):
-    there = {}
+def _copy_checked(reader, conn, chosen, destination, label=None, restore_deleted=False):
+    there, deleted = {}, {}
     for row in chosen:
         found = conn.execute(
             "SELECT created_at, name, status, progress_step FROM runs WHERE run_id = ?",
@@ -486,6 +503,11 @@ def _copy_checked(reader, conn, chosen, destination, label=None):
         ).fetchone()
         if found is not None:
             there[row["run_id"]] = found
+        gone = conn.execute(
+            "SELECT created_at, deleted_at FROM deleted_runs WHERE run_id = ?", (row["run_id"],)
+        ).fetchone()
+        if gone is not None:
+            deleted[row["run_id"]] = gone
     conflicts = [
         row
         for row in chosen
@@ -519,6 +541,27 @@ def _copy_checked(reader, conn, chosen, destination, label=None):
                 )
             done.append(RunCopy(row["run_id"], name, status, int(step), False, note))
             continue
+        if row["run_id"] in deleted:
+            created_at, deleted_at = deleted[row["run_id"]]
+            if created_at == row["created_at"] and not restore_deleted:
+                note = (
+                    f"deleted from {str(destination)!r} on {_when(deleted_at)}: to bring it "
+                    f"back, `{_import_command(reader.path, row['run_id'], destination, label)}`"
+                )
+                done.append(
+                    RunCopy(
+                        row["run_id"],
+                        row["name"],
+                        row["status"],
+                        int(row["progress_step"]),
+                        copied=False,
+                        note=note,
+                        deleted_at=deleted_at,
+                    )
+                )
+                continue
+            # Brought back, or another run of that id (another creation time) comes in.
+            conn.execute("DELETE FROM deleted_runs WHERE run_id = ?", (row["run_id"],))
         values = dict(row)
         note = ""
         if row["status"] in tables.ACTIVE_STATUSES:
@@ -564,11 +607,11 @@ def _copy_checked(reader, conn, chosen, destination, label=None):
 
 
 def _import_command(source, run_id, destination, label):
-    """The `gradflow import` that brings `run_id` again, into the same store, with the same label."""
+    """The `gradflow import` that brings `run_id` back into `destination` once deleted there."""
     words = ["gradflow", "import", str(source), run_id]
     if label is not None:
         words += ["--label", label.strip()]
-    return shlex.join([*words, "--db", str(destination)])
+    return shlex.join([*words, "--db", str(destination), "--restore-deleted"])
 
 
 def _when(timestamp):
