@@ -230,6 +230,23 @@ def test_html_is_standalone_valid_and_escaped():
     assert config["toImageButtonOptions"] == {"format": "svg", "scale": 2, "filename": "gradflow"}
 
 
+@pytest.mark.browser
+def test_an_exported_page_offers_no_upload_to_plotly_cloud(chromium):
+    """Plotly 7's pages (Plotly.js 4) showed a "Share chart..." button that uploads the
+    chart to Plotly Cloud: a student's handout must send nothing anywhere."""
+    page = chromium.new_page()
+    try:
+        page.set_content(export.to_html(figures.heatmap(make_layer_stats(), "max_abs")))
+        page.wait_for_selector(".modebar-btn", state="attached")
+        buttons = page.eval_on_selector_all(
+            ".modebar-btn", "buttons => buttons.map(b => b.getAttribute('data-title'))"
+        )
+    finally:
+        page.close()
+    assert "Download plot" in buttons  # the toolbar was drawn
+    assert not [title for title in buttons if "share" in str(title).lower()]
+
+
 @pytest.mark.parametrize(
     "cell, written",
     [
