@@ -522,8 +522,10 @@ def _alerts_readme(alerts):
         )
     ]
     for row in alerts.head(_ALERTS_QUOTED).itertuples():
-        # A row through time ("t=01") is no layer; its message says where.
-        layer = str(row.layer or "")
+        # A row through time ("t=01") is no layer; its message says where. A
+        # monitor's event about the whole model has none: None, or NaN where
+        # pandas 3 reads the column as strings.
+        layer = "" if pd.isna(row.layer) else str(row.layer)
         where = f", layer {layer}" if layer and not schema.is_time_label(layer) else ""
         lines.append(f"  - step {row.step}{where} [{row.kind}]: {row.message}")
     return [*lines, ""]

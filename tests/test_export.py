@@ -12,7 +12,7 @@ import pandas as pd
 import PIL.Image
 import pytest
 
-from gradflow import export, figures
+from gradflow import export, figures, schema
 
 EVIL = "<script>alert(1)</script>"
 needs_browser = pytest.mark.skipif(
@@ -214,7 +214,8 @@ def test_html_is_standalone_valid_and_escaped():
     chart = figures.heatmap(make_layer_stats(), "max_abs", title=f"run {EVIL}")
     page = export.to_html(chart)
     # Booleans first: pytest would spend minutes diffing a 4 MB string.
-    starts_as_html = page.lstrip().lower().startswith("<html")
+    # Plotly 7 puts `<!doctype html>` first (standards mode); Plotly 6 did not.
+    starts_as_html = re.match(r"(<!doctype html>\s*)?<html[\s>]", page.lstrip(), re.I) is not None
     external_scripts = re.findall(r"<script[^>]*\bsrc=", page)
     has_raw_evil = EVIL in page
     has_title = "<title>run &lt;script&gt;alert(1)&lt;/script&gt;</title>" in page
@@ -227,6 +228,23 @@ def test_html_is_standalone_valid_and_escaped():
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in data[0]["y"]
     assert {t.get("name") for t in data} >= {"NaN", "Inf"}
     assert config["toImageButtonOptions"] == {"format": "svg", "scale": 2, "filename": "gradflow"}
+
+
+@pytest.mark.browser
+def test_an_exported_page_offers_no_upload_to_plotly_cloud(chromium):
+    """Plotly 7's pages (Plotly.js 4) showed a "Share chart..." button that uploads the
+    chart to Plotly Cloud: a student's handout must send nothing anywhere."""
+    page = chromium.new_page()
+    try:
+        page.set_content(export.to_html(figures.heatmap(make_layer_stats(), "max_abs")))
+        page.wait_for_selector(".modebar-btn", state="attached")
+        buttons = page.eval_on_selector_all(
+            ".modebar-btn", "buttons => buttons.map(b => b.getAttribute('data-title'))"
+        )
+    finally:
+        page.close()
+    assert "Download plot" in buttons  # the toolbar was drawn
+    assert not [title for title in buttons if "share" in str(title).lower()]
 
 
 @pytest.mark.parametrize(
@@ -569,6 +587,25 @@ def test_an_alert_through_time_names_no_layer_in_the_lesson_pack():
     layers = alerts.assign(layer=["dense_1", "t=001–003x"], kind=["vanishing", "vanishing"])
     assert ", layer dense_1 [vanishing]" in export._alerts_readme(layers)[1]
     assert ", layer t=001–003x [vanishing]" in export._alerts_readme(layers)[2]
+
+
+def test_an_alert_about_the_whole_model_names_no_layer_in_the_lesson_pack(monkeypatch):
+    """A monitor's loss-alone NaN has no layer (None); pandas 3 reads it as NaN, and the
+    pack's README said "layer nan"."""
+    monkeypatch.setattr(export, "to_images", lambda charts, fmt: [b"png"] * len(charts))
+    # As `GradientMonitor.events` makes them: rows of tuples, None for no layer.
+    events = pd.DataFrame(
+        [
+            (3, None, "nonfinite", "The loss itself was NaN at step 3."),
+            (2, "dense", "exploding", "m"),
+        ],
+        columns=list(schema.EVENTS_COLUMNS),
+    )
+    charts = {"loss": figures.metrics_chart(make_metrics())}
+    blob = export.lesson_pack(charts, {}, "pack", alerts=events)
+    readme = zipfile.ZipFile(io.BytesIO(blob)).read("README.txt").decode()
+    assert "  - step 3 [nonfinite]: The loss itself was NaN at step 3.\n" in readme
+    assert "  - step 2, layer dense [exploding]: m\n" in readme
 
 
 def test_a_scripts_run_says_what_it_trained_in_one_line():

@@ -39,9 +39,12 @@ NAN_SYMBOL = "x"
 INF_SYMBOL = "triangle-up"
 
 # For `st.plotly_chart(..., config=PLOTLY_CONFIG)` and HTML export: the camera
-# button saves a 2x SVG, which stays sharp on slides and in handouts.
+# button saves a 2x SVG, which stays sharp on slides and in handouts. Plotly.js 4
+# (the one Plotly 7 puts in an exported page) adds a "Share chart" button that
+# uploads the chart to Plotly Cloud unless told not to: a handout sends nothing.
 PLOTLY_CONFIG = {
     "displaylogo": False,
+    "showSendToCloud": False,
     "toImageButtonOptions": {"format": "svg", "scale": 2, "filename": "gradflow"},
 }
 
