@@ -589,7 +589,8 @@ def _runs(args):
         table["settings"] = [printable(text) for text in settings]
     if runs["host"].nunique() > 1:
         # Runs brought in from several machines (`gradflow import`): whose is whose.
-        table["machine"] = runs["host"].map(printable)
+        # No host (a run of an older store) read "nan" under pandas 3: nothing instead.
+        table["machine"] = [printable(h) if isinstance(h, str) else "" for h in runs["host"]]
     table = table.rename(columns={"progress_step": "step", "total_steps": "of"})
     # Names are anyone's: an ESC in one cleared the reader's screen or set its title.
     table["name"] = table["name"].map(printable)

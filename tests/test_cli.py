@@ -138,6 +138,13 @@ def test_runs_name_the_machine_once_runs_come_from_several(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[-1] == "machine"
     assert next(line for line in lines if theirs in line).split()[-1] == "alice-laptop"
+    # A run of a store that kept no host: said as nothing, not "None" or pandas 3's "nan".
+    nameless = store.create_run({}, name="no host", status="completed")
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE runs SET host = NULL WHERE run_id = ?", (nameless,))
+    assert cli.main(["runs", "--db", str(path)]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if nameless in line)
+    assert not re.search(r"\b(nan|None)\b", line), line
 
 
 def test_runs_say_what_runs_named_alike_trained(tmp_path, capsys):
