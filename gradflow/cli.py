@@ -349,54 +349,59 @@ def _train(args):
     from gradflow.store import RunStore
 
     store = RunStore(args.db)
-    run_id = store.create_run(
-        config,
-        name=run_name(config),
-        source="cli",
-        total_steps=None if config.epochs else config.steps,
-    )
-    print(
-        f"gradflow: run {run_id} ({config.architecture}, {config.depth} x {config.width}, "
-        f"{config.activation}, {config.optimizer} lr={config.learning_rate:g}) on "
-        f"{config.dataset}; store {store.path}",
-        file=sys.stderr,
-    )
-    _import_tensorflow_quietly()  # before the bar, which its log lines would break
-    # Training stays in this (main) thread, as Keras wants; a second thread
-    # only reads the store to draw the progress bar.
-    follower = None if args.no_progress else _ProgressFollower(store.path, run_id, config)
-    started = time.monotonic()
-    status = "failed"  # unless `execute` returns
     try:
-        status = execute(store, run_id)
-    except KeyboardInterrupt:
-        status = "interrupted"
-        raise
-    finally:
-        if follower is not None:
-            follower.finish(status)
-    elapsed = time.monotonic() - started
-    info = store.run_info(run_id)
-    steps = info["progress_step"]
-    print(
-        f"gradflow: run {run_id} {status} after {steps} steps in {elapsed:.1f} s"
-        + (f": {printable(info['message'])}" if info["message"] else "")
-    )
-    table = final_layer_table(store, run_id)
-    if len(table):
-        print(
-            f"Gradients per layer at step {int(table.attrs['step'])} (all of a layer's "
-            "weights together; the exported heatmaps show kernels):"
+        run_id = store.create_run(
+            config,
+            name=run_name(config),
+            source="cli",
+            total_steps=None if config.epochs else config.steps,
         )
-        shown = table.assign(layer=table["layer"].map(printable))
-        print(shown.to_string(index=False, float_format=lambda value: f"{value:.3g}"))
-    export_command = f"gradflow export {run_id} --format html --out gradflow-export" + (
-        f" --db {args.db}" if args.db else ""
-    )
-    _print_alerts(store, run_id, export_command)
-    if len(table):  # a run that recorded nothing has nothing to export
-        print(f"Export: {export_command}")
-    return EXIT_FAILED if status == "failed" else EXIT_OK
+        print(
+            f"gradflow: run {run_id} ({config.architecture}, {config.depth} x {config.width}, "
+            f"{config.activation}, {config.optimizer} lr={config.learning_rate:g}) on "
+            f"{config.dataset}; store {store.path}",
+            file=sys.stderr,
+        )
+        _import_tensorflow_quietly()  # before the bar, which its log lines would break
+        # Training stays in this (main) thread, as Keras wants; a second thread
+        # only reads the store to draw the progress bar.
+        follower = None if args.no_progress else _ProgressFollower(store.path, run_id, config)
+        started = time.monotonic()
+        status = "failed"  # unless `execute` returns
+        try:
+            status = execute(store, run_id)
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
+        finally:
+            if follower is not None:
+                follower.finish(status)
+        elapsed = time.monotonic() - started
+        info = store.run_info(run_id)
+        steps = info["progress_step"]
+        print(
+            f"gradflow: run {run_id} {status} after {steps} steps in {elapsed:.1f} s"
+            + (f": {printable(info['message'])}" if info["message"] else "")
+        )
+        table = final_layer_table(store, run_id)
+        if len(table):
+            print(
+                f"Gradients per layer at step {int(table.attrs['step'])} (all of a layer's "
+                "weights together; the exported heatmaps show kernels):"
+            )
+            shown = table.assign(layer=table["layer"].map(printable))
+            print(shown.to_string(index=False, float_format=lambda value: f"{value:.3g}"))
+        export_command = f"gradflow export {run_id} --format html --out gradflow-export" + (
+            f" --db {args.db}" if args.db else ""
+        )
+        _print_alerts(store, run_id, export_command)
+        if len(table):  # a run that recorded nothing has nothing to export
+            print(f"Export: {export_command}")
+        return EXIT_FAILED if status == "failed" else EXIT_OK
+    finally:
+        # Closed here: left to the garbage collector, a connection closes at exit, and
+        # Python 3.13 says `ResourceWarning: unclosed database` whenever warnings show.
+        store.close()
 
 
 # TensorFlow's start-up lines ("oneDNN custom operations are on", "Could not
@@ -518,29 +523,32 @@ class _ProgressFollower:
 
         reader = RunStore(self._store_path)
         loss_step = 0
-        while True:
-            finished = self._done.wait(self._interval)
-            try:
-                info = reader.run_info(self._run_id)
-                step = int(info["progress_step"])
-                losses = reader.metrics(self._run_id, after_step=loss_step, names=["loss"])
-            except Exception:  # A busy database must not end the training.
-                continue
-            if self._bar.total is None and info["total_steps"] is not None:
-                # A run of epochs: the worker sets its length once the data is loaded.
-                self._bar.total = int(info["total_steps"])
-                self._bar.refresh()
-            if len(losses):
-                last = losses.iloc[-1]
-                loss_step = int(last["step"])
-                value = float(last["value"])
-                self._bar.set_postfix(loss=f"{value:.4g}" if math.isfinite(value) else value)
-            # Metrics can reach the store before the progress heartbeat.
-            step = max(step, loss_step)
-            if step > self._bar.n:
-                self._bar.update(step - self._bar.n)
-            if finished:
-                return
+        try:
+            while True:
+                finished = self._done.wait(self._interval)
+                try:
+                    info = reader.run_info(self._run_id)
+                    step = int(info["progress_step"])
+                    losses = reader.metrics(self._run_id, after_step=loss_step, names=["loss"])
+                except Exception:  # A busy database must not end the training.
+                    continue
+                if self._bar.total is None and info["total_steps"] is not None:
+                    # A run of epochs: the worker sets its length once the data is loaded.
+                    self._bar.total = int(info["total_steps"])
+                    self._bar.refresh()
+                if len(losses):
+                    last = losses.iloc[-1]
+                    loss_step = int(last["step"])
+                    value = float(last["value"])
+                    self._bar.set_postfix(loss=f"{value:.4g}" if math.isfinite(value) else value)
+                # Metrics can reach the store before the progress heartbeat.
+                step = max(step, loss_step)
+                if step > self._bar.n:
+                    self._bar.update(step - self._bar.n)
+                if finished:
+                    return
+        finally:
+            reader.close()  # in this thread: its connection is this thread's
 
     def finish(self, status="completed"):
         self._done.set()
@@ -564,38 +572,41 @@ def _runs(args):
         raise UsageError(f"gradflow runs: --last must be a positive number, got {args.last}")
     _named_store_exists(args.db, "runs")
     store = RunStore(args.db)
-    if args.compact:
-        before, after = store.compact()
-        print(f"{store.path}: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB")
-    store.recover()  # a run whose `gradflow train` was killed is not "running"
-    runs = store.runs(with_config=True)  # newest made first
-    if not len(runs):
-        print("No runs yet. Start one with: gradflow train")
+    try:
+        if args.compact:
+            before, after = store.compact()
+            print(f"{store.path}: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB")
+        store.recover()  # a run whose `gradflow train` was killed is not "running"
+        runs = store.runs(with_config=True)  # newest made first
+        if not len(runs):
+            print("No runs yet. Start one with: gradflow train")
+            return EXIT_OK
+        if args.status:
+            runs = runs[runs["status"].isin(args.status)]
+        if args.name:
+            runs = runs[runs["name"].str.contains(args.name, case=False, regex=False)]
+        if args.last is not None:
+            runs = runs.head(args.last)  # newest first
+        if not len(runs):
+            print("No runs match.")
+            return EXIT_OK
+        table = runs[["run_id", "name", "status", "source", "progress_step", "total_steps"]].copy()
+        table.insert(3, "created", runs["created_at"].dt.strftime("%Y-%m-%d %H:%M:%S"))
+        settings = [run_settings(r.source, r.config, r.name) for r in runs.itertuples()]
+        if any(settings):
+            # KerasTuner's trials share their model's name; a renamed lab run lost its settings.
+            table["settings"] = [printable(text) for text in settings]
+        if runs["host"].nunique() > 1:
+            # Runs brought in from several machines (`gradflow import`): whose is whose.
+            # No host (a run of an older store) read "nan" under pandas 3: nothing instead.
+            table["machine"] = [printable(h) if isinstance(h, str) else "" for h in runs["host"]]
+        table = table.rename(columns={"progress_step": "step", "total_steps": "of"})
+        # Names are anyone's: an ESC in one cleared the reader's screen or set its title.
+        table["name"] = table["name"].map(printable)
+        print(table.to_string(index=False))
         return EXIT_OK
-    if args.status:
-        runs = runs[runs["status"].isin(args.status)]
-    if args.name:
-        runs = runs[runs["name"].str.contains(args.name, case=False, regex=False)]
-    if args.last is not None:
-        runs = runs.head(args.last)  # newest first
-    if not len(runs):
-        print("No runs match.")
-        return EXIT_OK
-    table = runs[["run_id", "name", "status", "source", "progress_step", "total_steps"]].copy()
-    table.insert(3, "created", runs["created_at"].dt.strftime("%Y-%m-%d %H:%M:%S"))
-    settings = [run_settings(r.source, r.config, r.name) for r in runs.itertuples()]
-    if any(settings):
-        # KerasTuner's trials share their model's name; a renamed lab run lost its settings.
-        table["settings"] = [printable(text) for text in settings]
-    if runs["host"].nunique() > 1:
-        # Runs brought in from several machines (`gradflow import`): whose is whose.
-        # No host (a run of an older store) read "nan" under pandas 3: nothing instead.
-        table["machine"] = [printable(h) if isinstance(h, str) else "" for h in runs["host"]]
-    table = table.rename(columns={"progress_step": "step", "total_steps": "of"})
-    # Names are anyone's: an ESC in one cleared the reader's screen or set its title.
-    table["name"] = table["name"].map(printable)
-    print(table.to_string(index=False))
-    return EXIT_OK
+    finally:
+        store.close()
 
 
 # C0 and C1 control characters, DEL, and the bidirectional overrides and isolates
@@ -658,6 +669,8 @@ def _export(args):
         return EXIT_FAILED
     except ValueError as error:  # An unknown or malformed run id.
         raise UsageError(f"gradflow export: {error}") from None
+    finally:
+        store.close()
     for path in paths:
         print(path)
     return EXIT_OK
@@ -669,16 +682,20 @@ def _export_store(args):
     from gradflow.store import RunStore
     from gradflow.store.transfer import SourceStoreError, export_runs
 
-    source = RunStore(args.db).path  # made if new: then the run is unknown, said below
+    store = RunStore(args.db)  # made if new: then the run is unknown, said below
+    source = store.path
     out = pathlib.Path(args.out)
-    if out.suffix.lower() in _STORE_SUFFIXES and not out.is_dir():
-        target = out
-    else:
-        try:
-            name = RunStore(source).run_info(args.run)["name"]
-        except ValueError as error:  # An unknown or malformed run id.
-            raise UsageError(f"gradflow export: {error}") from None
-        target = out / f"{file_stem(args.run, name or 'run')}.db"
+    try:
+        if out.suffix.lower() in _STORE_SUFFIXES and not out.is_dir():
+            target = out
+        else:
+            try:
+                name = store.run_info(args.run)["name"]
+            except ValueError as error:  # An unknown or malformed run id.
+                raise UsageError(f"gradflow export: {error}") from None
+            target = out / f"{file_stem(args.run, name or 'run')}.db"
+    finally:
+        store.close()
     try:
         export_runs(source, target, [args.run])
     except FileExistsError as error:

@@ -139,6 +139,22 @@ def test_pyproject_declares_console_script_and_tools():
     assert "pytest" in project["tool"] and "ruff" in project["tool"]
 
 
+def test_readme_requirements_and_pyproject_name_the_same_pythons():
+    """The Pythons gradflow is tested on, said alike in the three places a person reads them."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    prefix = "Programming Language :: Python :: 3."
+    minors = sorted(int(c[len(prefix) :]) for c in project["classifiers"] if c.startswith(prefix))
+    assert minors == list(range(minors[0], minors[-1] + 1)), minors
+    # Not capped: a cap keeps resolvers from ever trying a newer Python.
+    assert project["requires-python"] == f">=3.{minors[0]}"
+    named = [f"3.{minor}" for minor in minors]
+    said = ", ".join(named[:-1]) + f" or {named[-1]}" if len(named) > 1 else named[0]
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert f"On a fresh machine with Python {said} (" in readme
+    first_line = (REPO / "requirements.txt").read_text().splitlines()[0]
+    assert first_line.endswith(said.replace(" or ", " and ")), first_line
+
+
 def test_ci_runs_the_readme_test_command():
     readme = (REPO / "README.md").read_text()
     ci = (REPO / ".ci" / "run").read_text()
