@@ -692,3 +692,17 @@ def test_one_layer_frozen_and_another_of_its_shapes_unfrozen_is_followed():
     log.record([tf.fill(v.shape, 2.0) for v in model.trainable_variables])
     rows = log.history.groupby("step")["layer"].unique().map(list).to_dict()
     assert rows == {1: ["a"], 2: ["b"]}
+
+
+def test_reading_the_optimizer_leaves_numpy_nothing_to_warn_of():
+    """`keras.ops.convert_to_numpy` of a Keras variable (the step count, the rate) went through
+    its `__array__`, which takes no `copy`: NumPy 2 warns at every `record`, and is to refuse it."""
+    model, optimizer, log, train_step, x, y = sgd_loop(0.1)
+    loss, gradients = train_step(x[:BATCH], y[:BATCH])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        log.record(gradients, loss=loss)
+    assert not [w for w in caught if "copy keyword" in str(w.message)], [
+        str(w.message) for w in caught
+    ]
+    assert log.metrics.query("name == 'learning_rate'")["value"].tolist() == [pytest.approx(0.1)]

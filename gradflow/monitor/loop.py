@@ -60,6 +60,17 @@ _SIZE_COLUMNS = 4
 assert ROW_COLUMNS[:_SIZE_COLUMNS] == ("max_abs", "l2_norm", "mean_abs", "std")
 
 
+def _value(number):
+    """A Keras variable's or a tensor's value in NumPy.
+
+    Not `keras.ops.convert_to_numpy`: it calls a `keras.Variable`'s
+    `__array__`, which takes no `copy` argument; NumPy 2 warns of that
+    (DeprecationWarning) and is to refuse it.
+    """
+    read = getattr(number, "numpy", None)
+    return read() if callable(read) else keras.ops.convert_to_numpy(number)
+
+
 class _Seen(typing.NamedTuple):
     """What a `record` read of the optimizer: its loss scale (None: none) and step count."""
 
@@ -402,7 +413,7 @@ class GradientLog:
                 scale = optimizer.dynamic_scale.numpy()
         elif getattr(optimizer, "loss_scale_factor", None):
             scale = optimizer.loss_scale_factor
-        iterations = int(keras.ops.convert_to_numpy(optimizer.iterations))
+        iterations = int(_value(optimizer.iterations))
         return _Seen(None if scale is None else float(scale), iterations)
 
     def _used(self, last, now, step):
@@ -427,7 +438,7 @@ class GradientLog:
         else:
             # A plain rate (set by hand, perhaps, before this step): as it is now.
             try:
-                rate = float(keras.ops.convert_to_numpy(self.optimizer.learning_rate))
+                rate = float(_value(self.optimizer.learning_rate))
             except (TypeError, ValueError):
                 rate = _NAN
         scale = now.scale
