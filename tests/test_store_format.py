@@ -16,9 +16,10 @@ from gradflow.store import RunStore, tables
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-# The tables of schema version 1 as gradflow 0.1 made them, frozen here so that
-# the upgrade is tested against a real old file rather than against today's DDL.
-V1_DDL = """
+# The tables that versions 1 and 2 made alike (meta, runs, series; metrics, events,
+# histograms, requests), frozen here so that upgrades are tested against real old
+# files rather than against today's DDL.
+_V1_V2_RUNS = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE runs (
     id INTEGER PRIMARY KEY, run_id TEXT NOT NULL UNIQUE, name TEXT NOT NULL,
@@ -32,13 +33,8 @@ CREATE TABLE series (
     layer_index INTEGER NOT NULL, tensor TEXT NOT NULL, variable TEXT NOT NULL,
     PRIMARY KEY (run, series)
 ) WITHOUT ROWID;
-CREATE TABLE layer_stats (
-    run INTEGER NOT NULL, step INTEGER NOT NULL, series INTEGER NOT NULL,
-    max_abs REAL, l2_norm REAL, mean_abs REAL, std REAL, zero_fraction REAL, nonfinite REAL,
-    weight_norm REAL, weight_norm_unconstrained REAL, update_ratio REAL,
-    l2_norm_clipped REAL, max_abs_clipped REAL,
-    PRIMARY KEY (run, step, series)
-) WITHOUT ROWID;
+"""
+_V1_V2_ROWS = """
 CREATE TABLE metrics (
     run INTEGER NOT NULL, step INTEGER NOT NULL, name TEXT NOT NULL, value REAL,
     PRIMARY KEY (run, step, name)
@@ -57,8 +53,23 @@ CREATE TABLE requests (
     created_at REAL NOT NULL
 );
 CREATE INDEX requests_by_run ON requests (run, id);
-INSERT INTO meta VALUES ('schema_version', '1');
 """
+
+# The tables of schema version 1 as gradflow 0.1 made them.
+V1_DDL = (
+    _V1_V2_RUNS
+    + """
+CREATE TABLE layer_stats (
+    run INTEGER NOT NULL, step INTEGER NOT NULL, series INTEGER NOT NULL,
+    max_abs REAL, l2_norm REAL, mean_abs REAL, std REAL, zero_fraction REAL, nonfinite REAL,
+    weight_norm REAL, weight_norm_unconstrained REAL, update_ratio REAL,
+    l2_norm_clipped REAL, max_abs_clipped REAL,
+    PRIMARY KEY (run, step, series)
+) WITHOUT ROWID;
+"""
+    + _V1_V2_ROWS
+    + "INSERT INTO meta VALUES ('schema_version', '1');\n"
+)
 
 
 def write_v1_store(path, stats_rows):
@@ -98,21 +109,10 @@ V1_ROWS = [
 
 
 # The tables of schema version 2 as gradflow made them until it kept a record of
-# deleted runs, frozen here as V1_DDL is.
-V2_DDL = """
-CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE runs (
-    id INTEGER PRIMARY KEY, run_id TEXT NOT NULL UNIQUE, name TEXT NOT NULL,
-    status TEXT NOT NULL, source TEXT NOT NULL, created_at REAL NOT NULL,
-    updated_at REAL NOT NULL, heartbeat_at REAL, progress_step INTEGER NOT NULL DEFAULT 0,
-    total_steps INTEGER, tags TEXT NOT NULL DEFAULT '[]', message TEXT,
-    config TEXT NOT NULL DEFAULT '{}', pid INTEGER, host TEXT
-);
-CREATE TABLE series (
-    run INTEGER NOT NULL, series INTEGER NOT NULL, layer TEXT NOT NULL,
-    layer_index INTEGER NOT NULL, tensor TEXT NOT NULL, variable TEXT NOT NULL,
-    PRIMARY KEY (run, series)
-) WITHOUT ROWID;
+# deleted runs.
+V2_DDL = (
+    _V1_V2_RUNS
+    + """
 CREATE TABLE layer_stats (
     id INTEGER PRIMARY KEY, run INTEGER NOT NULL, last_step INTEGER NOT NULL,
     steps BLOB NOT NULL, series BLOB NOT NULL,
@@ -122,26 +122,10 @@ CREATE TABLE layer_stats (
     l2_norm_clipped BLOB NOT NULL, max_abs_clipped BLOB NOT NULL
 );
 CREATE INDEX layer_stats_by_step ON layer_stats (run, last_step);
-CREATE TABLE metrics (
-    run INTEGER NOT NULL, step INTEGER NOT NULL, name TEXT NOT NULL, value REAL,
-    PRIMARY KEY (run, step, name)
-) WITHOUT ROWID;
-CREATE TABLE events (
-    id INTEGER PRIMARY KEY, run INTEGER NOT NULL, step INTEGER NOT NULL,
-    layer TEXT NOT NULL, kind TEXT NOT NULL, message TEXT NOT NULL
-);
-CREATE INDEX events_by_run ON events (run, step);
-CREATE TABLE histograms (
-    run INTEGER NOT NULL, step INTEGER NOT NULL, series INTEGER NOT NULL,
-    counts BLOB NOT NULL, PRIMARY KEY (run, step, series)
-) WITHOUT ROWID;
-CREATE TABLE requests (
-    id INTEGER PRIMARY KEY, run INTEGER NOT NULL, action TEXT NOT NULL,
-    created_at REAL NOT NULL
-);
-CREATE INDEX requests_by_run ON requests (run, id);
-INSERT INTO meta VALUES ('schema_version', '2');
 """
+    + _V1_V2_ROWS
+    + "INSERT INTO meta VALUES ('schema_version', '2');\n"
+)
 
 
 def write_v2_store(path):
