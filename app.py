@@ -12,7 +12,7 @@ import sys
 import streamlit as st
 
 from gradflow.checks import backend_problem
-from gradflow.store import NewerStoreError, StoreGoneError, default_path
+from gradflow.store import NewerStoreError, StoreGoneError, StoreUpgradeError, default_path
 from gradflow.store.trouble import explain
 from gradflow.ui import FAVICON, live_chart, resources
 
@@ -61,9 +61,10 @@ try:
     st.session_state["ui.arrived"] = st.session_state.get("ui.page") != navigation.url_path
     st.session_state["ui.page"] = navigation.url_path
     navigation.run()
-except StoreGoneError as error:
-    # A store file moved or deleted under the server: said in words on every
-    # page, where Streamlit showed its "This app has encountered an error".
+except (StoreGoneError, StoreUpgradeError) as error:
+    # A store file moved or deleted under the server, or an older one that could
+    # not be upgraded: said in words on every page, where Streamlit showed its
+    # "This app has encountered an error".
     st.error(f":material/error: {error}")
 except (NewerStoreError, sqlite3.Error) as error:
     # One too new, damaged, on a full or read-only disk, locked for minutes.

@@ -32,7 +32,13 @@ from gradflow.checks import backend_problem
 from gradflow.lab.config import RunConfig, field_table, rename_settings, run_name
 from gradflow.lab.presets import PRESETS, get_preset
 from gradflow.run_settings import run_settings
-from gradflow.store import NewerStoreError, StoreGoneError, default_path, trouble
+from gradflow.store import (
+    NewerStoreError,
+    StoreGoneError,
+    StoreUpgradeError,
+    default_path,
+    trouble,
+)
 from gradflow.store.store import NotARunStoreError, check_name
 
 EXIT_OK = 0
@@ -105,6 +111,11 @@ def main(argv=None):
         # `--db` named a folder, a file that is not a run store, or one too new.
         _say_error(f"gradflow: {error}")
         return EXIT_USAGE
+    except StoreUpgradeError as error:
+        # An older store that could not take this gradflow's tables (a full disk, an
+        # older gradflow holding its lock): the message says what to do.
+        _say_error(f"gradflow: {error}")
+        return EXIT_FAILED
     except (sqlite3.Error, StoreGoneError) as error:
         # A full disk, a lock held too long, a damaged file: not a bad
         # command line, and not "not a run store", as all of them were called.

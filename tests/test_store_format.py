@@ -277,6 +277,18 @@ def test_version_1_file_that_cannot_be_upgraded_is_left_as_it_was(store_path):
     assert conn.execute("SELECT COUNT(*) FROM layer_stats").fetchone() == (6,)
 
 
+def test_the_command_line_says_an_upgrade_failed_in_one_line(store_path, capsys):
+    """Every store of the last version is upgraded at its first open by this one: one that
+    cannot be ended `gradflow runs` with a traceback."""
+    from gradflow import cli
+
+    write_v1_store(store_path, V1_ROWS + [(3, 0, "not a number", 1.0, 0)])
+    assert cli.main(["runs", "--db", str(store_path)]) == cli.EXIT_FAILED
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith("gradflow: Could not upgrade the run store")
+    assert "unchanged" in said[0] and "Traceback" not in said[0]
+
+
 def test_newer_file_is_refused_with_its_path(store_path):
     RunStore(store_path)
     conn = sqlite3.connect(store_path)

@@ -229,6 +229,26 @@ def test_a_damaged_store_is_said_in_words_on_the_dashboard(tmp_path):
         ), [e.value for e in app.error]
 
 
+def test_a_store_that_cannot_be_upgraded_is_said_in_words_on_the_dashboard(tmp_path):
+    """A store of an older gradflow is upgraded at its first open; one that could not be
+    showed Streamlit's "This app has encountered an error" on every page."""
+    from streamlit.testing.v1 import AppTest
+
+    from tests.conftest import pages_on
+    from tests.test_store_format import V1_ROWS, write_v1_store
+
+    with pages_on(tmp_path / "runs.db") as db:
+        write_v1_store(db, V1_ROWS + [(3, 0, "not a number", 1.0, 0)])
+        app = AppTest.from_file(str(REPO / "app.py"), default_timeout=120)
+        app.run()
+        assert not app.exception, [e.value for e in app.exception]
+        assert any(
+            e.value.startswith(f"Could not upgrade the run store {str(db)!r}")
+            and "unchanged" in e.value
+            for e in app.error
+        ), [e.value for e in app.error]
+
+
 def test_the_write_ahead_log_shrinks_after_an_outside_reader_lets_go(tmp_path, monkeypatch):
     """A reader left in a transaction made the '-wal' file grow, and it kept its largest
     size for as long as any connection was open (the store audit: 14 MB)."""

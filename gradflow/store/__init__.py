@@ -21,13 +21,14 @@ from gradflow.store.tables import (
     StoreGoneError,
     default_path,
 )
-from gradflow.store.trouble import NewerStoreError
+from gradflow.store.trouble import NewerStoreError, StoreUpgradeError
 from gradflow.store.writer import RunWriter
 
 __all__ = [
     "ACTIVE_STATUSES",
     "FINAL_STATUSES",
     "NewerStoreError",
+    "StoreUpgradeError",
     "REQUESTS",
     "SCHEMA_VERSION",
     "STATUSES",

@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from gradflow.store import blocks, tables, trouble
-from gradflow.store.trouble import CopyWithoutLogError, NewerStoreError
+from gradflow.store.trouble import CopyWithoutLogError, NewerStoreError, StoreUpgradeError
 
 
 def upgrade(conn, path, held_something=False, read_as_is=True):
@@ -27,8 +27,9 @@ def upgrade(conn, path, held_something=False, read_as_is=True):
             read-only error is raised instead.
 
     Raises:
-        RuntimeError: if the file was written by a newer gradflow, or an
-            upgrade failed (the file is then left as it was).
+        NewerStoreError: a `RuntimeError`, if the file was written by a newer gradflow.
+        StoreUpgradeError: a `RuntimeError`, if an upgrade failed (the file
+            is then left as it was).
         sqlite3.OperationalError: if `read_as_is` is False and the file can
             only be read.
         CopyWithoutLogError: if the file had bytes but no tables: a copy of
@@ -70,7 +71,7 @@ def upgrade(conn, path, held_something=False, read_as_is=True):
             raise
         if version is None or not isinstance(error, Exception) or isinstance(error, RuntimeError):
             raise
-        raise RuntimeError(
+        raise StoreUpgradeError(
             f"Could not upgrade the run store {str(path)!r} from schema version {version} to "
             f"{tables.SCHEMA_VERSION}: {error}. The file is unchanged; fix the cause (free disk "
             f"space, stop other gradflow processes using it) and open it again, or use another "

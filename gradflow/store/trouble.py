@@ -26,6 +26,10 @@ class NewerStoreError(RuntimeError):
     """The store was written by a newer gradflow, whose schema this one cannot read."""
 
 
+class StoreUpgradeError(RuntimeError):
+    """A store of an older gradflow could not be brought to this one's schema (left unchanged)."""
+
+
 class NotARunStoreError(sqlite3.DatabaseError, ValueError):
     """A path given as a run store is a folder or a file of another kind."""
 
