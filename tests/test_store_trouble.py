@@ -208,45 +208,46 @@ def test_the_command_line_says_a_newer_store_in_one_line(tmp_path, capsys):
     assert len(said) == 1 and "written by a newer gradflow" in said[0], said
 
 
-def test_a_damaged_store_is_said_in_words_on_the_dashboard(tmp_path):
-    """Every page showed Streamlit's "This app has encountered an error"."""
+def dashboard_errors(tmp_path, make_store):
+    """The errors the dashboard's first page shows on the store `make_store(path)` writes."""
     from streamlit.testing.v1 import AppTest
 
     from tests.conftest import pages_on
 
     with pages_on(tmp_path / "runs.db") as db:
-        shutil.copy(damaged(tmp_path / "cut.db"), db)
+        make_store(db)
         # The first page (a switch to pages/ could run the page without app.py:
         # Streamlit's first run of a script beside a pages/ folder is its
         # multipage v1 mode, set per process).
         app = AppTest.from_file(str(REPO / "app.py"), default_timeout=120)
         app.run()
         assert not app.exception, [e.value for e in app.exception]
-        assert any(
-            e.value.startswith(f"gradflow cannot use its run store: {str(db)!r}")
-            and "is damaged" in e.value
-            for e in app.error
-        ), [e.value for e in app.error]
+        return db, [e.value for e in app.error]
+
+
+def test_a_damaged_store_is_said_in_words_on_the_dashboard(tmp_path):
+    """Every page showed Streamlit's "This app has encountered an error"."""
+    db, errors = dashboard_errors(
+        tmp_path, lambda db: shutil.copy(damaged(tmp_path / "cut.db"), db)
+    )
+    assert any(
+        e.startswith(f"gradflow cannot use its run store: {str(db)!r}") and "is damaged" in e
+        for e in errors
+    ), errors
 
 
 def test_a_store_that_cannot_be_upgraded_is_said_in_words_on_the_dashboard(tmp_path):
     """A store of an older gradflow is upgraded at its first open; one that could not be
     showed Streamlit's "This app has encountered an error" on every page."""
-    from streamlit.testing.v1 import AppTest
-
-    from tests.conftest import pages_on
     from tests.test_store_format import V1_ROWS, write_v1_store
 
-    with pages_on(tmp_path / "runs.db") as db:
-        write_v1_store(db, V1_ROWS + [(3, 0, "not a number", 1.0, 0)])
-        app = AppTest.from_file(str(REPO / "app.py"), default_timeout=120)
-        app.run()
-        assert not app.exception, [e.value for e in app.exception]
-        assert any(
-            e.value.startswith(f"Could not upgrade the run store {str(db)!r}")
-            and "unchanged" in e.value
-            for e in app.error
-        ), [e.value for e in app.error]
+    db, errors = dashboard_errors(
+        tmp_path, lambda db: write_v1_store(db, V1_ROWS + [(3, 0, "not a number", 1.0, 0)])
+    )
+    assert any(
+        e.startswith(f"Could not upgrade the run store {str(db)!r}") and "unchanged" in e
+        for e in errors
+    ), errors
 
 
 def test_the_write_ahead_log_shrinks_after_an_outside_reader_lets_go(tmp_path, monkeypatch):
