@@ -756,6 +756,14 @@ def _import_runs(args):
     except (ValueError, FileNotFoundError) as error:
         # An unknown or malformed run id, a run id taken by another run, one store twice.
         raise UsageError(f"gradflow import: {error}") from None
+    if copies.deletions:
+        # A whole store moved into a new one: say why its deleted runs will stay out.
+        print(
+            f"gradflow: {copies.deletions} deletion{'s' * (copies.deletions != 1)} of "
+            f"{args.source} carried into {destination}: runs deleted there stay out of later "
+            "imports (--restore-deleted brings one back)",
+            file=sys.stderr,
+        )
     if not copies:
         print(f"No runs in {args.source}.")
         return EXIT_OK

@@ -696,6 +696,20 @@ def test_a_run_deleted_from_the_class_store_stays_deleted_when_imported_again(tm
     assert set(RunStore(tmp_path / "class.db").runs()["run_id"]) == {*ids, new}
 
 
+def test_a_store_moved_whole_says_it_carried_its_deletions(tmp_path, capsys):
+    store, ids = _student_store(tmp_path / "class.db")
+    store.delete(ids[0])
+    store.close()
+    new = tmp_path / "new.db"
+    assert cli.main(["import", str(tmp_path / "class.db"), "--db", str(new)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"gradflow: 1 deletion of {tmp_path / 'class.db'} carried into {new}: runs deleted "
+        "there stay out of later imports (--restore-deleted brings one back)",
+        f"gradflow: 1 run copied into {new}",
+    ]
+
+
 def test_export_store_then_import_round_trips(trained, tmp_path, capsys):
     _, store, run_id = trained
     out = tmp_path / "to-send"

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import sqlite3
@@ -199,6 +200,53 @@ def test_the_sources_own_deletions_are_neither_copied_nor_read(source, tmp_path)
     export_runs(destination.path, sent, [source.ids[1]])
     assert deletions(sent) == []
     assert [c.copied for c in copy_runs(sent, tmp_path / "bob.db")] == [True]
+
+
+def test_a_whole_store_moved_to_a_new_file_keeps_its_deletions(source, tmp_path):
+    """The teacher moved class.db to a new machine; the next week Alice's store came
+    again and brought back the run deleted before the move."""
+    useless, kept = source.ids
+    old = RunStore(tmp_path / "class.db")
+    copy_runs(source.path, old.path)
+    old.delete(useless)
+    moved = copy_runs(old.path, tmp_path / "new.db")
+    assert [(c.run_id, c.copied) for c in moved] == [(kept, True)]
+    assert moved.deletions == 1
+    assert deletions(tmp_path / "new.db") == deletions(old.path) != []
+    again = copy_runs(source.path, tmp_path / "new.db")
+    assert [(c.run_id, c.copied) for c in again] == [(useless, False), (kept, False)]
+    assert again[0].deleted_at is not None and again.deletions == 0
+    # Not into a store that holds runs (the class's own deletions there are the
+    # teacher's), nor when only some runs are copied.
+    busy = RunStore(tmp_path / "busy.db")
+    fill(busy, "the teacher's own")
+    assert copy_runs(old.path, busy.path).deletions == 0
+    assert deletions(busy.path) == []
+    assert copy_runs(old.path, tmp_path / "some.db", [kept]).deletions == 0
+    assert deletions(tmp_path / "some.db") == []
+
+
+def test_a_crafted_deletion_refuses_a_move_and_one_of_a_run_still_there_is_left_out(
+    source, tmp_path
+):
+    source.close()
+    with sqlite3.connect(source.path) as conn:
+        # A deletion of a run the store still holds (made by hand): the run wins.
+        conn.execute("INSERT INTO deleted_runs VALUES (?, 'relu', 0, 1)", (source.ids[0],))
+    moved = copy_runs(source.path, tmp_path / "new.db")
+    assert [c.copied for c in moved] == [True, True] and moved.deletions == 0
+    assert deletions(tmp_path / "new.db") == []
+    for row, why in (
+        ("'0123456789ab', 'x', 'not a time', 1", "deleted run 0123456789ab's creation time"),
+        ("'../x y', 'x', 0, 0", "a deleted run's id '../x y'"),
+    ):
+        with sqlite3.connect(source.path) as conn:
+            conn.execute("DELETE FROM deleted_runs")
+            conn.execute(f"INSERT INTO deleted_runs VALUES ({row})")
+        target = tmp_path / f"new-{len(why)}.db"
+        with pytest.raises(source_checks.UntrustedStoreError, match=re.escape(why)):
+            copy_runs(source.path, target)
+        assert RunStore(target).runs().empty and deletions(target) == []  # nothing copied
 
 
 def test_a_version_2_source_is_read_as_it_is(tmp_path, monkeypatch):

@@ -206,6 +206,28 @@ def checked_histograms(rows, path, run_id, series_ids):
         yield step, series, counts
 
 
+def checked_deletions(rows, path):
+    """The source's `deleted_runs` rows, checked: `(run_id, name, created_at, deleted_at)`.
+
+    Read only when a whole store moves into an empty one (`copy_runs`): its
+    deletions go with it. A name is mended as `check_run` mends a run's.
+    """
+    for run_id, name, created_at, deleted_at in rows:
+        if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+            _refuse(path, f"a deleted run's id {_shown(run_id)} is not one gradflow makes")
+        if not isinstance(name, str):
+            _refuse(path, f"deleted run {run_id}'s name {_shown(name)} is not a name")
+        name = schema.BIDI_CONTROLS.sub("\ufffd", schema.CONTROL_CHARACTERS.sub("\ufffd", name))
+        for value, column in ((created_at, "creation time"), (deleted_at, "deletion time")):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+            ):
+                _refuse(path, f"deleted run {run_id}'s {column} is {_shown(value)}, not a time")
+        yield run_id, _cut(name.strip() or "(no name)", MAX_NAME_LENGTH), created_at, deleted_at
+
+
 def _refuse(path, what):
     raise UntrustedStoreError(
         f"{str(path)!r} holds what gradflow does not write: {what}. It is damaged, or was "

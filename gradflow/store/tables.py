@@ -79,7 +79,8 @@ _stat_ddl = ",\n    ".join(f"{name} BLOB NOT NULL" for name in STAT_COLUMNS)
 # deleted_runs keeps one row per run deleted from this store (`RunStore.delete`),
 # its name kept so that a person can tell which run an id was: `gradflow import`
 # skips a run of the same run_id and created_at, unless told to restore it. It
-# is this store's own record: neither an import nor an export copies it.
+# is this store's own record: an export does not copy it, nor does an import,
+# but for a whole store moved into an empty one (`transfer.copy_runs`).
 #
 # Each statement apart, so that a migration can run them inside its own
 # transaction (`executescript` would commit it first).

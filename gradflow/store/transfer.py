@@ -18,9 +18,12 @@ export_runs("runs.db", "relu-run.db", ["3f2a9c1b7d04"])   # a new one-run store,
 
 What is copied: each run's `runs` row and all its rows in `series`,
 `layer_stats`, `metrics`, `events` and `histograms`. Not its `requests` (a
-Pause or Stop meant for the process that trains it in the source store), nor
-the source's `deleted_runs` (its own deletions). A run deleted from the
-destination is not copied again unless `restore_deleted` says so.
+Pause or Stop meant for the process that trains it in the source store). The
+source's `deleted_runs` (its own deletions) only when the whole store moves
+into a store that holds no runs and no deletions yet (a new machine, a new
+file): its deletions go with it, so that a student's store imported again
+later does not bring back what was deleted before the move. A run deleted
+from the destination is not copied again unless `restore_deleted` says so.
 """
 
 import contextlib
@@ -49,6 +52,7 @@ from gradflow.store.store import (
 from gradflow.store.trouble import NewerStoreError, NotARunStoreError
 
 __all__ = [
+    "RunCopies",
     "RunCopy",
     "RunIdConflictError",
     "SourceStoreError",
@@ -117,6 +121,17 @@ class RunCopy:
     deleted_at: float | None = None
 
 
+class RunCopies(list):
+    """The `RunCopy` of each run, oldest first, as `copy_runs` returns them.
+
+    Attributes:
+        deletions: how many of the source's deletions were carried into the
+            destination (a whole store moved into an empty one); 0 otherwise.
+    """
+
+    deletions = 0
+
+
 def copy_runs(source, destination, run_ids=None, label=None, restore_deleted=False):
     """Copy whole runs from the run store `source` into the run store `destination`.
 
@@ -131,7 +146,10 @@ def copy_runs(source, destination, run_ids=None, label=None, restore_deleted=Fal
     it is the same run (the same creation time): importing the same store
     twice copies nothing the second time. A run deleted from the destination
     (`RunStore.delete`) is skipped too, unless `restore_deleted`: a teacher's
-    deletions stay deleted when a student sends the same store again. A run
+    deletions stay deleted when a student sends the same store again. When
+    every run is copied (`run_ids=None`) into a store with no runs and no
+    deletions yet, the source's deletions are carried too: a store moved to
+    a new file keeps them. A run
     id the destination has for another run is refused (`RunIdConflictError`,
     nothing copied). A run that is queued, running or paused in the source
     arrives `interrupted`, with a message saying at which step it was copied:
@@ -157,8 +175,9 @@ def copy_runs(source, destination, run_ids=None, label=None, restore_deleted=Fal
             note saying when it was deleted and how to bring it back.
 
     Returns:
-        A list of `RunCopy`, one per run, oldest first: `[r.run_id for r in
-        result if r.copied]` are the runs copied, the others were skipped.
+        A `RunCopies` list of `RunCopy`, one per run, oldest first: `[r.run_id
+        for r in result if r.copied]` are the runs copied, the others were
+        skipped; its `deletions` says how many deletions were carried.
 
     Raises:
         FileNotFoundError: if `source` does not exist.
@@ -212,7 +231,12 @@ def copy_runs(source, destination, run_ids=None, label=None, restore_deleted=Fal
             # can only be read, before its missing tables do.
             migrate.upgrade(conn, store.path, read_as_is=False)
             with tables.write_transaction(conn):
-                return _copy(reader, conn, chosen, destination, label, restore_deleted)
+                # Read before anything is copied: whether this is a move into a new store.
+                moving = wanted is None and _holds_nothing(conn)
+                copies = RunCopies(_copy(reader, conn, chosen, destination, label, restore_deleted))
+                if moving:
+                    copies.deletions = _carry_deletions(reader, conn, chosen)
+                return copies
         finally:
             conn.close()
 
@@ -604,6 +628,40 @@ def _copy_checked(reader, conn, chosen, destination, label=None, restore_deleted
             )
         )
     return done
+
+
+def _holds_nothing(conn):
+    """Whether the destination has neither runs nor deletions (a new store, or an emptied one)."""
+    return not conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM runs) OR EXISTS (SELECT 1 FROM deleted_runs)"
+    ).fetchone()[0]
+
+
+def _carry_deletions(reader, conn, chosen):
+    """Copy the source's `deleted_runs` rows into the destination; returns how many.
+
+    A source of version 2 has none. A deletion of a run the source still
+    holds (made by hand) is left out: the run was copied.
+    """
+    there = reader.rows(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'deleted_runs'"
+    )
+    if not list(there):
+        return 0
+    copied = {row["run_id"] for row in chosen}
+    rows = source_checks.checked_deletions(
+        reader.rows(
+            "SELECT run_id, name, created_at, deleted_at FROM deleted_runs ORDER BY deleted_at"
+        ),
+        reader.path,
+    )
+    carried = [row for row in rows if row[0] not in copied]
+    conn.executemany(
+        "INSERT OR REPLACE INTO deleted_runs (run_id, name, created_at, deleted_at) "
+        "VALUES (?, ?, ?, ?)",
+        carried,
+    )
+    return len(carried)
 
 
 def _import_command(source, run_id, destination, label):
