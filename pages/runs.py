@@ -6,7 +6,13 @@ from gradflow.store.tables import ACTIVE_STATUSES
 from gradflow.ui import resources
 from gradflow.ui.charts import plain_markdown, plain_message
 from gradflow.ui.live import show_on_live_page
-from gradflow.ui.runs_table import delete_several, run_labels, run_picker, runs_table
+from gradflow.ui.runs_table import (
+    DELETION_REMEMBERED,
+    delete_several,
+    run_labels,
+    run_picker,
+    runs_table,
+)
 
 st.title("Runs")
 store = resources.run_store()
@@ -51,6 +57,7 @@ elif delete_col.button("Delete", help="Removes the run and all its statistics.")
 if st.session_state.get("runs.confirm_delete") == chosen:
     # A student's run name is shown as typed, not as markdown (":red[...]").
     st.warning(f"Delete {plain_markdown(labels[chosen])} and all its data?")
+    st.caption(DELETION_REMEMBERED)
     yes, no = st.columns(2)
     if yes.button("Yes, delete"):
         st.session_state.pop("runs.confirm_delete")

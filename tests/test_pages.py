@@ -281,6 +281,9 @@ def test_the_runs_page_deletes_every_failed_run_at_once_and_no_training_one(page
     assert sorted(picker.value) == failed and training not in picker.options
     next(b for b in app.button if b.label == f"Delete {len(failed)} runs").click().run()
     assert set(failed) <= set(store.runs()["run_id"])  # asked first
+    from gradflow.ui.runs_table import DELETION_REMEMBERED
+
+    assert DELETION_REMEMBERED in [c.value for c in app.caption]
     next(b for b in app.button if b.label == "Yes, delete them").click().run()
     assert not app.exception, [e.value for e in app.exception]
     left = set(store.runs()["run_id"])
@@ -308,6 +311,9 @@ def test_a_renamed_run_stays_the_one_picked(page_environment):
     [question] = [w.value for w in app.warning if w.value.startswith("Delete")]
     assert "CNN demo \\:red\\[renamed\\]" in question
     assert question.replace("\\", "") == f"Delete {typed} · completed · {picked} and all its data?"
+    from gradflow.ui.runs_table import DELETION_REMEMBERED
+
+    assert DELETION_REMEMBERED in [c.value for c in app.caption]
 
 
 def test_a_run_opened_from_the_runs_page_brings_its_settings(page_environment):

@@ -111,6 +111,14 @@ def run_picker(labels):
     return st.selectbox("Run", list(labels), format_func=labels.get, key=key, on_change=picked)
 
 
+# Said under both delete questions: a teacher who imports the class's stores
+# each week should know that a deleted run stays out of the next import.
+DELETION_REMEMBERED = (
+    "The store remembers its deletions: importing a store that holds a deleted run "
+    "(`gradflow import`) skips it; `--restore-deleted` brings it back."
+)
+
+
 def delete_several(store, runs, labels):
     """The Runs page's "Delete several runs": a teacher's clean-up at a term's end.
 
@@ -156,6 +164,7 @@ def delete_several(store, runs, labels):
         if st.session_state.get(_BULK + "confirm") != tuple(picked):
             return
         st.warning(f"Delete these {len(picked)} runs and all their data? This cannot be undone.")
+        st.caption(DELETION_REMEMBERED)
         yes, no = st.columns(2)
         if yes.button("Yes, delete them", key=_BULK + "yes"):
             st.session_state.pop(_BULK + "confirm")
