@@ -51,6 +51,7 @@ from gradflow.monitor.step import (
     step_counter,
 )
 from gradflow.monitor.tensorboard import SummaryWriter
+from gradflow.probe.naming import split_overwritten
 from gradflow.probe.snapshot import resolve_loss
 from gradflow.store import tables, trouble
 from gradflow.store.store import UnknownRunError
@@ -649,7 +650,7 @@ class GradientMonitor(keras.callbacks.Callback):
             # Otherwise the first trace builds the model and then the ring
             # (and the ring's rows through time, which the sequence it traces
             # with decides).
-            self._plan.prepare(model.trainable_weights)
+            self._plan.prepare(*split_overwritten(model.trainable_weights))
         # Keras builds its train function from `model.train_step`; an instance
         # attribute shadows the class's method until `on_train_end`.
         object.__setattr__(model, "train_step", step)
@@ -1179,7 +1180,11 @@ class GradientMonitor(keras.callbacks.Callback):
         old, new = _weight_layers(before), _weight_layers(self._layout)
         added = [layer for layer in new if layer not in old]
         gone = [layer for layer in old if layer not in new]
-        if not added and not gone:
+        # The same layer training other weights: `enable_lora` between two
+        # fits freezes `kernel` and adds `lora_kernel_a`/`_b`, and the layer's
+        # norm changed at that step with nothing saying why.
+        changed = [layer for layer in new if layer in old and set(new[layer]) != set(old[layer])]
+        if not added and not gone and not changed:
             return
         told = [f"This fit trains {_count(new, 'layer')} with weights, the last fit {len(old)}."]
         if added:
@@ -1188,6 +1193,19 @@ class GradientMonitor(keras.callbacks.Callback):
             told.append(
                 "Trained in the last fit and not now, so without rows from this step on "
                 f"(frozen with `trainable = False`, or gone): {_some(gone)}."
+            )
+        if changed:
+            told.append(
+                "Training other weights than in the last fit (`enable_lora`, or a weight "
+                "frozen on its own), so their norms change here: "
+                + _some(
+                    [
+                        f"{layer} ({', '.join(new[layer])}; was {', '.join(old[layer])})"
+                        for layer in changed
+                    ],
+                    most=4,
+                )
+                + "."
             )
         self._add_event(step, None, "info", " ".join(told))
 
@@ -1213,18 +1231,34 @@ class GradientMonitor(keras.callbacks.Callback):
         """
         plan = self._plan
         rows = len(plan.names)
-        unreached = {}
+        unreached, untaped = {}, []
         for row in plan.unreached:
             if row < rows:
                 name = plan.names[row]
                 unreached.setdefault(name.layer, []).append(name.tensor)
             elif row - rows < len(plan.activation_paths):
-                unreached.setdefault(plan.activation_paths[row - rows], []).append("output")
+                path = plan.activation_paths[row - rows]
+                if path in plan.untaped:
+                    untaped.append(path)
+                else:
+                    unreached.setdefault(path, []).append("output")
         told = {layer for _, layer, kind, _ in self._events if kind == "no_gradient"}
         for layer, tensors in unreached.items():
             if layer in told:
                 continue  # by an earlier `fit` of this monitor
             self._add_event(step, layer, "no_gradient", no_gradient_message(layer, tensors))
+        told = {layer for _, layer, kind, _ in self._events if kind == "info"}
+        for layer in untaped:
+            if layer not in told:
+                self._add_event(
+                    step,
+                    layer,
+                    "info",
+                    f"Layer {layer!r} runs inside `keras.remat` (or another block the tape "
+                    "does not record, such as `tf.recompute_grad`), so the gradient with "
+                    "respect to its output cannot be read there: it has no output row. Its "
+                    "weights' gradients are recorded as usual.",
+                )
 
     def _check_nonfinite(self, steps, stats, metrics):
         if self._halt_step is not None:
@@ -1693,10 +1727,12 @@ def _steps_of(block, keep):
 
 
 def _weight_layers(layout):
-    """The layers with weight rows in `layout`, in row order."""
-    rows = zip(layout.layers, layout.tensors, strict=True)
-    kinds = (schema.ACTIVATION, schema.TIME_STEP)
-    return list(dict.fromkeys(layer for layer, tensor in rows if tensor not in kinds))
+    """`{layer: [tensor, ...]}` of the weight rows in `layout`, in row order."""
+    found = {}
+    for layer, tensor in zip(layout.layers, layout.tensors, strict=True):
+        if tensor not in (schema.ACTIVATION, schema.TIME_STEP):
+            found.setdefault(layer, []).append(tensor)
+    return found
 
 
 def _count(items, noun):

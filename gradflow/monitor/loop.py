@@ -371,7 +371,7 @@ class GradientLog:
             tensors = summary
             loss_value = _number("loss", loss)
         elif recorded:
-            present = tuple(i for i, g in enumerate(gradients) if g is not None)
+            present = _present(gradients, variables)
             if not present:
                 raise ValueError(
                     f"`gradients` holds no gradient at step {step}: every one is None, so the "
@@ -507,7 +507,7 @@ class GradientLog:
             A dict of tensors, to be given to `record` as they are.
         """
         variables = self._variables_for(gradients)
-        present = tuple(i for i, g in enumerate(gradients) if g is not None)
+        present = _present(gradients, variables)
         if not present:
             raise ValueError(
                 "`gradients` holds no gradient: every one is None, so the loss depends on none "
@@ -624,7 +624,7 @@ class GradientLog:
         self._layouts[present] = layout
         missing = {}
         for i, name in enumerate(self._names):
-            if i not in present:
+            if i not in present and not _overwritten(variables[i]):
                 missing.setdefault(name.layer, []).append(name.tensor)
         told = {layer for _, layer, kind, _ in self._events if kind == "no_gradient"}
         for layer, tensors in missing.items():
@@ -1048,6 +1048,18 @@ def _call_order(model):
 
 # The keys of `GradientLog.summarize`'s dict.
 _ROWS, _PRESENT, _COUNTS = "gradflow.rows", "gradflow.present", "gradflow.histograms"
+
+
+def _overwritten(variable):
+    """Whether the optimizer sets `variable` to its "gradient" (`naming.split_overwritten`)."""
+    return getattr(variable, "overwrite_with_gradient", False)
+
+
+def _present(gradients, variables):
+    """The indices of the gradients to record: given, and not a float8 scale's new value."""
+    return tuple(
+        i for i, g in enumerate(gradients) if g is not None and not _overwritten(variables[i])
+    )
 
 
 def _is_summary(value):

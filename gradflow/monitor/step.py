@@ -30,7 +30,7 @@ from gradflow.checks import warn_user
 from gradflow.monitor import deferred, through_time, trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS, RingBuffer, pad_rows, replica_counter
 from gradflow.probe.capture import reached_outputs, record_layer_outputs
-from gradflow.probe.naming import layer_order, variable_names
+from gradflow.probe.naming import layer_order, split_overwritten, variable_names
 from gradflow.probe.sensitivity import carried_state
 from gradflow.statistics import (
     ShapeGroups,
@@ -109,6 +109,9 @@ class StepPlan:
         self.activation_inputs = {}
         # Paths of the layer calls left out for want of rows (repeated calls).
         self.dropped_activations = []
+        # Recorded layer calls the tape did not record (inside `keras.remat`:
+        # `LayerOutputs.untaped`): unreached, but not for want of a gradient.
+        self.untaped = set()
         # Filled while the step is traced: the rows (weights, then layer
         # outputs) whose gradient the tape returned as None, because the loss
         # does not depend on them. Their rows are recorded as zeros, which
@@ -145,7 +148,7 @@ class StepPlan:
     def optimizer(self):
         return self.model.optimizer
 
-    def prepare(self, variables):
+    def prepare(self, variables, overwritten=()):
         """Name the variables and create the ring buffer, once.
 
         Keras builds a subclassed model only while it traces the first train
@@ -153,12 +156,15 @@ class StepPlan:
         new variables out of the graph, as Keras does for the model's own.
 
         Args:
-            variables: The model's trainable variables, in gradient order.
+            variables: The trainable variables that get rows, in gradient order.
+            overwritten: The trainable variables the optimizer sets to their
+                "gradient" (`naming.split_overwritten`): no rows, but the
+                optimizer is built for them too.
         """
         if self.buffer is not None:
             return
         with tf.init_scope():
-            self._build_optimizer(variables)
+            self._build_optimizer(list(variables) + list(overwritten))
             self.variables = list(variables)
             self.deferred = self._can_defer(variables)
             if self.deferred:
@@ -248,13 +254,18 @@ def instrumented_train_step(plan):
             scaled_loss = optimizer.scale_loss(loss)
 
         # Compute gradients
-        variables = model.trainable_weights
-        if not variables:
+        if not model.trainable_weights:
             warn_user("The model does not have any trainable weights.")
             return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        # float8 scales and amax histories: no rows, but Keras's update sets them.
+        variables, overwritten = split_overwritten(model.trainable_weights)
         sequence = _sequence_rows(plan, x, watched, outputs)
-        plan.prepare(variables)
-        activations, gradients = _gradients(plan, tape, scaled_loss, variables, outputs)
+        plan.prepare(variables, overwritten)
+        activations, gradients = _gradients(
+            plan, tape, scaled_loss, variables, outputs, overwritten
+        )
+        new_values = gradients[len(variables) : len(variables) + len(overwritten)]
+        del gradients[len(variables) : len(variables) + len(overwritten)]
         _fill_output_gradients(
             gradients, len(variables), activations, (x, y, y_pred, sample_weight), plan
         )
@@ -276,6 +287,7 @@ def instrumented_train_step(plan):
                 weight_gradients,
                 variables,
                 zeros_where_missing(gradients[len(variables) :], activations) + time_gradients(),
+                (new_values, overwritten),
             )
         weight_groups = ShapeGroups([v.shape for v in variables])
         updates = _UpdateCapture.for_step(
@@ -304,7 +316,9 @@ def instrumented_train_step(plan):
             capture = contextlib.nullcontext() if updates is None else updates.recording()
             with _constraints_deferred(variables, constrained), capture:
                 with tf.control_dependencies(before_update):
-                    optimizer.apply_gradients(zip(weight_gradients, variables, strict=False))
+                    optimizer.apply_gradients(
+                        zip(weight_gradients + new_values, variables + overwritten, strict=False)
+                    )
                 # Keras applies constraints inside `apply`; doing it here lets
                 # the step measure the weights between update and constraint.
                 unconstrained = []
@@ -422,11 +436,15 @@ def _noting_custom_gradients(plan, train_step):
     return step
 
 
-def _deferred_tail(plan, batch, loss, learning_rate, gradients, variables, activation_gradients):
+def _deferred_tail(
+    plan, batch, loss, learning_rate, gradients, variables, activation_gradients, overwrites
+):
     """Update and record the step for `gradflow.monitor.deferred`: one copy, and
     the statistics of the activation gradients only.
 
     The gradients are never scaled here (no loss scaling on this path).
+    `overwrites` is `(values, variables)` of the variables the optimizer sets
+    to their "gradient" (`naming.split_overwritten`), applied and not recorded.
     """
     model, optimizer = plan.model, plan.optimizer
     x, y, y_pred, sample_weight = batch
@@ -437,8 +455,11 @@ def _deferred_tail(plan, batch, loss, learning_rate, gradients, variables, activ
     def update():
         # The copy reads the weights before the update; waiting for it lets
         # the optimizer write them in place instead of copying them first.
+        new_values, overwritten = overwrites
         with tf.control_dependencies([packed]):
-            optimizer.apply_gradients(zip(gradients, variables, strict=False))
+            optimizer.apply_gradients(
+                zip(list(gradients) + new_values, variables + overwritten, strict=False)
+            )
         return [], []
 
     halted = None
@@ -558,9 +579,9 @@ def probed_train_step(plan, original_train_step, probe_every, probe_loss=None):
                 "`GradientMonitor(probe_loss=...)` (e.g. 'mse' or a function (y_true, y_pred)).",
             )
             return
-        variables = model.trainable_weights
+        variables, overwritten = split_overwritten(model.trainable_weights)
         sequence = _sequence_rows(plan, x, watched, outputs)
-        plan.prepare(variables)
+        plan.prepare(variables, overwritten)
         activations, gradients = _gradients(plan, tape, loss, variables, outputs)
         _note_unreached(plan, gradients)
         time_gradients = _time_gradients(tape, probe_target, sequence)
@@ -942,14 +963,16 @@ def _time_gradients(tape, probe, sequence):
     return through_time.gradients_through_time(tape, probe, *sequence)
 
 
-def _gradients(plan, tape, loss, variables, outputs):
+def _gradients(plan, tape, loss, variables, outputs, overwritten=()):
     """`(activations, gradients)`: the layer outputs the rows read, and the
-    gradients of `variables` then of those outputs (None where unreached)."""
+    gradients of `variables`, then of `overwritten` (their new values, see
+    `naming.split_overwritten`), then of those outputs (None where unreached)."""
     activations, others = _take_activations(plan, outputs)
-    gradients = tape.gradient(loss, variables + activations + [t for row in others for t in row])
-    activations, gradients[len(variables) :] = reached_outputs(
-        activations, others, gradients[len(variables) :]
+    start = len(variables) + len(overwritten)
+    gradients = tape.gradient(
+        loss, variables + list(overwritten) + activations + [t for row in others for t in row]
     )
+    activations, gradients[start:] = reached_outputs(activations, others, gradients[start:])
     return activations, gradients
 
 
@@ -978,6 +1001,7 @@ def _take_activations(plan, outputs):
     plan.activation_inputs = {outputs.paths[i]: inputs[i] for i in keep}
     kept = set(keep)
     plan.dropped_activations = [p for i, p in enumerate(outputs.paths) if i not in kept]
+    plan.untaped = {outputs.paths[i] for i in keep if outputs.untaped[i]}
     return (
         [tf.convert_to_tensor(outputs.tensors[i]) for i in keep],
         [[tf.convert_to_tensor(t) for t in outputs.others[i]] for i in keep],

@@ -14,6 +14,7 @@ import math
 
 import keras
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+from tensorflow.python.eager import record
 
 from gradflow.schema import ACTIVATION  # noqa: F401  (re-exported vocabulary)
 
@@ -134,6 +135,12 @@ class LayerOutputs:
             the recorded input it takes (pooling, global pooling): its mean
             |gradient| then changes with the count alone, 784-fold through
             a global average pool over 28x28, which is no saturation.
+        untaped: For each call, whether it ran where the block's tape did not
+            record (inside `keras.remat` or `tf.recompute_grad`, which run the
+            forward pass with the tape stopped and again in the backward
+            pass): the tape has no gradient for its output, though the
+            layer's weights get theirs. Read as "no gradient reaches", it
+            was told "Training leaves its weights as they are".
     """
 
     def __init__(self):
@@ -143,13 +150,15 @@ class LayerOutputs:
         self.others = []
         self.fed_by = []
         self.spreads = []
+        self.untaped = []
         self._calls = {}
         self._made_by = {}  # each key (`_keys`) of a recorded first output -> its call's path
 
-    def _add(self, path, layer, outputs, inputs=()):
+    def _add(self, path, layer, outputs, inputs=(), untaped=False):
         flat = keras.tree.flatten(outputs)
         if not flat:
             return
+        self.untaped.append(untaped)
         fed_by, taken = None, None
         for tensor in keras.tree.flatten(inputs):
             for key in _keys(tensor):
@@ -285,11 +294,15 @@ def record_layer_outputs(model, layers=None, watch=None):
     outputs = LayerOutputs()
     targets = leaf_layers(model) if layers is None else layers
     patched = []
+    # Whether a tape records the block: a call that then runs unrecorded is
+    # inside `keras.remat` (`LayerOutputs.untaped`).
+    taping = record.could_possibly_record()
     try:
         for path, layer in targets:
-            if "call" in layer.__dict__:
+            method = _call_method(layer)
+            if method in layer.__dict__:
                 continue  # already wrapped by an enclosing block
-            original = layer.call
+            original = getattr(layer, method)
 
             def recording_call(*args, _path=path, _layer=layer, _original=original, **kwargs):
                 result = _original(*args, **kwargs)
@@ -303,17 +316,32 @@ def record_layer_outputs(model, layers=None, watch=None):
                     for tensor in keras.tree.flatten(result):
                         if _is_float(tensor):
                             watch(tensor)
-                outputs._add(_path, _layer, result, (args, kwargs))
+                untaped = taping and not record.could_possibly_record()
+                outputs._add(_path, _layer, result, (args, kwargs), untaped)
                 return result
 
-            # An instance attribute shadows the class's `call`; Keras's
-            # `Layer.__call__` looks `self.call` up on every call.
-            object.__setattr__(layer, "call", recording_call)
-            patched.append(layer)
+            # An instance attribute shadows the class's method; Keras's
+            # `Layer.__call__` looks it up on every call.
+            object.__setattr__(layer, method, recording_call)
+            patched.append((layer, method))
         yield outputs
     finally:
-        for layer in patched:
-            layer.__dict__.pop("call", None)
+        for layer, method in patched:
+            layer.__dict__.pop(method, None)
+
+
+def _call_method(layer):
+    """The name of the method Keras's `Layer.__call__` runs for `layer`.
+
+    A quantized layer (`model.quantize("int8")`, "int4", "float8", ...) runs
+    `quantized_call`, never `call`: wrapped in `call` alone, its output was
+    not recorded, so it had no row, and `snapshot` of a model whose layers
+    were all quantized failed on an empty list of outputs.
+    """
+    policy = getattr(layer, "dtype_policy", None)
+    if getattr(policy, "quantization_mode", None) is not None:
+        return "quantized_call"
+    return "call"
 
 
 def ensure_built(model, x):

@@ -59,6 +59,43 @@ def _tensor_name(layer, variable):
     return variable.name
 
 
+def split_overwritten(variables):
+    """`(learned, overwritten)`: `variables` without, then with, `overwrite_with_gradient`.
+
+    Keras's float8 layers (`model.quantize("float8")`) keep scales and amax
+    histories as trainable variables whose "gradient" is their next value
+    (`Variable.overwrite_with_gradient`): the optimizer assigns it instead of
+    taking a step, and leaves it out of clipping. Recorded as gradients, an
+    amax history of about 3 joined a layer's gradient norm and its update
+    ratio read about 1. gradflow records the learned variables only; a
+    train step still hands the others to the optimizer.
+
+    Example:
+
+    >>> layer = keras.layers.Dense(2, name="fp8")
+    >>> layer.build((None, 3))
+    >>> layer.quantize("float8")
+    >>> learned, overwritten = split_overwritten(layer.trainable_variables)
+    >>> [v.name for v in learned]
+    ['kernel', 'bias']
+    >>> len(overwritten)
+    6
+
+    Args:
+        variables: A list of variables.
+
+    Returns:
+        Two lists, each in the order of `variables`.
+    """
+    learned, overwritten = [], []
+    for variable in variables:
+        if getattr(variable, "overwrite_with_gradient", False):
+            overwritten.append(variable)
+        else:
+            learned.append(variable)
+    return learned, overwritten
+
+
 def variable_names(model, variables=None, called=None):
     """Name each trainable variable of `model` by its layer and role.
 

@@ -198,7 +198,7 @@ def restored_state(model):
                 layer.reset_state()
 
 
-def sensitivity_maxima(tape, layer_outputs, inputs):
+def sensitivity_maxima(tape, layer_outputs, inputs, untaped=None):
     """max |d(sum of each layer output)/d(inputs)|, to call inside a traced function.
 
     Args:
@@ -206,14 +206,19 @@ def sensitivity_maxima(tape, layer_outputs, inputs):
             the forward pass.
         layer_outputs: The recorded output tensor of each layer.
         inputs: The float input tensors (non-empty list).
+        untaped: Optional; for each output, whether the tape did not record
+            it (`capture.LayerOutputs.untaped`).
 
     Returns:
         A float32 vector, one maximum per layer output. A layer whose output
-        does not depend on the input gets 0; a NaN in a gradient gives NaN.
+        does not depend on the input gets 0; a NaN in a gradient gives NaN,
+        and an output of an integer dtype or one the tape did not record
+        (inside `keras.remat`: its 0 would read as independent of the input)
+        gets NaN.
     """
     gradients = []
-    for output in layer_outputs:
-        if not output.dtype.is_floating:
+    for index, output in enumerate(layer_outputs):
+        if not output.dtype.is_floating or (untaped and untaped[index]):
             gradients.append(tf.fill([1], float("nan")))
             continue
         # A non-scalar target is summed by the tape: d(sum of output)/d(inputs).
@@ -267,7 +272,7 @@ class InputSensitivity:
                 self.model(x, training=self.training)
         # Runs while tracing: remembers which layers the graph covers.
         self._called = list(outputs.paths)
-        return sensitivity_maxima(tape, outputs.tensors, inputs)
+        return sensitivity_maxima(tape, outputs.tensors, inputs, outputs.untaped)
 
     def __call__(self, x):
         """Compute the sensitivity table for one batch `x`.

@@ -29,7 +29,7 @@ from gradflow import schema
 from gradflow.checks import check_backend, check_not_legacy, flag
 from gradflow.probe import capture, sensitivity
 from gradflow.probe.labels import label_problem
-from gradflow.probe.naming import layer_order, variable_names
+from gradflow.probe.naming import layer_order, split_overwritten, variable_names
 from gradflow.statistics import summarize, zeros_where_missing
 
 _KEY_COLUMNS = ["step", "layer", "layer_index", "tensor", "variable", "shape"]
@@ -52,7 +52,10 @@ class Snapshot:
             `tensor` = `"activation"`, `variable` = `""`. For the model's
             output this is the derivative of the loss as a function of the
             output values, also where Keras computes a cross-entropy from a
-            softmax's logits.
+            softmax's logits. A layer called inside `keras.remat` has no
+            row (and is not in `no_gradient`): the tape does not record
+            what runs there, so its output's gradient cannot be read; its
+            weights have their rows, and its `inputs` row a NaN.
         inputs: One row per layer call: `layer`, `layer_index`, `max_abs` of
             d(sum of the layer's output)/d(model input). For integer inputs
             `max_abs` is NaN and a `note` column says why.
@@ -354,7 +357,8 @@ class GradientProbe:
             shown = [tf.identity(t) for t in tf.nest.flatten(y_pred)]
             shown_loss = _mean_loss(self.loss_fn, y, tf.nest.pack_sequence_as(y_pred, shown))
         # Compute gradients
-        variables = list(model.trainable_variables)
+        # Not float8's scales and amax histories, whose "gradient" is a new value.
+        variables, _ = split_overwritten(model.trainable_variables)
         gradients = tape.gradient(
             loss, variables + outputs.tensors + [t for row in outputs.others for t in row]
         )
@@ -374,7 +378,7 @@ class GradientProbe:
         # Record gradient statistics
         statistics, histograms = summarize(gradients, histogram=self.histograms)
         maxima = (
-            sensitivity.sensitivity_maxima(tape, tensors, inputs)
+            sensitivity.sensitivity_maxima(tape, tensors, inputs, outputs.untaped)
             if sensitive
             else tf.fill([len(outputs)], float("nan"))
         )
@@ -385,7 +389,10 @@ class GradientProbe:
             "layer_inputs": dict(zip(outputs.paths, outputs.compared_inputs(), strict=True)),
             "shapes": [tuple(t.shape) for t in tensors],
             "variables": variables,
+            # Outputs made inside `keras.remat` have no gradient to read, but
+            # the loss reaches them: no row, and not "no gradient".
             "unreached": unreached,
+            "untaped": [len(variables) + i for i, u in enumerate(outputs.untaped) if u],
             "inputs_note": (
                 sensitivity.INTEGER_INPUT_NOTE
                 if not inputs
@@ -472,7 +479,10 @@ class GradientProbe:
         counts = pd.concat([histogram_keys, pd.DataFrame(counts, columns=_BIN_COLUMNS)], axis=1)
         unreached = traced["unreached"]
         no_gradient = {}
+        untaped = set(traced.get("untaped", ()))
         for row in unreached:
+            if row in untaped:
+                continue
             tensor = keys["tensor"].iloc[row] if row < n else "output"
             no_gradient.setdefault(keys["layer"].iloc[row], []).append(tensor)
         table = table.drop(index=unreached)
