@@ -101,7 +101,13 @@ def load_baseline(checkout):
     # The checkout's own deferred ring too (it came in the ninth session).
     # (Since the thirteenth session the same line imports `trace_gradients`,
     # which stays this checkout's.)
+    # (Since the thirty-ninth, also `through_time`, which stays this checkout's too.)
     rings = [
+        (
+            "from gradflow.monitor import deferred, through_time, trace_gradients",
+            "import baseline_deferred as deferred\n"
+            "from gradflow.monitor import through_time, trace_gradients",
+        ),
         (
             "from gradflow.monitor import deferred, trace_gradients",
             "import baseline_deferred as deferred\nfrom gradflow.monitor import trace_gradients",
