@@ -133,8 +133,12 @@ def test_a_renamed_run_is_the_one_the_next_button_acts_on(chromium, dashboard, s
     # The box shows the pick at once; the server's rerun for it then redraws
     # the name field with the picked run's name. Typed before that lands (a
     # busy CI machine), the redraw put the old name back before Rename. While
-    # it lands, the old field (greyed, stale) and the new one are both there.
-    assert wait_until(lambda: name.count() == 1 and name.input_value() == "lesson one")
+    # it lands, the old field (greyed, stale) and the new one are both there,
+    # so their values are read at once: a count, then a read, raced the
+    # second field's arrival (Playwright's strict mode raised).
+    assert wait_until(
+        lambda: name.evaluate_all("fields => fields.map((f) => f.value)") == ["lesson one"]
+    )
     name.fill("lesson one (relu)")
     page.get_by_role("button", name="Rename").click()
     assert wait_until(lambda: store.run_info(picked)["name"] == "lesson one (relu)")
