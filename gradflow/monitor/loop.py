@@ -46,7 +46,7 @@ from gradflow.monitor.records import (
 from gradflow.monitor.remote import DashboardRequests, stopped_message
 from gradflow.monitor.step import WeightSegments
 from gradflow.monitor.tensorboard import SummaryWriter
-from gradflow.probe.naming import layer_order, variable_names
+from gradflow.probe.naming import is_overwritten, layer_order, variable_names
 from gradflow.statistics import norm_of_norms, summarize
 from gradflow.store import trouble
 
@@ -624,7 +624,7 @@ class GradientLog:
         self._layouts[present] = layout
         missing = {}
         for i, name in enumerate(self._names):
-            if i not in present and not _overwritten(variables[i]):
+            if i not in present and not is_overwritten(variables[i]):
                 missing.setdefault(name.layer, []).append(name.tensor)
         told = {layer for _, layer, kind, _ in self._events if kind == "no_gradient"}
         for layer, tensors in missing.items():
@@ -1050,15 +1050,10 @@ def _call_order(model):
 _ROWS, _PRESENT, _COUNTS = "gradflow.rows", "gradflow.present", "gradflow.histograms"
 
 
-def _overwritten(variable):
-    """Whether the optimizer sets `variable` to its "gradient" (`naming.split_overwritten`)."""
-    return getattr(variable, "overwrite_with_gradient", False)
-
-
 def _present(gradients, variables):
     """The indices of the gradients to record: given, and not a float8 scale's new value."""
     return tuple(
-        i for i, g in enumerate(gradients) if g is not None and not _overwritten(variables[i])
+        i for i, g in enumerate(gradients) if g is not None and not is_overwritten(variables[i])
     )
 
 

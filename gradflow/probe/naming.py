@@ -89,11 +89,13 @@ def split_overwritten(variables):
     """
     learned, overwritten = [], []
     for variable in variables:
-        if getattr(variable, "overwrite_with_gradient", False):
-            overwritten.append(variable)
-        else:
-            learned.append(variable)
+        (overwritten if is_overwritten(variable) else learned).append(variable)
     return learned, overwritten
+
+
+def is_overwritten(variable):
+    """Whether the optimizer sets `variable` to its "gradient" (`split_overwritten`)."""
+    return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
 def variable_names(model, variables=None, called=None):

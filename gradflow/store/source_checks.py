@@ -91,21 +91,15 @@ def check_run(row, path):
     run_id = row["run_id"]
     if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
         _refuse(path, f"a run id {_shown(run_id)} is not one gradflow makes")
-    name = row["name"]
-    if not isinstance(name, str):
-        _refuse(path, f"run {run_id}'s name {_shown(name)} is not a name")
-    if not name.strip():
-        name = "(no name)"  # `create_run(name=" ")` stores a blank one
-    name = schema.BIDI_CONTROLS.sub("\ufffd", schema.CONTROL_CHARACTERS.sub("\ufffd", name))
-    row["name"] = _cut(name, MAX_NAME_LENGTH)
+    row["name"] = _name(row["name"], path, f"run {run_id}")
     if row["status"] not in tables.STATUSES:
         _refuse(path, f"run {run_id}'s status {_shown(row['status'])} is not one of gradflow's")
     if row["source"] not in tables.SOURCES:
         _refuse(path, f"run {run_id}'s source {_shown(row['source'])} is not one of gradflow's")
     for column in ("created_at", "updated_at"):
-        _time(row[column], path, run_id, column)
+        _time(row[column], path, f"run {run_id}'s {column}")
     if row["heartbeat_at"] is not None:
-        _time(row["heartbeat_at"], path, run_id, "heartbeat_at")
+        _time(row["heartbeat_at"], path, f"run {run_id}'s heartbeat_at")
     _whole(row["progress_step"], path, f"run {run_id}'s progress_step")
     for column in ("total_steps", "pid"):
         if row[column] is not None:
@@ -215,17 +209,10 @@ def checked_deletions(rows, path):
     for run_id, name, created_at, deleted_at in rows:
         if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
             _refuse(path, f"a deleted run's id {_shown(run_id)} is not one gradflow makes")
-        if not isinstance(name, str):
-            _refuse(path, f"deleted run {run_id}'s name {_shown(name)} is not a name")
-        name = schema.BIDI_CONTROLS.sub("\ufffd", schema.CONTROL_CHARACTERS.sub("\ufffd", name))
-        for value, column in ((created_at, "creation time"), (deleted_at, "deletion time")):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-            ):
-                _refuse(path, f"deleted run {run_id}'s {column} is {_shown(value)}, not a time")
-        yield run_id, _cut(name.strip() or "(no name)", MAX_NAME_LENGTH), created_at, deleted_at
+        name = _name(name, path, f"deleted run {run_id}")
+        _time(created_at, path, f"deleted run {run_id}'s creation time")
+        _time(deleted_at, path, f"deleted run {run_id}'s deletion time")
+        yield run_id, name, created_at, deleted_at
 
 
 def _refuse(path, what):
@@ -249,9 +236,20 @@ def _whole(value, path, what, most=None):
         _refuse(path, f"{what} is {_shown(value)}, not below {most:,}")
 
 
-def _time(value, path, run_id, column):
+def _time(value, path, what):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        _refuse(path, f"run {run_id}'s {column} is {_shown(value)}, not a time")
+        _refuse(path, f"{what} is {_shown(value)}, not a time")
+
+
+def _name(value, path, owner):
+    """A run's name as the store shows it: control characters and bidirectional
+    overrides (a tab, pasted right-to-left text) as U+FFFD, cut to its length."""
+    if not isinstance(value, str):
+        _refuse(path, f"{owner}'s name {_shown(value)} is not a name")
+    if not value.strip():
+        value = "(no name)"  # `create_run(name=" ")` stores a blank one
+    value = schema.BIDI_CONTROLS.sub("\ufffd", schema.CONTROL_CHARACTERS.sub("\ufffd", value))
+    return _cut(value, MAX_NAME_LENGTH)
 
 
 def _text(value, path, what):
