@@ -334,6 +334,61 @@ def test_sample_weights_validation_data_and_compiled_metrics():
     )
 
 
+@pytest.mark.parametrize(
+    "optimizer_class,clip",
+    [(keras.optimizers.SGD, None), (keras.optimizers.Adam, ("clipnorm", 0.05))],
+    ids=["sgd", "adam_clipnorm"],
+)
+def test_run_eagerly_records_what_the_compiled_step_does(optimizer_class, clip):
+    # `compile(run_eagerly=True)` is how a Keras user steps through a NaN in
+    # a debugger: the monitor must keep the step eager (a breakpoint in
+    # `call` still stops) and record the same numbers.
+    x, y = make_data()
+    model = make_model()
+    reference = copy_of(model)
+    clip_kwargs = {clip[0]: clip[1]} if clip else {}
+    eager = []
+
+    def mse(y_true, y_pred):  # Keras's own, and a look at how the step runs
+        eager.append(tf.executing_eagerly())
+        return keras.losses.mean_squared_error(y_true, y_pred)
+
+    model.compile(optimizer=optimizer_class(0.05, **clip_kwargs), loss=mse, run_eagerly=True)
+    monitor = GradientMonitor(activations=True)
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[monitor])
+    assert eager == [True] * 6
+    rows, metrics = reference_run(reference, optimizer_class(0.05), x, y, epochs=2, clip=clip)
+    assert_matches_reference(monitor, rows, metrics, 1e-4)
+
+
+def test_class_weights_record_the_weighted_gradients():
+    # Keras turns `class_weight` into per-example weights; the recorded
+    # gradients are those of the weighted loss, as a tape with the same
+    # weights computes them.
+    x, y = make_data()
+    labels = (y > 0).astype("float32")
+    model = make_model()
+    reference = copy_of(model)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    monitor = GradientMonitor()
+    model.fit(
+        x,
+        labels,
+        class_weight={0: 0.5, 1: 2.0},
+        batch_size=BATCH,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[monitor],
+    )
+    weights = np.where(labels[:, 0] == 1.0, 2.0, 0.5).astype("float32")
+    rows, metrics = reference_run(
+        reference, keras.optimizers.SGD(0.05), x, labels, epochs=2, sample_weight=weights
+    )
+    rows = {key: row for key, row in rows.items() if key[2] != "activation"}
+    assert_matches_reference(monitor, rows, metrics, 1e-5)
+
+
 def fit_history(**fit_kwargs):
     x, y = make_data()
     model = make_model()

@@ -1,6 +1,9 @@
 """Background lab runs: worker processes, pause/step/resume/stop, the queue, seeds."""
 
+import os
 import pathlib
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -244,3 +247,46 @@ def test_no_spare_is_said_to_warm_while_the_busy_slot_will_hand_over_its_worker(
         wait_for(lambda: manager.wait_warm(0), timeout=10)  # its worker is the spare now
     finally:
         manager.shutdown()
+
+
+# A worker as RunManager starts it, with its warm-up reported on stderr and an
+# exit handler of the user's kind (a log flushed at exit) that must still run.
+WORKER = """
+import atexit, pathlib, sys
+import gradflow.lab.worker as worker
+worker._warm_up = lambda: print("warm-up", file=sys.stderr, flush=True)
+atexit.register(lambda: pathlib.Path(sys.argv[1]).write_text("exit handlers ran"))
+worker._exit_now(worker.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("handed_at_start", [True, False], ids=["run-waiting", "spare"])
+def test_a_worker_warms_up_only_as_a_spare_and_ends_after_its_exit_handlers(
+    tmp_path, handed_at_start
+):
+    store = RunStore(tmp_path / "runs.db")
+    run_id = store.create_run(RunConfig(depth=1, width=4, steps=5).to_dict(), status="queued")
+    marker = tmp_path / "exit.txt"
+    root = str(pathlib.Path(gradflow.__file__).resolve().parent.parent)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER, str(marker), "--db", str(store.path), "--runs", "1"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="3"),
+    )
+    if handed_at_start:  # As RunManager hands a queued run to the worker it starts for it.
+        worker.stdin.write(run_id + "\n")
+        worker.stdin.flush()
+    assert worker.stdout.readline().split() == ["ready"]
+    if not handed_at_start:
+        worker.stdin.write(run_id + "\n")
+        worker.stdin.flush()
+    assert worker.stdout.readline().split() == ["done", run_id, "completed"]
+    _, errors = worker.communicate(timeout=60)
+    assert worker.returncode == 0
+    assert ("warm-up" in errors) is not handed_at_start
+    assert marker.read_text() == "exit handlers ran"
+    assert store.status(run_id) == "completed"
+    assert store.layer_stats(run_id, columns=["l2_norm"])["step"].max() == 5
