@@ -6,8 +6,9 @@ calls it for background runs. A worker is started by `RunManager` as
 
     python -m gradflow.lab.worker --db PATH --threads N --niceness K --runs R
 
-It imports TensorFlow and Keras, then waits on stdin for a run id (this is
-the pre-warmed state) and trains that run. It then says `next RUN STATUS` on
+It imports TensorFlow and Keras, traces a toy model's monitored step once
+(the warm-up; skipped when its run is already waiting on stdin), then waits
+on stdin for a run id (this is the pre-warmed state) and trains that run. It then says `next RUN STATUS` on
 stdout and waits for the next run id: a warm worker trains run after run, so
 a class of thirty queued runs pays for importing TensorFlow (seconds of a
 whole core each time) a few times, not thirty. Between runs it clears
