@@ -23,7 +23,9 @@ DEFAULT_WORKER_NICENESS = 10
 # them: class done in 179-194 s instead of 327 s, with a third of the server's
 # CPU, but store -> page p95 12-30 s instead of 4.8 s, since each run start
 # and end costs its page a full rerun, and those came two to three times as
-# often (docs/reliability.md). GRADFLOW_RUNS_PER_WORKER=25 chooses throughput.
+# often (docs/reliability.md; again in the forty-ninth session: 129-135 s against
+# 261-264 s, a quarter of the CPU, p95 16-23 s against 2.1-3.1 s).
+# GRADFLOW_RUNS_PER_WORKER=25 chooses throughput.
 DEFAULT_RUNS_PER_WORKER = 1
 
 
