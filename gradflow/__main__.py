@@ -1,6 +1,6 @@
 """`python -m gradflow` is the `gradflow` command line."""
 
-from gradflow.cli import main
+from gradflow.cli import run
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

@@ -256,7 +256,7 @@ import atexit, pathlib, sys
 import gradflow.lab.worker as worker
 worker._warm_up = lambda: print("warm-up", file=sys.stderr, flush=True)
 atexit.register(lambda: pathlib.Path(sys.argv[1]).write_text("exit handlers ran"))
-worker._exit_now(worker.main(sys.argv[2:]))
+worker.quick_exit(worker.main(sys.argv[2:]))
 """
 
 
@@ -284,8 +284,10 @@ def test_a_worker_warms_up_only_as_a_spare_and_ends_after_its_exit_handlers(
         worker.stdin.write(run_id + "\n")
         worker.stdin.flush()
     assert worker.stdout.readline().split() == ["done", run_id, "completed"]
-    _, errors = worker.communicate(timeout=60)
-    assert worker.returncode == 0
+    # With its stdin still open: at end-of-file its lifeline would end it at once (status 3).
+    assert worker.wait(timeout=60) == 0
+    errors = worker.stderr.read()
+    worker.stdin.close()
     assert ("warm-up" in errors) is not handed_at_start
     assert marker.read_text() == "exit handlers ran"
     assert store.status(run_id) == "completed"

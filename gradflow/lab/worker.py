@@ -25,7 +25,6 @@ outlives its launcher.
 """
 
 import argparse
-import atexit
 import contextlib
 import gc
 import math
@@ -38,6 +37,7 @@ import warnings
 
 from gradflow.checks import error_text
 from gradflow.lab.datasets import DataFileError, DatasetDownloadError
+from gradflow.quick_exit import quick_exit
 from gradflow.safety.errors import UnsafeInputError
 from gradflow.store import ACTIVE_STATUSES, RunStore
 
@@ -333,21 +333,7 @@ def main(argv=None):
     return 0
 
 
-def _exit_now(code):
-    """Ends the worker as `sys.exit` would, less Python's teardown of its objects.
-
-    The runs are stored and closed by now. Unloading TensorFlow's and Keras's
-    objects one by one took 1.1-1.2 s of a core per worker, which no one
-    waits for but which the pages of a classroom on the same cores pay, once
-    per run (the dashboard gives each run a fresh worker). Exit handlers still
-    run (logging's flush among them), and the open files are flushed.
-    """
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    _exit_now(main())
+    # Its runs are stored and closed: no need to wait for Python to unload
+    # TensorFlow (`gradflow.quick_exit`).
+    quick_exit(main())
