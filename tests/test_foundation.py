@@ -135,7 +135,7 @@ def test_requirements_pin_exact_versions():
 
 def test_pyproject_declares_console_script_and_tools():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert project["project"]["scripts"]["gradflow"] == "gradflow.cli:main"
+    assert project["project"]["scripts"]["gradflow"] == "gradflow.cli:run"
     assert "pytest" in project["tool"] and "ruff" in project["tool"]
 
 
