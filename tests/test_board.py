@@ -267,6 +267,11 @@ def test_queued_pages_follow_their_place_without_asking_the_server(
         )
         assert looks >= 4, "the page looks at the board from the browser"
 
+        # Near the front of the queue, it loads Plotly.js while it waits
+        # (`board.PRELOAD_PLACE`), through the live charts' own module.
+        third.wait_for_function("() => window.Plotly !== undefined", timeout=60_000)
+        assert third.get_by_text("Waiting in the queue").count() == 1
+
         first.get_by_role("button", name="Stop").click()
         second.get_by_text("Training").first.wait_for(timeout=60_000)
         # The third page moved up in the browser, without a rerun.
@@ -358,5 +363,68 @@ def test_a_page_far_back_in_the_queue_looks_at_the_board_less_often(chromium):
 
         page.evaluate("() => { window.board.queue = []; }")  # the run left the queue
         page.wait_for_function("() => window.asked.length === 1", timeout=10_000)
+    finally:
+        page.close()
+
+
+@pytest.mark.browser
+def test_a_page_near_the_front_of_the_queue_loads_plotly_while_it_waits(chromium):
+    # Far back it only looks at the board; two places from the front it
+    # imports the live charts' module from the app's static files and asks it
+    # for Plotly.js, once.
+    from gradflow.ui import board as board_module
+
+    module = "export function preloadPlotly(src, gzipSrc) { window.preloads.push([src, gzipSrc]); }"
+
+    def answer(route):
+        if "/app/static/gradflow/live_chart.js" in route.request.url:
+            route.fulfill(body=module, content_type="text/javascript")
+        else:
+            route.fulfill(body="<html><body></body></html>", content_type="text/html")
+
+    page = chromium.new_page()
+    try:
+        page.route("http://gradflow.test/**", answer)
+        page.goto("http://gradflow.test/")
+        page.evaluate(_WATCH_SETUP, board_module._WATCH_JS)
+        page.evaluate(
+            "() => { window.preloads = []; "
+            "window.board.queue = [...Array(5).fill('other'), 'mine']; }"
+        )
+        page.evaluate(
+            _WATCH_START,
+            {
+                "url": "/board.json",
+                "every_ms": 200,
+                "ask_again_ms": 3000,
+                "failed_looks": 3,
+                "places_per_slower_look": board_module.PLACES_PER_SLOWER_LOOK,
+                "slowest_looks": board_module.SLOWEST_LOOKS,
+                "run": "mine",
+                "place": 5,
+                "preload": {
+                    "folder": "app/static/gradflow/",
+                    "module": "live_chart.js?v=1",
+                    "plotly": "plotly.min.js?v=2",
+                    "plotly_gz": "plotly.min.js.gz?v=3",
+                },
+                "preload_place": board_module.PRELOAD_PLACE,
+            },
+        )
+        page.wait_for_function("() => window.looks.length >= 3", timeout=20_000)
+        assert page.evaluate("() => window.preloads") == []
+
+        page.evaluate(
+            "(place) => { window.board.queue = [...Array(place).fill('other'), 'mine']; }",
+            board_module.PRELOAD_PLACE,
+        )
+        page.wait_for_function("() => window.preloads.length > 0", timeout=20_000)
+        looks = page.evaluate("() => window.looks.length")
+        page.wait_for_function(f"() => window.looks.length >= {looks + 3}", timeout=20_000)
+        root = "http://gradflow.test/app/static/gradflow/"
+        assert page.evaluate("() => window.preloads") == [
+            [root + "plotly.min.js?v=2", root + "plotly.min.js.gz?v=3"]
+        ]
+        assert page.evaluate("() => window.asked") == []
     finally:
         page.close()

@@ -69,6 +69,15 @@ LOOK_EVERY_S = 1.0
 # the other pages were still opening (`bench/bench_page_states.py`).
 PLACES_PER_SLOWER_LOOK = 3
 SLOWEST_LOOKS = 3
+# A queued page this many runs or fewer from the front loads Plotly.js while
+# it waits (`live_chart.preload_assets`). In a class of 30 on two cores its
+# evaluation took a starved page 5-15 s; loaded once a worker had the run, it
+# stood between the run's steps and the page showing them: the slowest page
+# updates of the forty-ninth session's classroom were pages that sent their
+# ticks 5-10 s apart just after their run started. Only the pages near the
+# front: thirty pages loading it at once stopped their timers for 30-40 s
+# (tenth session, docs/reliability.md).
+PRELOAD_PLACE = 2
 # A difference that persists is asked about again after this long.
 ASK_AGAIN_AFTER_S = 3.0
 # Looks that failed in a row before the page asks the server instead.
@@ -172,6 +181,17 @@ _WATCH_JS = """export default function ({ data, parentElement, setTriggerValue }
     if (line && line.textContent !== text) line.textContent = text;
   };
   if (data.run !== null) show(data.place);
+  // Plotly.js through the live charts' own module (one copy a page), once.
+  const preload = (place) => {
+    const assets = data.preload;
+    if (!assets || place > data.preload_place || box.gradflowPreloading) return;
+    box.gradflowPreloading = true;
+    const u = (name) => root + assets.folder + name;  // as the charts' loader writes it: one module
+    import(u(assets.module))
+      .then((module) => module.preloadPlotly(u(assets.plotly), u(assets.plotly_gz)))
+      .catch(() => { box.gradflowPreloading = false; });
+  };
+  if (data.run !== null) preload(data.place);
   const generation = (box.gradflowBoardGeneration = (box.gradflowBoardGeneration ?? 0) + 1);
   const current = () => box.gradflowBoardGeneration === generation && !box.gradflowBoardGone;
   box.gradflowBoardGone = false;
@@ -194,7 +214,7 @@ _WATCH_JS = """export default function ({ data, parentElement, setTriggerValue }
       } else {
         const place = board.queue.indexOf(data.run);
         ask = place < 0;  // it left the queue: the page shows what it does now
-        if (!ask && current()) show(place);
+        if (!ask && current()) { show(place); preload(place); }
         if (!ask) wait = pause(place);
       }
     } catch (error) {
@@ -254,7 +274,8 @@ def watch_place(board, run_id, place):
     The place ("2 ahead of it", "next in line") is updated in the browser:
     a class's queued pages do not all rerun each time a run starts. Draw it
     in the fragment that shows the run: that fragment reruns once, when the
-    run leaves the queue.
+    run leaves the queue. Within `PRELOAD_PLACE` of the front, the page
+    loads Plotly.js for the charts to come.
 
     Args:
         board: The server's `RunBoard`.
@@ -262,7 +283,14 @@ def watch_place(board, run_id, place):
         place: Runs ahead of it as the server sees it now (0: next), shown
             until the first look at the board.
     """
-    _watch(board, f"gradflow.board.place.{run_id}", run=board.digest(run_id), place=int(place))
+    _watch(
+        board,
+        f"gradflow.board.place.{run_id}",
+        run=board.digest(run_id),
+        place=int(place),
+        preload=live_chart.preload_assets(),
+        preload_place=PRELOAD_PLACE,
+    )
 
 
 def watch_warm(board, warm=False):

@@ -36,9 +36,10 @@ to evaluate, two thirds of what opening the page cost: see
 `gradflow/ui/live_chart.py`).
 On a server with more open pages than cores, a page without a run, or whose
 run waits in the queue, draws plain bordered boxes instead and loads Plotly
-once a worker has its run: a class that opened the page at once loaded 30
-copies of Plotly at once, right after the clicks, and on one 2-core machine
-its pages then ran no timer for 30-40 s (issue #7, docs/reliability.md).
+once its run is near the front of the queue (`board.PRELOAD_PLACE`) or a
+worker has it: a class that opened the page at once loaded 30 copies of
+Plotly at once, right after the clicks, and on one 2-core machine its pages
+then ran no timer for 30-40 s (issue #7, docs/reliability.md).
 """
 
 import functools

@@ -52,6 +52,13 @@ function loadPlotly(src, gzipSrc) {
   return plotly;
 }
 
+// Plotly.js loaded before any chart of this page needs it (a queued page near
+// the front of the queue, gradflow/ui/board.py): the same promise the charts
+// wait on, so the page evaluates it once.
+export function preloadPlotly(src, gzipSrc) {
+  loadPlotly(src, gzipSrc).catch(() => {});
+}
+
 const TYPED = {
   f8: Float64Array, f4: Float32Array, i4: Int32Array, i2: Int16Array,
   i1: Int8Array, u4: Uint32Array, u2: Uint16Array, u1: Uint8Array,

@@ -222,23 +222,54 @@ def available():
     return bool(st.get_option("server.enableStaticServing")) and not _Assets.failed
 
 
-@functools.cache
-def _component(versions):
-    def url(name):
+def _asset_names(versions):
+    """The served names of the module and Plotly.js, with their versions, relative to `static_url()`."""
+
+    def name_of(name):
         # Without a publish_assets call (a page run on its own, as in AppTest)
         # the URL has no version; nothing is fetched there anyway.
         version = dict(versions).get(name)
-        return repr(name + (f"?v={version}" if version else ""))
+        return name + (f"?v={version}" if version else "")
 
+    return {
+        "module": name_of("live_chart.js"),
+        "plotly": name_of("plotly.min.js"),
+        "plotly_gz": name_of("plotly.min.js.gz"),
+    }
+
+
+def preload_assets():
+    """Where a page finds this module and Plotly.js to load Plotly before its first chart.
+
+    For `gradflow.ui.board`: a queued page near the front of the queue
+    loads Plotly.js through `preloadPlotly` of the same module (one copy per
+    page: the browser imports a module URL once), so that evaluating it is
+    not what stands between its run's first or last step and the page
+    showing it.
+
+    Returns:
+        A dict of `folder` (relative to the app's root) and the `module`,
+        `plotly` and `plotly_gz` file names in it, or None where live charts
+        are not available.
+    """
+    if not available():
+        return None
+    names = _asset_names(tuple(sorted((_Assets.versions or {}).items())))
+    return {"folder": static_url() + "/", **names}
+
+
+@functools.cache
+def _component(versions):
+    names = _asset_names(versions)
     return st.components.v2.component(
         "gradflow.live_chart",
         js=_LOADER
         % {
             "root": APP_ROOT_JS,
             "folder": repr(static_url() + "/"),
-            "module": url("live_chart.js"),
-            "plotly": url("plotly.min.js"),
-            "plotly_gz": url("plotly.min.js.gz"),
+            "module": repr(names["module"]),
+            "plotly": repr(names["plotly"]),
+            "plotly_gz": repr(names["plotly_gz"]),
         },
         # In the page's DOM, not a shadow root: Plotly puts its CSS in the
         # document's head, and tests find the chart as `.js-plotly-plot`.
