@@ -247,6 +247,29 @@ def test_masked_sequences_equal_a_tape(front, recurrent):
     assert monitor.events.empty
 
 
+def test_a_layer_reading_mostly_padding_is_not_called_saturated():
+    # Sequences padded to 40 steps, 1 to 3 tokens long: the embedding's output
+    # gradient is exactly 0 at the padded steps, so its mean |gradient| is
+    # about 20 times below the unpadded entries'. Read as the LSTM's input
+    # gradient, that was a 120-fold "shrink" through the LSTM: "saturated".
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, VOCABULARY, size=(16, 40)).astype("int32")
+    x[np.arange(40) >= rng.integers(1, 4, size=16)[:, None]] = 0
+    y = rng.normal(size=(16, 1)).astype("float32")
+    model = masked_model("embedding", "lstm")
+    monitor = monitored_fit(model, x, y, "mse", epochs=2)
+    assert "saturation" not in set(monitor.events["kind"])
+    # The LSTM's input is compared with nothing, as a global pool's is.
+    assert monitor.history.attrs["layer_inputs"] == {
+        "front": None,
+        "recurrent": None,
+        "out": "recurrent",
+    }
+    shot = gradflow.snapshot(model, x[:BATCH], y[:BATCH])
+    assert shot.layer_inputs["recurrent"] is None
+    assert "saturation" not in set(gradflow.diagnose(shot)["kind"])
+
+
 def alternating_sum(y):
     signs = np.where(np.arange(y.shape[-1]) % 2 == 0, 1.0, -1.0).astype("float32")
     return tf.reduce_sum(y * signs)
