@@ -147,7 +147,7 @@ def two_headed_forward(model, x, y, tape):
 
 
 def two_headed_settings(form):
-    """compile() arguments and targets: a loss, a weight and a metric per output."""
+    """compile() arguments: a loss, a loss weight and a metric per output."""
     if form == "list":
         return {
             "loss": ["mse", "sparse_categorical_crossentropy"],
@@ -334,6 +334,15 @@ def endless_batches(x, y):
             yield x[start : start + BATCH], y[start : start + BATCH]
 
 
+def unpadded(x, y):
+    """The token sequences of `x` cut to their own lengths, one sample at a time."""
+    lengths = (x != 0).sum(axis=1)
+    return tf.data.Dataset.from_generator(
+        lambda: ((x[i, : lengths[i]], y[i]) for i in range(len(x))),
+        output_signature=(tf.TensorSpec([None], tf.int32), tf.TensorSpec([1], tf.float32)),
+    )
+
+
 def token_pipeline(source, x, y):
     """(fit's data arguments, the batches the fit trains on in order)."""
     in_order = [(x[s : s + BATCH], y[s : s + BATCH]) for s in range(0, len(x), BATCH)]
@@ -348,13 +357,7 @@ def token_pipeline(source, x, y):
         # The second epoch goes on where the first left the generator.
         settings = {"steps_per_epoch": 2, "epochs": 2}
         return {"x": endless_batches(x, y)} | settings, in_order + in_order[:1]
-    # Sequences of their own length, padded to each batch's longest.
-    lengths = (x != 0).sum(axis=1)
-    dataset = tf.data.Dataset.from_generator(
-        lambda: ((x[i, : lengths[i]], y[i]) for i in range(len(x))),
-        output_signature=(tf.TensorSpec([None], tf.int32), tf.TensorSpec([1], tf.float32)),
-    )
-    dataset = dataset.padded_batch(BATCH)
+    dataset = unpadded(x, y).padded_batch(BATCH)  # to each batch's longest sequence
     batches = [(bx.numpy(), by.numpy()) for bx, by in dataset]
     return {"x": dataset.repeat(), "steps_per_epoch": 3, "epochs": 2}, batches * 2
 
@@ -395,13 +398,8 @@ def test_every_input_pipeline_numbers_its_steps_one_by_one_and_equals_a_tape(sou
 @pytest.mark.parametrize("one_length", [False, True], ids=["each_batchs_longest", "padded_shapes"])
 def test_padded_batches_record_through_time_when_they_share_one_length(one_length):
     x, y = padded_tokens(24)
-    lengths = (x != 0).sum(axis=1)
-    dataset = tf.data.Dataset.from_generator(
-        lambda: ((x[i, : lengths[i]], y[i]) for i in range(len(x))),
-        output_signature=(tf.TensorSpec([None], tf.int32), tf.TensorSpec([1], tf.float32)),
-    )
     shapes = ([LENGTH], [1]) if one_length else None
-    dataset = dataset.padded_batch(BATCH, padded_shapes=shapes).repeat()
+    dataset = unpadded(x, y).padded_batch(BATCH, padded_shapes=shapes).repeat()
     model = masked_model("embedding", "lstm")
     model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss="mse")
     monitor = gradflow.GradientMonitor(through_time=True)
