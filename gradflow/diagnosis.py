@@ -856,7 +856,9 @@ def diagnose(layer_stats, thresholds=None, layer_inputs=None):
             the layer whose output it takes as input, or None where the two
             are not compared: not a recorded layer, or a layer without
             weights whose output holds another number of entries (pooling,
-            where the mean |gradient| changes with the count alone).
+            where the mean |gradient| changes with the count alone), or a
+            layer whose input comes with a Keras mask (exact zeros at the
+            padded time steps, their share alone shrinking the mean).
             `GradientMonitor` records it in the run's config
             (`run_layer_inputs`) and in `.history.attrs["layer_inputs"]`.
             The saturation rule compares a layer's output gradient with its

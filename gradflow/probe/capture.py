@@ -13,6 +13,7 @@ import contextlib
 import math
 
 import keras
+from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from tensorflow.python.eager import record
 
@@ -135,6 +136,12 @@ class LayerOutputs:
             the recorded input it takes (pooling, global pooling): its mean
             |gradient| then changes with the count alone, 784-fold through
             a global average pool over 28x28, which is no saturation.
+        masked: For each call, whether the recorded input it takes comes with
+            a Keras mask (`Embedding(mask_zero=True)`, `Masking`): that
+            input's gradient is exactly 0 at the padded time steps, so its
+            mean |gradient| shrinks with the share of padding alone. An
+            LSTM over sequences padded to 40 steps, most of them 1-3 tokens
+            long, was called saturated (a 120-fold "shrink").
         untaped: For each call, whether it ran where the block's tape did not
             record (inside `keras.remat` or `tf.recompute_grad`, which run the
             forward pass with the tape stopped and again in the backward
@@ -150,6 +157,7 @@ class LayerOutputs:
         self.others = []
         self.fed_by = []
         self.spreads = []
+        self.masked = []
         self.untaped = []
         self._calls = {}
         self._made_by = {}  # each key (`_keys`) of a recorded first output -> its call's path
@@ -171,6 +179,11 @@ class LayerOutputs:
         self.spreads.append(
             taken is not None and not layer.weights and _resizes(layer, taken, flat[0])
         )
+        kwargs = inputs[1] if len(inputs) == 2 and isinstance(inputs[1], dict) else {}
+        self.masked.append(
+            taken is not None
+            and (kwargs.get("mask") is not None or get_keras_mask(taken) is not None)
+        )
         for key in _keys(flat[0]):
             self._made_by[key] = self.paths[-1]
         self.layers.append(layer)
@@ -180,9 +193,11 @@ class LayerOutputs:
         self.others.append([t for t in flat[1:] if _is_float(t)])
 
     def compared_inputs(self):
-        """`fed_by`, with None where the call `spreads`: the saturation rule's pairs."""
+        """`fed_by`, with None where the call `spreads` or reads a `masked` input:
+        the saturation rule's pairs."""
         return [
-            None if spreads else fed for fed, spreads in zip(self.fed_by, self.spreads, strict=True)
+            None if spreads or masked else fed
+            for fed, spreads, masked in zip(self.fed_by, self.spreads, self.masked, strict=True)
         ]
 
     def __len__(self):
