@@ -222,8 +222,14 @@ def available():
     return bool(st.get_option("server.enableStaticServing")) and not _Assets.failed
 
 
-def _asset_names(versions):
-    """The served names of the module and Plotly.js, with their versions, relative to `static_url()`."""
+def _served_versions():
+    """This server's published file versions, as the hashable key `_component` is cached by."""
+    return tuple(sorted((_Assets.versions or {}).items()))
+
+
+def _assets(versions):
+    """Where the module and Plotly.js are served: `folder` (relative to the app's root) and the
+    `module`, `plotly` and `plotly_gz` file names in it, with their versions."""
 
     def name_of(name):
         # Without a publish_assets call (a page run on its own, as in AppTest)
@@ -232,6 +238,7 @@ def _asset_names(versions):
         return name + (f"?v={version}" if version else "")
 
     return {
+        "folder": static_url() + "/",
         "module": name_of("live_chart.js"),
         "plotly": name_of("plotly.min.js"),
         "plotly_gz": name_of("plotly.min.js.gz"),
@@ -248,29 +255,17 @@ def preload_assets():
     showing it.
 
     Returns:
-        A dict of `folder` (relative to the app's root) and the `module`,
-        `plotly` and `plotly_gz` file names in it, or None where live charts
-        are not available.
+        `_assets` of this server, or None where live charts are not available.
     """
-    if not available():
-        return None
-    names = _asset_names(tuple(sorted((_Assets.versions or {}).items())))
-    return {"folder": static_url() + "/", **names}
+    return _assets(_served_versions()) if available() else None
 
 
 @functools.cache
 def _component(versions):
-    names = _asset_names(versions)
+    quoted = {name: repr(value) for name, value in _assets(versions).items()}
     return st.components.v2.component(
         "gradflow.live_chart",
-        js=_LOADER
-        % {
-            "root": APP_ROOT_JS,
-            "folder": repr(static_url() + "/"),
-            "module": repr(names["module"]),
-            "plotly": repr(names["plotly"]),
-            "plotly_gz": repr(names["plotly_gz"]),
-        },
+        js=_LOADER % {"root": APP_ROOT_JS, **quoted},
         # In the page's DOM, not a shadow root: Plotly puts its CSS in the
         # document's head, and tests find the chart as `.js-plotly-plot`.
         isolate_styles=False,
@@ -307,8 +302,7 @@ def show_live_chart(chart, key, exports=True, run=None):
     config = plotly_config(chart, key, run, base=_CONFIG)
     update, sent = figure_update(chart.figure, st.session_state.get(sent_key), config=config)
     update["key"] = key
-    versions = tuple(sorted((_Assets.versions or {}).items()))
-    _component(versions)(
+    _component(_served_versions())(
         key=f"{key}.plot",
         data=update,
         on_resend_change=functools.partial(forget, key),
