@@ -1,9 +1,13 @@
 """Differential fuzzing: `snapshot`, `GradientLog` and `chain_gradients` against a plain tape.
 
-Hypothesis draws a small model (Sequential or Functional MLP, a tiny CNN,
-SimpleRNN/GRU/LSTM on floats or on an Embedding with or without
-`mask_zero`, a residual `Add`, a layer called twice, Layer- or
-BatchNormalization), a loss, a batch and gradflow's options; the reference
+Hypothesis draws a small model (Sequential or Functional MLP, a Sequential
+block nested in a Functional model, a tiny CNN, SimpleRNN/GRU/LSTM on floats
+or on an Embedding with or without `mask_zero`, a residual `Add`, a layer
+called twice, Layer- or BatchNormalization, an L2 regularizer), a loss, a
+batch and each API's options (`snapshot`'s switches and a `GradientProbe`
+reused across batch sizes; `GradientLog`'s `every`, update ratio,
+histograms, `summarize`, sample weights, optimizer and a frozen layer;
+`chain_gradients`' parts, a part used twice and both methods); the reference
 is written here: the model's layers called one by one on an eager
 `tf.GradientTape`, the loss's formula written out, the statistics in NumPy
 float64 with the definitions of `gradflow.schema`. Nothing in the reference
