@@ -140,6 +140,29 @@ def test_a_saturated_sigmoid_head_gets_the_gradients_of_its_loss(method):
     assert np.abs(result[1][0].numpy()).max() == pytest.approx(20.0)
 
 
+def test_the_last_part_of_a_masked_sequence_receives_the_gradient_of_the_masked_loss():
+    """`upstream[-1]` through the loss's formula keeps the output's mask (padded steps 0)."""
+    keras.utils.set_random_seed(0)
+    body = keras.Sequential(
+        [
+            keras.Input((5,), dtype="int32"),
+            keras.layers.Embedding(6, 3, mask_zero=True),
+            keras.layers.LSTM(4, return_sequences=True),
+        ]
+    )
+    head = keras.layers.Dense(2)
+    x = np.array([[1, 2, 3, 0, 0], [4, 5, 0, 0, 0], [1, 1, 1, 1, 1]], np.int32)
+    y = np.random.default_rng(0).normal(size=(3, 5, 2)).astype(np.float32)
+    loss = keras.losses.MeanSquaredError()
+    result = gradflow.chain_gradients([body, head], x, y, loss=loss)
+    with tf.GradientTape() as tape:
+        y_pred = head(body(x))
+        value = loss(y, y_pred)
+    expected = tape.gradient(value, y_pred)
+    assert np.mean(expected.numpy() == 0) == pytest.approx(5 / 15)  # the padded steps
+    assert_float32_close(result.upstream[-1], expected)
+
+
 def test_the_jacobian_way_says_it_needs_one_tensor_per_part():
     """A part that hands over a tuple failed with "'tuple' object has no attribute 'shape'"."""
     inputs = keras.Input((3,))

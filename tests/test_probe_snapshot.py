@@ -285,6 +285,36 @@ def test_snapshot_matches_plain_tape(build):
     np.testing.assert_array_equal(counts, sizes)
 
 
+def masked_sequence_model():
+    """Token ids with padding (0) into an LSTM whose every step has an output and a target."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(6, 3, mask_zero=True, name="embed")(tokens)
+    h = keras.layers.LSTM(4, return_sequences=True, name="lstm")(h)
+    model = keras.Model(tokens, keras.layers.Dense(2, name="out")(h))
+    x = np.array([[1, 2, 3, 0, 0], [4, 5, 0, 0, 0], [1, 1, 1, 1, 1]], np.int32)
+    y = np.random.default_rng(0).normal(size=(3, 5, 2)).astype(np.float32)
+    return model, x, y
+
+
+def test_the_output_row_of_a_masked_sequence_is_the_gradient_of_the_masked_loss():
+    """The copy of the output values keeps the mask the loss weighs the steps by.
+
+    Without it the output row was the gradient of the unmasked loss: nonzero at
+    the padded steps (zero_fraction 0), and a third smaller in max_abs.
+    """
+    model, x, y = masked_sequence_model()
+    loss = keras.losses.MeanSquaredError()
+    shot = gradflow.snapshot(model, x, y, loss=loss, sensitivity=False)
+    with tf.GradientTape() as tape:
+        y_pred = model(x)
+        value = loss(y, y_pred)
+    expected = tape.gradient(value, y_pred).numpy()
+    assert shot.loss == pytest.approx(float(value), rel=RTOL)
+    assert np.mean(expected == 0) == pytest.approx(5 / 15)  # the padded steps
+    assert_statistics(shot.activations[shot.activations["layer"] == "out"], [expected], "out")
+
+
 def test_layer_index_follows_leaf_order_for_weights_and_activations():
     model, x, y, loss, _ = nested_model()
     shot = gradflow.snapshot(model, x, y, loss=loss)
