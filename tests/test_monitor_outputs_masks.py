@@ -270,6 +270,44 @@ def test_a_layer_reading_mostly_padding_is_not_called_saturated():
     assert "saturation" not in set(gradflow.diagnose(shot)["kind"])
 
 
+def per_step_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((LENGTH,), dtype="int32")
+    sequence = keras.layers.Embedding(VOCABULARY, 3, mask_zero=True, name="front")(inputs)
+    states = keras.layers.LSTM(4, return_sequences=True, name="recurrent")(sequence)
+    return keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid", name="out")(states))
+
+
+def test_a_per_step_output_of_a_masked_sequence_records_the_gradient_of_the_masked_loss():
+    # A sigmoid output's cross-entropy reads its logits, so the monitor takes
+    # dLoss/d(output) from the loss on a copy of the output; that copy lost the
+    # Keras mask, and the row was the unmasked loss's gradient: nonzero at the
+    # padded steps, and of another size at the others (snapshot and
+    # chain_gradients had the same fault: tests/test_probe_snapshot.py).
+    x, _ = padded_tokens(n=BATCH)
+    y = np.random.default_rng(2).integers(0, 2, size=(BATCH, LENGTH, 1)).astype("float32")
+    monitor = monitored_fit(per_step_model(), x, y, "binary_crossentropy")
+
+    reference = per_step_model()
+    mask = tf.constant(x != 0, tf.float32)
+    with tf.GradientTape() as tape:
+        probabilities = tf.identity(reference(x, training=True))  # no logits, no mask
+        tape.watch(probabilities)
+        per_step = keras.losses.binary_crossentropy(y, probabilities)  # (batch, time)
+        loss = tf.reduce_sum(per_step * mask) / tf.reduce_sum(mask)  # padded steps weigh nothing
+    expected = numpy_stats(tape.gradient(loss, probabilities))
+
+    np.testing.assert_allclose(
+        monitor.metrics.query("step == 1 and name == 'loss'")["value"], float(loss), rtol=1e-5
+    )
+    history = monitor.history
+    row = history[(history["step"] == 1) & (history["layer"] == "out")]
+    row = row[row["tensor"] == schema.ACTIVATION].iloc[0]
+    assert expected["zero_fraction"] == pytest.approx(float(np.mean(x == 0)))
+    for column, value in expected.items():
+        assert row[column] == pytest.approx(value, rel=1e-4, abs=1e-9), column
+
+
 def alternating_sum(y):
     signs = np.where(np.arange(y.shape[-1]) % 2 == 0, 1.0, -1.0).astype("float32")
     return tf.reduce_sum(y * signs)

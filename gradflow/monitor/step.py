@@ -29,7 +29,7 @@ from gradflow import schema
 from gradflow.checks import warn_user
 from gradflow.monitor import deferred, through_time, trace_gradients
 from gradflow.monitor.buffer import STEP_METRICS, RingBuffer, pad_rows, replica_counter
-from gradflow.probe.capture import reached_outputs, record_layer_outputs
+from gradflow.probe.capture import output_values, reached_outputs, record_layer_outputs
 from gradflow.probe.naming import layer_order, split_overwritten, variable_names
 from gradflow.probe.sensitivity import carried_state
 from gradflow.statistics import (
@@ -1154,7 +1154,8 @@ def _fill_output_gradients(gradients, start, activations, batch, plan):
     x, y, y_pred, sample_weight = batch
     flat = tree.flatten(y_pred)
     with tf.GradientTape() as tape:
-        copies = [tf.identity(t) for t in flat]
+        # With their Keras masks: a loss weighs a sequence's steps by it.
+        copies = [output_values(t) for t in flat]
         tape.watch(copies)
         loss = model._compute_loss(
             x=x,

@@ -13,7 +13,8 @@ import contextlib
 import math
 
 import keras
-from keras.src.backend.common.masking import get_keras_mask
+import tensorflow as tf
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from tensorflow.python.eager import record
 
@@ -371,3 +372,18 @@ def ensure_built(model, x):
     """
     if not model.built:
         model(x, training=False)
+
+
+def output_values(output):
+    """A copy of a model output's values, for dLoss/d(output) through the loss's formula.
+
+    The copy keeps the output's Keras mask: a Keras loss weighs the time steps
+    by it (`Embedding(mask_zero=True)` into an LSTM with `return_sequences=True`),
+    and without it the copy's gradient was that of the unmasked loss, nonzero at
+    the padded steps and of another size.
+    """
+    copy = tf.identity(output)
+    mask = get_keras_mask(output)
+    if mask is not None:
+        set_keras_mask(copy, mask)
+    return copy

@@ -36,7 +36,7 @@ import tensorflow as tf
 from gradflow.checks import check_backend, flag, legacy_keras_words, positive_int
 from gradflow.probe import capture
 from gradflow.probe.sensitivity import restored_state, to_tensors
-from gradflow.probe.snapshot import check_batch_sizes, output_values, resolve_loss
+from gradflow.probe.snapshot import check_batch_sizes, resolve_loss
 
 METHODS = ("vjp", "jacobian")
 
@@ -182,7 +182,7 @@ class ChainedBackprop:
             loss = tf.reduce_mean(tf.cast(self.loss_fn(y, y_pred), tf.float32))
             # dLoss/d(prediction) as a function of the prediction's values
             # (Keras may read a sigmoid/softmax's logits, bypassing y_pred).
-            shown = output_values(y_pred)
+            shown = capture.output_values(y_pred)
             shown_loss = tf.reduce_mean(tf.cast(self.loss_fn(y, shown), tf.float32))
         return tape, y_pred, loss, shown, shown_loss
 

@@ -24,7 +24,6 @@ import keras
 import numpy as np
 import pandas as pd
 import tensorflow as tf
-from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
 from gradflow import schema
 from gradflow.checks import check_backend, check_not_legacy, flag
@@ -279,21 +278,6 @@ def _per_sample_words(shape):
     return f"samples of shape {shape}"
 
 
-def output_values(output):
-    """A copy of a model output's values, for dLoss/d(output) through the loss's formula.
-
-    The copy keeps the output's Keras mask: a Keras loss weighs the time steps
-    by it (`Embedding(mask_zero=True)` into an LSTM with `return_sequences=True`),
-    and without it the copy's gradient was that of the unmasked loss, nonzero at
-    the padded steps and of another size.
-    """
-    copy = tf.identity(output)
-    mask = get_keras_mask(output)
-    if mask is not None:
-        set_keras_mask(copy, mask)
-    return copy
-
-
 def _mean_loss(loss_fn, y, y_pred):
     if isinstance(y_pred, (dict, list, tuple)) and len(y_pred) == 1:
         # One output in a dict or list (`{"logits": ...}`): its loss reads the tensor.
@@ -370,7 +354,7 @@ class GradientProbe:
             # directly (for stability), which leaves the output tensor itself
             # off the gradient path. The same loss on a copy of the output
             # values gives dLoss/d(output) as a student would define it.
-            shown = [output_values(t) for t in tf.nest.flatten(y_pred)]
+            shown = [capture.output_values(t) for t in tf.nest.flatten(y_pred)]
             shown_loss = _mean_loss(self.loss_fn, y, tf.nest.pack_sequence_as(y_pred, shown))
         # Compute gradients
         # Not float8's scales and amax histories, whose "gradient" is a new value.
