@@ -16,8 +16,8 @@ Nadam, AdamW, with clipvalue, clipnorm, global_clipnorm or none, gradient
 accumulation, EMA (with or without overwriting), a decaying learning rate; a
 MaxNorm constraint; `every`, activation rows, histograms, rows through time,
 `keep_steps`, `stop_on_nonfinite` (on healthy runs), steps per execution, a
-smaller last batch, sample weights, one monitor over two fits, and reads of
-the ring after every execution or only at the end.
+smaller last batch, sample weights, validation data, one monitor over two
+fits, and reads of the ring after every execution or only at the end.
 
 The CI runs 20 derandomized examples; a longer campaign draws afresh:
 
@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradflow import schema
-from gradflow.monitor import GradientMonitor, callback, deferred
+from gradflow.monitor import GradientMonitor, buffer, callback, deferred
 
 EXAMPLES = int(os.environ.get("GRADFLOW_FUZZ_EXAMPLES", "20"))
 # A campaign may draw afresh each run; the CI's examples are always the same.
@@ -77,6 +77,7 @@ class Config:
     through_time: bool  # recurrent models only
     fits: int  # one monitor over this many `fit` calls of `epochs` each
     keep_steps: object  # None or an int
+    validation: bool  # validation data: the first samples again
     seed: int
 
 
@@ -120,6 +121,7 @@ def configs(draw):
         through_time=architecture == "rnn" and draw(st.booleans()),
         fits=draw(st.sampled_from([1, 1, 2])),
         keep_steps=draw(st.sampled_from([None, None, None, 0, 1, 3])),
+        validation=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -127,6 +129,7 @@ def configs(draw):
 # --- the models ----------------------------------------------------------------
 
 FEATURES, CLASSES, TIME = 3, 3, 4
+VALIDATION = 4  # samples
 
 
 def input_shape(config):
@@ -206,18 +209,18 @@ def build_model(config):
     return keras.Sequential([inputs, *layers], name=config.architecture)
 
 
-def forward(model, config, x):
-    """The model's output and {layer name: output}, called layer by layer with training on."""
+def forward(model, config, x, training=True):
+    """The model's output and {layer name: output}, called layer by layer."""
     h = x
     outputs = {}
     if config.architecture == "residual":
-        a = model.get_layer("a")(h, training=True)
-        b = model.get_layer("b")(a, training=True)
-        joined = model.get_layer("add")([a, b], training=True)
-        y = model.get_layer("head")(joined, training=True)
+        a = model.get_layer("a")(h, training=training)
+        b = model.get_layer("b")(a, training=training)
+        joined = model.get_layer("add")([a, b], training=training)
+        y = model.get_layer("head")(joined, training=training)
         return y, {"a": a, "b": b, "add": joined, "head": y}
     for layer in model.layers:
-        h = layer(h, training=True)
+        h = layer(h, training=training)
         outputs[layer.name] = h
     return h, outputs
 
@@ -417,10 +420,13 @@ def reference_run(model, config, x, y, sample_weight):
                 metrics[(step, "global_norm_clipped")] = np.sqrt(sum(norm(g) ** 2 for g in clipped))
                 # Not a recorded metric: the norm before clipping, for `clipped`.
                 metrics[(step, "_before_clipping")] = np.sqrt(sum(norm(g) ** 2 for g in mean))
+        if config.validation:  # Keras validates at the epoch's end, on the first samples
+            prediction, _ = forward(model, config, tf.constant(x[:VALIDATION]), training=False)
+            metrics[(step, "val_loss")] = float(loss_fn(y[:VALIDATION], prediction))
     optimizer.finalize_variable_values(variables)
     for v in variables:
         v.constraint = constraints[id(v)]
-    return rows, metrics, histograms, step
+    return rows, metrics, histograms, list(outputs)
 
 
 def copy_of(model):
@@ -517,11 +523,13 @@ def check(config):
                 sample_weight=weights,
                 batch_size=config.batch_size,
                 epochs=config.epochs,
+                validation_data=(x[:VALIDATION], y[:VALIDATION]) if config.validation else None,
                 shuffle=False,
                 verbose=0,
                 callbacks=[monitor],
             )
-    rows, metrics, histograms, total = reference_run(reference, config, x, y, weights)
+    rows, metrics, histograms, order = reference_run(reference, config, x, y, weights)
+    total = max(key[0] for key in rows)
     path = "deferred" if monitor._plan.deferred else "in-step"
     what = f"{config} ({path} path)"
 
@@ -547,13 +555,25 @@ def check(config):
         kind = (key[0], kind_of(key))
         scales[kind] = max(scales.get(kind, 0.0), row["l2_norm"])
     for key, record in zip(keys, history.to_dict("records"), strict=True):
+        # Layers are numbered in the order the forward pass calls them; time steps in time.
+        index = (
+            int(key[1][5:]) if kind_of(key) == schema.TIME_STEP else order.index(record["layer"])
+        )
+        assert record["layer_index"] == index, f"{what} step {key[0]} {key[1]} layer_index"
         scale = scales[(key[0], kind_of(key))]
         assert_row_close(record, rows[key], scale, f"{what} step {key[0]} {key[1]}")
 
-    if steps:
-        assert sorted(monitor.metrics["step"].unique()) == steps, what
+    step_metrics = monitor.metrics[monitor.metrics["name"].isin(buffer.STEP_METRICS)]
+    assert sorted(step_metrics["step"].unique()) == steps, what
     recorded = monitor.metrics.set_index(["step", "name"])["value"]
     for (step, name), value in metrics.items():
+        if name == "val_loss":
+            # At an epoch's last step, recorded or not; with `keep_steps`,
+            # from the first step kept on.
+            if config.keep_steps is None or (steps and step >= steps[0]):
+                got = float(recorded[(step, name)])
+                assert abs(got - value) <= 1e-6 + RTOL * abs(value), f"{what} {step} val_loss"
+            continue
         if step in steps and not name.startswith("_"):
             if np.isnan(value):  # no clipping at a batch that only accumulates
                 assert np.isnan(recorded.get((step, name), np.nan)), f"{what} step {step} {name}"
@@ -566,9 +586,8 @@ def check(config):
         if not config.clip:
             continue
         shrunk = metrics[(step, "global_norm_clipped")] / metrics[(step, "_before_clipping")]
-        if (
-            abs(shrunk - 1) > 1e-4
-        ):  # NaN too, where nothing was clipped  # not on the edge, where float32 decides
+        # Not on the edge, where float32 decides; nor NaN, where nothing was clipped.
+        if abs(shrunk - 1) > 1e-4:
             assert recorded[(step, "clipped")] == float(shrunk < 1), f"{what} step {step} clipped"
 
     if config.histograms:
