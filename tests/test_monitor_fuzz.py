@@ -17,13 +17,20 @@ accumulation, EMA (with or without overwriting), a decaying learning rate; a
 MaxNorm constraint; `every`, activation rows, histograms, rows through time,
 `keep_steps`, `stop_on_nonfinite` (on healthy runs), steps per execution, a
 smaller last batch, sample weights, validation data, one monitor over two
-fits, and reads of the ring after every execution or only at the end.
+fits, reads of the ring after every execution or only at the end, and a
+ring of two executions (not grown) that wraps around between reads.
 
-The CI runs 20 derandomized examples; a longer campaign draws afresh:
+A second test draws runs that go non-finite: an MLP with a `BlowUp` layer
+whose gradient turns inf or NaN at a drawn step, with and without
+`stop_on_nonfinite`; the reported step and origin layer, the rows before it
+and the weights left by the halt are held to the tape loop's.
+
+The CI runs 20 derandomized examples (10 of the non-finite runs); a longer campaign draws afresh:
 
     GRADFLOW_FUZZ_EXAMPLES=300 GRADFLOW_FUZZ_RANDOM=1 python -m pytest tests/test_monitor_fuzz.py
 """
 
+import contextlib
 import dataclasses
 import os
 from unittest import mock
@@ -78,7 +85,9 @@ class Config:
     fits: int  # one monitor over this many `fit` calls of `epochs` each
     keep_steps: object  # None or an int
     validation: bool  # validation data: the first samples again
+    small_ring: bool  # a ring of 2 executions, never grown: it wraps around mid-fit
     seed: int
+    blow_up: object = None  # (position in the MLP, step, "inf" or "nan"): see `nonfinite_configs`
 
 
 @st.composite
@@ -122,13 +131,51 @@ def configs(draw):
         fits=draw(st.sampled_from([1, 1, 2])),
         keep_steps=draw(st.sampled_from([None, None, None, 0, 1, 3])),
         validation=draw(st.booleans()),
+        small_ring=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )
 
 
 # --- the models ----------------------------------------------------------------
 
+
+@keras.saving.register_keras_serializable("gradflow_fuzz")
+class BlowUp(keras.layers.Layer):
+    """Scales its input by a weight; its gradients turn inf or NaN on a big input.
+
+    Past |input| > `BIG / 10` the backward pass multiplies by inf (or NaN):
+    the first non-finite gradient is its own weight's, and it flows down to
+    the layers below it while those above it stay finite.
+    """
+
+    def __init__(self, kind="inf", **kwargs):
+        super().__init__(**kwargs)
+        self.kind = kind
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="scale")
+
+    def call(self, x):
+        bad = np.inf if self.kind == "inf" else np.nan
+
+        @tf.custom_gradient
+        def scaled(x, scale):
+            factor = tf.where(tf.reduce_max(tf.abs(x)) > BIG / 10, bad, 1.0)
+
+            def grad(upstream):
+                return upstream * scale * factor, tf.reduce_sum(upstream * x, 0) * factor
+
+            return x * scale, grad
+
+        # A tensor, not the variable: eager custom gradients refuse variables.
+        return scaled(x, tf.convert_to_tensor(self.scale))
+
+    def get_config(self):
+        return super().get_config() | {"kind": self.kind}
+
+
 FEATURES, CLASSES, TIME = 3, 3, 4
+BIG = 1e4  # the inputs of the batch that blows up (see `BlowUp`)
 VALIDATION = 4  # samples
 
 
@@ -176,6 +223,9 @@ def build_model(config):
                 layers.append(keras.layers.BatchNormalization(name="bn"))
             if i == 0 and config.dropout:
                 layers.append(keras.layers.Dropout(0.3, seed=7, name="drop"))
+        if config.blow_up is not None:
+            position, _, kind = config.blow_up
+            layers.insert(position, BlowUp(kind, name="blowup"))
     elif config.architecture == "conv":
         layers.append(
             keras.layers.Conv2D(
@@ -232,6 +282,9 @@ def make_data(config):
         y = rng.integers(0, CLASSES, size=(config.samples,)).astype("int32")
     else:
         y = rng.normal(size=(config.samples, 1)).astype("float32")
+    if config.blow_up is not None:
+        _, step, _ = config.blow_up
+        x[(step - 1) * config.batch_size : step * config.batch_size] *= BIG
     weights = None
     if config.sample_weights:
         weights = rng.uniform(0.2, 2.0, size=(config.samples,)).astype("float32")
@@ -495,27 +548,19 @@ def expected_path(config, model):
     return eligible
 
 
-def check(config):
-    model = build_model(config)
-    reference = copy_of(model)
-    x, y, weights = make_data(config)
-    model.compile(
-        optimizer=make_optimizer(config),
-        loss=make_loss(config),
-        steps_per_execution=config.steps_per_execution,
-    )
-    monitor = GradientMonitor(
-        every=config.every,
-        activations=config.activations,
-        histograms=config.histograms,
-        stop_on_nonfinite=config.stop_on_nonfinite,
-        through_time=config.through_time,
-        keep_steps=config.keep_steps,
-    )
+def fit_monitored(model, config, monitor, x, y, weights):
+    """`config.fits` fits of `model` with `monitor`, reading its ring as drawn."""
     # How often the callback reads the ring is timed; read after every
     # execution, the steps of one fit reach `.history` in many pieces.
     interval = 0.0 if config.read_every_execution else callback._READ_INTERVAL_S
-    with mock.patch.object(callback, "_READ_INTERVAL_S", interval):
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(callback, "_READ_INTERVAL_S", interval))
+        if config.small_ring:
+            # A ring of 2 executions' steps (the callback reads it when full),
+            # not grown by the deferred path: runs of up to 12 steps wrap
+            # around it and reuse its slots between reads.
+            patches.enter_context(mock.patch.object(callback, "_EXECUTIONS_PER_READ", 2))
+            patches.enter_context(mock.patch.object(deferred, "_MAX_GROWTH", 1))
         for _ in range(config.fits):  # a second fit numbers its steps on
             model.fit(
                 x,
@@ -528,20 +573,11 @@ def check(config):
                 verbose=0,
                 callbacks=[monitor],
             )
-    rows, metrics, histograms, order = reference_run(reference, config, x, y, weights)
-    total = max(key[0] for key in rows)
-    path = "deferred" if monitor._plan.deferred else "in-step"
-    what = f"{config} ({path} path)"
+    return monitor
 
-    expected = expected_path(config, model)
-    if expected is not None:
-        assert monitor._plan.deferred is expected, what
-    steps = recorded_steps(config, total)
-    if config.keep_steps is not None:  # only the last ones stay in memory
-        steps = steps[len(steps) - min(config.keep_steps, len(steps)) :]
-    history = monitor.history
-    assert sorted(history["step"].unique()) == steps, what
 
+def compare_rows(config, history, rows, steps, order, what):
+    """`history` (its rows of `steps`) against the reference's rows; returns their keys and scales."""
     # Every row the reference has on a recorded step, and no other.
     keys = [row_key(r) for r in history.itertuples(index=False)]
     expected_keys = [
@@ -562,6 +598,44 @@ def check(config):
         assert record["layer_index"] == index, f"{what} step {key[0]} {key[1]} layer_index"
         scale = scales[(key[0], kind_of(key))]
         assert_row_close(record, rows[key], scale, f"{what} step {key[0]} {key[1]}")
+    return keys, scales
+
+
+def check(config):
+    model = build_model(config)
+    reference = copy_of(model)
+    x, y, weights = make_data(config)
+    model.compile(
+        optimizer=make_optimizer(config),
+        loss=make_loss(config),
+        steps_per_execution=config.steps_per_execution,
+    )
+    monitor = GradientMonitor(
+        every=config.every,
+        activations=config.activations,
+        histograms=config.histograms,
+        stop_on_nonfinite=config.stop_on_nonfinite,
+        through_time=config.through_time,
+        keep_steps=config.keep_steps,
+    )
+    fit_monitored(model, config, monitor, x, y, weights)
+    rows, metrics, histograms, order = reference_run(reference, config, x, y, weights)
+    total = max(key[0] for key in rows)
+    path = "deferred" if monitor._plan.deferred else "in-step"
+    what = f"{config} ({path} path)"
+
+    expected = expected_path(config, model)
+    if expected is not None:
+        assert monitor._plan.deferred is expected, what
+    steps = recorded_steps(config, total)
+    if config.keep_steps is not None:  # only the last ones stay in memory
+        steps = steps[len(steps) - min(config.keep_steps, len(steps)) :]
+    if config.small_ring:
+        assert monitor._plan.capacity == 2 * config.steps_per_execution, what
+    history = monitor.history
+    assert sorted(history["step"].unique()) == steps, what
+
+    keys, scales = compare_rows(config, history, rows, steps, order, what)
 
     step_metrics = monitor.metrics[monitor.metrics["name"].isin(buffer.STEP_METRICS)]
     assert sorted(step_metrics["step"].unique()) == steps, what
@@ -642,3 +716,111 @@ def kind_of(key):
 @given(configs())
 def test_any_combination_of_options_matches_a_tape_loop(config):
     check(config)
+
+
+# --- runs that go non-finite -------------------------------------------------------
+
+
+@st.composite
+def nonfinite_configs(draw):
+    """An MLP with a `BlowUp` layer at a drawn depth, whose gradients blow up at a drawn step.
+
+    No BatchNormalization, Dropout or squashing activation (they would keep
+    the big batch from `BlowUp`), no EMA or accumulation (the weights "before
+    the step" are then the applied ones) and one fit without validation.
+    """
+    config = draw(configs())
+    batches = config.samples // config.batch_size  # whole batches of the first epoch
+    return dataclasses.replace(
+        config,
+        architecture="mlp",
+        activation="linear",
+        batch_norm=False,
+        dropout=False,
+        accumulate=None,
+        ema=None,
+        through_time=False,
+        fits=1,
+        keep_steps=None,
+        validation=False,
+        blow_up=(
+            draw(st.integers(0, config.depth)),
+            draw(st.integers(1, batches)),
+            draw(st.sampled_from(["inf", "nan"])),
+        ),
+    )
+
+
+def reference_until(model, config, x, y, weights, steps):
+    """`reference_run` over the first `steps` batches of the first epoch."""
+    end = steps * config.batch_size
+    short = dataclasses.replace(config, samples=end, epochs=1)
+    return reference_run(model, short, x[:end], y[:end], None if weights is None else weights[:end])
+
+
+def check_nonfinite(config):
+    model = build_model(config)
+    reference, before = copy_of(model), copy_of(model)
+    x, y, weights = make_data(config)
+    model.compile(
+        optimizer=make_optimizer(config),
+        loss=make_loss(config),
+        steps_per_execution=config.steps_per_execution,
+    )
+    monitor = GradientMonitor(
+        every=config.every,
+        activations=config.activations,
+        histograms=config.histograms,
+        stop_on_nonfinite=config.stop_on_nonfinite,
+    )
+    with np.errstate(invalid="ignore", over="ignore"):
+        fit_monitored(model, config, monitor, x, y, weights)
+        bad = config.blow_up[1]
+        rows, _, _, order = reference_until(reference, config, x, y, weights, bad)
+    if bad > 1:
+        reference_until(before, config, x, y, weights, bad - 1)
+    what = f"{config} ({'deferred' if monitor._plan.deferred else 'in-step'} path)"
+
+    # The reference's first non-finite step is the one built to blow up, and
+    # its origin the layer nearest the loss with a non-finite gradient there
+    # (an output row counts only where the monitor records output rows).
+    broken = [
+        key
+        for key, row in rows.items()
+        if row["nonfinite"] > 0 and (config.activations or kind_of(key) != schema.ACTIVATION)
+    ]
+    assert min(key[0] for key in broken) == bad, what
+    owner = {v.path: layer.name for layer in reference.layers for v in layer.trainable_variables}
+    layers = [owner.get(key[1], key[1]) for key in broken if key[0] == bad]
+    origin = max(layers, key=order.index)
+    events = monitor.events.query("kind == 'nonfinite'")
+    if config.stop_on_nonfinite or bad % config.every == 0:
+        assert events[["step", "layer"]].values.tolist() == [[bad, origin]], what
+    else:  # unrecorded: the first recorded step after it, by then all NaN, is named
+        assert all(events["step"] > bad), what
+
+    # The steps before it are recorded as the reference has them.
+    history = monitor.history
+    steps = recorded_steps(config, bad - 1)
+    earlier = history[history["step"] < bad].reset_index(drop=True)
+    compare_rows(config, earlier, rows, steps, order, what)
+    if not config.stop_on_nonfinite:
+        return
+    # Halted at that step (recorded whatever `every`), its update not applied.
+    assert history["step"].max() == bad, what
+    assert sorted(history["step"].unique()) == [*steps, bad], what
+    for v, a, b in zip(model.weights, model.get_weights(), before.get_weights(), strict=True):
+        assert np.isfinite(a).all(), f"{what}: {v.path} is not finite"
+        assert norm(a - b) <= 1e-5 + 1e-3 * norm(b), f"{what}: {v.path} differs"
+
+
+@settings(
+    max_examples=max(1, EXAMPLES // 2),
+    deadline=None,
+    derandomize=DERANDOMIZE,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+@given(nonfinite_configs())
+def test_a_run_that_goes_nonfinite_is_reported_and_halted_where_a_tape_loop_breaks(config):
+    check_nonfinite(config)
