@@ -143,7 +143,11 @@ class GradientMonitor(keras.callbacks.Callback):
     computed inside its `train_step`, as in a GAN) needs `probe_loss`.
 
     Args:
-        every: Record every `every` optimizer steps. Defaults to 1.
+        every: Record every `every` optimizer steps. Defaults to 1. With
+            `every > 1`, a step whose gradient first goes NaN or Inf is
+            recorded off that grid only with `stop_on_nonfinite=True`, which
+            checks every step; otherwise the NaN is found at the next
+            recorded step, where it may already have spread to every layer.
         activations: Also record dLoss/d(output of each layer), from the same
             backward pass. Defaults to `False`.
         histograms: Also count log10|g| histograms (fixed bins of
