@@ -601,16 +601,14 @@ def compare_rows(config, history, rows, steps, order, what):
     return keys, scales
 
 
-def check(config):
-    model = build_model(config)
-    reference = copy_of(model)
-    x, y, weights = make_data(config)
+def compiled_with_monitor(model, config):
+    """Compile `model` as `config` says; return the `GradientMonitor` it draws."""
     model.compile(
         optimizer=make_optimizer(config),
         loss=make_loss(config),
         steps_per_execution=config.steps_per_execution,
     )
-    monitor = GradientMonitor(
+    return GradientMonitor(
         every=config.every,
         activations=config.activations,
         histograms=config.histograms,
@@ -618,6 +616,13 @@ def check(config):
         through_time=config.through_time,
         keep_steps=config.keep_steps,
     )
+
+
+def check(config):
+    model = build_model(config)
+    reference = copy_of(model)
+    x, y, weights = make_data(config)
+    monitor = compiled_with_monitor(model, config)
     fit_monitored(model, config, monitor, x, y, weights)
     rows, metrics, histograms, order = reference_run(reference, config, x, y, weights)
     total = max(key[0] for key in rows)
@@ -762,17 +767,7 @@ def check_nonfinite(config):
     model = build_model(config)
     reference, before = copy_of(model), copy_of(model)
     x, y, weights = make_data(config)
-    model.compile(
-        optimizer=make_optimizer(config),
-        loss=make_loss(config),
-        steps_per_execution=config.steps_per_execution,
-    )
-    monitor = GradientMonitor(
-        every=config.every,
-        activations=config.activations,
-        histograms=config.histograms,
-        stop_on_nonfinite=config.stop_on_nonfinite,
-    )
+    monitor = compiled_with_monitor(model, config)  # no through_time, no keep_steps
     with np.errstate(invalid="ignore", over="ignore"):
         fit_monitored(model, config, monitor, x, y, weights)
         bad = config.blow_up[1]
